@@ -1,0 +1,39 @@
+# The two commands the README starts with: `make demo` and `make test`.
+# Each creates its own virtual environment (.venv) on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+
+.PHONY: demo test unit lint typecheck proto-check docs-check bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+demo: $(STAMP)
+	$(BIN)/pdctl demo
+
+test: $(STAMP) lint typecheck proto-check docs-check unit
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check controller tests scripts
+	$(BIN)/lint-imports
+
+typecheck: $(STAMP)
+	$(BIN)/mypy controller
+
+proto-check: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH bash scripts/check_generated.sh
+
+docs-check: $(STAMP)
+	$(BIN)/python -m controller.config --reference | diff -u docs/config-reference.md - \
+		|| (echo "docs/config-reference.md is stale: run 'python -m controller.config --reference > docs/config-reference.md'"; exit 1)
+
+clean:
+	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,35 @@
+"""``pdctl``: the command line. Each command family lives in its own module below."""
+
+from __future__ import annotations
+
+import importlib
+
+from controller.cli._app import app
+
+# Command modules register themselves on import. Heavy imports stay inside the commands so
+# `pdctl --help` is fast.
+_COMMAND_MODULES = (
+    "config_cmd",
+    "table_cmd",
+    "agent_cmd",
+    "push_cmd",
+    "bench_decide",
+    "bench_fanout",
+    "demo_cmd",
+    "sim_cmd",
+    "bench_run",
+)
+
+for _name in _COMMAND_MODULES:
+    try:
+        importlib.import_module(f"controller.cli.{_name}")
+    except ModuleNotFoundError as e:  # a family not built yet in this checkout
+        if e.name != f"controller.cli.{_name}":
+            raise
+
+
+def main() -> None:
+    app()
+
+
+__all__ = ["app", "main"]

@@ -1,0 +1,248 @@
+"""Typed configuration: one object, grouped by concern.
+
+Sources, highest first: explicit arguments > environment (``PDCTL_SECTION__KEY``) > the TOML
+file > defaults. The seed PPD deployment file operators already write (``[ppd]``,
+``[prefill_pool]``, ``[decode_pool]``, ``[kv_transfer]``, ``[metrics]``) is read as it is;
+pd-controller adds its own sections. Unknown keys are errors that name the key.
+
+``python -m controller.config --reference`` writes ``docs/config-reference.md`` from these
+models (CI checks the committed file is current).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from controller.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PpdConfig(_Section):
+    """The seed PPD section, as operators already write it."""
+
+    enabled: bool = Field(True, description="Use PPD routing at all (false: classic P/D).")
+    first_turn_route: Literal["prefill", "decode"] = Field(
+        "prefill", description="Where turn 1 (no cached context) goes."
+    )
+    append_prefill_route: Literal["prefill", "decode", "dynamic"] = Field(
+        "dynamic",
+        description='Later turns: "prefill" = classic P/D (x=0), "decode" = all local (x=1), '
+        '"dynamic" = the lookup table.',
+    )
+    wtft: float = Field(1.0, ge=0, description="TTFT weight; larger leans to decode-local.")
+    wtpot: float = Field(1.0, ge=0, description="TPOT weight; larger leans to prefill-node.")
+    pin_weights: bool = Field(
+        False, description="Keep wtft/wtpot as configured instead of tuning them."
+    )
+    lookup_table: Path | None = Field(
+        None, description="JSON lookup-table file (policy format, schema_version 1)."
+    )
+    decision_timeout_ms: float = Field(
+        1.0, gt=0, description="A slower decision falls back to the default route and is counted."
+    )
+    bypass_append_tokens: int = Field(
+        0, ge=0, description="Appends strictly shorter than this run decode-local (0 = off)."
+    )
+
+
+class PoolConfig(_Section):
+    nodes: list[str] = Field(default_factory=list, description="Worker addresses HOST:PORT.")
+    max_concurrent: int = Field(8, ge=1, description="Concurrent requests per worker.")
+    local_append_prefill: bool = Field(
+        True, description="Decode workers may run append-prefill locally (decode pool only)."
+    )
+
+
+class KvTransferConfig(_Section):
+    protocol: Literal["nccl", "rdma", "nixl", "tcp"] = Field("nccl", description="KV link kind.")
+    timeout_s: float = Field(30.0, gt=0, description="KV transfer timeout.")
+    max_queue: int = Field(64, ge=1, description="Pending transfers per link.")
+
+
+class MetricsConfig(_Section):
+    enable: bool = Field(True, description="Export metrics.")
+    export_interval_s: float = Field(5.0, gt=0, description="Export interval.")
+    listen: str = Field("127.0.0.1:9464", description="HOST:PORT of the /metrics endpoint.")
+
+
+class SloConfig(_Section):
+    ttft_s: float = Field(2.0, gt=0, description="Time-to-first-token SLO (seconds).")
+    tpot_s: float = Field(0.1, gt=0, description="Time-per-output-token SLO (seconds).")
+
+
+class RoutersConfig(_Section):
+    targets: list[str] = Field(
+        default_factory=list, description="Router agents' gRPC addresses HOST:PORT (static list)."
+    )
+
+
+class SecurityConfig(_Section):
+    tls_cert: Path | None = Field(None, description="PEM certificate of this side.")
+    tls_key: Path | None = Field(None, description="PEM private key of this side.")
+    tls_ca: Path | None = Field(
+        None, description="PEM CA bundle: verifies the peer (server: requires client certs)."
+    )
+    token: SecretStr | None = Field(
+        None, description="Bearer token (prefer PDCTL_SECURITY__TOKEN or token_file)."
+    )
+    token_file: Path | None = Field(None, description="File holding the bearer token.")
+    server_name: str | None = Field(
+        None, description="Override the TLS server name checked on the router's certificate."
+    )
+
+    def bearer_token(self) -> str | None:
+        if self.token is not None:
+            return self.token.get_secret_value()
+        if self.token_file is not None:
+            return self.token_file.read_text(encoding="utf-8").strip()
+        return None
+
+    @model_validator(mode="after")
+    def _pairs(self) -> SecurityConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.token is not None and self.token_file is not None:
+            raise ValueError("give token or token_file, not both")
+        return self
+
+
+class AgentConfig(_Section):
+    listen: str = Field("127.0.0.1:50151", description="gRPC listen address of the router agent.")
+    state_file: Path | None = Field(
+        None, description="Where the applied policy is persisted (atomic write) and read on start."
+    )
+    stale_after_s: float = Field(
+        900.0, gt=0, description="Raise the staleness signal when no update came for this long."
+    )
+    metrics_listen: str | None = Field(
+        None, description="HOST:PORT for the agent's /metrics (None: not served)."
+    )
+
+
+class RolloutConfig(_Section):
+    push_deadline_s: float = Field(2.0, gt=0, description="Deadline of one ApplyPolicy call.")
+    max_attempts: int = Field(5, ge=1, description="Attempts per router and reconcile pass.")
+    backoff_initial_s: float = Field(0.05, gt=0, description="First retry delay.")
+    backoff_max_s: float = Field(5.0, gt=0, description="Largest retry delay (with full jitter).")
+    max_concurrency: int = Field(64, ge=1, description="Routers pushed to at once.")
+
+
+class ControllerConfig(_Section):
+    interval_s: float = Field(30.0, gt=0, description="Control interval (window length).")
+
+
+class Settings(BaseSettings):
+    """The whole configuration."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="PDCTL_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+    ppd: PpdConfig = Field(default_factory=PpdConfig)
+    prefill_pool: PoolConfig = Field(default_factory=PoolConfig)
+    decode_pool: PoolConfig = Field(default_factory=PoolConfig)
+    kv_transfer: KvTransferConfig = Field(default_factory=KvTransferConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    slo: SloConfig = Field(default_factory=SloConfig)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    routers: RoutersConfig = Field(default_factory=RoutersConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+
+    _toml_file: ClassVar[Path | None] = None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if cls._toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_file))
+        sources.append(file_secret_settings)
+        return tuple(sources)
+
+
+def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
+    """Load the config file (absolute or relative to the working directory).
+
+    Raises :class:`ConfigError` naming every bad key; a missing file is an error too.
+    """
+    toml: Path | None = None
+    if path is not None:
+        toml = Path(path).expanduser().resolve()
+        if not toml.is_file():
+            raise ConfigError(f"config file not found: {toml}")
+    cls = type("_LoadedSettings", (Settings,), {"_toml_file": toml})
+    try:
+        return cls(**overrides)
+    except ValidationError as e:
+        where = f" in {toml}" if toml else ""
+        raise ConfigError(f"invalid configuration{where}:\n{_format_errors(e)}") from None
+    except (OSError, ValueError) as e:  # TOML syntax errors surface as ValueError
+        raise ConfigError(f"cannot read configuration {toml}: {e}") from None
+
+
+def _format_errors(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"  - {key}: {msg}")
+    return "\n".join(lines)
+
+
+def config_reference() -> str:
+    """Markdown reference of every key: type, default, meaning."""
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated by `python -m controller.config --reference` from `controller/config.py`;"
+        " do not edit by hand.",
+        "",
+        "Every key can also be set from the environment as `PDCTL_<SECTION>__<KEY>` "
+        "(e.g. `PDCTL_SLO__TTFT_S=1.5`). Unknown keys are rejected.",
+    ]
+    for name, field in Settings.model_fields.items():
+        model = field.annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        out += ["", f"## `[{name}]`", ""]
+        if model.__doc__:
+            out += [model.__doc__.strip(), ""]
+        out += ["| key | type | default | meaning |", "|---|---|---|---|"]
+        for key, f in model.model_fields.items():
+            typ = _type_name(f.annotation)
+            default = f.default_factory() if f.default_factory else f.default  # type: ignore[call-arg]
+            out.append(f"| `{key}` | {typ} | `{default!r}` | {f.description or ''} |")
+    return "\n".join(out) + "\n"
+
+
+def _type_name(t: Any) -> str:
+    s = str(t).replace("typing.", "").replace("pathlib.", "").replace("pydantic.types.", "")
+    s = s.replace("<class '", "").replace("'>", "")
+    return s.replace("|", "\\|")
+
+
+if __name__ == "__main__":  # pragma: no cover - documentation generator
+    if sys.argv[1:] == ["--reference"]:
+        sys.stdout.write(config_reference())
+    else:
+        sys.stderr.write("usage: python -m controller.config --reference\n")
+        sys.exit(2)

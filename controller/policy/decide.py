@@ -1,0 +1,98 @@
+"""``decide()``: the routing decision a router makes for every request.
+
+Pure and allocation-light: it runs inside routers on every request (budget: a few
+microseconds). It never raises on bad input; a router must always get a route.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from bisect import bisect_left
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from controller.policy.model import Policy, Route
+
+
+class Reason(enum.StrEnum):
+    TABLE = "table"  # the cell's route
+    EXPLORE = "explore"  # the cell's other route, drawn with the cell's exploration fraction
+    FIRST_TURN = "first_turn"  # override: turn 1
+    BYPASS = "bypass"  # override: append below the bypass threshold
+    INVALID_INPUT = "invalid_input"  # NaN, infinite, negative or zero-output features
+    TIMEOUT = "timeout"  # set by the agent: the decision took longer than decision_timeout_ms
+    NO_POLICY = "no_policy"  # set by the agent: no policy loaded yet
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """What a router knows about a request when it must route it."""
+
+    turn: int
+    context_tokens: float
+    append_tokens: float
+    expected_output_tokens: float
+    qps: float
+
+    @property
+    def io_ratio(self) -> float:
+        return self.append_tokens / self.expected_output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    route: Route
+    # (context bin, io bin, qps bin) when the table was consulted, else None.
+    cell: tuple[int, int, int] | None
+    reason: Reason
+    explored: bool = False
+
+
+def bin_index(edges: tuple[float, ...], value: float) -> int:
+    """Inclusive upper edges: a value equal to an edge is in that bin; beyond the last, last."""
+    i = bisect_left(edges, value)
+    return i if i < len(edges) else len(edges) - 1
+
+
+def features_valid(f: Features) -> bool:
+    try:
+        values = (f.turn, f.context_tokens, f.append_tokens, f.expected_output_tokens, f.qps)
+        for v in values:
+            if not math.isfinite(v) or v < 0:
+                return False
+        return f.turn >= 1 and f.expected_output_tokens > 0
+    except TypeError:
+        return False
+
+
+def locate(policy: Policy, f: Features) -> tuple[int, int, int]:
+    """The table cell of valid features."""
+    axes = policy.table.axes
+    return (
+        bin_index(axes.context_tokens, f.context_tokens),
+        bin_index(axes.io_ratio, f.append_tokens / f.expected_output_tokens),
+        bin_index(axes.qps, f.qps),
+    )
+
+
+def decide(policy: Policy, f: Features, draw: Callable[[], float]) -> Decision:
+    """Route one request.
+
+    ``draw`` returns a uniform float in [0, 1); it is only called when the cell has a
+    non-zero exploration fraction, so tests can inject a deterministic source.
+    """
+    if not features_valid(f):
+        return Decision(policy.default_route, None, Reason.INVALID_INPUT)
+    if f.turn == 1:
+        return Decision(policy.overrides.first_turn_route, None, Reason.FIRST_TURN)
+    if f.append_tokens < policy.overrides.bypass_append_tokens:
+        return Decision(Route.DECODE_LOCAL, None, Reason.BYPASS)
+    cell = locate(policy, f)
+    table = policy.table
+    idx = table.axes.cell_index(*cell)
+    route = table.routes[idx]
+    expl = table.exploration[idx]
+    if expl > 0.0 and draw() < expl:
+        return Decision(route.other, cell, Reason.EXPLORE, explored=True)
+    return Decision(route, cell, Reason.TABLE)
