@@ -190,7 +190,7 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
         toml = Path(path).expanduser().resolve()
         if not toml.is_file():
             raise ConfigError(f"config file not found: {toml}")
-    cls = type("_LoadedSettings", (Settings,), {"_toml_file": toml})
+    cls: type[Settings] = type("_LoadedSettings", (Settings,), {"_toml_file": toml})
     try:
         return cls(**overrides)
     except ValidationError as e:

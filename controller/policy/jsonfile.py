@@ -34,7 +34,7 @@ from controller.policy.model import (
     Slo,
     Weights,
 )
-from controller.policy.validation import Problem, PolicyValidationError, validate_policy
+from controller.policy.validation import PolicyValidationError, Problem, validate_policy
 
 SCHEMA_VERSION = 1
 # Refuse absurd files before parsing them: 64^3 cells of ~40 bytes is ~10 MB.
@@ -198,7 +198,9 @@ def policy_from_dict(d: Any) -> Policy:
     exploration = r.numbers(top.get("exploration", [0.0] * len(routes)), "exploration")
     wd = r.obj(top.get("weights", {}), "weights", {"wtft", "wtpot"})
     sd = r.obj(top.get("slo", {}), "slo", {"ttft_s", "tpot_s"})
-    od = r.obj(top.get("overrides", {}), "overrides", {"first_turn_route", "bypass_append_tokens"})
+    od = r.obj(
+        top.get("overrides", {}), "overrides", {"first_turn_route", "bypass_append_tokens"}
+    )
     pd_ = r.obj(
         top.get("provenance", {}),
         "provenance",
@@ -207,7 +209,9 @@ def policy_from_dict(d: Any) -> Policy:
     policy = Policy(
         version=version,
         table=LookupTable(axes, routes, scores, exploration),
-        weights=Weights(r.number(wd, "wtft", "weights", 1.0), r.number(wd, "wtpot", "weights", 1.0)),
+        weights=Weights(
+            r.number(wd, "wtft", "weights", 1.0), r.number(wd, "wtpot", "weights", 1.0)
+        ),
         slo=Slo(r.number(sd, "ttft_s", "slo", None), r.number(sd, "tpot_s", "slo", None)),
         overrides=Overrides(
             r.route(od.get("first_turn_route", "PREFILL_NODE"), "overrides.first_turn_route"),

@@ -1,0 +1,104 @@
+"""Typed config: the seed PPD file is understood as is; bad keys are named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from controller.config import config_reference, load_settings
+from controller.errors import ConfigError
+
+SEED = """
+[ppd]
+enabled = true
+first_turn_route = "prefill"
+append_prefill_route = "dynamic"
+wtft = 1.5
+wtpot = 0.5
+lookup_table = "./ppd_lookup.json"
+decision_timeout_ms = 1
+[prefill_pool]
+nodes = ["127.0.0.1:8101", "127.0.0.1:8102"]
+max_concurrent = 4
+[decode_pool]
+nodes = ["127.0.0.1:8201", "127.0.0.1:8202", "127.0.0.1:8203"]
+max_concurrent = 8
+local_append_prefill = true
+[kv_transfer]
+protocol = "nccl"
+timeout_s = 30
+max_queue = 64
+[metrics]
+enable = true
+export_interval_s = 5
+[slo]
+ttft_s = 1.5
+tpot_s = 0.08
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "pd.toml"
+    p.write_text(text)
+    return p
+
+
+def test_seed_file_is_understood(tmp_path: Path) -> None:
+    s = load_settings(write(tmp_path, SEED))
+    assert s.ppd.wtft == 1.5 and s.ppd.wtpot == 0.5
+    assert s.ppd.decision_timeout_ms == 1.0
+    assert s.ppd.lookup_table == Path("./ppd_lookup.json")
+    assert s.prefill_pool.nodes == ["127.0.0.1:8101", "127.0.0.1:8102"]
+    assert s.decode_pool.max_concurrent == 8
+    assert (s.slo.ttft_s, s.slo.tpot_s) == (1.5, 0.08)
+
+
+def test_unknown_keys_are_named(tmp_path: Path) -> None:
+    bad = SEED.replace("tpot_s = 0.08", "tpot_s = 0.08\ntpoot_s = 3") + "\n[surprise]\nx = 1\n"
+    with pytest.raises(ConfigError) as e:
+        load_settings(write(tmp_path, bad))
+    msg = str(e.value)
+    assert "slo.tpoot_s: unknown key" in msg
+    assert "surprise: unknown key" in msg
+
+
+def test_bad_values_are_all_reported(tmp_path: Path) -> None:
+    bad = SEED.replace("wtft = 1.5", "wtft = -1").replace(
+        'append_prefill_route = "dynamic"', 'append_prefill_route = "sometimes"'
+    )
+    with pytest.raises(ConfigError) as e:
+        load_settings(write(tmp_path, bad))
+    assert "ppd.wtft" in str(e.value) and "ppd.append_prefill_route" in str(e.value)
+
+
+def test_environment_overrides_one_nested_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDCTL_SLO__TTFT_S", "3.5")
+    s = load_settings(write(tmp_path, SEED))
+    assert s.slo.ttft_s == 3.5 and s.slo.tpot_s == 0.08
+
+
+def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(write(tmp_path, "[ppd\nwtft = "))
+
+
+def test_secret_token_is_not_printed(tmp_path: Path) -> None:
+    s = load_settings(write(tmp_path, SEED + '\n[security]\ntoken = "hunter2"\n'))
+    assert "hunter2" not in repr(s) and "hunter2" not in str(s.security)
+    assert s.security.bearer_token() == "hunter2"
+
+
+def test_reference_lists_every_key() -> None:
+    ref = config_reference()
+    for key in ("`wtft`", "`decision_timeout_ms`", "`ttft_s`", "`tpot_s`", "`lookup_table`"):
+        assert key in ref
+
+
+def test_committed_reference_is_current() -> None:
+    doc = Path(__file__).parents[1] / "docs" / "config-reference.md"
+    assert doc.read_text() == config_reference(), "regenerate docs/config-reference.md"
