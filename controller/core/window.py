@@ -1,0 +1,458 @@
+"""The window: one control interval reduced to numbers, the unit everything downstream uses.
+
+Pure values. A source (Prometheus, direct scrape, the simulator's registries) builds a
+:class:`Window`; the store keeps it as JSON (:meth:`Window.to_dict` / :meth:`Window.from_dict`,
+lossless and NaN-free); drift, fitting and the bench read it back.
+
+Conventions:
+- a value the targets did not provide is ``None``, never a fake zero;
+- times are seconds, token and byte counts are plain numbers, rates are per second;
+- counts are ``float``: PromQL ``increase()`` extrapolates, a direct scrape gives integers;
+- a latency :class:`Summary` has the exact mean from ``_sum/_count`` and optional quantiles
+  read off histogram buckets; ``interpolated`` says the quantiles are only estimates between
+  bucket edges (e.g. vLLM's request-phase buckets start at 0.3 s).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+from controller.policy.model import Route
+
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+SCHEMA_VERSION = 1
+
+# TargetFailure.kind values the sources use (free text is allowed for new kinds).
+FAILURE_KINDS = (
+    "unreachable",  # connection refused, DNS failure
+    "timeout",
+    "http_status",  # non-2xx answer
+    "parse",  # not exposition text (truncated, HTML, garbage)
+    "duplicate_series",
+    "non_numeric",
+    "counter_reset",  # reported, the window still uses the post-reset increase
+    "missing_family",  # a family the window needs is absent
+    "query",  # a PromQL query failed
+)
+
+
+class WindowError(ValueError):
+    """A window (or its JSON form) is malformed; the message names the field."""
+
+
+def _check_number(name: str, value: float | None) -> None:
+    if value is not None and math.isnan(value):
+        raise WindowError(f"{name} is NaN: a missing value must be None")
+
+
+def _check_finite(name: str, value: float | None) -> None:
+    if value is not None and not math.isfinite(value):
+        raise WindowError(f"{name} must be finite, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """One latency (or size) distribution over the window."""
+
+    mean: float | None
+    count: float | None = None  # observations in the window (from ``_count``)
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+    interpolated: bool = False  # quantiles fall between bucket edges (estimates only)
+
+    def __post_init__(self) -> None:
+        for n in ("mean", "count", "p50", "p90", "p99"):
+            _check_finite(f"Summary.{n}", getattr(self, n))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mean": self.mean, "count": self.count, "p50": self.p50, "p90": self.p90,
+            "p99": self.p99, "interpolated": self.interpolated,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Summary:
+        return cls(
+            mean=_opt_float(d, "mean"), count=_opt_float(d, "count"), p50=_opt_float(d, "p50"),
+            p90=_opt_float(d, "p90"), p99=_opt_float(d, "p99"),
+            interpolated=bool(d.get("interpolated", False)),
+        )
+
+
+# WorkerStats fields holding a Summary, in their JSON order.
+SUMMARY_FIELDS = (
+    "ttft_s", "inter_token_s", "tpot_s", "queue_s", "prefill_s", "kv_transfer_s",
+    "kv_transfer_bytes",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One worker (engine instance) over the window."""
+
+    worker: str  # instance, e.g. ``10.0.0.5:8000``
+    role: Role
+    engine: str | None = None  # "vllm", "vllm-legacy", "sglang", ...
+    request_rate: float | None = None  # finished requests per second
+    ttft_s: Summary | None = None
+    inter_token_s: Summary | None = None
+    tpot_s: Summary | None = None  # per-request time per output token
+    queue_s: Summary | None = None
+    prefill_s: Summary | None = None
+    kv_transfer_s: Summary | None = None
+    kv_transfer_bytes: Summary | None = None
+    running: float | None = None  # requests running at the end of the window
+    waiting: float | None = None
+    kv_cache_usage: float | None = None  # 0..1
+    prompt_tokens_by_source: Mapping[str, float] | None = None  # local_compute, ...
+    generation_tokens: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise WindowError(f"worker {self.worker!r}: role must be prefill|decode")
+        for n in ("request_rate", "running", "waiting", "kv_cache_usage", "generation_tokens"):
+            _check_finite(f"{self.worker}.{n}", getattr(self, n))
+        for src, v in (self.prompt_tokens_by_source or {}).items():
+            _check_finite(f"{self.worker}.prompt_tokens_by_source[{src}]", v)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "worker": self.worker, "role": self.role, "engine": self.engine,
+            "request_rate": self.request_rate,
+        }
+        for n in SUMMARY_FIELDS:
+            s: Summary | None = getattr(self, n)
+            d[n] = None if s is None else s.to_dict()
+        d.update(
+            running=self.running, waiting=self.waiting, kv_cache_usage=self.kv_cache_usage,
+            prompt_tokens_by_source=(
+                None if self.prompt_tokens_by_source is None
+                else dict(self.prompt_tokens_by_source)
+            ),
+            generation_tokens=self.generation_tokens,
+        )
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> WorkerStats:
+        summaries = {
+            n: None if d.get(n) is None else Summary.from_dict(d[n]) for n in SUMMARY_FIELDS
+        }
+        pts = d.get("prompt_tokens_by_source")
+        return cls(
+            worker=str(d["worker"]), role=cast(Role, d["role"]), engine=d.get("engine"),
+            request_rate=_opt_float(d, "request_rate"), running=_opt_float(d, "running"),
+            waiting=_opt_float(d, "waiting"), kv_cache_usage=_opt_float(d, "kv_cache_usage"),
+            prompt_tokens_by_source=(
+                None if pts is None else {str(k): float(v) for k, v in pts.items()}
+            ),
+            generation_tokens=_opt_float(d, "generation_tokens"),
+            **summaries,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RoleStats:
+    """Aggregate of one role's answering workers (see :func:`aggregate_role`)."""
+
+    role: Role
+    workers: int  # workers that answered
+    request_rate: float | None = None  # sum over workers
+    ttft_s: float | None = None  # count-weighted means
+    inter_token_s: float | None = None
+    tpot_s: float | None = None
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    kv_transfer_s: float | None = None
+    kv_transfer_bytes: float | None = None
+    running: float | None = None  # sums
+    waiting: float | None = None
+    kv_cache_usage: float | None = None  # mean over workers
+    generation_tokens: float | None = None  # sum
+
+    def to_dict(self) -> dict[str, Any]:
+        return {n: getattr(self, n) for n in _ROLE_FIELDS}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RoleStats:
+        values = {n: _opt_float(d, n) for n in _ROLE_FIELDS[2:]}
+        return cls(role=cast(Role, d["role"]), workers=int(d["workers"]), **values)
+
+
+_ROLE_FIELDS = (
+    "role", "workers", "request_rate", *SUMMARY_FIELDS, "running", "waiting",
+    "kv_cache_usage", "generation_tokens",
+)
+
+
+def _sum(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return math.fsum(present) if present else None
+
+
+def _weighted_mean(summaries: Iterable[Summary | None]) -> float | None:
+    total = weight = 0.0
+    for s in summaries:
+        if s is None or s.mean is None or not s.count:
+            continue
+        total += s.mean * s.count
+        weight += s.count
+    return total / weight if weight > 0 else None
+
+
+def aggregate_role(role: Role, workers: Sequence[WorkerStats]) -> RoleStats:
+    """Sum rates and loads, count-weight the means; ``None`` where no worker had a value."""
+    mine = [w for w in workers if w.role == role]
+    usages = [w.kv_cache_usage for w in mine if w.kv_cache_usage is not None]
+    return RoleStats(
+        role=role,
+        workers=len(mine),
+        request_rate=_sum(w.request_rate for w in mine),
+        running=_sum(w.running for w in mine),
+        waiting=_sum(w.waiting for w in mine),
+        kv_cache_usage=(math.fsum(usages) / len(usages)) if usages else None,
+        generation_tokens=_sum(w.generation_tokens for w in mine),
+        **{n: _weighted_mean(getattr(w, n) for w in mine) for n in SUMMARY_FIELDS},
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RouteOutcome:
+    """What one router saw for one route in one (context bin, io bin) cell."""
+
+    router: str
+    route: Route
+    ctx_bin: int
+    io_bin: int
+    requests: float
+    met: float  # requests meeting both SLOs
+    ttft_sum: float
+    ttft_count: float
+    tpot_sum: float
+    tpot_count: float
+
+    def __post_init__(self) -> None:
+        for n in ("requests", "met", "ttft_sum", "ttft_count", "tpot_sum", "tpot_count"):
+            v = getattr(self, n)
+            _check_finite(f"{self.router}.{n}", v)
+            if v < 0:
+                raise WindowError(f"outcome {self.router}/{self.route.name}: {n} < 0")
+
+    @property
+    def goodput(self) -> float | None:
+        return self.met / self.requests if self.requests > 0 else None
+
+    # Outcomes are many (routers x routes x cells): stored as compact rows.
+    def to_row(self) -> list[Any]:
+        return [
+            self.router, self.route.name, self.ctx_bin, self.io_bin, self.requests, self.met,
+            self.ttft_sum, self.ttft_count, self.tpot_sum, self.tpot_count,
+        ]
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> RouteOutcome:
+        if len(row) != len(OUTCOME_COLUMNS):
+            raise WindowError(f"outcome row needs {len(OUTCOME_COLUMNS)} values, got {len(row)}")
+        return cls(
+            router=str(row[0]), route=Route[row[1]], ctx_bin=int(row[2]), io_bin=int(row[3]),
+            requests=float(row[4]), met=float(row[5]), ttft_sum=float(row[6]),
+            ttft_count=float(row[7]), tpot_sum=float(row[8]), tpot_count=float(row[9]),
+        )
+
+
+OUTCOME_COLUMNS = (
+    "router", "route", "ctx_bin", "io_bin", "requests", "met", "ttft_sum", "ttft_count",
+    "tpot_sum", "tpot_count",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """Observations per bucket: ``counts[i]`` fell in ``(edges[i-1], edges[i]]``.
+
+    Not cumulative. The last edge may be ``inf`` (Prometheus ``+Inf``).
+    """
+
+    edges: tuple[float, ...]
+    counts: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.edges) != len(self.counts):
+            raise WindowError("histogram edges and counts differ in length")
+        if any(not b > a for a, b in zip(self.edges, self.edges[1:], strict=False)):
+            raise WindowError("histogram edges must be strictly increasing")
+        for e in self.edges:
+            _check_number("histogram edge", e)
+        for c in self.counts:
+            _check_finite("histogram count", c)
+
+    @property
+    def total(self) -> float:
+        return math.fsum(self.counts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"edges": [_enc_float(e) for e in self.edges], "counts": list(self.counts)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Histogram:
+        return cls(
+            edges=tuple(_dec_float(e) for e in d["edges"]),
+            counts=tuple(float(c) for c in d["counts"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The request features the routers saw (edges do not depend on the policy)."""
+
+    context_tokens: Histogram | None = None
+    io_ratio: Histogram | None = None
+    qps_by_router: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for r, q in self.qps_by_router.items():
+            _check_finite(f"qps[{r}]", q)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "context_tokens": _hist_dict(self.context_tokens),
+            "io_ratio": _hist_dict(self.io_ratio),
+            "qps_by_router": dict(self.qps_by_router),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Workload:
+        ctx, io = d.get("context_tokens"), d.get("io_ratio")
+        return cls(
+            context_tokens=None if ctx is None else Histogram.from_dict(ctx),
+            io_ratio=None if io is None else Histogram.from_dict(io),
+            qps_by_router={str(k): float(v) for k, v in d.get("qps_by_router", {}).items()},
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TargetFailure:
+    """A worker or router that did not answer (or answered garbage) in this window."""
+
+    target: str
+    kind: str  # one of FAILURE_KINDS, or a new word
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "kind": self.kind, "message": self.message}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TargetFailure:
+        return cls(target=str(d["target"]), kind=str(d["kind"]), message=str(d["message"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One control interval ``[start, end)`` in epoch seconds."""
+
+    start: float
+    end: float
+    interval_s: float
+    workers: tuple[WorkerStats, ...] = ()
+    roles: Mapping[str, RoleStats] = field(default_factory=dict)
+    outcomes: tuple[RouteOutcome, ...] = ()
+    workload: Workload = field(default_factory=Workload)
+    answered: tuple[str, ...] = ()  # targets (workers and routers) that answered
+    failures: tuple[TargetFailure, ...] = ()
+    source: str = ""  # "prometheus", "scrape", "inprocess", ...
+
+    def __post_init__(self) -> None:
+        for n in ("start", "end", "interval_s"):
+            _check_finite(f"Window.{n}", getattr(self, n))
+        if self.end < self.start:
+            raise WindowError(f"window end {self.end} is before its start {self.start}")
+        if self.interval_s <= 0:
+            raise WindowError("Window.interval_s must be > 0")
+
+    @classmethod
+    def build(
+        cls,
+        start: float,
+        end: float,
+        interval_s: float,
+        workers: Sequence[WorkerStats] = (),
+        outcomes: Sequence[RouteOutcome] = (),
+        workload: Workload | None = None,
+        answered: Sequence[str] = (),
+        failures: Sequence[TargetFailure] = (),
+        source: str = "",
+    ) -> Window:
+        """A window with its per-role aggregates computed from ``workers``."""
+        return cls(
+            start=start, end=end, interval_s=interval_s, workers=tuple(workers),
+            roles={r: aggregate_role(r, workers) for r in ROLES},
+            outcomes=tuple(outcomes), workload=workload or Workload(),
+            answered=tuple(answered), failures=tuple(failures), source=source,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe (no NaN, no inf numbers), lossless: ``from_dict(to_dict(w)) == w``."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "start": self.start,
+            "end": self.end,
+            "interval_s": self.interval_s,
+            "source": self.source,
+            "workers": [w.to_dict() for w in self.workers],
+            "roles": {k: v.to_dict() for k, v in self.roles.items()},
+            "outcome_columns": list(OUTCOME_COLUMNS),
+            "outcomes": [o.to_row() for o in self.outcomes],
+            "workload": self.workload.to_dict(),
+            "answered": list(self.answered),
+            "failures": [f.to_dict() for f in self.failures],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Window:
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise WindowError(f"unsupported window schema_version {version!r}")
+        try:
+            return cls(
+                start=float(d["start"]), end=float(d["end"]), interval_s=float(d["interval_s"]),
+                source=str(d.get("source", "")),
+                workers=tuple(WorkerStats.from_dict(w) for w in d.get("workers", [])),
+                roles={str(k): RoleStats.from_dict(v) for k, v in d.get("roles", {}).items()},
+                outcomes=tuple(RouteOutcome.from_row(r) for r in d.get("outcomes", [])),
+                workload=Workload.from_dict(d.get("workload", {})),
+                answered=tuple(str(a) for a in d.get("answered", [])),
+                failures=tuple(TargetFailure.from_dict(f) for f in d.get("failures", [])),
+            )
+        except (KeyError, TypeError) as e:
+            raise WindowError(f"malformed window: {e!r}") from None
+
+    def workers_of(self, role: Role) -> tuple[WorkerStats, ...]:
+        return tuple(w for w in self.workers if w.role == role)
+
+
+def _hist_dict(h: Histogram | None) -> dict[str, Any] | None:
+    return None if h is None else h.to_dict()
+
+
+def _opt_float(d: Mapping[str, Any], key: str) -> float | None:
+    v = d.get(key)
+    return None if v is None else float(v)
+
+
+def _enc_float(x: float) -> float | str:
+    if math.isinf(x):
+        return "+Inf" if x > 0 else "-Inf"
+    return x
+
+
+def _dec_float(x: float | str) -> float:
+    if isinstance(x, str):
+        if x in ("+Inf", "-Inf"):
+            return math.inf if x[0] == "+" else -math.inf
+        raise WindowError(f"bad number {x!r}")
+    return float(x)

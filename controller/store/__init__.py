@@ -1,0 +1,28 @@
+"""History: SQLAlchemy models and repository functions (SQLite by default, PostgreSQL in
+production); Alembic migrations ship inside this package (``controller/store/migrations``)."""
+
+from controller.store.engine import make_engine, normalize_url
+from controller.store.records import (
+    CalibrationRecord,
+    DriftEventRecord,
+    Lease,
+    OperatorRequest,
+    PolicyRecord,
+    PushRecord,
+    RouterRecord,
+    StoredWindow,
+)
+from controller.store.repository import (
+    LEADER,
+    POLICY_TRANSITIONS,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    Tx,
+)
+
+__all__ = [
+    "LEADER", "POLICY_TRANSITIONS", "CalibrationRecord", "DriftEventRecord", "Lease",
+    "OperatorRequest", "PolicyRecord", "PushRecord", "RouterRecord", "Store", "StoreError",
+    "StoreUnavailable", "StoredWindow", "Tx", "make_engine", "normalize_url",
+]

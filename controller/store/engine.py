@@ -1,0 +1,69 @@
+"""Engines for the history store: SQLite (embedded default) and PostgreSQL (psycopg 3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy.engine import URL, Connection
+
+DEFAULT_BUSY_TIMEOUT_MS = 5000
+# Execution option asking the SQLite begin hook for BEGIN IMMEDIATE (a write transaction).
+WRITE_OPTION = "pdc_write"
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Make ``postgresql://`` explicit about psycopg 3 and SQLite file paths absolute."""
+    u = make_url(url)
+    if u.drivername in ("postgresql", "postgres"):
+        u = u.set(drivername="postgresql+psycopg")
+    db = u.database
+    if u.get_backend_name() == "sqlite" and db and db != ":memory:" and not db.startswith("file:"):
+        u = u.set(database=str(Path(db).expanduser().resolve()))
+    return u
+
+
+def make_engine(
+    url: str | URL,
+    *,
+    echo: bool = False,
+    foreign_keys: bool = True,
+    busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+) -> Engine:
+    """A sync engine with our SQLite settings: WAL, foreign keys, busy timeout, and
+    explicit ``BEGIN`` so a transaction holds from its first statement (pysqlite's own
+    handling starts it only at the first write, which would leave reads outside it).
+
+    ``foreign_keys=False`` is for migrations: batch mode recreates tables, and dropping a
+    parent table with foreign keys on would cascade into its children.
+    """
+    u = normalize_url(url)
+    kwargs: dict[str, Any] = {"echo": echo}
+    if u.get_backend_name() == "postgresql":
+        kwargs["pool_pre_ping"] = True
+    engine = create_engine(u, **kwargs)
+    if engine.dialect.name == "sqlite":
+        _install_sqlite_hooks(engine, foreign_keys=foreign_keys, busy_timeout_ms=busy_timeout_ms)
+    return engine
+
+
+def _install_sqlite_hooks(engine: Engine, *, foreign_keys: bool, busy_timeout_ms: int) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # The driver must not open transactions on its own: the begin hook does it.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        # Writers take the lock up front: a deferred transaction that read first could not
+        # upgrade to a writer once another writer committed (SQLITE_BUSY, no waiting).
+        write = conn.get_execution_options().get(WRITE_OPTION, False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")

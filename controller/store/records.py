@@ -1,0 +1,96 @@
+"""What the store hands back: plain frozen values, never live ORM objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from controller.core.window import Window
+
+
+@dataclass(frozen=True, slots=True)
+class StoredWindow:
+    id: int
+    window: Window
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyRecord:
+    version: int
+    checksum: str
+    body_json: str
+    status: str
+    reason: str
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationRecord:
+    id: int
+    created_at: datetime
+    training_window_ids: tuple[int, ...]
+    first_window_id: int | None
+    last_window_id: int | None
+    heldout_error: Any
+    predicted_goodput_new: float | None
+    predicted_goodput_current: float | None
+    policy_version: int | None
+    details: Any
+
+
+@dataclass(frozen=True, slots=True)
+class RouterRecord:
+    router_id: str
+    acked_version: int | None
+    acked_checksum: str | None
+    last_seen: datetime | None
+    last_error: str | None
+    last_error_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class DriftEventRecord:
+    id: int
+    at: datetime
+    kind: str
+    statistic: float
+    threshold: float
+    window_ids: tuple[int, ...]
+    details: Any
+
+
+@dataclass(frozen=True, slots=True)
+class PushRecord:
+    id: int
+    at: datetime
+    router_id: str
+    version: int
+    result: str
+    latency_s: float | None
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorRequest:
+    id: int
+    created_at: datetime
+    who: str
+    kind: str
+    args: Any
+    reason: str
+    status: str
+    claimed_by: str | None
+    claimed_at: datetime | None
+    outcome: str | None
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    name: str
+    holder: str | None
+    term: int  # grows with every change of holder: a fencing token
+    acquired_at: datetime | None
+    expires_at: datetime | None

@@ -1,0 +1,715 @@
+"""The history store: short repository functions over one SQL database.
+
+``with store.cycle() as tx:`` groups one control cycle's writes into ONE transaction: a crash
+(or an exception) before the block ends leaves the previous state, never half a cycle. Each
+``Store`` method of the same name runs alone in its own transaction.
+
+Time comes in as arguments (``at=``/``now=``); a missing ``at`` is read from the injected
+:class:`~controller.clock.Clock`, never from the system directly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timedelta
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+
+from sqlalchemy import (
+    ColumnElement,
+    CursorResult,
+    Select,
+    and_,
+    case,
+    delete,
+    exists,
+    func,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import URL, Engine
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.orm import InstrumentedAttribute, Session
+
+from controller.clock import Clock, WallClock
+from controller.core.window import Window
+from controller.errors import TerminalError, TransientError
+from controller.store.engine import WRITE_OPTION, make_engine, normalize_url
+from controller.store.models import (
+    POLICY_STATUSES,
+    REQUEST_KINDS,
+    Base,
+    CalibrationRow,
+    DriftEventRow,
+    LeaderLeaseRow,
+    OperatorRequestRow,
+    PolicyRow,
+    PushRow,
+    RouterDesiredRow,
+    RouterRow,
+    WindowRow,
+)
+from controller.store.records import (
+    CalibrationRecord,
+    DriftEventRecord,
+    Lease,
+    OperatorRequest,
+    PolicyRecord,
+    PushRecord,
+    RouterRecord,
+    StoredWindow,
+)
+from controller.store.types import dumps_json
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+LEADER = "leader"
+# Policy status changes that make sense; anything else is a bug in the caller.
+POLICY_TRANSITIONS: Mapping[str, frozenset[str]] = {
+    "candidate": frozenset({"approved", "rejected", "advisory"}),
+    "advisory": frozenset({"approved", "rejected"}),
+    "approved": frozenset({"rolled_back"}),
+    "rejected": frozenset(),
+    "rolled_back": frozenset(),
+}
+_CLAIM_ATTEMPTS = 8
+
+
+class StoreError(TerminalError):
+    """The store refused a write (unknown version, illegal status change, duplicate...)."""
+
+
+class StoreUnavailable(TransientError):
+    """The database could not be reached or was busy; the cycle may be retried."""
+
+
+class Tx:
+    """The repository functions, bound to one open transaction."""
+
+    def __init__(self, session: Session, clock: Clock) -> None:
+        self._s = session
+        self._clock = clock
+
+    def _at(self, at: datetime | None) -> datetime:
+        return at if at is not None else self._clock.utcnow()
+
+    def flush(self) -> None:
+        """Send pending writes to the database (still uncommitted)."""
+        self._s.flush()
+
+    # -- windows ----------------------------------------------------------------------
+
+    def add_window(self, window: Window) -> int:
+        requests = (
+            sum(o.requests for o in window.outcomes) if window.outcomes else None
+        )
+        row = WindowRow(
+            start_at=_utc(window.start), end_at=_utc(window.end), interval_s=window.interval_s,
+            source=window.source[:32], n_workers=len(window.workers),
+            n_failures=len(window.failures), requests=requests,
+            body=dumps_json(window.to_dict()),
+        )
+        self._s.add(row)
+        self._s.flush()
+        return row.id
+
+    def windows(
+        self,
+        since: datetime | None = None,
+        limit: int | None = None,
+        until: datetime | None = None,
+    ) -> list[StoredWindow]:
+        """Windows starting at or after ``since`` (and before ``until``), oldest first;
+        with ``limit``, the newest ``limit`` of them."""
+        q = select(WindowRow.id, WindowRow.body)
+        if since is not None:
+            q = q.where(WindowRow.start_at >= since)
+        if until is not None:
+            q = q.where(WindowRow.start_at < until)
+        rows = self._newest(q, WindowRow.start_at, WindowRow.id, limit)
+        return [StoredWindow(i, Window.from_dict(json.loads(b))) for i, b in rows]
+
+    def windows_by_ids(self, ids: Sequence[int]) -> list[StoredWindow]:
+        if not ids:
+            return []
+        rows = self._s.execute(
+            select(WindowRow.id, WindowRow.body)
+            .where(WindowRow.id.in_(list(ids)))
+            .order_by(WindowRow.start_at, WindowRow.id)
+        ).all()
+        return [StoredWindow(i, Window.from_dict(json.loads(b))) for i, b in rows]
+
+    def compact_windows(self, older_than: datetime) -> int:
+        """Delete windows that ended before ``older_than``; return how many.
+
+        Kept: the training windows of every approved policy's calibration (drift is measured
+        against them, and a rollback may need them). Policies, calibrations, drift events,
+        pushes and operator requests are never touched.
+        """
+        protected = exists(
+            select(CalibrationRow.id)
+            .join(PolicyRow, PolicyRow.version == CalibrationRow.policy_version)
+            .where(
+                PolicyRow.status == "approved",
+                CalibrationRow.first_window_id <= WindowRow.id,
+                CalibrationRow.last_window_id >= WindowRow.id,
+            )
+        )
+        result = self._s.execute(
+            delete(WindowRow).where(WindowRow.end_at < older_than, ~protected),
+            execution_options={"synchronize_session": False},
+        )
+        return _rowcount(result)
+
+    # -- policies ---------------------------------------------------------------------
+
+    def add_policy(
+        self,
+        version: int,
+        checksum: str,
+        body_json: str,
+        status: str = "candidate",
+        reason: str = "",
+        at: datetime | None = None,
+    ) -> PolicyRecord:
+        if status not in POLICY_STATUSES:
+            raise StoreError(f"unknown policy status {status!r}; expected one of {POLICY_STATUSES}")
+        if version < 1:
+            raise StoreError(f"policy version must be >= 1, got {version}")
+        if self._s.scalar(select(PolicyRow.id).where(PolicyRow.version == version)) is not None:
+            raise StoreError(f"policy version {version} is already stored")
+        when = self._at(at)
+        row = PolicyRow(
+            version=version, checksum=checksum, body=body_json, status=status, reason=reason,
+            created_at=when, updated_at=when,
+        )
+        self._s.add(row)
+        self._s.flush()
+        return _policy(row)
+
+    def policy(self, version: int) -> PolicyRecord | None:
+        row = self._s.scalar(select(PolicyRow).where(PolicyRow.version == version))
+        return None if row is None else _policy(row)
+
+    def policies(
+        self, since: datetime | None = None, limit: int | None = None, status: str | None = None
+    ) -> list[PolicyRecord]:
+        q = select(PolicyRow)
+        if since is not None:
+            q = q.where(PolicyRow.created_at >= since)
+        if status is not None:
+            q = q.where(PolicyRow.status == status)
+        rows = self._newest(q, PolicyRow.version, PolicyRow.id, limit)
+        return [_policy(r[0]) for r in rows]
+
+    def latest_policy(self, status: str = "approved") -> PolicyRecord | None:
+        row = self._s.scalar(
+            select(PolicyRow).where(PolicyRow.status == status)
+            .order_by(PolicyRow.version.desc()).limit(1)
+        )
+        return None if row is None else _policy(row)
+
+    def set_policy_status(
+        self, version: int, status: str, reason: str | None = None, at: datetime | None = None
+    ) -> PolicyRecord:
+        row = self._s.scalar(
+            select(PolicyRow).where(PolicyRow.version == version).with_for_update()
+        )
+        if row is None:
+            raise StoreError(f"no policy version {version}")
+        if status not in POLICY_STATUSES:
+            raise StoreError(f"unknown policy status {status!r}")
+        if status != row.status and status not in POLICY_TRANSITIONS[row.status]:
+            raise StoreError(f"policy {version}: cannot go from {row.status} to {status}")
+        row.status = status
+        if reason is not None:
+            row.reason = reason
+        row.updated_at = self._at(at)
+        self._s.flush()
+        return _policy(row)
+
+    def next_version(self) -> int:
+        """A version above every policy ever stored and every version a router acknowledged
+        (a router restored from a backup may be ahead of the store)."""
+        stored = self._s.scalar(select(func.max(PolicyRow.version))) or 0
+        acked = self._s.scalar(select(func.max(RouterRow.acked_version))) or 0
+        return max(int(stored), int(acked)) + 1
+
+    # -- desired and acknowledged versions per router ---------------------------------
+
+    def set_desired(self, router_id: str, version: int, at: datetime | None = None) -> None:
+        status = self._s.scalar(select(PolicyRow.status).where(PolicyRow.version == version))
+        if status is None:
+            raise StoreError(f"no policy version {version}")
+        if status != "approved":
+            raise StoreError(f"policy {version} is {status}: only approved policies are desired")
+        values = {"router_id": router_id, "version": version, "updated_at": self._at(at)}
+        self._upsert(RouterDesiredRow, ["router_id"], values)
+
+    def desired_versions(self) -> dict[str, int]:
+        rows = self._s.execute(select(RouterDesiredRow.router_id, RouterDesiredRow.version))
+        return {r: int(v) for r, v in rows}
+
+    def clear_desired(self, router_id: str) -> None:
+        self._s.execute(delete(RouterDesiredRow).where(RouterDesiredRow.router_id == router_id))
+
+    def record_ack(
+        self, router_id: str, version: int, checksum: str, at: datetime | None = None
+    ) -> None:
+        """The router runs ``version`` with ``checksum`` (from ApplyPolicy or GetPolicy)."""
+        values = {
+            "router_id": router_id, "acked_version": version, "acked_checksum": checksum,
+            "last_seen": self._at(at), "last_error": None,
+        }
+        self._upsert(RouterRow, ["router_id"], values)
+
+    def record_router_error(self, router_id: str, error: str, at: datetime | None = None) -> None:
+        values = {"router_id": router_id, "last_error": error, "last_error_at": self._at(at)}
+        self._upsert(RouterRow, ["router_id"], values)
+
+    def routers(self) -> list[RouterRecord]:
+        rows = self._s.scalars(select(RouterRow).order_by(RouterRow.router_id)).all()
+        return [
+            RouterRecord(
+                router_id=r.router_id, acked_version=r.acked_version,
+                acked_checksum=r.acked_checksum, last_seen=r.last_seen,
+                last_error=r.last_error, last_error_at=r.last_error_at,
+            )
+            for r in rows
+        ]
+
+    # -- pushes, drift, calibrations --------------------------------------------------
+
+    def add_push(
+        self,
+        router_id: str,
+        version: int,
+        result: str,
+        latency_s: float | None,
+        error: str | None = None,
+        at: datetime | None = None,
+    ) -> int:
+        row = PushRow(
+            at=self._at(at), router_id=router_id, version=version, result=result[:32],
+            latency_s=latency_s, error=error,
+        )
+        self._s.add(row)
+        self._s.flush()
+        return row.id
+
+    def pushes(
+        self, since: datetime | None = None, limit: int | None = None
+    ) -> list[PushRecord]:
+        q = select(PushRow)
+        if since is not None:
+            q = q.where(PushRow.at >= since)
+        return [
+            PushRecord(
+                id=r.id, at=r.at, router_id=r.router_id, version=r.version, result=r.result,
+                latency_s=r.latency_s, error=r.error,
+            )
+            for (r,) in self._newest(q, PushRow.at, PushRow.id, limit)
+        ]
+
+    def add_drift_event(
+        self,
+        kind: str,
+        statistic: float,
+        threshold: float,
+        window_ids: Sequence[int],
+        details: Mapping[str, Any] | None = None,
+        at: datetime | None = None,
+    ) -> int:
+        row = DriftEventRow(
+            at=self._at(at), kind=kind, statistic=statistic, threshold=threshold,
+            window_ids=[int(i) for i in window_ids],
+            details=None if details is None else dict(details),
+        )
+        self._s.add(row)
+        self._s.flush()
+        return row.id
+
+    def drift_events(
+        self, since: datetime | None = None, limit: int | None = None
+    ) -> list[DriftEventRecord]:
+        q = select(DriftEventRow)
+        if since is not None:
+            q = q.where(DriftEventRow.at >= since)
+        return [
+            DriftEventRecord(
+                id=r.id, at=r.at, kind=r.kind, statistic=r.statistic, threshold=r.threshold,
+                window_ids=tuple(r.window_ids), details=r.details,
+            )
+            for (r,) in self._newest(q, DriftEventRow.at, DriftEventRow.id, limit)
+        ]
+
+    def add_calibration(
+        self,
+        training_window_ids: Sequence[int],
+        heldout_error: Mapping[str, Any],
+        predicted_goodput_new: float | None,
+        predicted_goodput_current: float | None,
+        policy_version: int | None = None,
+        details: Mapping[str, Any] | None = None,
+        at: datetime | None = None,
+    ) -> int:
+        ids = sorted(int(i) for i in training_window_ids)
+        row = CalibrationRow(
+            created_at=self._at(at), training_window_ids=ids,
+            first_window_id=ids[0] if ids else None, last_window_id=ids[-1] if ids else None,
+            heldout_error=dict(heldout_error), predicted_goodput_new=predicted_goodput_new,
+            predicted_goodput_current=predicted_goodput_current, policy_version=policy_version,
+            details=None if details is None else dict(details),
+        )
+        self._s.add(row)
+        self._s.flush()
+        return row.id
+
+    def calibrations(
+        self, since: datetime | None = None, limit: int | None = None
+    ) -> list[CalibrationRecord]:
+        q = select(CalibrationRow)
+        if since is not None:
+            q = q.where(CalibrationRow.created_at >= since)
+        return [
+            _calibration(r)
+            for (r,) in self._newest(q, CalibrationRow.created_at, CalibrationRow.id, limit)
+        ]
+
+    def calibration_for(self, policy_version: int) -> CalibrationRecord | None:
+        row = self._s.scalar(
+            select(CalibrationRow).where(CalibrationRow.policy_version == policy_version)
+            .order_by(CalibrationRow.id.desc()).limit(1)
+        )
+        return None if row is None else _calibration(row)
+
+    # -- operator requests ------------------------------------------------------------
+
+    def add_request(
+        self,
+        kind: str,
+        args: Mapping[str, Any],
+        who: str,
+        reason: str = "",
+        at: datetime | None = None,
+    ) -> int:
+        if kind not in REQUEST_KINDS:
+            raise StoreError(f"unknown request kind {kind!r}; expected one of {REQUEST_KINDS}")
+        row = OperatorRequestRow(
+            created_at=self._at(at), who=who, kind=kind, args=dict(args), reason=reason,
+            status="pending",
+        )
+        self._s.add(row)
+        self._s.flush()
+        return row.id
+
+    def claim_next_request(
+        self, holder: str, at: datetime | None = None, stale_after_s: float | None = None
+    ) -> OperatorRequest | None:
+        """Claim the oldest pending request for ``holder``; exactly one claimer wins it.
+
+        With ``stale_after_s``, a request claimed that long ago and never finished (its
+        claimer died) is claimable again.
+        """
+        now = self._at(at)
+        claimable: ColumnElement[bool] = OperatorRequestRow.status == "pending"
+        if stale_after_s is not None:
+            stale = now - timedelta(seconds=stale_after_s)
+            claimable = or_(
+                claimable,
+                and_(OperatorRequestRow.status == "claimed", OperatorRequestRow.claimed_at < stale),
+            )
+        pick = (
+            select(OperatorRequestRow.id).where(claimable)
+            .order_by(OperatorRequestRow.id).limit(1)
+            .with_for_update(skip_locked=True)
+        )
+        for _ in range(_CLAIM_ATTEMPTS):
+            request_id = self._s.scalar(pick)
+            if request_id is None:
+                return None
+            won = self._s.execute(
+                update(OperatorRequestRow)
+                .where(OperatorRequestRow.id == request_id, claimable)
+                .values(status="claimed", claimed_by=holder, claimed_at=now),
+                execution_options={"synchronize_session": False},
+            )
+            if _rowcount(won) == 1:
+                return self.request(request_id)
+        return None
+
+    def finish_request(
+        self, request_id: int, outcome: str, ok: bool = True, at: datetime | None = None
+    ) -> OperatorRequest:
+        row = self._s.get(OperatorRequestRow, request_id, with_for_update=True)
+        if row is None:
+            raise StoreError(f"no operator request {request_id}")
+        if row.status in ("done", "failed"):
+            raise StoreError(f"operator request {request_id} is already {row.status}")
+        row.status = "done" if ok else "failed"
+        row.outcome = outcome
+        row.finished_at = self._at(at)
+        self._s.flush()
+        return _request(row)
+
+    def request(self, request_id: int) -> OperatorRequest | None:
+        row = self._s.get(OperatorRequestRow, request_id, populate_existing=True)
+        return None if row is None else _request(row)
+
+    def requests(
+        self, since: datetime | None = None, limit: int | None = None, status: str | None = None
+    ) -> list[OperatorRequest]:
+        q = select(OperatorRequestRow)
+        if since is not None:
+            q = q.where(OperatorRequestRow.created_at >= since)
+        if status is not None:
+            q = q.where(OperatorRequestRow.status == status)
+        rows = self._newest(q, OperatorRequestRow.created_at, OperatorRequestRow.id, limit)
+        return [_request(r) for (r,) in rows]
+
+    # -- leader lease -----------------------------------------------------------------
+
+    def try_acquire_lease(
+        self, holder: str, ttl_s: float, now: datetime, name: str = LEADER
+    ) -> Lease | None:
+        """Take the lease if it is free, expired or already ours; ``None`` if another
+        holder has it. A change of holder increments ``term``."""
+        self._s.execute(
+            self._insert(LeaderLeaseRow)
+            .values(name=name, holder=None, term=0)
+            .on_conflict_do_nothing(index_elements=["name"])
+        )
+        ours = LeaderLeaseRow.holder == holder
+        result = self._s.execute(
+            update(LeaderLeaseRow)
+            .where(
+                LeaderLeaseRow.name == name,
+                or_(ours, LeaderLeaseRow.holder.is_(None), LeaderLeaseRow.expires_at <= now),
+            )
+            .values(
+                holder=holder,
+                expires_at=now + timedelta(seconds=ttl_s),
+                term=case((ours, LeaderLeaseRow.term), else_=LeaderLeaseRow.term + 1),
+                acquired_at=case((ours, LeaderLeaseRow.acquired_at), else_=now),
+            ),
+            execution_options={"synchronize_session": False},
+        )
+        return self.lease(name) if _rowcount(result) == 1 else None
+
+    def renew_lease(
+        self, holder: str, ttl_s: float, now: datetime, name: str = LEADER
+    ) -> Lease | None:
+        """Extend our unexpired lease; ``None`` if it expired or someone else holds it."""
+        result = self._s.execute(
+            update(LeaderLeaseRow)
+            .where(
+                LeaderLeaseRow.name == name, LeaderLeaseRow.holder == holder,
+                LeaderLeaseRow.expires_at > now,
+            )
+            .values(expires_at=now + timedelta(seconds=ttl_s)),
+            execution_options={"synchronize_session": False},
+        )
+        return self.lease(name) if _rowcount(result) == 1 else None
+
+    def release_lease(self, holder: str, now: datetime, name: str = LEADER) -> bool:
+        result = self._s.execute(
+            update(LeaderLeaseRow)
+            .where(LeaderLeaseRow.name == name, LeaderLeaseRow.holder == holder)
+            .values(holder=None, expires_at=now),
+            execution_options={"synchronize_session": False},
+        )
+        return _rowcount(result) == 1
+
+    def lease(self, name: str = LEADER) -> Lease | None:
+        row = self._s.get(LeaderLeaseRow, name, populate_existing=True)
+        if row is None:
+            return None
+        return Lease(row.name, row.holder, int(row.term), row.acquired_at, row.expires_at)
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _newest(
+        self,
+        q: Select[*tuple[Any, ...]],
+        order: InstrumentedAttribute[Any],
+        tiebreak: InstrumentedAttribute[Any],
+        limit: int | None,
+    ) -> list[Any]:
+        """Rows of ``q`` oldest first; with ``limit``, only the newest ``limit``."""
+        if limit is None:
+            return list(self._s.execute(q.order_by(order, tiebreak)).all())
+        rows = self._s.execute(q.order_by(order.desc(), tiebreak.desc()).limit(limit)).all()
+        return list(reversed(rows))
+
+    def _insert(self, model: type[Base]) -> Any:
+        # Upserts are dialect-specific in SQLAlchemy; both spell ON CONFLICT the same way.
+        dialect = self._s.get_bind().dialect.name
+        return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(model)
+
+    def _upsert(self, model: type[Base], keys: list[str], values: dict[str, Any]) -> None:
+        changes = {k: v for k, v in values.items() if k not in keys}
+        stmt = self._insert(model).values(**values)
+        self._s.execute(stmt.on_conflict_do_update(index_elements=keys, set_=changes))
+
+
+def _in_own_transaction(fn: Callable[Concatenate[Tx, P], R]) -> Callable[Concatenate[Store, P], R]:
+    def run(store: Store, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with store.cycle() as tx:
+            return fn(tx, *args, **kwargs)
+
+    run.__name__ = fn.__name__
+    run.__doc__ = fn.__doc__
+    return run
+
+
+class Store:
+    """The history database. ``Store("sqlite:///pd.db")`` or ``postgresql+psycopg://...``.
+
+    The schema is managed by Alembic (``pdctl db upgrade`` / :meth:`upgrade`).
+    """
+
+    def __init__(
+        self,
+        url: str | URL,
+        clock: Clock | None = None,
+        *,
+        echo: bool = False,
+        busy_timeout_ms: int = 5000,
+    ) -> None:
+        self.url = normalize_url(url)
+        self.clock: Clock = clock or WallClock()
+        self.engine: Engine = make_engine(self.url, echo=echo, busy_timeout_ms=busy_timeout_ms)
+        self._writer = self.engine.execution_options(**{WRITE_OPTION: True})
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def upgrade(self, revision: str = "head") -> None:
+        from controller.store import migrate
+
+        migrate.upgrade(self.url, revision)
+        self.engine.dispose()  # pooled connections predate the schema change
+
+    def require_schema(self) -> None:
+        """Raise :class:`StoreError` unless the database is at the code's migration head."""
+        from controller.store import migrate
+
+        try:
+            current = migrate.current_revision(self.url)
+        except DBAPIError as e:
+            raise StoreUnavailable(f"cannot reach {self.safe_url}: {e.orig}") from None
+        head = migrate.head_revision()
+        if current != head:
+            raise StoreError(
+                f"database {self.safe_url} is at revision {current or 'none'}, this version "
+                f"needs {head}: run `pdctl db upgrade`"
+            )
+
+    @property
+    def safe_url(self) -> str:
+        return self.url.render_as_string(hide_password=True)
+
+    @contextmanager
+    def cycle(self) -> Iterator[Tx]:
+        """One transaction for one control cycle's writes: all of them or none."""
+        with self._session(self._writer) as tx:
+            yield tx
+
+    @contextmanager
+    def read(self) -> Iterator[Tx]:
+        """A read transaction (a consistent snapshot; does not block writers)."""
+        with self._session(self.engine) as tx:
+            yield tx
+
+    @contextmanager
+    def _session(self, bind: Engine) -> Iterator[Tx]:
+        try:
+            with Session(bind, expire_on_commit=False) as session, session.begin():
+                yield Tx(session, self.clock)
+        except IntegrityError as e:
+            raise StoreError(f"refused by the database: {e.orig}") from e
+        except OperationalError as e:
+            raise StoreUnavailable(f"database error on {self.safe_url}: {e.orig}") from e
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    add_window = _in_own_transaction(Tx.add_window)
+    windows = _in_own_transaction(Tx.windows)
+    windows_by_ids = _in_own_transaction(Tx.windows_by_ids)
+    compact_windows = _in_own_transaction(Tx.compact_windows)
+    add_policy = _in_own_transaction(Tx.add_policy)
+    policy = _in_own_transaction(Tx.policy)
+    policies = _in_own_transaction(Tx.policies)
+    latest_policy = _in_own_transaction(Tx.latest_policy)
+    set_policy_status = _in_own_transaction(Tx.set_policy_status)
+    next_version = _in_own_transaction(Tx.next_version)
+    set_desired = _in_own_transaction(Tx.set_desired)
+    desired_versions = _in_own_transaction(Tx.desired_versions)
+    clear_desired = _in_own_transaction(Tx.clear_desired)
+    record_ack = _in_own_transaction(Tx.record_ack)
+    record_router_error = _in_own_transaction(Tx.record_router_error)
+    routers = _in_own_transaction(Tx.routers)
+    add_push = _in_own_transaction(Tx.add_push)
+    pushes = _in_own_transaction(Tx.pushes)
+    add_drift_event = _in_own_transaction(Tx.add_drift_event)
+    drift_events = _in_own_transaction(Tx.drift_events)
+    add_calibration = _in_own_transaction(Tx.add_calibration)
+    calibrations = _in_own_transaction(Tx.calibrations)
+    calibration_for = _in_own_transaction(Tx.calibration_for)
+    add_request = _in_own_transaction(Tx.add_request)
+    claim_next_request = _in_own_transaction(Tx.claim_next_request)
+    finish_request = _in_own_transaction(Tx.finish_request)
+    request = _in_own_transaction(Tx.request)
+    requests = _in_own_transaction(Tx.requests)
+    try_acquire_lease = _in_own_transaction(Tx.try_acquire_lease)
+    renew_lease = _in_own_transaction(Tx.renew_lease)
+    release_lease = _in_own_transaction(Tx.release_lease)
+    lease = _in_own_transaction(Tx.lease)
+
+
+def _utc(epoch_s: float) -> datetime:
+    from datetime import UTC
+
+    return datetime.fromtimestamp(epoch_s, tz=UTC)
+
+
+def _rowcount(result: Any) -> int:
+    return int(cast(CursorResult[Any], result).rowcount)
+
+
+def _policy(r: PolicyRow) -> PolicyRecord:
+    return PolicyRecord(
+        version=int(r.version), checksum=r.checksum, body_json=r.body, status=r.status,
+        reason=r.reason, created_at=r.created_at, updated_at=r.updated_at,
+    )
+
+
+def _calibration(r: CalibrationRow) -> CalibrationRecord:
+    return CalibrationRecord(
+        id=r.id, created_at=r.created_at, training_window_ids=tuple(r.training_window_ids),
+        first_window_id=r.first_window_id, last_window_id=r.last_window_id,
+        heldout_error=r.heldout_error, predicted_goodput_new=r.predicted_goodput_new,
+        predicted_goodput_current=r.predicted_goodput_current,
+        policy_version=None if r.policy_version is None else int(r.policy_version),
+        details=r.details,
+    )
+
+
+def _request(r: OperatorRequestRow) -> OperatorRequest:
+    return OperatorRequest(
+        id=r.id, created_at=r.created_at, who=r.who, kind=r.kind, args=r.args, reason=r.reason,
+        status=r.status, claimed_by=r.claimed_by, claimed_at=r.claimed_at, outcome=r.outcome,
+        finished_at=r.finished_at,
+    )
