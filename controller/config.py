@@ -15,7 +15,15 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -144,6 +152,36 @@ class ControllerConfig(_Section):
     interval_s: float = Field(30.0, gt=0, description="Control interval (window length).")
 
 
+class StoreConfig(_Section):
+    """The history database (SQLite embedded default, PostgreSQL in production)."""
+
+    url: str = Field(
+        "sqlite:///./pd-controller.db",
+        description="SQLAlchemy URL: sqlite:///PATH (relative paths resolve against the working "
+        "directory at load time) or postgresql+psycopg://USER@HOST:PORT/DB.",
+        validate_default=True,
+    )
+    retention_days: float = Field(
+        30.0, gt=0, description="Windows older than this are compacted (policies, events and "
+        "requests are kept).",
+    )
+    echo: bool = Field(False, description="Log every SQL statement (debugging).")
+    busy_timeout_ms: int = Field(
+        5000, ge=0, description="SQLite: wait this long for a lock before failing."
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _absolute_sqlite_path(cls, v: str) -> str:
+        prefix = "sqlite:///"
+        if not v.startswith(prefix):
+            return v
+        path, sep, query = v[len(prefix) :].partition("?")
+        if not path or path.startswith(("/", ":memory:", "file:")):
+            return v
+        return f"{prefix}{Path(path).expanduser().resolve()}{sep}{query}"
+
+
 class Settings(BaseSettings):
     """The whole configuration."""
 
@@ -161,6 +199,7 @@ class Settings(BaseSettings):
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
 
     _toml_file: ClassVar[Path | None] = None
 
