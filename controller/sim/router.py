@@ -1,0 +1,56 @@
+"""The simulated router: session affinity, features as a real router computes them, and
+every decision through the policy issue's :class:`RouterAgent`.
+
+Features (DESIGN §2): ``context_tokens`` = prompt tokens the session's decode worker holds
+(its prefix-cache hit for this prompt), ``append_tokens`` = prompt - that,
+``expected_output_tokens`` = the request's ``max_tokens`` (never the true output length),
+``qps`` = this router's arrival rate over a sliding window.
+"""
+
+from __future__ import annotations
+
+import random
+
+from controller.clock import Clock
+from controller.policy import Decision, Features, Policy
+from controller.rollout.agent import RouterAgent
+from controller.rollout.qps import QpsMeter
+
+
+class SimRouter:
+    def __init__(
+        self,
+        index: int,
+        clock: Clock,
+        policy: Policy | None,
+        *,
+        seed: int,
+        qps_window_s: float = 10.0,
+    ) -> None:
+        self.index = index
+        self.router_id = f"sim-router-{index}"
+        self.agent = RouterAgent(
+            router_id=self.router_id,
+            clock=clock,
+            draw=random.Random(seed).random,
+            initial_policy=policy,
+        )
+        self.qps = QpsMeter(clock, window_s=qps_window_s)
+        self.decisions = 0
+
+    def decide(self, turn: int, context_tokens: int, prompt_tokens: int,
+               max_tokens: int) -> tuple[Features, Decision]:
+        self.qps.note_arrival()
+        features = Features(
+            turn=turn,
+            context_tokens=float(context_tokens),
+            append_tokens=float(prompt_tokens - context_tokens),
+            expected_output_tokens=float(max_tokens),
+            qps=self.qps.rate(),
+        )
+        self.decisions += 1
+        return features, self.agent.decide(features)
+
+    def observe(self, decision: Decision, ttft_s: float, tpot_s: float | None,
+                features: Features) -> str:
+        return self.agent.observe(decision, ttft_s, tpot_s, features)
