@@ -26,23 +26,23 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from controller._proto.pdcontrol.v1 import policy_pb2 as pdcontrol_dot_v1_dot_policy__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(pdcontrol/v1/router_policy_service.proto\x12\x0cpdcontrol.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19pdcontrol/v1/policy.proto\"L\n\x12\x41pplyPolicyRequest\x12$\n\x06policy\x18\x01 \x01(\x0b\x32\x14.pdcontrol.v1.Policy\x12\x10\n\x08rollback\x18\x02 \x01(\x08\"|\n\x13\x41pplyPolicyResponse\x12\x17\n\x0f\x61pplied_version\x18\x01 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12)\n\x06result\x18\x03 \x01(\x0e\x32\x19.pdcontrol.v1.ApplyResult\x12\x0f\n\x07message\x18\x04 \x01(\t\"\x12\n\x10GetPolicyRequest\"\x8c\x01\n\x11GetPolicyResponse\x12$\n\x06policy\x18\x01 \x01(\x0b\x32\x14.pdcontrol.v1.Policy\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12.\n\napplied_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xca\x01\n\x0b\x41pplyResult\x12\x1c\n\x18\x41PPLY_RESULT_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41PPLY_RESULT_APPLIED\x10\x01\x12\x15\n\x11\x41PPLY_RESULT_NOOP\x10\x02\x12\x19\n\x15\x41PPLY_RESULT_CONFLICT\x10\x03\x12\x16\n\x12\x41PPLY_RESULT_STALE\x10\x04\x12\x18\n\x14\x41PPLY_RESULT_INVALID\x10\x05\x12\x1f\n\x1b\x41PPLY_RESULT_PERSIST_FAILED\x10\x06\x32\xb7\x01\n\x13RouterPolicyService\x12R\n\x0b\x41pplyPolicy\x12 .pdcontrol.v1.ApplyPolicyRequest\x1a!.pdcontrol.v1.ApplyPolicyResponse\x12L\n\tGetPolicy\x12\x1e.pdcontrol.v1.GetPolicyRequest\x1a\x1f.pdcontrol.v1.GetPolicyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(pdcontrol/v1/router_policy_service.proto\x12\x0cpdcontrol.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19pdcontrol/v1/policy.proto\"L\n\x12\x41pplyPolicyRequest\x12$\n\x06policy\x18\x01 \x01(\x0b\x32\x14.pdcontrol.v1.Policy\x12\x10\n\x08rollback\x18\x02 \x01(\x08\"|\n\x13\x41pplyPolicyResponse\x12\x17\n\x0f\x61pplied_version\x18\x01 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12)\n\x06result\x18\x03 \x01(\x0e\x32\x19.pdcontrol.v1.ApplyResult\x12\x0f\n\x07message\x18\x04 \x01(\t\"\'\n\x10GetPolicyRequest\x12\x13\n\x0bomit_policy\x18\x01 \x01(\x08\"\x8c\x01\n\x11GetPolicyResponse\x12$\n\x06policy\x18\x01 \x01(\x0b\x32\x14.pdcontrol.v1.Policy\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12.\n\napplied_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xca\x01\n\x0b\x41pplyResult\x12\x1c\n\x18\x41PPLY_RESULT_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41PPLY_RESULT_APPLIED\x10\x01\x12\x15\n\x11\x41PPLY_RESULT_NOOP\x10\x02\x12\x19\n\x15\x41PPLY_RESULT_CONFLICT\x10\x03\x12\x16\n\x12\x41PPLY_RESULT_STALE\x10\x04\x12\x18\n\x14\x41PPLY_RESULT_INVALID\x10\x05\x12\x1f\n\x1b\x41PPLY_RESULT_PERSIST_FAILED\x10\x06\x32\xb7\x01\n\x13RouterPolicyService\x12R\n\x0b\x41pplyPolicy\x12 .pdcontrol.v1.ApplyPolicyRequest\x1a!.pdcontrol.v1.ApplyPolicyResponse\x12L\n\tGetPolicy\x12\x1e.pdcontrol.v1.GetPolicyRequest\x1a\x1f.pdcontrol.v1.GetPolicyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'controller._proto.pdcontrol.v1.router_policy_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_APPLYRESULT']._serialized_start=486
-  _globals['_APPLYRESULT']._serialized_end=688
+  _globals['_APPLYRESULT']._serialized_start=507
+  _globals['_APPLYRESULT']._serialized_end=709
   _globals['_APPLYPOLICYREQUEST']._serialized_start=118
   _globals['_APPLYPOLICYREQUEST']._serialized_end=194
   _globals['_APPLYPOLICYRESPONSE']._serialized_start=196
   _globals['_APPLYPOLICYRESPONSE']._serialized_end=320
   _globals['_GETPOLICYREQUEST']._serialized_start=322
-  _globals['_GETPOLICYREQUEST']._serialized_end=340
-  _globals['_GETPOLICYRESPONSE']._serialized_start=343
-  _globals['_GETPOLICYRESPONSE']._serialized_end=483
-  _globals['_ROUTERPOLICYSERVICE']._serialized_start=691
-  _globals['_ROUTERPOLICYSERVICE']._serialized_end=874
+  _globals['_GETPOLICYREQUEST']._serialized_end=361
+  _globals['_GETPOLICYRESPONSE']._serialized_start=364
+  _globals['_GETPOLICYRESPONSE']._serialized_end=504
+  _globals['_ROUTERPOLICYSERVICE']._serialized_start=712
+  _globals['_ROUTERPOLICYSERVICE']._serialized_end=895
 # @@protoc_insertion_point(module_scope)

@@ -116,12 +116,19 @@ Global___ApplyPolicyResponse: _TypeAlias = ApplyPolicyResponse  # noqa: Y015
 class GetPolicyRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    OMIT_POLICY_FIELD_NUMBER: _builtins.int
+    omit_policy: _builtins.bool
+    """Return only version, checksum and applied_at (what a reconciler compares), not the
+    policy itself: a 64 x 64 x 64 table is about 5 MB.
+    """
     def __init__(
         self,
+        *,
+        omit_policy: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["omit_policy", b"omit_policy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -140,7 +147,7 @@ class GetPolicyResponse(_message.Message):
     checksum: _builtins.str
     @_builtins.property
     def policy(self) -> _policy_pb2.Policy:
-        """Absent when the router has no policy yet."""
+        """Absent when the router has no policy yet, or when the request set omit_policy."""
 
     @_builtins.property
     def applied_at(self) -> _timestamp_pb2.Timestamp:

@@ -1,0 +1,211 @@
+"""The controller's gRPC client of ``RouterPolicyService`` (and ``RouterAgentService``).
+
+:class:`GrpcRouterTransport` is the real :class:`~controller.rollout.reconciler.RouterTransport`:
+one cached ``grpc.aio`` channel per router address (closed by :meth:`close`), a deadline on
+every call, status codes mapped to the error taxonomy (transient: retry; terminal: do not).
+Retries are the reconciler's job (with jitter on its clock), so the channel's own retry
+policy stays off; the reconnect backoff is capped low so a router that comes back after a
+long outage is reached again within seconds, not minutes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from controller._proto.pdcontrol.v1 import router_agent_service_pb2 as agent_pb
+from controller._proto.pdcontrol.v1 import router_agent_service_pb2_grpc as agent_grpc
+from controller._proto.pdcontrol.v1 import router_policy_service_pb2 as policy_pb
+from controller._proto.pdcontrol.v1 import router_policy_service_pb2_grpc as policy_grpc
+from controller.config import SecurityConfig
+from controller.errors import TerminalError, TransientError
+from controller.policy import Decision, Features, Policy, PolicyValidationError
+from controller.rollout.agent import ApplyOutcome
+from controller.rollout.codec import (
+    MAX_MESSAGE_BYTES,
+    decision_from_proto,
+    features_to_proto,
+    policy_from_proto,
+    policy_to_proto,
+    timestamp_to_epoch,
+)
+from controller.rollout.reconciler import ApplyReply, RouterState
+from controller.rollout.security import channel_credentials, channel_options
+
+# Codes worth another attempt: the router may be restarting, overloaded or slow.
+TRANSIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
+
+APPLY_RESULT_FROM_PROTO: dict[int, ApplyOutcome] = {
+    policy_pb.APPLY_RESULT_APPLIED: ApplyOutcome.APPLIED,
+    policy_pb.APPLY_RESULT_NOOP: ApplyOutcome.NOOP,
+    policy_pb.APPLY_RESULT_CONFLICT: ApplyOutcome.CONFLICT,
+    policy_pb.APPLY_RESULT_STALE: ApplyOutcome.STALE,
+    policy_pb.APPLY_RESULT_INVALID: ApplyOutcome.INVALID,
+    policy_pb.APPLY_RESULT_PERSIST_FAILED: ApplyOutcome.PERSIST_FAILED,
+}
+
+
+class RouterCallError(TransientError):
+    """A call that may pass later (``code`` says why)."""
+
+    def __init__(self, router: str, code: grpc.StatusCode, details: str) -> None:
+        self.router, self.code, self.details = router, code, details
+        super().__init__(f"router {router}: {code.name}: {details}")
+
+
+class RouterRefusedCall(TerminalError):
+    """A call that will fail the same way again (bad credentials, unimplemented, ...)."""
+
+    def __init__(self, router: str, code: grpc.StatusCode, details: str) -> None:
+        self.router, self.code, self.details = router, code, details
+        super().__init__(f"router {router}: {code.name}: {details}")
+
+
+def _error(router: str, e: grpc.aio.AioRpcError) -> Exception:
+    code = e.code()
+    details = e.details() or ""
+    if code in TRANSIENT_CODES:
+        return RouterCallError(router, code, details)
+    return RouterRefusedCall(router, code, details)
+
+
+def client_options(
+    security: SecurityConfig | None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    reconnect_backoff_max_s: float = 2.0,
+) -> list[tuple[str, Any]]:
+    backoff_ms = max(100, int(reconnect_backoff_max_s * 1000))
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.enable_retries", 0),
+        ("grpc.initial_reconnect_backoff_ms", min(100, backoff_ms)),
+        ("grpc.min_reconnect_backoff_ms", min(100, backoff_ms)),
+        ("grpc.max_reconnect_backoff_ms", backoff_ms),
+        *channel_options(security),
+    ]
+
+
+class GrpcRouterTransport:
+    """Talks to routers at ``HOST:PORT`` addresses (the router id is its address)."""
+
+    def __init__(
+        self,
+        security: SecurityConfig | None = None,
+        *,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        reconnect_backoff_max_s: float = 2.0,
+    ) -> None:
+        self._credentials = channel_credentials(security)
+        self._options = client_options(security, max_message_bytes, reconnect_backoff_max_s)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        # The last encoded request: a push sends one policy to many routers.
+        self._encoded: tuple[Policy, bool, policy_pb.ApplyPolicyRequest] | None = None
+
+    def channel(self, router: str) -> grpc.aio.Channel:
+        ch = self._channels.get(router)
+        if ch is None:
+            if self._credentials is None:
+                ch = grpc.aio.insecure_channel(router, options=self._options)
+            else:
+                ch = grpc.aio.secure_channel(router, self._credentials, options=self._options)
+            self._channels[router] = ch
+        return ch
+
+    def _request(self, policy: Policy, rollback: bool) -> policy_pb.ApplyPolicyRequest:
+        cached = self._encoded
+        if cached is not None and cached[0] is policy and cached[1] == rollback:
+            return cached[2]
+        request = policy_pb.ApplyPolicyRequest(policy=policy_to_proto(policy), rollback=rollback)
+        self._encoded = (policy, rollback, request)
+        return request
+
+    async def apply(
+        self, router: str, policy: Policy, rollback: bool, deadline_s: float
+    ) -> ApplyReply:
+        stub = policy_grpc.RouterPolicyServiceStub(self.channel(router))
+        request = self._request(policy, rollback)
+        try:
+            response: policy_pb.ApplyPolicyResponse = await stub.ApplyPolicy(
+                request, timeout=deadline_s
+            )
+        except grpc.aio.AioRpcError as e:
+            raise _error(router, e) from None
+        outcome = APPLY_RESULT_FROM_PROTO.get(response.result)
+        if outcome is None:
+            raise RouterRefusedCall(
+                router, grpc.StatusCode.UNKNOWN, f"unknown ApplyResult {response.result}"
+            )
+        return ApplyReply(outcome, response.applied_version, response.checksum, response.message)
+
+    async def get(self, router: str, deadline_s: float) -> RouterState:
+        response = await self._get(router, deadline_s, omit_policy=True)
+        return RouterState(response.version, response.checksum)
+
+    async def get_policy(
+        self, router: str, deadline_s: float
+    ) -> tuple[Policy | None, RouterState, float | None]:
+        """The router's policy (decoded and validated), its state and when it was applied."""
+        response = await self._get(router, deadline_s, omit_policy=False)
+        policy = None
+        if response.HasField("policy"):
+            try:
+                policy = policy_from_proto(response.policy)
+            except PolicyValidationError as e:
+                raise RouterRefusedCall(
+                    router, grpc.StatusCode.DATA_LOSS, f"router sent an invalid policy: {e}"
+                ) from None
+        applied_at = (
+            timestamp_to_epoch(response.applied_at) if response.HasField("applied_at") else None
+        )
+        return policy, RouterState(response.version, response.checksum), applied_at
+
+    async def _get(
+        self, router: str, deadline_s: float, *, omit_policy: bool
+    ) -> policy_pb.GetPolicyResponse:
+        stub = policy_grpc.RouterPolicyServiceStub(self.channel(router))
+        try:
+            response: policy_pb.GetPolicyResponse = await stub.GetPolicy(
+                policy_pb.GetPolicyRequest(omit_policy=omit_policy), timeout=deadline_s
+            )
+        except grpc.aio.AioRpcError as e:
+            raise _error(router, e) from None
+        return response
+
+    async def decide(
+        self, router: str, features: Features, deadline_s: float
+    ) -> tuple[Decision, int]:
+        """Ask a router agent's ``RouterAgentService`` for a decision: (decision, version)."""
+        stub = agent_grpc.RouterAgentServiceStub(self.channel(router))
+        try:
+            response: agent_pb.DecideResponse = await stub.Decide(
+                agent_pb.DecideRequest(features=features_to_proto(features)), timeout=deadline_s
+            )
+        except grpc.aio.AioRpcError as e:
+            raise _error(router, e) from None
+        try:
+            return decision_from_proto(response.decision), response.policy_version
+        except PolicyValidationError as e:
+            raise RouterRefusedCall(router, grpc.StatusCode.DATA_LOSS, str(e)) from None
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        for ch in channels.values():
+            await ch.close()
+
+    async def __aenter__(self) -> GrpcRouterTransport:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

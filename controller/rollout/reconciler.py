@@ -1,0 +1,418 @@
+"""The reconciler: bring every router to its desired policy, level-triggered by router id.
+
+For each router it reads what the router runs (``GetPolicy``) and pushes only where that
+differs from the desired policy. Calls have deadlines; failures the transport calls
+transient are retried with exponential backoff and full jitter (slept on the injected
+:class:`Clock`); routers are handled concurrently under a concurrency bound, and a router's
+retries sleep outside that bound, so an unreachable router never delays the others beyond
+its own attempts.
+
+A router found *ahead* of its desired policy (a higher version, e.g. after the store was
+restored from a backup), or running the desired version under another checksum, is never
+left diverged: the desired content is re-issued under ``max(every router's version, every
+desired version) + 1`` to every router of that desired policy, and each status says
+``reissued_as`` so the caller records the new version. Deciding that number needs every
+router's version, so only the diverged path waits for the slowest ``GetPolicy``; routers in
+sync or behind are pushed right away.
+
+The transport is a seam (:class:`RouterTransport`): :class:`GrpcRouterTransport` in
+:mod:`controller.rollout.client` talks to real routers; :class:`FakeRouterTransport` calls
+:class:`RouterAgent` objects in memory. One contract test suite runs against both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from controller.clock import Clock
+from controller.config import RolloutConfig
+from controller.errors import TerminalError, TransientError
+from controller.policy import Policy
+from controller.rollout.agent import ApplyOutcome, RouterAgent
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterState:
+    """What a router runs: version 0 and checksum "" when it has no policy."""
+
+    version: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyReply:
+    outcome: ApplyOutcome
+    applied_version: int
+    checksum: str
+    message: str
+
+
+class RouterTransport(Protocol):
+    """How the reconciler reaches routers. Raise :class:`TransientError` for what may pass
+    (unreachable, deadline exceeded) and :class:`TerminalError` for what will not (refused
+    credentials, unimplemented)."""
+
+    async def apply(
+        self, router: str, policy: Policy, rollback: bool, deadline_s: float
+    ) -> ApplyReply: ...
+
+    async def get(self, router: str, deadline_s: float) -> RouterState: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RouterStatus:
+    """The outcome of one reconcile pass for one router.
+
+    ``outcome``: ``in_sync`` (nothing pushed), ``applied``, ``noop``, or why it failed:
+    ``unreachable``, ``refused`` (a terminal transport error), ``conflict``, ``stale``,
+    ``invalid``, ``persist_failed``, ``mismatch`` (acked something other than pushed),
+    ``ahead`` (found ahead after the re-issue version was chosen: next pass).
+    """
+
+    router: str
+    ok: bool
+    outcome: str
+    acked_version: int | None
+    acked_checksum: str | None
+    last_error: str | None
+    latency_s: float
+    attempts: int
+    pushed: bool = False
+    reissued_as: int | None = None
+
+
+class _RetriesExhausted(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+@dataclass
+class _Track:
+    """Per-router bookkeeping during one pass."""
+
+    router: str
+    attempts: int = 0
+    last_error: str | None = None
+    pushed: bool = False
+    state: RouterState | None = None
+    status: RouterStatus | None = None
+    refused_persist: ApplyReply | None = None
+
+
+def _key(policy: Policy, checksum: str) -> tuple[int, str]:
+    return (policy.version, checksum)
+
+
+class Reconciler:
+    def __init__(
+        self,
+        transport: RouterTransport,
+        clock: Clock,
+        *,
+        max_concurrency: int = 64,
+        deadline_s: float = 2.0,
+        max_attempts: int = 5,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 5.0,
+        draw: Callable[[], float] | None = None,
+    ) -> None:
+        if max_concurrency < 1 or max_attempts < 1:
+            raise ValueError("max_concurrency and max_attempts must be >= 1")
+        self._transport = transport
+        self._clock = clock
+        self._max_concurrency = max_concurrency
+        self._deadline_s = deadline_s
+        self._max_attempts = max_attempts
+        self._backoff_initial_s = backoff_initial_s
+        self._backoff_max_s = backoff_max_s
+        self._draw: Callable[[], float] = draw if draw is not None else random.Random().random
+
+    @classmethod
+    def from_config(
+        cls,
+        transport: RouterTransport,
+        clock: Clock,
+        config: RolloutConfig,
+        draw: Callable[[], float] | None = None,
+    ) -> Reconciler:
+        return cls(
+            transport,
+            clock,
+            max_concurrency=config.max_concurrency,
+            deadline_s=config.push_deadline_s,
+            max_attempts=config.max_attempts,
+            backoff_initial_s=config.backoff_initial_s,
+            backoff_max_s=config.backoff_max_s,
+            draw=draw,
+        )
+
+    def backoff_s(self, attempt: int) -> float:
+        """Full jitter: uniform in [0, min(max, initial * 2^(attempt-1)))."""
+        cap = min(self._backoff_max_s, self._backoff_initial_s * 2.0 ** (attempt - 1))
+        return self._draw() * cap
+
+    async def reconcile(
+        self, desired: Mapping[str, Policy], *, rollback: bool = False
+    ) -> dict[str, RouterStatus]:
+        """One pass over ``desired`` (router id -> policy); returns a status per router.
+
+        ``rollback``: push a lower version as a rollback instead of re-issuing it above the
+        routers that are ahead.
+        """
+        return await _Pass(self, desired, rollback).run()
+
+
+class _Pass:
+    """The state of one reconcile pass (kept out of Reconciler so passes never share it)."""
+
+    def __init__(self, rec: Reconciler, desired: Mapping[str, Policy], rollback: bool) -> None:
+        self.rec = rec
+        self.desired = dict(desired)
+        self.rollback = rollback
+        self.sem = asyncio.Semaphore(rec._max_concurrency)
+        self.started = rec._clock.monotonic()
+        # Checksums are computed once per distinct policy object (large tables are slow).
+        self.checksums: dict[int, str] = {}
+        for policy in self.desired.values():
+            if id(policy) not in self.checksums:
+                self.checksums[id(policy)] = policy.checksum
+        self.tracks = {router: _Track(router) for router in self.desired}
+        self.gets_pending = len(self.desired)
+        self.all_gets_done = asyncio.Event()
+        if not self.desired:
+            self.all_gets_done.set()
+        self.reissued: dict[tuple[int, str], Policy] | None = None
+
+    def checksum(self, policy: Policy) -> str:
+        cs = self.checksums.get(id(policy))
+        if cs is None:
+            cs = self.checksums[id(policy)] = policy.checksum
+        return cs
+
+    async def run(self) -> dict[str, RouterStatus]:
+        await asyncio.gather(*(self.first_round(r) for r in self.desired))
+        # Routers of a re-issued policy that were brought to the old desired version in the
+        # first round follow it to the new one, so the pass ends with one version per policy.
+        if self.reissued:
+            laggards = [
+                r for r, t in self.tracks.items()
+                if t.status is not None and t.status.ok and t.status.reissued_as is None
+                and self.group_key(r) in self.reissued
+            ]
+            await asyncio.gather(*(self.follow_reissue(r) for r in laggards))
+        return {r: self.tracks[r].status or self.failed(r, "internal", "no status") for r in
+                self.desired}
+
+    def group_key(self, router: str) -> tuple[int, str]:
+        policy = self.desired[router]
+        return _key(policy, self.checksum(policy))
+
+    # -- calls with retries ---------------------------------------------------------------
+
+    async def call(self, track: _Track, op: Callable[[], Awaitable[T]]) -> T:
+        rec = self.rec
+        for attempt in range(1, rec._max_attempts + 1):
+            async with self.sem:
+                track.attempts += 1
+                try:
+                    return await op()
+                except TransientError as e:
+                    track.last_error = str(e)
+            if attempt < rec._max_attempts:
+                await rec._clock.sleep(rec.backoff_s(attempt))
+        raise _RetriesExhausted(
+            f"gave up after {rec._max_attempts} attempt(s): {track.last_error}"
+        )
+
+    async def get(self, track: _Track) -> RouterState:
+        rec = self.rec
+        return await self.call(track, lambda: rec._transport.get(track.router, rec._deadline_s))
+
+    async def push(self, track: _Track, policy: Policy) -> ApplyReply:
+        rec = self.rec
+        track.pushed = True
+
+        async def once() -> ApplyReply:
+            reply = await rec._transport.apply(
+                track.router, policy, self.rollback, rec._deadline_s
+            )
+            if reply.outcome is ApplyOutcome.PERSIST_FAILED:  # a disk may recover: retry
+                track.refused_persist = reply
+                raise TransientError(f"router {track.router}: {reply.message}")
+            track.refused_persist = None
+            return reply
+
+        try:
+            return await self.call(track, once)
+        except _RetriesExhausted:
+            if track.refused_persist is not None:
+                return track.refused_persist
+            raise
+
+    # -- statuses -------------------------------------------------------------------------
+
+    def elapsed(self) -> float:
+        return self.rec._clock.monotonic() - self.started
+
+    def failed(self, router: str, outcome: str, error: str) -> RouterStatus:
+        t = self.tracks[router]
+        acked = t.state
+        return RouterStatus(
+            router=router, ok=False, outcome=outcome,
+            acked_version=acked.version if acked else None,
+            acked_checksum=acked.checksum if acked else None,
+            last_error=error, latency_s=self.elapsed(), attempts=t.attempts, pushed=t.pushed,
+        )
+
+    def succeeded(
+        self, router: str, outcome: str, state: RouterState, reissued_as: int | None
+    ) -> RouterStatus:
+        t = self.tracks[router]
+        return RouterStatus(
+            router=router, ok=True, outcome=outcome, acked_version=state.version,
+            acked_checksum=state.checksum, last_error=None, latency_s=self.elapsed(),
+            attempts=t.attempts, pushed=t.pushed, reissued_as=reissued_as,
+        )
+
+    # -- the per-router flow --------------------------------------------------------------
+
+    def diverged(self, state: RouterState, target: Policy, checksum: str) -> bool:
+        if state.version == target.version:
+            return state.checksum != checksum
+        return state.version > target.version and not self.rollback
+
+    def got(self) -> None:
+        self.gets_pending -= 1
+        if self.gets_pending == 0:
+            self.all_gets_done.set()
+
+    async def first_round(self, router: str) -> None:
+        try:
+            await self._first_round(router)
+        except Exception as e:  # a bug or surprise for one router must not sink the pass
+            self.tracks[router].status = self.failed(router, "error", f"{type(e).__name__}: {e}")
+
+    async def _first_round(self, router: str) -> None:
+        track = self.tracks[router]
+        try:
+            try:
+                track.state = await self.get(track)
+            finally:
+                self.got()
+        except _RetriesExhausted as e:
+            track.status = self.failed(router, "unreachable", str(e))
+            return
+        except TerminalError as e:
+            track.status = self.failed(router, "refused", str(e))
+            return
+        target = self.desired[router]
+        reissued_as: int | None = None
+        if self.diverged(track.state, target, self.checksum(target)):
+            await self.all_gets_done.wait()
+            target = self.reissue_target(router)
+            reissued_as = target.version
+            if track.state.version > target.version:  # cannot happen: target is above all
+                track.status = self.failed(router, "ahead", "ahead of the re-issued version")
+                return
+        track.status = await self.bring_to(track, target, reissued_as)
+
+    async def follow_reissue(self, router: str) -> None:
+        track = self.tracks[router]
+        target = self.reissue_target(router)
+        try:
+            track.status = await self.bring_to(track, target, target.version)
+        except Exception as e:
+            track.status = self.failed(router, "error", f"{type(e).__name__}: {e}")
+
+    async def bring_to(
+        self, track: _Track, target: Policy, reissued_as: int | None
+    ) -> RouterStatus:
+        router = track.router
+        checksum = self.checksum(target)
+        state = track.state
+        assert state is not None
+        if state.version == target.version and state.checksum == checksum:
+            return self.succeeded(router, "in_sync", state, reissued_as)
+        try:
+            reply = await self.push(track, target)
+        except _RetriesExhausted as e:
+            return self.failed(router, "unreachable", str(e))
+        except TerminalError as e:
+            return self.failed(router, "refused", str(e))
+        acked = RouterState(reply.applied_version, reply.checksum)
+        track.state = acked
+        if reply.outcome in (ApplyOutcome.APPLIED, ApplyOutcome.NOOP):
+            if acked.version == target.version and acked.checksum == checksum:
+                return self.succeeded(router, reply.outcome.value, acked, reissued_as)
+            return self.failed(
+                router, "mismatch",
+                f"router acked v{acked.version} ({acked.checksum[:12]}), expected "
+                f"v{target.version} ({checksum[:12]})",
+            )
+        return self.failed(router, reply.outcome.value, reply.message)
+
+    def reissue_target(self, router: str) -> Policy:
+        """The re-issued policy of ``router``'s desired group (decided once per pass)."""
+        if self.reissued is None:
+            self.reissued = {}
+            known = [t.state.version for t in self.tracks.values() if t.state is not None]
+            next_version = max([*known, *(p.version for p in self.desired.values())]) + 1
+            diverged_groups = sorted(
+                {
+                    self.group_key(r)
+                    for r, t in self.tracks.items()
+                    if t.state is not None
+                    and self.diverged(t.state, self.desired[r], self.checksum(self.desired[r]))
+                }
+            )
+            for key in diverged_groups:
+                policy = next(p for r, p in self.desired.items() if self.group_key(r) == key)
+                reissue = policy.with_version(next_version)
+                self.checksums[id(reissue)] = key[1]  # same content, same checksum
+                self.reissued[key] = reissue
+                next_version += 1
+        return self.reissued[self.group_key(router)]
+
+
+class FakeRouterTransport:
+    """In-memory transport over :class:`RouterAgent` objects (tests, simulator).
+
+    ``down`` holds router ids that behave as unreachable (a :class:`TransientError`);
+    ``calls`` records every call as ``(kind, router)``.
+    """
+
+    def __init__(self, agents: Mapping[str, RouterAgent] | None = None) -> None:
+        self.agents: dict[str, RouterAgent] = dict(agents or {})
+        self.down: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+
+    def _agent(self, kind: str, router: str) -> RouterAgent:
+        self.calls.append((kind, router))
+        if router in self.down or router not in self.agents:
+            raise TransientError(f"router {router}: unreachable (fake transport)")
+        return self.agents[router]
+
+    async def apply(
+        self, router: str, policy: Policy, rollback: bool, deadline_s: float
+    ) -> ApplyReply:
+        await asyncio.sleep(0)  # a real call yields to the loop; so does the fake
+        result = self._agent("apply", router).apply(policy, rollback=rollback)
+        return ApplyReply(result.outcome, result.applied_version, result.checksum, result.message)
+
+    async def get(self, router: str, deadline_s: float) -> RouterState:
+        await asyncio.sleep(0)
+        snap = self._agent("get", router).snapshot
+        if snap is None:
+            return RouterState(0, "")
+        return RouterState(snap.version, snap.checksum)
+
+
+def reissued_versions(statuses: Mapping[str, RouterStatus]) -> dict[str, int]:
+    """Router id -> the version its desired policy was re-issued under (for the store)."""
+    return {r: s.reissued_as for r, s in statuses.items() if s.reissued_as is not None}

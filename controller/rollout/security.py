@@ -1,0 +1,233 @@
+"""Transport security of the router gRPC services, from :class:`SecurityConfig`.
+
+Three independent layers, each switched on by its keys:
+
+* **TLS** (``tls_cert`` + ``tls_key``): the server proves who it is; the client checks it
+  against ``tls_ca`` (or the system roots);
+* **mutual TLS** (server: ``tls_ca`` too): the server requires a client certificate signed by
+  ``tls_ca``; a client without one, or with one from another CA, fails the handshake;
+* **bearer token** (``token`` or ``token_file``): every call must carry
+  ``authorization: Bearer <token>``; health checks are exempt so probes need no secret.
+
+Without TLS a token still works on loopback only: gRPC sends call credentials over
+``local_channel_credentials``, which refuse any non-loopback peer. A server with neither a
+token nor client certificates authenticates nobody; :func:`check_listen` refuses to expose
+such a server beyond loopback unless the operator says so explicitly.
+
+Refusals the server sees are counted in ``pdrouter_auth_refusals_total{reason}`` (reasons
+``missing_token``, ``wrong_token``). TLS handshake failures (no client certificate, a
+certificate from another CA, plaintext to a TLS port) are refused inside gRPC core before any
+Python code runs: they never reach the agent, and the refused client sees ``UNAVAILABLE``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+from prometheus_client import CollectorRegistry, Counter
+
+from controller.config import SecurityConfig
+from controller.errors import ConfigError
+
+AUTHORIZATION = "authorization"
+# Probes and service discovery carry no secret; everything else does.
+EXEMPT_METHOD_PREFIXES = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
+REFUSAL_REASONS = ("missing_token", "wrong_token")
+
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
+
+_refusal_counters: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def auth_refusals(registry: CollectorRegistry) -> Counter:
+    """``pdrouter_auth_refusals_total{reason}`` on ``registry`` (created once per registry)."""
+    counter = _refusal_counters.get(registry)
+    if counter is None:
+        counter = Counter(
+            "pdrouter_auth_refusals",
+            "Calls refused before reaching the router agent, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in REFUSAL_REASONS:
+            counter.labels(reason)  # export zeros, so a rate() has a series from the start
+        _refusal_counters[registry] = counter
+    return counter
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"security.{what}: cannot read {path}: {e}") from None
+
+
+def _token(config: SecurityConfig) -> str | None:
+    try:
+        token = config.bearer_token()
+    except OSError as e:
+        raise ConfigError(f"security.token_file: cannot read {config.token_file}: {e}") from None
+    if token is not None and not token:
+        raise ConfigError("security: the bearer token is empty")
+    return token
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every non-exempt call without the right ``authorization`` header.
+
+    The comparison is constant-time; a refused call never reaches a servicer.
+    """
+
+    def __init__(self, token: str, refusals: Counter) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._refusals = refusals
+
+        async def deny_missing(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
+
+        async def deny_wrong(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
+
+        self._deny_missing: grpc.RpcMethodHandler[Any, Any] = (
+            grpc.unary_unary_rpc_method_handler(deny_missing)
+        )
+        self._deny_wrong: grpc.RpcMethodHandler[Any, Any] = (
+            grpc.unary_unary_rpc_method_handler(deny_wrong)
+        )
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[_Req, _Resp] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[_Req, _Resp] | None:
+        method = handler_call_details.method
+        if method.startswith(EXEMPT_METHOD_PREFIXES):
+            return await continuation(handler_call_details)
+        presented: bytes | None = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == AUTHORIZATION:
+                presented = value.encode() if isinstance(value, str) else value
+                break
+        if presented is None:
+            self._refusals.labels("missing_token").inc()
+            return self._deny_missing
+        if not hmac.compare_digest(presented, self._expected):
+            self._refusals.labels("wrong_token").inc()
+            return self._deny_wrong
+        return await continuation(handler_call_details)
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """What a server needs: credentials (None: plaintext) and interceptors."""
+
+    credentials: grpc.ServerCredentials | None
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...]
+    tls: bool
+    client_certificates: bool
+    token: bool
+
+    @property
+    def authenticates(self) -> bool:
+        return self.client_certificates or self.token
+
+    def describe(self) -> str:
+        parts = ["mTLS" if self.client_certificates else ("TLS" if self.tls else "plaintext")]
+        if self.token:
+            parts.append("bearer token")
+        return " + ".join(parts)
+
+
+def server_security(
+    config: SecurityConfig | None, registry: CollectorRegistry
+) -> ServerSecurity:
+    """Server credentials and interceptors for ``config`` (None or empty: plaintext)."""
+    config = config or SecurityConfig()
+    token = _token(config)
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
+    if token is not None:
+        interceptors = (BearerTokenInterceptor(token, auth_refusals(registry)),)
+    if config.tls_cert is not None and config.tls_key is not None:
+        pair = (_read(config.tls_key, "tls_key"), _read(config.tls_cert, "tls_cert"))
+        ca = _read(config.tls_ca, "tls_ca") if config.tls_ca is not None else None
+        creds = grpc.ssl_server_credentials(
+            [pair], root_certificates=ca, require_client_auth=ca is not None
+        )
+        return ServerSecurity(creds, interceptors, True, ca is not None, token is not None)
+    if config.tls_ca is not None:
+        raise ConfigError("security.tls_ca on a server needs tls_cert and tls_key as well")
+    if token is not None:
+        # Loopback-only transport that still lets the client attach its token.
+        creds = grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+        return ServerSecurity(creds, interceptors, False, False, True)
+    return ServerSecurity(None, (), False, False, False)
+
+
+def channel_credentials(config: SecurityConfig | None) -> grpc.ChannelCredentials | None:
+    """Client credentials for ``config``; None means a plaintext channel."""
+    config = config or SecurityConfig()
+    token = _token(config)
+    base: grpc.ChannelCredentials | None = None
+    if config.tls_ca is not None or config.tls_cert is not None:
+        base = grpc.ssl_channel_credentials(
+            root_certificates=_read(config.tls_ca, "tls_ca") if config.tls_ca else None,
+            private_key=_read(config.tls_key, "tls_key") if config.tls_key else None,
+            certificate_chain=_read(config.tls_cert, "tls_cert") if config.tls_cert else None,
+        )
+    if token is None:
+        return base
+    if base is None:
+        base = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    return grpc.composite_channel_credentials(base, grpc.access_token_call_credentials(token))
+
+
+def channel_options(config: SecurityConfig | None) -> list[tuple[str, Any]]:
+    if config is not None and config.server_name:
+        return [("grpc.ssl_target_name_override", config.server_name)]
+    return []
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT`` -> (host, port); raises ConfigError when malformed."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"address {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_listen(listen: str, security: ServerSecurity, *, allow_unauthenticated: bool) -> None:
+    """Refuse to serve policy updates to the network without any authentication."""
+    host, _ = split_host_port(listen)
+    if security.authenticates or is_loopback(host) or allow_unauthenticated:
+        return
+    raise ConfigError(
+        f"refusing to listen on {listen} without authentication: anyone who can reach it "
+        "could replace the routing policy. Configure [security] token/token_file or tls_ca "
+        "(mutual TLS), listen on 127.0.0.1, or pass --insecure to accept the risk."
+    )
