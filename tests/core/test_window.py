@@ -1,0 +1,105 @@
+"""The window: lossless NaN-free JSON, None for missing values, role aggregates."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from controller.core.window import (
+    Histogram,
+    RouteOutcome,
+    Summary,
+    Window,
+    WindowError,
+    WorkerStats,
+    Workload,
+    aggregate_role,
+)
+from controller.policy.model import Route
+from tests.store.factories import sample_window
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_json_round_trip_is_lossless(seed: int) -> None:
+    w = sample_window(random.Random(seed), 1_800_000_000.1 + seed)
+    text = json.dumps(w.to_dict(), allow_nan=False)  # raises on NaN/inf numbers
+    assert Window.from_dict(json.loads(text)) == w
+
+
+def test_missing_values_stay_none() -> None:
+    w = Window.build(
+        start=0.0, end=30.0, interval_s=30.0,
+        workers=[WorkerStats(worker="p0", role="prefill")],
+    )
+    back = Window.from_dict(json.loads(json.dumps(w.to_dict())))
+    worker = back.workers[0]
+    assert worker.ttft_s is None and worker.running is None
+    assert worker.prompt_tokens_by_source is None and worker.request_rate is None
+    prefill = back.roles["prefill"]
+    assert prefill.workers == 1 and prefill.ttft_s is None and prefill.running is None
+    assert back.roles["decode"].workers == 0
+
+
+def test_infinite_bucket_edges_survive_json() -> None:
+    h = Histogram((1.0, 10.0, math.inf), (3.0, 0.0, 2.0))
+    w = Window(start=0, end=1, interval_s=1, workload=Workload(context_tokens=h))
+    d = json.loads(json.dumps(w.to_dict(), allow_nan=False))
+    assert d["workload"]["context_tokens"]["edges"][-1] == "+Inf"
+    back = Window.from_dict(d).workload.context_tokens
+    assert back == h and back is not None and back.total == 5.0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Summary(mean=math.nan),
+        lambda: WorkerStats(worker="d0", role="decode", running=math.nan),
+        lambda: WorkerStats(worker="d0", role="decode", prompt_tokens_by_source={"x": math.inf}),
+        lambda: WorkerStats(worker="d0", role="router"),  # type: ignore[arg-type]
+        lambda: RouteOutcome("r", Route.DECODE_LOCAL, 0, 0, 1, 1, math.nan, 1, 0, 0),
+        lambda: RouteOutcome("r", Route.DECODE_LOCAL, 0, 0, -1, 0, 0, 0, 0, 0),
+        lambda: Histogram((2.0, 1.0), (0.0, 0.0)),
+        lambda: Window(start=10, end=5, interval_s=5),
+        lambda: Workload(qps_by_router={"r": math.nan}),
+    ],
+)
+def test_bad_values_are_refused_with_a_window_error(make: object) -> None:
+    with pytest.raises(WindowError):
+        make()  # type: ignore[operator]
+
+
+def test_from_dict_rejects_unknown_schema_and_malformed_rows() -> None:
+    d = sample_window(random.Random(1), 0.0, n_routers=1, cells=1).to_dict()
+    with pytest.raises(WindowError, match="schema_version"):
+        Window.from_dict({**d, "schema_version": 99})
+    with pytest.raises(WindowError, match="outcome row"):
+        Window.from_dict({**d, "outcomes": [["r", "DECODE_LOCAL", 0]]})
+
+
+def test_role_aggregate_weights_means_by_count_and_sums_loads() -> None:
+    workers = [
+        WorkerStats("d0", "decode", request_rate=2.0, tpot_s=Summary(0.02, count=100),
+                    running=3, kv_cache_usage=0.5),
+        WorkerStats("d1", "decode", request_rate=None, tpot_s=Summary(0.05, count=300),
+                    running=5, kv_cache_usage=None),
+        WorkerStats("d2", "decode", tpot_s=Summary(None, count=0)),
+        WorkerStats("p0", "prefill", request_rate=9.0, ttft_s=Summary(1.0, count=10)),
+    ]
+    d = aggregate_role("decode", workers)
+    assert d.workers == 3
+    assert d.request_rate == 2.0  # the worker without a rate is not counted as 0
+    assert d.tpot_s == pytest.approx((0.02 * 100 + 0.05 * 300) / 400)
+    assert d.running == 8 and d.kv_cache_usage == 0.5
+    assert d.ttft_s is None  # no decode worker reported TTFT
+    p = aggregate_role("prefill", workers)
+    assert (p.workers, p.request_rate, p.ttft_s) == (1, 9.0, 1.0)
+
+
+def test_outcome_goodput() -> None:
+    o = RouteOutcome("r", Route.PREFILL_NODE, 1, 2, requests=8, met=6, ttft_sum=4.0,
+                     ttft_count=8, tpot_sum=0.4, tpot_count=8)
+    assert o.goodput == 0.75
+    assert RouteOutcome("r", Route.PREFILL_NODE, 0, 0, 0, 0, 0, 0, 0, 0).goodput is None
