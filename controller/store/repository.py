@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
 from sqlalchemy import (
     ColumnElement,
@@ -33,6 +33,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import InstrumentedAttribute, Session
+
+if TYPE_CHECKING:
+    from controller.config import StoreConfig
 
 from controller.clock import Clock, WallClock
 from controller.core.window import Window
@@ -584,6 +587,10 @@ class Store:
         self.clock: Clock = clock or WallClock()
         self.engine: Engine = make_engine(self.url, echo=echo, busy_timeout_ms=busy_timeout_ms)
         self._writer = self.engine.execution_options(**{WRITE_OPTION: True})
+
+    @classmethod
+    def from_config(cls, config: StoreConfig, clock: Clock | None = None) -> Store:
+        return cls(config.url, clock, echo=config.echo, busy_timeout_ms=config.busy_timeout_ms)
 
     @property
     def dialect(self) -> str:
