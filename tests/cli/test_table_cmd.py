@@ -1,0 +1,201 @@
+"""``pdctl table show|decide|new`` through the real typer app."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from controller.cli import app
+from controller.policy import (
+    Axes,
+    Features,
+    LookupTable,
+    Overrides,
+    Policy,
+    Reason,
+    Route,
+    decide,
+    dumps,
+    loads,
+    locate,
+)
+
+runner = CliRunner()
+AXES = Axes(context_tokens=(1000.0, 8000.0, 64000.0), io_ratio=(0.5, 4.0), qps=(2.0, 16.0))
+
+
+def mixed_policy(version: int = 4) -> Policy:
+    n = AXES.n_cells
+    routes = tuple(Route.DECODE_LOCAL if i % 3 == 0 else Route.PREFILL_NODE for i in range(n))
+    scores = tuple(round(0.25 * i - 2.0, 2) for i in range(n))
+    exploration = tuple(0.05 if i % 4 == 0 else 0.0 for i in range(n))
+    return Policy(
+        version=version,
+        table=LookupTable(AXES, routes, scores, exploration),
+        overrides=Overrides(bypass_append_tokens=32),
+    )
+
+
+@pytest.fixture
+def policy_file(tmp_path: Path) -> Path:
+    path = tmp_path / "policy.json"
+    path.write_text(dumps(mixed_policy()))
+    return path
+
+
+def grid_rows(text: str) -> list[list[str]]:
+    """The body rows of every rich table in ``text``, as stripped cell strings."""
+    return [
+        [cell.strip() for cell in line.strip("│").split("│")]
+        for line in text.splitlines()
+        if line.startswith("│")
+    ]
+
+
+def test_show_prints_the_header_and_every_cell(policy_file: Path) -> None:
+    result = runner.invoke(app, ["table", "show", str(policy_file)])
+    assert result.exit_code == 0, result.output
+    policy = mixed_policy()
+    out = result.stdout
+    assert "version 4" in out and policy.checksum in out
+    assert "append_tokens < 32 -> DECODE_LOCAL" in out
+    assert "io_ratio bin 0: [0, 0.5]" in out and "io_ratio bin 1: (0.5, +inf)" in out
+    rows = grid_rows(out)
+    n_ctx, n_io, n_qps = AXES.shape
+    assert len(rows) == n_ctx * n_io
+    for j in range(n_io):
+        for i in range(n_ctx):
+            row = rows[j * n_ctx + i]
+            assert len(row) == 1 + n_qps
+            for k in range(n_qps):
+                idx = AXES.cell_index(i, j, k)
+                letter = "L" if policy.table.routes[idx] is Route.DECODE_LOCAL else "P"
+                mark = "*" if policy.table.exploration[idx] else ""
+                assert row[1 + k] == f"{letter}{policy.table.scores[idx]:+.2f}{mark}"
+    assert rows[0][0] == "[0, 1000]" and rows[n_ctx - 1][0] == "(8000, +inf)"
+
+
+def test_show_refuses_a_bad_file_listing_every_problem(tmp_path: Path) -> None:
+    data = json.loads(dumps(mixed_policy()))
+    data["routes"][3] = "SIDEWAYS"
+    data["exploration"][1] = 0.7
+    del data["slo"]["ttft_s"]
+    data["checksum"] = "0" * 64
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    result = runner.invoke(app, ["table", "show", str(bad)])
+    assert result.exit_code == 2
+    for path in ("routes[3]", "exploration[1]", "slo.ttft_s"):
+        assert path in result.stderr
+    assert "invalid policy" in result.stderr
+
+
+def test_show_on_a_missing_file_exits_2(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["table", "show", str(tmp_path / "nope.json")])
+    assert result.exit_code == 2
+    assert "cannot read" in result.stderr
+
+
+def test_show_plot_writes_a_readable_png(policy_file: Path, tmp_path: Path) -> None:
+    import matplotlib.image
+
+    png = tmp_path / "heat.png"
+    result = runner.invoke(app, ["table", "show", str(policy_file), "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    assert png.stat().st_size > 0
+    pixels = matplotlib.image.imread(png)
+    height, width, channels = pixels.shape
+    assert channels in (3, 4) and width > height > 100  # two panels side by side
+    assert pixels[..., :3].std() > 0.05  # not a blank canvas
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        Features(2, 5000.0, 900.0, 200.0, 3.0),
+        Features(7, 100.0, 100.0, 400.0, 100.0),
+        Features(3, 1e6, 50.0, 1.0, 0.0),
+    ],
+)
+def test_decide_names_the_cell_and_agrees_with_the_contract(
+    policy_file: Path, features: Features
+) -> None:
+    args = ["table", "decide", str(policy_file), "--turn", str(features.turn),
+            "--context", str(features.context_tokens), "--append", str(features.append_tokens),
+            "--output", str(features.expected_output_tokens), "--qps", str(features.qps)]
+    policy = mixed_policy()
+    want = decide(policy, features, lambda: 1.0)
+    cell = locate(policy, features)
+
+    as_json = runner.invoke(app, [*args, "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    report = json.loads(as_json.stdout)
+    assert report["route"] == want.route.name and report["reason"] == "table"
+    assert report["cell"] == list(cell)
+    idx = AXES.cell_index(*cell)
+    assert report["cell_index"] == idx
+    assert report["score"] == policy.table.scores[idx]
+    assert report["exploration"] == policy.table.exploration[idx]
+    ctx_bin = report["bins"]["context_tokens"]
+    assert ctx_bin["index"] == cell[0]
+    assert ctx_bin["upper_inclusive"] == (AXES.context_tokens[cell[0]]
+                                          if cell[0] < len(AXES.context_tokens) - 1 else None)
+
+    text = runner.invoke(app, args)
+    assert text.exit_code == 0
+    assert f"route: {want.route.name}" in text.stdout
+    assert f"cell {cell}" in text.stdout
+
+
+def test_decide_explains_overrides_and_invalid_input(policy_file: Path) -> None:
+    def run(turn: int, append: float, output: float) -> dict[str, object]:
+        result = runner.invoke(app, ["table", "decide", str(policy_file), "--turn", str(turn),
+                                     "--context", "5000", "--append", str(append),
+                                     "--output", str(output), "--qps", "3", "--json"])
+        assert result.exit_code == 0, result.output
+        report: dict[str, object] = json.loads(result.stdout)
+        return report
+
+    first = run(1, 500, 100)
+    assert (first["route"], first["reason"], first["cell"]) == ("PREFILL_NODE",
+                                                                Reason.FIRST_TURN.value, None)
+    assert "first_turn_route" in str(first["why"])
+    bypass = run(2, 31, 100)
+    assert (bypass["route"], bypass["reason"]) == ("DECODE_LOCAL", Reason.BYPASS.value)
+    assert "31 < 32" in str(bypass["why"])
+    invalid = run(2, 500, 0)
+    assert invalid["reason"] == Reason.INVALID_INPUT.value
+    assert "expected_output_tokens must be > 0" in str(invalid["why"])
+
+
+def test_new_writes_a_valid_uniform_policy(tmp_path: Path) -> None:
+    out = tmp_path / "uniform.json"
+    result = runner.invoke(app, ["table", "new", "--route", "decode", "--version", "5",
+                                 "--exploration", "0.1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    policy = loads(out.read_text())
+    assert policy.version == 5
+    assert set(policy.table.routes) == {Route.DECODE_LOCAL}
+    assert set(policy.table.exploration) == {0.1}
+    assert policy.checksum in result.stderr
+
+    to_stdout = runner.invoke(app, ["table", "new", "--route", "prefill"])
+    assert to_stdout.exit_code == 0
+    assert set(loads(to_stdout.stdout).table.routes) == {Route.PREFILL_NODE}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--route", "sideways"], "unknown route"),
+        (["--route", "decode", "--exploration", "0.5"], "exploration[0]"),
+        (["--route", "decode", "--version", "0"], "version"),
+    ],
+)
+def test_new_refuses_bad_arguments(args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["table", "new", *args])
+    assert result.exit_code == 2
+    assert message in result.stderr
