@@ -4,12 +4,14 @@
 one cached ``grpc.aio`` channel per router address (closed by :meth:`close`), a deadline on
 every call, status codes mapped to the error taxonomy (transient: retry; terminal: do not).
 Retries are the reconciler's job (with jitter on its clock), so the channel's own retry
-policy stays off; the reconnect backoff is capped low so a router that comes back after a
-long outage is reached again within seconds, not minutes.
+policy stays off. A call that finds the router ``UNAVAILABLE`` drops its channel: the next
+attempt connects afresh instead of failing fast inside the old channel's reconnect backoff,
+so a router that comes back after an outage is reached on the very next attempt.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -72,7 +74,7 @@ class RouterRefusedCall(TerminalError):
         super().__init__(f"router {router}: {code.name}: {details}")
 
 
-def _error(router: str, e: grpc.aio.AioRpcError) -> Exception:
+def error_from_status(router: str, e: grpc.aio.AioRpcError) -> Exception:
     code = e.code()
     details = e.details() or ""
     if code in TRANSIENT_CODES:
@@ -110,6 +112,7 @@ class GrpcRouterTransport:
         self._credentials = channel_credentials(security)
         self._options = client_options(security, max_message_bytes, reconnect_backoff_max_s)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Future[None]] = set()
         # The last encoded request: a push sends one policy to many routers.
         self._encoded: tuple[Policy, bool, policy_pb.ApplyPolicyRequest] | None = None
 
@@ -122,6 +125,15 @@ class GrpcRouterTransport:
                 ch = grpc.aio.secure_channel(router, self._credentials, options=self._options)
             self._channels[router] = ch
         return ch
+
+    def _error(self, router: str, e: grpc.aio.AioRpcError) -> Exception:
+        if e.code() is grpc.StatusCode.UNAVAILABLE:
+            stale = self._channels.pop(router, None)
+            if stale is not None:
+                task = asyncio.ensure_future(stale.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+        return error_from_status(router, e)
 
     def _request(self, policy: Policy, rollback: bool) -> policy_pb.ApplyPolicyRequest:
         cached = self._encoded
@@ -141,7 +153,7 @@ class GrpcRouterTransport:
                 request, timeout=deadline_s
             )
         except grpc.aio.AioRpcError as e:
-            raise _error(router, e) from None
+            raise self._error(router, e) from None
         outcome = APPLY_RESULT_FROM_PROTO.get(response.result)
         if outcome is None:
             raise RouterRefusedCall(
@@ -180,7 +192,7 @@ class GrpcRouterTransport:
                 policy_pb.GetPolicyRequest(omit_policy=omit_policy), timeout=deadline_s
             )
         except grpc.aio.AioRpcError as e:
-            raise _error(router, e) from None
+            raise self._error(router, e) from None
         return response
 
     async def decide(
@@ -193,7 +205,7 @@ class GrpcRouterTransport:
                 agent_pb.DecideRequest(features=features_to_proto(features)), timeout=deadline_s
             )
         except grpc.aio.AioRpcError as e:
-            raise _error(router, e) from None
+            raise self._error(router, e) from None
         try:
             return decision_from_proto(response.decision), response.policy_version
         except PolicyValidationError as e:
@@ -203,6 +215,8 @@ class GrpcRouterTransport:
         channels, self._channels = self._channels, {}
         for ch in channels.values():
             await ch.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def __aenter__(self) -> GrpcRouterTransport:
         return self

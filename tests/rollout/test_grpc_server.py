@@ -1,0 +1,289 @@
+"""RouterPolicyService / RouterAgentService on real grpc.aio servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from controller._proto.pdcontrol.v1 import router_agent_service_pb2 as agent_pb
+from controller._proto.pdcontrol.v1 import router_agent_service_pb2_grpc as agent_grpc
+from controller._proto.pdcontrol.v1 import router_policy_service_pb2 as policy_pb
+from controller._proto.pdcontrol.v1 import router_policy_service_pb2_grpc as policy_grpc
+from controller.policy import (
+    Axes,
+    Decision,
+    Features,
+    LookupTable,
+    Policy,
+    Reason,
+    Route,
+    decide,
+)
+from controller.rollout.agent import ApplyOutcome, RouterAgent
+from controller.rollout.client import GrpcRouterTransport, RouterCallError
+from controller.rollout.codec import decision_to_proto, policy_to_proto
+from controller.rollout.server import AGENT_SERVICE, POLICY_SERVICE, RouterServer
+
+DEADLINE_S = 5.0
+
+
+def table_policy(version: int, flip: int = 0) -> Policy:
+    """A 3 x 2 x 2 table with mixed routes; ``flip`` changes the content (not the version)."""
+    axes = Axes((512.0, 4096.0, 32768.0), (1.0, 8.0), (4.0, 64.0))
+    routes = tuple(
+        Route.DECODE_LOCAL if (i + flip) % 2 else Route.PREFILL_NODE for i in range(axes.n_cells)
+    )
+    table = LookupTable(
+        axes, routes, tuple(float(i) for i in range(axes.n_cells)), (0.0,) * axes.n_cells
+    )
+    return Policy(version=version, table=table)
+
+
+def updates(agent: RouterAgent, result: str) -> float:
+    value = agent.registry.get_sample_value("pdrouter_updates_total", {"result": result})
+    return value or 0.0
+
+
+@pytest.fixture
+async def router(tmp_path: Path) -> AsyncIterator[RouterServer]:
+    agent = RouterAgent(
+        router_id="r", registry=CollectorRegistry(), state_file=tmp_path / "state.json"
+    )
+    server = RouterServer(agent, reflection=True)
+    await server.start()
+    yield server
+    await server.stop(grace=None)
+
+
+@pytest.fixture
+async def transport() -> AsyncIterator[GrpcRouterTransport]:
+    t = GrpcRouterTransport()
+    yield t
+    await t.close()
+
+
+async def test_apply_semantics_over_the_wire(
+    router: RouterServer, transport: GrpcRouterTransport
+) -> None:
+    addr = router.address
+    v3 = table_policy(3)
+
+    reply = await transport.apply(addr, v3, False, DEADLINE_S)
+    assert (reply.outcome, reply.applied_version, reply.checksum) == (
+        ApplyOutcome.APPLIED, 3, v3.checksum,
+    )
+    # Idempotent: the same version and checksum again changes nothing.
+    reply = await transport.apply(addr, v3, False, DEADLINE_S)
+    assert reply.outcome is ApplyOutcome.NOOP
+    assert reply.applied_version == 3
+
+    # Same version, other content: a conflict, refused.
+    reply = await transport.apply(addr, table_policy(3, flip=1), False, DEADLINE_S)
+    assert reply.outcome is ApplyOutcome.CONFLICT
+    assert (reply.applied_version, reply.checksum) == (3, v3.checksum)
+
+    # Lower version: stale unless marked as a rollback.
+    v2 = table_policy(2, flip=1)
+    reply = await transport.apply(addr, v2, False, DEADLINE_S)
+    assert reply.outcome is ApplyOutcome.STALE
+    assert reply.applied_version == 3
+    reply = await transport.apply(addr, v2, True, DEADLINE_S)
+    assert (reply.outcome, reply.applied_version, reply.checksum) == (
+        ApplyOutcome.APPLIED, 2, v2.checksum,
+    )
+    assert router.agent.policy == v2
+
+    state = await transport.get(addr, DEADLINE_S)
+    assert (state.version, state.checksum) == (2, v2.checksum)
+
+
+async def test_invalid_policy_is_refused_and_the_last_good_one_kept(
+    router: RouterServer, transport: GrpcRouterTransport
+) -> None:
+    addr = router.address
+    good = table_policy(4)
+    await transport.apply(addr, good, False, DEADLINE_S)
+    t = good.table
+    bad = replace(
+        good, version=5, table=replace(t, exploration=(0.5, *t.exploration[1:]))
+    )
+    reply = await transport.apply(addr, bad, False, DEADLINE_S)
+    assert reply.outcome is ApplyOutcome.INVALID
+    assert "exploration[0]" in reply.message
+    assert (reply.applied_version, reply.checksum) == (4, good.checksum)
+    assert router.agent.policy == good
+
+
+async def test_malformed_messages_are_refused_with_field_paths(
+    router: RouterServer, transport: GrpcRouterTransport
+) -> None:
+    good = table_policy(6)
+    await transport.apply(router.address, good, False, DEADLINE_S)
+    stub = policy_grpc.RouterPolicyServiceStub(transport.channel(router.address))
+    before = updates(router.agent, "invalid")
+
+    tampered = policy_to_proto(table_policy(7))
+    tampered.scores[1] = 99.0  # content no longer matches its checksum
+    unspecified = policy_to_proto(table_policy(8))
+    unspecified.routes[3] = 0  # type: ignore[call-overload]
+    cases = [
+        (policy_pb.ApplyPolicyRequest(policy=tampered), "checksum"),
+        (policy_pb.ApplyPolicyRequest(policy=unspecified), "routes[3]"),
+        (policy_pb.ApplyPolicyRequest(), "policy: missing"),
+    ]
+    for request, expected in cases:
+        response = await stub.ApplyPolicy(request, timeout=DEADLINE_S)
+        assert response.result == policy_pb.APPLY_RESULT_INVALID
+        assert expected in response.message
+        assert (response.applied_version, response.checksum) == (6, good.checksum)
+    assert router.agent.policy == good
+    assert updates(router.agent, "invalid") == before + len(cases)
+
+
+async def test_get_policy_returns_the_running_policy(
+    router: RouterServer, transport: GrpcRouterTransport
+) -> None:
+    addr = router.address
+    policy, state, applied_at = await transport.get_policy(addr, DEADLINE_S)
+    assert policy is None and (state.version, state.checksum) == (0, "") and applied_at is None
+
+    v9 = table_policy(9)
+    await transport.apply(addr, v9, False, DEADLINE_S)
+    policy, state, applied_at = await transport.get_policy(addr, DEADLINE_S)
+    assert policy == v9
+    assert (state.version, state.checksum) == (9, v9.checksum)
+    assert applied_at == pytest.approx(router.agent.applied_at, abs=1e-6)
+
+    stub = policy_grpc.RouterPolicyServiceStub(transport.channel(addr))
+    slim = await stub.GetPolicy(policy_pb.GetPolicyRequest(omit_policy=True), timeout=DEADLINE_S)
+    assert not slim.HasField("policy")
+    assert (slim.version, slim.checksum) == (9, v9.checksum)
+
+
+async def test_applied_policy_survives_a_router_restart(
+    tmp_path: Path, transport: GrpcRouterTransport
+) -> None:
+    state_file = tmp_path / "router.json"
+    first = RouterServer(RouterAgent(registry=CollectorRegistry(), state_file=state_file))
+    await first.start()
+    port = first.port
+    v5 = table_policy(5, flip=1)
+    assert (await transport.apply(first.address, v5, False, DEADLINE_S)).outcome is (
+        ApplyOutcome.APPLIED
+    )
+    await first.stop(grace=None)
+    with pytest.raises(RouterCallError):
+        await transport.get(first.address, 1.0)
+
+    second = RouterServer(
+        RouterAgent(registry=CollectorRegistry(), state_file=state_file),
+        listen=f"127.0.0.1:{port}",
+    )
+    await second.start()
+    try:
+        policy, state, _ = await transport.get_policy(second.address, DEADLINE_S)
+        assert policy == v5
+        assert (state.version, state.checksum) == (5, v5.checksum)
+        # And it still refuses to go back without a rollback.
+        reply = await transport.apply(second.address, table_policy(4), False, DEADLINE_S)
+        assert reply.outcome is ApplyOutcome.STALE
+    finally:
+        await second.stop(grace=None)
+
+
+async def test_decide_and_observe_for_routers_in_other_languages(
+    router: RouterServer, transport: GrpcRouterTransport
+) -> None:
+    addr = router.address
+    no_policy, version = await transport.decide(addr, Features(2, 100, 10, 10, 1), DEADLINE_S)
+    assert (no_policy.reason, version) == (Reason.NO_POLICY, 0)
+
+    policy = table_policy(11)
+    await transport.apply(addr, policy, False, DEADLINE_S)
+    samples = [
+        Features(1, 0, 500, 100, 1.0),
+        Features(2, 300, 50, 100, 2.0),
+        Features(3, 5000, 2000, 100, 50.0),
+        Features(4, 1e6, 1, 1, 1e3),
+        Features(2, float("nan"), 10, 10, 1),
+        Features(2, 100, 10, 0, 1),
+    ]
+    for f in samples:
+        got, version = await transport.decide(addr, f, DEADLINE_S)
+        assert version == 11
+        assert got == decide(policy, f, lambda: 0.99)
+
+    stub = agent_grpc.RouterAgentServiceStub(transport.channel(addr))
+    decision = Decision(Route.DECODE_LOCAL, (0, 0, 0), Reason.TABLE)
+    met = await stub.Observe(
+        agent_pb.ObserveRequest(decision=decision_to_proto(decision), ttft_s=0.1, tpot_s=0.01),
+        timeout=DEADLINE_S,
+    )
+    one_token = await stub.Observe(
+        agent_pb.ObserveRequest(decision=decision_to_proto(decision), ttft_s=0.1),
+        timeout=DEADLINE_S,
+    )
+    slow = await stub.Observe(
+        agent_pb.ObserveRequest(decision=decision_to_proto(decision), ttft_s=60.0, tpot_s=9.0),
+        timeout=DEADLINE_S,
+    )
+    assert (met.slo, one_token.slo, slow.slo) == ("met", "met", "both_miss")
+
+    bad = decision_to_proto(decision)
+    bad.reason = "made_up"
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.Observe(agent_pb.ObserveRequest(decision=bad, ttft_s=0.1), timeout=DEADLINE_S)
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "decision.reason" in (e.value.details() or "")
+
+
+async def test_health_and_reflection(router: RouterServer, transport: GrpcRouterTransport) -> None:
+    channel = transport.channel(router.address)
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", POLICY_SERVICE, AGENT_SERVICE):
+        response = await health.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=DEADLINE_S
+        )
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+    async def requests() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+    names: set[str] = set()
+    async for response in stub.ServerReflectionInfo(requests(), timeout=DEADLINE_S):
+        names |= {s.name for s in response.list_services_response.service}
+    assert {POLICY_SERVICE, AGENT_SERVICE, "grpc.health.v1.Health"} <= names
+
+
+async def test_largest_table_is_pushed_within_the_message_limit(
+    transport: GrpcRouterTransport,
+) -> None:
+    edges = tuple(float(2**i) for i in range(64))
+    big = Policy.uniform(2, Route.DECODE_LOCAL, axes=Axes(edges, edges, edges))
+    server = RouterServer(RouterAgent(registry=CollectorRegistry()))
+    await server.start()
+    try:
+        reply = await transport.apply(server.address, big, False, 60.0)
+        assert reply.outcome is ApplyOutcome.APPLIED
+        assert reply.checksum == big.checksum
+    finally:
+        await server.stop(grace=None)
+
+
+async def test_a_second_server_cannot_take_a_live_port(router: RouterServer) -> None:
+    from controller.errors import ConfigError
+
+    other = RouterServer(RouterAgent(registry=CollectorRegistry()), listen=router.address)
+    with pytest.raises(ConfigError, match="cannot listen"):
+        await other.start()
