@@ -1,0 +1,205 @@
+"""Engine catalog: which exposed series mean what, for each engine the controller reads.
+
+Every source reads workers through this one table, so vLLM 0.33, older vLLM and SGLang 0.5
+land in the same normalised keys (see ``reference/worker-metrics.md`` §5):
+
+- histogram keys (a :class:`~controller.core.window.Summary` each): ``ttft_s``,
+  ``inter_token_s``, ``tpot_s``, ``queue_s``, ``prefill_s``, ``kv_transfer_s``,
+  ``kv_transfer_bytes``;
+- counter keys: ``requests`` (finished requests), ``generation_tokens``, ``prompt_tokens``
+  (by source where the engine says so);
+- gauge keys: ``running``, ``waiting``, ``kv_cache_usage`` (0..1).
+
+The engine is detected from the families present (:func:`detect_engine`). Router agents
+(``pdrouter_*``) are described by :data:`ROUTER`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+HISTOGRAM_KEYS = (
+    "ttft_s", "inter_token_s", "tpot_s", "queue_s", "prefill_s", "kv_transfer_s",
+    "kv_transfer_bytes",
+)
+COUNTER_KEYS = ("requests", "generation_tokens", "prompt_tokens")
+GAUGE_KEYS = ("running", "waiting", "kv_cache_usage")
+
+GaugeAggregation = Literal["sum", "mean"]
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSpec:
+    """A histogram family; ``scale`` converts its unit to the key's (ms → s: 1e-3)."""
+
+    family: str
+    scale: float = 1.0
+    # Only series whose labels include these pairs (e.g. SGLang's stage="prefill_forward").
+    match: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CounterSpec:
+    """A counter (sample name with ``_total``); ``by`` names the label that splits it."""
+
+    sample: str
+    by: str | None = None
+    # When ``by`` is None the whole counter lands under this sub-key (``None``: plain number).
+    as_source: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GaugeSpec:
+    family: str
+    aggregate: GaugeAggregation = "sum"  # across a target's series (DP engines, ranks)
+    scale: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    name: str
+    histograms: Mapping[str, HistogramSpec]
+    counters: Mapping[str, CounterSpec]
+    gauges: Mapping[str, GaugeSpec]
+    # Families whose presence identifies this engine (any one of them).
+    markers: tuple[str, ...] = ()
+    # Families whose presence rules this engine out (newer names on an older spec).
+    excludes: tuple[str, ...] = ()
+
+    def families(self) -> frozenset[str]:
+        """Names this engine's window needs: histogram and gauge families, counter samples."""
+        names = {h.family for h in self.histograms.values()}
+        names |= {g.family for g in self.gauges.values()}
+        names |= {c.sample for c in self.counters.values()}
+        return frozenset(names)
+
+
+VLLM = EngineSpec(
+    name="vllm",
+    histograms={
+        "ttft_s": HistogramSpec("vllm:time_to_first_token_seconds"),
+        "inter_token_s": HistogramSpec("vllm:inter_token_latency_seconds"),
+        "tpot_s": HistogramSpec("vllm:request_time_per_output_token_seconds"),
+        "queue_s": HistogramSpec("vllm:request_queue_time_seconds"),
+        "prefill_s": HistogramSpec("vllm:request_prefill_time_seconds"),
+        "kv_transfer_s": HistogramSpec("vllm:nixl_xfer_time_seconds"),
+        "kv_transfer_bytes": HistogramSpec("vllm:nixl_bytes_transferred"),
+    },
+    counters={
+        "requests": CounterSpec("vllm:request_success_total"),
+        "generation_tokens": CounterSpec("vllm:generation_tokens_total"),
+        "prompt_tokens": CounterSpec("vllm:prompt_tokens_by_source_total", by="source"),
+    },
+    gauges={
+        "running": GaugeSpec("vllm:num_requests_running"),
+        "waiting": GaugeSpec("vllm:num_requests_waiting"),
+        "kv_cache_usage": GaugeSpec("vllm:kv_cache_usage_perc", aggregate="mean"),
+    },
+    markers=("vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds"),
+)
+
+# vLLM before the renames: time_per_output_token_seconds measured the inter-token latency
+# (it is NOT per-request TPOT), gpu_cache_usage_perc is the KV usage, no per-source tokens.
+VLLM_LEGACY = EngineSpec(
+    name="vllm-legacy",
+    histograms={
+        "ttft_s": HistogramSpec("vllm:time_to_first_token_seconds"),
+        "inter_token_s": HistogramSpec("vllm:time_per_output_token_seconds"),
+        "tpot_s": HistogramSpec("vllm:request_time_per_output_token_seconds"),
+        "queue_s": HistogramSpec("vllm:request_queue_time_seconds"),
+        "prefill_s": HistogramSpec("vllm:request_prefill_time_seconds"),
+        "kv_transfer_s": HistogramSpec("vllm:nixl_xfer_time_seconds"),
+        "kv_transfer_bytes": HistogramSpec("vllm:nixl_bytes_transferred"),
+    },
+    counters={
+        "requests": CounterSpec("vllm:request_success_total"),
+        "generation_tokens": CounterSpec("vllm:generation_tokens_total"),
+        "prompt_tokens": CounterSpec("vllm:prompt_tokens_total", as_source="total"),
+    },
+    gauges={
+        "running": GaugeSpec("vllm:num_requests_running"),
+        "waiting": GaugeSpec("vllm:num_requests_waiting"),
+        "kv_cache_usage": GaugeSpec("vllm:gpu_cache_usage_perc", aggregate="mean"),
+    },
+    markers=("vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds"),
+    excludes=("vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds"),
+)
+
+SGLANG = EngineSpec(
+    name="sglang",
+    histograms={
+        "ttft_s": HistogramSpec("sglang:time_to_first_token_seconds"),
+        "inter_token_s": HistogramSpec("sglang:inter_token_latency_seconds"),
+        "tpot_s": HistogramSpec("sglang:request_time_per_output_token_seconds"),
+        "queue_s": HistogramSpec("sglang:queue_time_seconds"),
+        "prefill_s": HistogramSpec(
+            "sglang:per_stage_req_latency_seconds", match=(("stage", "prefill_forward"),)
+        ),
+        "kv_transfer_s": HistogramSpec("sglang:kv_transfer_latency_ms", scale=1e-3),
+        # SGLang's "MB" taken as 2**20 bytes (not verified against its source).
+        "kv_transfer_bytes": HistogramSpec("sglang:kv_transfer_total_mb", scale=float(2**20)),
+    },
+    counters={
+        "requests": CounterSpec("sglang:num_requests_total"),
+        "generation_tokens": CounterSpec("sglang:generation_tokens_total"),
+        "prompt_tokens": CounterSpec("sglang:prompt_tokens_total", as_source="total"),
+    },
+    gauges={
+        "running": GaugeSpec("sglang:num_running_reqs"),
+        "waiting": GaugeSpec("sglang:num_queue_reqs"),
+        "kv_cache_usage": GaugeSpec("sglang:token_usage", aggregate="mean"),
+    },
+    markers=("sglang:num_running_reqs", "sglang:token_usage", "sglang:num_queue_reqs"),
+)
+
+ENGINES: tuple[EngineSpec, ...] = (VLLM, VLLM_LEGACY, SGLANG)
+ENGINES_BY_NAME: Mapping[str, EngineSpec] = {e.name: e for e in ENGINES}
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    requests: str = "pdrouter_requests_total"  # {route, ctx_bin, io_bin, slo}
+    ttft: str = "pdrouter_ttft_seconds"  # histogram {route, ctx_bin}
+    tpot: str = "pdrouter_tpot_seconds"
+    context_tokens: str = "pdrouter_context_tokens"  # histogram, no labels
+    io_ratio: str = "pdrouter_io_ratio"
+    qps: str = "pdrouter_qps"
+    met_label: str = "met"
+    markers: tuple[str, ...] = field(default=("pdrouter_requests_total", "pdrouter_qps"))
+
+    def families(self) -> frozenset[str]:
+        return frozenset({
+            self.requests, self.ttft, self.tpot, self.context_tokens,
+            self.io_ratio, self.qps,
+        })
+
+
+ROUTER = RouterSpec()
+ROUTER_ENGINE = "pdrouter"
+
+
+def detect_engine(families: Iterable[str]) -> EngineSpec | None:
+    """The engine whose marker families are present (``None``: not a known worker)."""
+    present = set(families)
+    for spec in ENGINES:
+        if any(m in present for m in spec.markers) and not any(
+            x in present for x in spec.excludes
+        ):
+            return spec
+    return None
+
+
+def is_router(families: Iterable[str]) -> bool:
+    present = set(families)
+    return any(m in present for m in ROUTER.markers)
+
+
+def wanted_families() -> frozenset[str]:
+    """Every family any engine or the router needs: the parser may skip all others."""
+    out: set[str] = set(ROUTER.families())
+    for spec in ENGINES:
+        out |= spec.families()
+        out |= set(spec.markers) | set(spec.excludes)
+    return frozenset(out)

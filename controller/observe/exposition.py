@@ -1,0 +1,152 @@
+"""Prometheus text exposition (format 0.0.4) → a typed, validated snapshot of one target.
+
+Stricter than ``prometheus_client.parser`` (which reads ``foo 1 2 3 4`` as ``foo=1``): every
+sample line must be ``name[{labels}] value [timestamp]``; a non-numeric value, a repeated
+series, text cut off mid-line or an HTML page raises :class:`ExpositionError` with the
+failure kind the window reports for that target. Samples of families the window does not
+use are skipped after reading only their name, which keeps a 72-target scrape cheap.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Container
+from dataclasses import dataclass, field
+
+LabelKey = tuple[tuple[str, str], ...]  # sorted (name, value) pairs
+
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\\n]|\\.)*)"\s*(?:,|\Z)')
+_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+_ESCAPE_RE = re.compile(r"\\[\\\"n]")
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+class ExpositionError(ValueError):
+    """The target's answer is not valid exposition text; ``kind`` is a TargetFailure kind."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Cumulative values of one target at one moment (``taken_at``, epoch seconds)."""
+
+    target: str
+    taken_at: float
+    # sample name (``x_total``, ``x_bucket``, ...) -> label set -> value (NaN kept as NaN)
+    samples: dict[str, dict[LabelKey, float]] = field(default_factory=dict)
+    families: frozenset[str] = frozenset()  # family names announced or seen
+
+    def series(self, name: str) -> dict[LabelKey, float]:
+        return self.samples.get(name, {})
+
+
+def base_name(sample: str) -> str:
+    for suffix in HISTOGRAM_SUFFIXES:
+        if sample.endswith(suffix):
+            return sample[: -len(suffix)]
+    return sample
+
+
+def parse_exposition(
+    text: str,
+    *,
+    target: str,
+    taken_at: float,
+    keep: Container[str] | None = None,
+) -> Snapshot:
+    """Parse ``text``; keep samples whose name or family is in ``keep`` (all if ``None``)."""
+    head = text.lstrip()[:256].lower()
+    if head.startswith("<") or "<html" in head or "<!doctype" in head:
+        raise ExpositionError("parse", "the answer is an HTML page, not exposition text")
+    if text and not text.endswith("\n"):
+        last = text.rsplit("\n", 1)[-1]
+        raise ExpositionError("parse", f"truncated exposition: last line {last[:80]!r} is cut off")
+    samples: dict[str, dict[LabelKey, float]] = {}
+    families: set[str] = set()
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if not line:
+            continue
+        if line[0] == "#":
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] == "TYPE":
+                families.add(parts[2])
+            continue
+        brace = line.find("{")
+        if brace >= 0:
+            name = line[:brace]
+            close = line.rfind("}")
+            if close < brace:
+                raise ExpositionError("parse", f"line {lineno}: unclosed label set")
+            rest = line[close + 1 :]
+        else:
+            name, _, rest = line.partition(" ")
+            rest = " " + rest
+            close = -1
+        name = name.strip()
+        wanted = keep is None or name in keep or base_name(name) in keep
+        if not wanted:
+            continue
+        if not _NAME.match(name):
+            raise ExpositionError("parse", f"line {lineno}: bad metric name {name[:80]!r}")
+        fields = rest.split()
+        if not 1 <= len(fields) <= 2 or (rest and not rest[0].isspace()):
+            raise ExpositionError(
+                "parse", f"line {lineno}: expected 'name{{labels}} value [timestamp]'"
+            )
+        value = _number(fields[0], lineno)
+        if len(fields) == 2 and not fields[1].lstrip("-").isdigit():
+            raise ExpositionError("non_numeric", f"line {lineno}: bad timestamp {fields[1]!r}")
+        labels = _labels(line[brace + 1 : close], lineno) if brace >= 0 else ()
+        by_labels = samples.setdefault(name, {})
+        if labels in by_labels:
+            shown = ",".join(f'{k}="{v}"' for k, v in labels)
+            raise ExpositionError(
+                "duplicate_series", f"line {lineno}: series {name}{{{shown}}} appears twice"
+            )
+        by_labels[labels] = value
+        families.add(base_name(name))
+    return Snapshot(target=target, taken_at=taken_at, samples=samples,
+                    families=frozenset(families))
+
+
+def _number(text: str, lineno: int) -> float:
+    try:
+        if "_" in text:  # Python accepts 1_000; the exposition format does not
+            raise ValueError(text)
+        value = float(text)
+    except ValueError:
+        raise ExpositionError(
+            "non_numeric", f"line {lineno}: sample value {text[:40]!r} is not a number"
+        ) from None
+    if math.isinf(value) and text.lstrip("+-").lower() not in ("inf",):
+        raise ExpositionError("non_numeric", f"line {lineno}: value {text!r} is not a number")
+    return value
+
+
+def _labels(body: str, lineno: int) -> LabelKey:
+    pairs: list[tuple[str, str]] = []
+    pos = 0
+    end = len(body.rstrip())
+    while pos < end:
+        m = _LABEL.match(body, pos)
+        if m is None:
+            raise ExpositionError("parse", f"line {lineno}: malformed labels {body[:80]!r}")
+        value = m.group(2)
+        if "\\" in value:
+            value = _ESCAPE_RE.sub(lambda e: _ESCAPES[e.group(0)], value)
+        pairs.append((m.group(1), value))
+        pos = m.end()
+        if pos >= end:
+            break
+        if body[pos - 1] != ",":
+            raise ExpositionError("parse", f"line {lineno}: labels not separated by commas")
+    pairs.sort()
+    if any(a[0] == b[0] for a, b in itertools.pairwise(pairs)):
+        raise ExpositionError("parse", f"line {lineno}: a label name repeats")
+    return tuple(pairs)

@@ -1,0 +1,75 @@
+"""``ScrapeSource``: GET every target's ``/metrics`` directly and diff consecutive snapshots.
+
+One shared ``httpx.AsyncClient`` (keep-alive), at most ``concurrency`` scrapes in flight,
+a per-request timeout. A target that refuses, times out, answers non-2xx or answers
+something that is not exposition text is a reported failure for this window; its previous
+snapshot is dropped so the next answer starts a fresh baseline instead of a diff across
+the gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import httpx
+
+from controller.clock import Clock
+from controller.observe.snapshot import FetchError, SnapshotSource
+from controller.observe.source import Target
+
+_ACCEPT = "text/plain;version=0.0.4;q=1.0, */*;q=0.1"
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+class ScrapeSource(SnapshotSource):
+    name = "scrape"
+
+    def __init__(
+        self,
+        targets: Sequence[Target],
+        *,
+        timeout_s: float = 5.0,
+        concurrency: int = 32,
+        clock: Clock | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        super().__init__(targets, clock)
+        self._timeout = timeout_s
+        self._semaphore = asyncio.Semaphore(max(1, concurrency))
+        limits = httpx.Limits(max_connections=max(1, concurrency),
+                              max_keepalive_connections=max(1, concurrency))
+        self._client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s), limits=limits, headers={"Accept": _ACCEPT},
+            follow_redirects=False, trust_env=False,
+        )
+        self._own_client = client is None
+
+    async def fetch_all(self, targets: Sequence[Target]) -> list[str | FetchError]:
+        return list(await asyncio.gather(*(self._fetch(t) for t in targets)))
+
+    async def _fetch(self, target: Target) -> str | FetchError:
+        async with self._semaphore:
+            try:
+                response = await self._client.get(target.metrics_url, timeout=self._timeout)
+            except httpx.TimeoutException:
+                return FetchError("timeout", f"no answer within {self._timeout:g} s")
+            except httpx.HTTPError as e:
+                return FetchError("unreachable", f"{type(e).__name__}: {e}")
+        if response.status_code // 100 != 2:
+            return FetchError(
+                "http_status", f"HTTP {response.status_code} from {target.metrics_url}"
+            )
+        if len(response.content) > MAX_BODY_BYTES:
+            return FetchError("parse", f"answer larger than {MAX_BODY_BYTES} bytes")
+        ctype = response.headers.get("content-type", "")
+        if "html" in ctype.lower():
+            return FetchError("parse", f"the answer is {ctype}, not exposition text")
+        try:
+            return response.content.decode("utf-8")
+        except UnicodeDecodeError:
+            return FetchError("parse", "the answer is not UTF-8 text")
+
+    async def aclose(self) -> None:
+        if self._own_client:
+            await self._client.aclose()

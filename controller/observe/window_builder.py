@@ -1,0 +1,459 @@
+"""Cumulative metrics → a :class:`~controller.core.window.Window`.
+
+Two steps shared by every source:
+
+1. :func:`diff_snapshots` turns two cumulative snapshots of one target into a
+   :class:`TargetDelta` (increases of counters and histogram series, gauges at the end).
+   A family whose series went down was reset (engine restart): its increase is the value
+   after the reset, and the reset is reported. A series that appears counts from zero; one
+   that vanished is ignored. NaN samples are missing values, never zeros.
+   :class:`~controller.observe.prometheus.PrometheusSource` builds the same delta from
+   ``increase()`` results instead.
+2. :func:`worker_stats` / :func:`router_stats` read a delta through the engine catalog. A
+   histogram with no new observations in the window is ``None`` (not a zero mean); quantiles
+   come from bucket increases and are flagged ``interpolated`` where the buckets do not
+   resolve them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from controller.core.window import (
+    Histogram,
+    Role,
+    RouteOutcome,
+    Summary,
+    TargetFailure,
+    Window,
+    WorkerStats,
+    Workload,
+)
+from controller.observe.catalog import (
+    HISTOGRAM_KEYS,
+    ROUTER,
+    EngineSpec,
+    GaugeSpec,
+    HistogramSpec,
+    detect_engine,
+)
+from controller.observe.exposition import (
+    ExpositionError,
+    LabelKey,
+    Snapshot,
+    base_name,
+)
+from controller.policy.model import Route
+
+CUMULATIVE_SUFFIXES = ("_total", "_bucket", "_sum", "_count")
+# RouteOutcome bins that are not a bin of the fixed feature axes.
+ALL_BINS = -1  # the series has no such label: the row sums over every bin of that axis
+UNKNOWN_BIN = -2  # the router could not bin the request (label "unknown")
+QUANTILES = (0.5, 0.9, 0.99)
+# A quantile inside a bucket wider than this ratio (upper/lower edge) is only an estimate.
+RESOLVING_BUCKET_RATIO = 2.0
+
+
+def is_cumulative(sample: str) -> bool:
+    return sample.endswith(CUMULATIVE_SUFFIXES)
+
+
+@dataclass(slots=True)
+class TargetDelta:
+    """One target over one window: increases of cumulative series, gauges at the end."""
+
+    target: str
+    families: frozenset[str]
+    increases: dict[str, dict[LabelKey, float]] = field(default_factory=dict)
+    gauges: dict[str, dict[LabelKey, float]] = field(default_factory=dict)
+    has_baseline: bool = True
+    notes: list[TargetFailure] = field(default_factory=list)
+
+
+def check_histograms(snapshot: Snapshot) -> None:
+    """Every histogram series needs a ``+Inf`` bucket equal to its ``_count`` and buckets
+    that never decrease; a text cut off at a line boundary usually breaks one of these."""
+    for name, series in snapshot.samples.items():
+        if not name.endswith("_bucket"):
+            continue
+        family = name[: -len("_bucket")]
+        groups: dict[LabelKey, list[tuple[float, float]]] = {}
+        for labels, value in series.items():
+            le = dict(labels).get("le")
+            if le is None:
+                raise ExpositionError("parse", f"{name}: a bucket has no 'le' label")
+            rest = tuple(p for p in labels if p[0] != "le")
+            groups.setdefault(rest, []).append((_le(le, name), value))
+        counts = snapshot.series(family + "_count")
+        for rest, buckets in groups.items():
+            buckets.sort()
+            if buckets[-1][0] != math.inf:
+                raise ExpositionError(
+                    "parse", f"{family}: +Inf bucket missing (truncated exposition?)"
+                )
+            values = [v for _, v in buckets]
+            if any(b < a for a, b in itertools.pairwise(values)):
+                raise ExpositionError("parse", f"{family}: bucket counts decrease with le")
+            count = counts.get(rest)
+            if count is not None and not math.isnan(count) and count != values[-1]:
+                raise ExpositionError(
+                    "parse", f"{family}: _count {count} differs from the +Inf bucket {values[-1]}"
+                )
+
+
+def _le(text: str, name: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ExpositionError("non_numeric", f"{name}: bad le={text!r}") from None
+
+
+def diff_snapshots(prev: Snapshot | None, cur: Snapshot) -> TargetDelta:
+    """Increases from ``prev`` to ``cur`` (``prev`` None: gauges only, no baseline)."""
+    delta = TargetDelta(target=cur.target, families=cur.families, has_baseline=prev is not None)
+    reset_families: list[str] = []
+    by_family: dict[str, list[str]] = {}
+    for name, series in cur.samples.items():
+        if not is_cumulative(name):
+            delta.gauges[name] = {k: v for k, v in series.items() if not math.isnan(v)}
+            continue
+        by_family.setdefault(base_name(name), []).append(name)
+    if prev is None:
+        return delta
+    for family, names in by_family.items():
+        reset = False
+        for name in names:
+            old = prev.series(name)
+            for labels, value in cur.series(name).items():
+                before = old.get(labels)
+                if before is not None and value < before:
+                    reset = True
+                    break
+            if reset:
+                break
+        if reset:
+            reset_families.append(family)
+        for name in names:
+            old = prev.series(name)
+            inc: dict[LabelKey, float] = {}
+            for labels, value in cur.series(name).items():
+                if math.isnan(value):
+                    continue
+                before = old.get(labels)
+                if reset or before is None or math.isnan(before):
+                    inc[labels] = value  # reset or a new series: counted from zero
+                else:
+                    inc[labels] = value - before
+            delta.increases[name] = inc
+    if reset_families:
+        delta.notes.append(TargetFailure(
+            target=cur.target, kind="counter_reset",
+            message="counters reset (restart?): " + ", ".join(sorted(reset_families))
+            + "; the window counts from the reset",
+        ))
+    return delta
+
+
+def _matches(labels: LabelKey, match: tuple[tuple[str, str], ...]) -> bool:
+    if not match:
+        return True
+    d = dict(labels)
+    return all(d.get(k) == v for k, v in match)
+
+
+def histogram_summary(delta: TargetDelta, spec: HistogramSpec) -> Summary | None:
+    """Mean from ``_sum/_count`` increases, quantiles from bucket increases; ``None`` when
+    the family is absent or saw no observation in the window."""
+    counts = delta.increases.get(spec.family + "_count")
+    if not counts:
+        return None
+    sums = delta.increases.get(spec.family + "_sum", {})
+    count = math.fsum(v for k, v in counts.items() if _matches(k, spec.match))
+    total = math.fsum(v for k, v in sums.items() if _matches(k, spec.match))
+    if not count > 0:
+        return None
+    buckets: dict[float, float] = {}
+    for labels, v in delta.increases.get(spec.family + "_bucket", {}).items():
+        if not _matches(labels, spec.match):
+            continue
+        le = dict(labels).get("le")
+        if le is None:
+            continue
+        edge = float(le) * spec.scale
+        buckets[edge] = buckets.get(edge, 0.0) + v
+    q, interpolated = quantiles(sorted(buckets.items()), QUANTILES)
+    mean = total / count * spec.scale
+    return Summary(
+        mean=mean if math.isfinite(mean) else None, count=count,
+        p50=q[0], p90=q[1], p99=q[2], interpolated=interpolated,
+    )
+
+
+def quantiles(
+    cumulative: Sequence[tuple[float, float]], qs: Sequence[float]
+) -> tuple[list[float | None], bool]:
+    """Prometheus-style quantiles from cumulative ``(le, count)`` pairs.
+
+    Returns the values and whether any of them is only an estimate: it fell in the first
+    bucket (nothing known below the lowest edge), in the ``+Inf`` bucket (clamped to the
+    highest finite edge) or in a bucket more than :data:`RESOLVING_BUCKET_RATIO` wide.
+    """
+    if not cumulative or cumulative[-1][0] != math.inf or not cumulative[-1][1] > 0:
+        return [None] * len(qs), False
+    total = cumulative[-1][1]
+    out: list[float | None] = []
+    interpolated = False
+    for q in qs:
+        rank = q * total
+        prev_le, prev_count = 0.0, 0.0
+        value: float | None = None
+        for i, (le, count) in enumerate(cumulative):
+            if count >= rank and count > prev_count:
+                if le == math.inf:
+                    value = prev_le
+                    interpolated = True
+                else:
+                    lower = prev_le if i > 0 else min(0.0, le)  # first bucket starts at 0
+                    value = lower + (le - lower) * (rank - prev_count) / (count - prev_count)
+                    if i == 0 or (lower > 0 and le / lower > RESOLVING_BUCKET_RATIO):
+                        interpolated = True
+                break
+            prev_le, prev_count = le, count
+        out.append(value)
+    return out, interpolated
+
+
+def _gauge(delta: TargetDelta, spec: GaugeSpec) -> float | None:
+    series = delta.gauges.get(spec.family)
+    if not series:
+        return None
+    values = list(series.values())
+    total = math.fsum(values)
+    v = total if spec.aggregate == "sum" else total / len(values)
+    return v * spec.scale
+
+
+def _counter(delta: TargetDelta, sample: str) -> dict[LabelKey, float] | None:
+    if not delta.has_baseline:
+        return None
+    return delta.increases.get(sample)
+
+
+def worker_stats(
+    delta: TargetDelta, role: Role, interval_s: float, engine: EngineSpec | None = None
+) -> tuple[WorkerStats | None, list[TargetFailure]]:
+    """The worker's stats, or ``None`` plus a failure when no known engine is exposed."""
+    spec = engine or detect_engine(delta.families)
+    notes = list(delta.notes)
+    if spec is None:
+        notes.append(TargetFailure(
+            target=delta.target, kind="missing_family",
+            message="no vLLM or SGLang families found (is metrics export enabled?)",
+        ))
+        return None, notes
+    if not delta.has_baseline:
+        notes.append(TargetFailure(
+            target=delta.target, kind="no_baseline",
+            message="first snapshot of this target: counters need a previous one",
+        ))
+    summaries: dict[str, Summary | None] = {
+        key: (histogram_summary(delta, spec.histograms[key]) if delta.has_baseline else None)
+        for key in HISTOGRAM_KEYS
+    }
+    requests = _counter(delta, spec.counters["requests"].sample)
+    generation = _counter(delta, spec.counters["generation_tokens"].sample)
+    prompt_spec = spec.counters["prompt_tokens"]
+    prompt = _counter(delta, prompt_spec.sample)
+    by_source: dict[str, float] | None = None
+    if prompt is not None:
+        by_source = {}
+        for labels, v in prompt.items():
+            key = (dict(labels).get(prompt_spec.by, "") if prompt_spec.by
+                   else prompt_spec.as_source or "total")
+            by_source[key] = by_source.get(key, 0.0) + v
+    stats = WorkerStats(
+        worker=delta.target,
+        role=role,
+        engine=spec.name,
+        request_rate=None if requests is None else math.fsum(requests.values()) / interval_s,
+        running=_gauge(delta, spec.gauges["running"]),
+        waiting=_gauge(delta, spec.gauges["waiting"]),
+        kv_cache_usage=_gauge(delta, spec.gauges["kv_cache_usage"]),
+        prompt_tokens_by_source=by_source,
+        generation_tokens=None if generation is None else math.fsum(generation.values()),
+        **summaries,
+    )
+    return stats, notes
+
+
+@dataclass(slots=True)
+class RouterStats:
+    outcomes: list[RouteOutcome]
+    context_tokens: list[tuple[float, float]] | None  # cumulative (le, count) increases
+    io_ratio: list[tuple[float, float]] | None
+    qps: float | None
+    notes: list[TargetFailure]
+
+
+def bin_index(label: str | None, edge_labels: Sequence[str]) -> int:
+    """Index of a ``pdrouter_*`` bin label on its fixed axis (``+Inf``: the overflow bin)."""
+    if label is None:
+        return ALL_BINS
+    try:
+        return list(edge_labels).index(label)
+    except ValueError:
+        return UNKNOWN_BIN
+
+
+def router_stats(
+    delta: TargetDelta, ctx_labels: Sequence[str], io_labels: Sequence[str]
+) -> RouterStats:
+    """Per-route outcome cells, feature distributions and qps of one router.
+
+    Request counts are per (route, context bin, io bin). The latency histograms are only
+    labelled by (route, context bin) unless the router adds ``io_bin``: their sums then go
+    to rows with ``io_bin = ALL_BINS`` and zero requests, so summing any column over rows
+    stays correct.
+    """
+    notes = list(delta.notes)
+    cells: dict[tuple[Route, int, int], list[float]] = {}
+
+    def cell(route_label: str | None, labels: Mapping[str, str]) -> list[float] | None:
+        try:
+            route = Route[route_label or ""]
+        except KeyError:
+            return None
+        key = (route, bin_index(labels.get("ctx_bin"), ctx_labels),
+               bin_index(labels.get("io_bin"), io_labels))
+        return cells.setdefault(key, [0.0] * 6)
+
+    if delta.has_baseline:
+        for labels, v in delta.increases.get(ROUTER.requests, {}).items():
+            d = dict(labels)
+            row = cell(d.get("route"), d)
+            if row is None:
+                continue
+            row[0] += v
+            if d.get("slo") == ROUTER.met_label:
+                row[1] += v
+        for offset, family in ((2, ROUTER.ttft), (4, ROUTER.tpot)):
+            sums = delta.increases.get(family + "_sum", {})
+            for labels, count in delta.increases.get(family + "_count", {}).items():
+                d = dict(labels)
+                row = cell(d.get("route"), d)
+                if row is None:
+                    continue
+                row[offset] += sums.get(labels, 0.0)
+                row[offset + 1] += count
+    outcomes = [
+        RouteOutcome(router=delta.target, route=route, ctx_bin=c, io_bin=i, requests=r[0],
+                     met=r[1], ttft_sum=r[2], ttft_count=r[3], tpot_sum=r[4], tpot_count=r[5])
+        for (route, c, i), r in sorted(cells.items(), key=lambda kv: (kv[0][0].value, *kv[0][1:]))
+        if any(x > 0 for x in r)
+    ]
+    qps_series = delta.gauges.get(ROUTER.qps)
+    return RouterStats(
+        outcomes=outcomes,
+        context_tokens=_buckets(delta, ROUTER.context_tokens),
+        io_ratio=_buckets(delta, ROUTER.io_ratio),
+        qps=math.fsum(qps_series.values()) if qps_series else None,
+        notes=notes,
+    )
+
+
+def _buckets(delta: TargetDelta, family: str) -> list[tuple[float, float]] | None:
+    if not delta.has_baseline:
+        return None
+    series = delta.increases.get(family + "_bucket")
+    if not series:
+        return None
+    out: dict[float, float] = {}
+    for labels, v in series.items():
+        le = dict(labels).get("le")
+        if le is not None:
+            out[float(le)] = out.get(float(le), 0.0) + v
+    return sorted(out.items())
+
+
+def merge_histograms(parts: Iterable[list[tuple[float, float]] | None]) -> Histogram | None:
+    """Sum cumulative bucket increases of several routers into per-bucket counts; ``None``
+    when no router had the family or nothing was observed (never an all-zero histogram)."""
+    total: dict[float, float] = {}
+    seen = False
+    for part in parts:
+        if part is None:
+            continue
+        seen = True
+        for le, c in part:
+            total[le] = total.get(le, 0.0) + c
+    if not seen:
+        return None
+    edges = sorted(total)
+    cumulative = [total[e] for e in edges]
+    if not cumulative or not cumulative[-1] > 0:
+        return None
+    counts = [cumulative[0], *(b - a for a, b in itertools.pairwise(cumulative))]
+    return Histogram(edges=tuple(edges), counts=tuple(max(0.0, c) for c in counts))
+
+
+@dataclass(frozen=True, slots=True)
+class TargetResult:
+    """What a source got from one target: a delta, or the failure that replaced it."""
+
+    target: str
+    role: str  # "prefill" | "decode" | "router"
+    delta: TargetDelta | None = None
+    failure: TargetFailure | None = None
+
+
+def assemble_window(
+    start: float,
+    end: float,
+    results: Sequence[TargetResult],
+    *,
+    source: str,
+    ctx_labels: Sequence[str],
+    io_labels: Sequence[str],
+    engine: EngineSpec | None = None,
+) -> Window:
+    """The window from every target's result, in the order of ``results``."""
+    interval = end - start if end > start else 1.0
+    workers: list[WorkerStats] = []
+    outcomes: list[RouteOutcome] = []
+    ctx_parts: list[list[tuple[float, float]] | None] = []
+    io_parts: list[list[tuple[float, float]] | None] = []
+    qps: dict[str, float] = {}
+    answered: list[str] = []
+    failures: list[TargetFailure] = []
+    for r in results:
+        if r.delta is None:
+            if r.failure is not None:
+                failures.append(r.failure)
+            continue
+        answered.append(r.target)
+        if r.role == "router":
+            rs = router_stats(r.delta, ctx_labels, io_labels)
+            outcomes.extend(rs.outcomes)
+            ctx_parts.append(rs.context_tokens)
+            io_parts.append(rs.io_ratio)
+            if rs.qps is not None:
+                qps[r.target] = rs.qps
+            failures.extend(rs.notes)
+            continue
+        role: Role = "prefill" if r.role == "prefill" else "decode"
+        stats, notes = worker_stats(r.delta, role, interval, engine)
+        if stats is not None:
+            workers.append(stats)
+        failures.extend(notes)
+    workload = Workload(
+        context_tokens=merge_histograms(ctx_parts),
+        io_ratio=merge_histograms(io_parts),
+        qps_by_router=qps,
+    )
+    return Window.build(
+        start=start, end=end, interval_s=interval, workers=workers, outcomes=outcomes,
+        workload=workload, answered=answered, failures=failures, source=source,
+    )
