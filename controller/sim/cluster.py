@@ -239,7 +239,9 @@ class SimCluster:
             return d
         if not self.decode:
             return None
-        d = min(self.decode, key=lambda e: (e.load(), e.used_blocks, e.name))
+        # least loaded; ties go to the worker given the fewest sessions so far
+        d = min(self.decode, key=lambda e: (e.load(), e.sessions_assigned, e.name))
+        d.sessions_assigned += 1
         self.session_decode[session] = d
         return d
 

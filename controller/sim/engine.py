@@ -114,6 +114,7 @@ class Engine:
         self.on_alloc: Callable[[EngineRequest, float], None] | None = None
         self.steps = 0
         self.busy_time = 0.0
+        self.sessions_assigned = 0
         p = profile
         self._fixed = p.fixed_s
         self._floor = p.floor_s

@@ -1,0 +1,1 @@
+"""Evaluation: replay scenarios under policies and summarise them (DESIGN §9)."""

@@ -1,0 +1,243 @@
+"""Virtual-time runs: a scenario, a policy, one process, per-request records.
+
+Turn 1 of a session arrives at its (warped) start time; every later turn arrives ``think_s``
+after the previous turn of the session completes (closed loop). Sessions start until
+``duration_s``; their later turns still run, up to ``drain_limit_s`` after ``duration_s``
+(requests unfinished by then are counted as rejected, reason ``unfinished``). A rejected turn
+ends its session: the turns it would have led to are counted as rejected too
+(``session_aborted``), so every request of the workload is accounted for.
+
+Events: ``rate_scale`` warps the start times of sessions after it (the rate becomes
+``factor`` x the base rate; gaps inside a session are kept), ``link_bandwidth`` sets every
+KV link to ``factor`` x its initial bandwidth, ``add_worker`` / ``remove_worker`` change the
+pools (a removed worker's requests are retried elsewhere; its sessions lose their KV), and
+``workload`` switches to another source whose sessions start from the event time on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from bisect import bisect_right
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from controller.clock import VirtualClock, WallClock
+from controller.policy import Policy
+from controller.sim.cluster import SimCluster, SimRequest
+from controller.sim.scenario import Event, Scenario
+from controller.sim.workloads.base import SessionSpec, WorkloadConfig, build_workload
+
+PolicySource = Policy | Callable[[int], Policy] | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    session: str
+    turn: int
+    arrival_s: float
+    prompt_tokens: int
+    new_tokens: int
+    output_tokens: int
+    max_tokens: int
+    route: str
+    reason: str
+    context_tokens: int
+    ttft_s: float | None
+    tpot_s: float | None
+    finish_s: float | None
+    kv_bytes: int
+    rejected: bool
+    reject_reason: str
+    prefill_worker: str | None
+    decode_worker: str | None
+    retries: int
+    phase: int
+
+
+@dataclass(slots=True)
+class RunResult:
+    scenario: str
+    policy: str
+    records: list[RequestRecord]
+    phases: list[tuple[float, float]]
+    ttft_slo_s: float
+    tpot_slo_s: float
+    wall_s: float
+    events: int
+    sim_end_s: float
+    cluster: SimCluster = field(repr=False)
+
+
+class TimeWarp:
+    """Maps base time (the workload's clock) to sim time under rate-scale events."""
+
+    def __init__(self, events: tuple[Event, ...]) -> None:
+        self.tau = [0.0]
+        self.base = [0.0]
+        self.factor = [1.0]
+        for ev in events:
+            if ev.kind != "rate_scale":
+                continue
+            dt = ev.at_s - self.tau[-1]
+            self.base.append(self.base[-1] + dt * self.factor[-1])
+            self.tau.append(ev.at_s)
+            self.factor.append(ev.factor)
+
+    def to_sim(self, s: float) -> float:
+        i = bisect_right(self.base, s) - 1
+        return self.tau[i] + (s - self.base[i]) / self.factor[i]
+
+    def to_base(self, t: float) -> float:
+        i = bisect_right(self.tau, t) - 1
+        return self.base[i] + (t - self.tau[i]) * self.factor[i]
+
+
+def _session_feed(scenario: Scenario, warp: TimeWarp, rng: random.Random,
+                  shared_dir: Path | None) -> Iterator[tuple[float, SessionSpec]]:
+    """(sim start time, session) in start order, switching workloads at workload events."""
+    segments: list[tuple[float, WorkloadConfig]] = [(0.0, scenario.workload)]
+    segments += [(e.at_s, e.workload) for e in scenario.events
+                 if e.kind == "workload" and e.workload is not None]
+    for i, (seg_start, cfg) in enumerate(segments):
+        seg_end = segments[i + 1][0] if i + 1 < len(segments) else scenario.duration_s
+        offset = warp.to_base(seg_start)
+        if cfg.source == "synthetic" and "duration_s" not in cfg.params:
+            # synthetic sessions start over the whole segment, in base time
+            horizon = warp.to_base(seg_end) - offset
+            cfg = replace(cfg, params={**cfg.params, "duration_s": horizon})
+        for spec in build_workload(cfg, shared_dir).sessions(rng):
+            t = warp.to_sim(offset + spec.start_s)
+            if t >= seg_end:
+                break
+            yield t, spec
+
+
+def run_scenario(
+    scenario: Scenario,
+    policy: PolicySource,
+    *,
+    policy_key: str = "",
+    closed_form: bool = True,
+    controller: Callable[[float, SimCluster], None] | None = None,
+    progress: Callable[[float], None] | None = None,
+    drain_limit_s: float = 3600.0,
+    max_events: int = 200_000_000,
+    shared_dir: Path | None = None,
+) -> RunResult:
+    """Replay ``scenario`` under ``policy`` (one for all routers, or a factory by router
+    index). ``controller(t, cluster)`` runs every ``[controller] interval_s`` of virtual time
+    (a closed-loop test swaps policies there through ``cluster.routers[i].agent.apply``)."""
+    wall = WallClock()  # wall time of the run itself, for speed reports only
+    wall0 = wall.perf_counter_ns()
+    cfg = scenario.cluster
+    cluster = SimCluster(
+        type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
+                     "closed_form_runs": closed_form}),
+        scenario.profile, policy, clock=VirtualClock(start=0.0), seed=scenario.seed,
+    )
+    loop = cluster.loop
+    rng = random.Random(scenario.seed)
+    warp = TimeWarp(scenario.events)
+    phases = scenario.phase_bounds()
+    phase_starts = [a for a, _ in phases]
+    rid = itertools.count()
+    requests: list[SimRequest] = []
+    pending_turns: dict[str, tuple[SessionSpec, int]] = {}
+
+    def issue(spec: SessionSpec, index: int) -> None:
+        turn = spec.turns[index]
+        req = SimRequest(next(rid), spec.session_id, turn.turn, loop.now, turn.prompt_tokens,
+                         turn.new_tokens, turn.output_tokens, turn.max_tokens,
+                         on_complete=completed)
+        pending_turns[spec.session_id] = (spec, index)
+        requests.append(req)
+        cluster.submit(req)
+
+    def completed(req: SimRequest) -> None:
+        spec, index = pending_turns[req.session]
+        if index + 1 >= len(spec.turns):
+            del pending_turns[req.session]
+            return
+        if req.rejected:
+            del pending_turns[req.session]
+            for turn in spec.turns[index + 1:]:
+                r = SimRequest(next(rid), spec.session_id, turn.turn, loop.now,
+                               turn.prompt_tokens, turn.new_tokens, turn.output_tokens,
+                               turn.max_tokens, rejected=True, reject_reason="session_aborted")
+                requests.append(r)
+            return
+        nxt = spec.turns[index + 1]
+        loop.at(loop.now + nxt.think_s, issue, spec, index + 1)
+
+    feed = _session_feed(scenario, warp, rng, shared_dir)
+
+    def start_next() -> None:
+        item = next(feed, None)
+        if item is None:
+            return
+        t, spec = item
+        loop.at(t, start_session, spec)
+
+    def start_session(spec: SessionSpec) -> None:
+        issue(spec, 0)
+        start_next()
+
+    def apply_event(ev: Event) -> None:
+        if ev.kind == "link_bandwidth":
+            cluster.set_link_factor(ev.factor)
+        elif ev.kind == "add_worker":
+            for _ in range(ev.count):
+                cluster.add_worker(ev.role)  # type: ignore[arg-type]
+        elif ev.kind == "remove_worker":
+            for _ in range(ev.count):
+                cluster.remove_worker(ev.role)  # type: ignore[arg-type]
+        # rate_scale and workload act through the session feed
+
+    for ev in scenario.events:
+        loop.at(ev.at_s, apply_event, ev)
+    if controller is not None:
+        def tick() -> None:
+            controller(loop.now, cluster)
+            nxt = loop.now + scenario.interval_s
+            if nxt <= scenario.duration_s or cluster.busy():
+                loop.at(nxt, tick)
+        loop.at(scenario.interval_s, tick)
+    if progress is not None:
+        step = scenario.duration_s / 100.0
+
+        def report() -> None:
+            progress(loop.now)
+            if loop.now + step <= scenario.duration_s:
+                loop.at(loop.now + step, report)
+        loop.at(0.0, report)
+    start_next()
+    horizon = scenario.duration_s + drain_limit_s
+    if not loop.run(horizon, max_events):
+        raise RuntimeError(f"run exceeded max_events={max_events} at t={loop.now:.3f}s")
+    records = []
+    for r in requests:
+        if not r.rejected and r.finish is None:
+            r.rejected = True
+            r.reject_reason = "unfinished"
+        records.append(RequestRecord(
+            session=r.session, turn=r.turn, arrival_s=r.arrival, prompt_tokens=r.prompt,
+            new_tokens=r.new_tokens, output_tokens=r.output_tokens, max_tokens=r.max_tokens,
+            route=r.route.name if r.route is not None else "", reason=r.reason,
+            context_tokens=r.context_tokens,
+            ttft_s=r.ttft if not r.rejected else None,
+            tpot_s=r.tpot if not r.rejected else None,
+            finish_s=r.finish, kv_bytes=r.kv_bytes, rejected=r.rejected,
+            reject_reason=r.reject_reason, prefill_worker=r.prefill_worker,
+            decode_worker=r.decode_worker, retries=r.retries,
+            phase=max(0, bisect_right(phase_starts, r.arrival) - 1),
+        ))
+    if progress is not None:
+        progress(scenario.duration_s)
+    return RunResult(
+        scenario=scenario.name, policy=policy_key, records=records, phases=phases,
+        ttft_slo_s=scenario.ttft_slo_s, tpot_slo_s=scenario.tpot_slo_s,
+        wall_s=(wall.perf_counter_ns() - wall0) / 1e9, events=loop.processed, sim_end_s=loop.now,
+        cluster=cluster,
+    )

@@ -1,0 +1,138 @@
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from typer.testing import CliRunner
+
+from controller.bench.report import percentile, summarize
+from controller.policy import Policy, Route
+from controller.sim.run import TimeWarp, _session_feed, run_scenario
+from controller.sim.scenario import Scenario, parse_scenario
+
+
+def _scenario(**over: Any) -> Scenario:
+    data: dict[str, Any] = {
+        "name": "t", "seed": 3, "duration_s": 20,
+        "cluster": {"prefill_workers": 1, "decode_workers": 2, "routers": 2},
+        "workload": {"source": "synthetic",
+                     "params": {"qps": 6, "turns": 3, "turn1_input": 800, "turn1_output": 64,
+                                "append_input": 100, "append_output": 64, "think_s": 1.0}},
+        "slo": {"ttft_s": 0.5, "tpot_s": 0.05},
+    }
+    data.update(over)
+    return parse_scenario(data)
+
+
+def _expected_turns(sc: Scenario) -> int:
+    feed = _session_feed(sc, TimeWarp(sc.events), random.Random(sc.seed), None)
+    return sum(len(spec.turns) for _, spec in feed)
+
+
+def test_every_workload_request_is_recorded_once() -> None:
+    sc = _scenario()
+    res = run_scenario(sc, Policy.uniform(1, Route.DECODE_LOCAL))
+    assert len(res.records) == _expected_turns(sc) > 0
+    assert not any(r.rejected for r in res.records)
+    routes = {(r.turn > 1, r.route) for r in res.records}
+    assert routes == {(False, "PREFILL_NODE"), (True, "DECODE_LOCAL")}
+    gen = sum(e.metrics.generation_tokens for e in res.cluster.decode)
+    assert gen == sum(r.output_tokens for r in res.records)
+    decided = sum(router.decisions for router in res.cluster.routers)
+    assert decided == len(res.records)
+    assert all(router.decisions > 0 for router in res.cluster.routers)
+
+
+def test_same_seed_same_summary() -> None:
+    sc = _scenario()
+    a = summarize(run_scenario(sc, Policy.uniform(1, Route.PREFILL_NODE)))
+    b = summarize(run_scenario(sc, Policy.uniform(1, Route.PREFILL_NODE)))
+    assert a == b
+
+
+def test_removed_decode_worker_requests_are_retried_and_accounted() -> None:
+    sc = _scenario(events=[{"at_s": 8, "kind": "remove_worker", "role": "decode"},
+                           {"at_s": 12, "kind": "add_worker", "role": "decode", "count": 2}])
+    res = run_scenario(sc, Policy.uniform(1, Route.DECODE_LOCAL))
+    assert len(res.records) == _expected_turns(sc)
+    assert sum(r.retries for r in res.records) > 0
+    assert not any(r.rejected for r in res.records)
+    assert len(res.cluster.decode) == 3
+    assert len(res.phases) == 3
+    assert {r.phase for r in res.records} == {0, 1, 2}
+
+
+def test_rate_scale_event_speeds_up_session_starts() -> None:
+    base = _scenario()
+    fast = _scenario(events=[{"at_s": 10, "kind": "rate_scale", "factor": 3.0}])
+    n_base = _expected_turns(base)
+    n_fast = _expected_turns(fast)
+    assert n_fast > n_base * 1.5
+
+
+def test_slow_links_raise_pd_ttft() -> None:
+    sc = _scenario()
+    slow = _scenario(events=[{"at_s": 0.001, "kind": "link_bandwidth", "factor": 0.01}])
+    pol = Policy.uniform(1, Route.PREFILL_NODE)
+    a = summarize(run_scenario(sc, pol))
+    b = summarize(run_scenario(slow, pol))
+    assert b["turn2_ttft_mean_s"] > a["turn2_ttft_mean_s"] * 2
+    assert a["kv_bytes"] == b["kv_bytes"]
+
+
+def test_percentile_is_nearest_rank() -> None:
+    vals = [float(v) for v in range(1, 101)]
+    random.Random(1).shuffle(vals)
+    assert percentile(vals, 99) == 99.0
+    assert percentile(vals, 50) == 50.0
+    assert percentile([], 99) is None
+
+
+def test_bench_run_json_has_the_documented_schema(tmp_path: Path) -> None:
+    from controller.cli import app
+
+    toml = tmp_path / "s.toml"
+    toml.write_text(
+        'name = "cli"\nseed = 1\nduration_s = 12\n'
+        '[cluster]\nprefill_workers = 1\ndecode_workers = 2\n'
+        '[workload]\nsource = "synthetic"\n[workload.params]\nqps = 4\nturns = 3\n'
+        '[[events]]\nat_s = 6\nkind = "link_bandwidth"\nfactor = 0.5\n'
+    )
+    from controller.policy import dumps
+
+    pfile = tmp_path / "mine.json"
+    pfile.write_text(dumps(Policy.uniform(3, Route.DECODE_LOCAL)))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["bench", "run", str(toml), "--policy", "pd", "--policy",
+                                 "local", "--policy", str(pfile), "--json", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["scenario"] == "cli"
+    assert set(doc["policies"]) == {"pd", "local", "mine"}
+    keys = {"goodput", "requests", "rejected", "turn2_ttft_mean_s", "turn2_ttft_p99_s",
+            "tpot_mean_s", "tpot_p99_s", "kv_bytes", "phases"}
+    phase_keys = {"start_s", "end_s", "goodput", "turn2_ttft_mean_s", "turn2_ttft_p99_s",
+                  "tpot_mean_s", "tpot_p99_s", "kv_bytes"}
+    for s in doc["policies"].values():
+        assert set(s) == keys
+        assert 0 <= s["goodput"] <= 1
+        assert [(p["start_s"], p["end_s"]) for p in s["phases"]] == [(0, 6), (6, 12)]
+        assert all(set(p) == phase_keys for p in s["phases"])
+    assert doc["policies"]["local"] == doc["policies"]["mine"]
+    assert doc["policies"]["pd"]["kv_bytes"] > doc["policies"]["local"]["kv_bytes"]
+    assert json.loads((out / "summary.json").read_text()) == doc
+    lines = (out / "pd.jsonl").read_text().splitlines()
+    assert len(lines) == doc["policies"]["pd"]["requests"]
+
+
+def test_bench_run_names_a_bad_key(tmp_path: Path) -> None:
+    from controller.cli import app
+
+    toml = tmp_path / "s.toml"
+    toml.write_text('name = "x"\nduration_s = 5\n[cluster]\nroutrs = 2\n'
+                    '[workload]\nsource = "synthetic"\n')
+    r = CliRunner().invoke(app, ["bench", "run", str(toml), "--json"])
+    assert r.exit_code == 2
+    assert "cluster.routrs" in r.output
