@@ -27,7 +27,8 @@ from controller.clock import VirtualClock, WallClock
 from controller.policy import Policy
 from controller.sim.cluster import SimCluster, SimRequest
 from controller.sim.scenario import Event, Scenario
-from controller.sim.workloads.base import SessionSpec, WorkloadConfig, build_workload
+from controller.sim.workloads.base import SessionSpec, Workload, WorkloadConfig, build_workload
+from controller.sim.workloads.compose import WorkloadSwitch, apply_events
 
 PolicySource = Policy | Callable[[int], Policy] | None
 
@@ -70,48 +71,29 @@ class RunResult:
     cluster: SimCluster = field(repr=False)
 
 
-class TimeWarp:
-    """Maps base time (the workload's clock) to sim time under rate-scale events."""
-
-    def __init__(self, events: tuple[Event, ...]) -> None:
-        self.tau = [0.0]
-        self.base = [0.0]
-        self.factor = [1.0]
-        for ev in events:
-            if ev.kind != "rate_scale":
-                continue
-            dt = ev.at_s - self.tau[-1]
-            self.base.append(self.base[-1] + dt * self.factor[-1])
-            self.tau.append(ev.at_s)
-            self.factor.append(ev.factor)
-
-    def to_sim(self, s: float) -> float:
-        i = bisect_right(self.base, s) - 1
-        return self.tau[i] + (s - self.base[i]) / self.factor[i]
-
-    def to_base(self, t: float) -> float:
-        i = bisect_right(self.tau, t) - 1
-        return self.base[i] + (t - self.tau[i]) * self.factor[i]
-
-
-def _session_feed(scenario: Scenario, warp: TimeWarp, rng: random.Random,
+def _session_feed(scenario: Scenario, rng: random.Random,
                   shared_dir: Path | None) -> Iterator[tuple[float, SessionSpec]]:
-    """(sim start time, session) in start order, switching workloads at workload events."""
-    segments: list[tuple[float, WorkloadConfig]] = [(0.0, scenario.workload)]
-    segments += [(e.at_s, e.workload) for e in scenario.events
-                 if e.kind == "workload" and e.workload is not None]
-    for i, (seg_start, cfg) in enumerate(segments):
-        seg_end = segments[i + 1][0] if i + 1 < len(segments) else scenario.duration_s
-        offset = warp.to_base(seg_start)
+    """(sim start time, session) in start order, with rate-scale events and workload
+    switches applied (``controller.sim.workloads.compose``)."""
+    factors = [e.factor for e in scenario.events if e.kind == "rate_scale"]
+    horizon = scenario.duration_s * max([1.0, *factors])
+
+    def build(cfg: WorkloadConfig) -> Workload:
         if cfg.source == "synthetic" and "duration_s" not in cfg.params:
-            # synthetic sessions start over the whole segment, in base time
-            horizon = warp.to_base(seg_end) - offset
+            # synthetic sessions start over the whole run (in the workload's own time)
             cfg = replace(cfg, params={**cfg.params, "duration_s": horizon})
-        for spec in build_workload(cfg, shared_dir).sessions(rng):
-            t = warp.to_sim(offset + spec.start_s)
-            if t >= seg_end:
-                break
-            yield t, spec
+        return build_workload(cfg, shared_dir)
+
+    workload = apply_events(
+        build(scenario.workload),
+        rate_changes=[(e.at_s, e.factor) for e in scenario.events if e.kind == "rate_scale"],
+        switches=[WorkloadSwitch(e.at_s, build(e.workload)) for e in scenario.events
+                  if e.kind == "workload" and e.workload is not None],
+    )
+    for spec in workload.sessions(rng):
+        if spec.start_s >= scenario.duration_s:
+            break
+        yield spec.start_s, spec
 
 
 def run_scenario(
@@ -139,7 +121,6 @@ def run_scenario(
     )
     loop = cluster.loop
     rng = random.Random(scenario.seed)
-    warp = TimeWarp(scenario.events)
     phases = scenario.phase_bounds()
     phase_starts = [a for a, _ in phases]
     rid = itertools.count()
@@ -171,7 +152,7 @@ def run_scenario(
         nxt = spec.turns[index + 1]
         loop.at(loop.now + nxt.think_s, issue, spec, index + 1)
 
-    feed = _session_feed(scenario, warp, rng, shared_dir)
+    feed = _session_feed(scenario, rng, shared_dir)
 
     def start_next() -> None:
         item = next(feed, None)
