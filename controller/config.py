@@ -169,6 +169,11 @@ class StoreConfig(_Section):
     busy_timeout_ms: int = Field(
         5000, ge=0, description="SQLite: wait this long for a lock before failing."
     )
+    sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
+        "NORMAL",
+        description="SQLite (WAL): NORMAL = commits survive a process crash, the last ones "
+        "may be lost on power loss; FULL = fsync every commit.",
+    )
 
     @field_validator("url")
     @classmethod

@@ -15,7 +15,10 @@ Conventions:
 
 from __future__ import annotations
 
+import base64
 import math
+import sys
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -395,9 +398,14 @@ class Window:
             answered=tuple(answered), failures=tuple(failures), source=source,
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe (no NaN, no inf numbers), lossless: ``from_dict(to_dict(w)) == w``."""
-        return {
+    def to_dict(self, *, compact: bool = False) -> dict[str, Any]:
+        """JSON-safe (no NaN, no inf numbers), lossless: ``from_dict(to_dict(w)) == w``.
+
+        ``compact=True`` packs the route outcomes (hundreds of rows) as base64 columns of
+        little-endian int32/float64: exact, and several times cheaper to encode than JSON
+        numbers. The store uses it; people and scripts read the plain form.
+        """
+        d = {
             "schema_version": SCHEMA_VERSION,
             "start": self.start,
             "end": self.end,
@@ -406,11 +414,14 @@ class Window:
             "workers": [w.to_dict() for w in self.workers],
             "roles": {k: v.to_dict() for k, v in self.roles.items()},
             "outcome_columns": list(OUTCOME_COLUMNS),
-            "outcomes": [o.to_row() for o in self.outcomes],
+            "outcomes": [] if compact else [o.to_row() for o in self.outcomes],
             "workload": self.workload.to_dict(),
             "answered": list(self.answered),
             "failures": [f.to_dict() for f in self.failures],
         }
+        if compact:
+            d["packed_outcomes"] = _pack_outcomes(self.outcomes)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Window:
@@ -423,16 +434,74 @@ class Window:
                 source=str(d.get("source", "")),
                 workers=tuple(WorkerStats.from_dict(w) for w in d.get("workers", [])),
                 roles={str(k): RoleStats.from_dict(v) for k, v in d.get("roles", {}).items()},
-                outcomes=tuple(RouteOutcome.from_row(r) for r in d.get("outcomes", [])),
+                outcomes=(
+                    _unpack_outcomes(d["packed_outcomes"]) if "packed_outcomes" in d
+                    else tuple(RouteOutcome.from_row(r) for r in d.get("outcomes", []))
+                ),
                 workload=Workload.from_dict(d.get("workload", {})),
                 answered=tuple(str(a) for a in d.get("answered", [])),
                 failures=tuple(TargetFailure.from_dict(f) for f in d.get("failures", [])),
             )
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, IndexError) as e:
             raise WindowError(f"malformed window: {e!r}") from None
 
     def workers_of(self, role: Role) -> tuple[WorkerStats, ...]:
         return tuple(w for w in self.workers if w.role == role)
+
+
+_INTS_PER_OUTCOME = 4  # router index, route wire value, ctx_bin, io_bin
+_FLOATS_PER_OUTCOME = 6  # requests, met, ttft_sum, ttft_count, tpot_sum, tpot_count
+
+
+def _b64(a: array[Any]) -> str:
+    if sys.byteorder == "big":
+        a = array(a.typecode, a)
+        a.byteswap()
+    return base64.b64encode(a.tobytes()).decode("ascii")
+
+
+def _unb64(typecode: str, text: str) -> array[Any]:
+    a = array(typecode)
+    a.frombytes(base64.b64decode(text, validate=True))
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a
+
+
+def _pack_outcomes(outcomes: Sequence[RouteOutcome]) -> dict[str, Any]:
+    routers: dict[str, int] = {}
+    ints = array("i", [
+        x for o in outcomes
+        for x in (routers.setdefault(o.router, len(routers)), int(o.route), o.ctx_bin, o.io_bin)
+    ])
+    floats = array("d", [
+        x for o in outcomes
+        for x in (o.requests, o.met, o.ttft_sum, o.ttft_count, o.tpot_sum, o.tpot_count)
+    ])
+    return {"routers": list(routers), "ints": _b64(ints), "floats": _b64(floats)}
+
+
+def _unpack_outcomes(packed: Mapping[str, Any]) -> tuple[RouteOutcome, ...]:
+    try:
+        routers = [str(r) for r in packed["routers"]]
+        ints = _unb64("i", packed["ints"])
+        floats = _unb64("d", packed["floats"])
+    except ValueError as e:  # bad base64 or a byte count that is not a whole array
+        raise WindowError(f"malformed packed outcomes: {e}") from None
+    n = len(ints) // _INTS_PER_OUTCOME
+    if len(ints) != n * _INTS_PER_OUTCOME or len(floats) != n * _FLOATS_PER_OUTCOME:
+        raise WindowError("packed outcomes: column lengths disagree")
+    out = []
+    for k in range(n):
+        i, f = k * _INTS_PER_OUTCOME, k * _FLOATS_PER_OUTCOME
+        out.append(
+            RouteOutcome(
+                routers[ints[i]], Route(ints[i + 1]), ints[i + 2], ints[i + 3],
+                floats[f], floats[f + 1], floats[f + 2], floats[f + 3], floats[f + 4],
+                floats[f + 5],
+            )
+        )
+    return tuple(out)
 
 
 def _hist_dict(h: Histogram | None) -> dict[str, Any] | None:

@@ -30,6 +30,7 @@ def make_engine(
     echo: bool = False,
     foreign_keys: bool = True,
     busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+    sqlite_synchronous: str = "NORMAL",
 ) -> Engine:
     """A sync engine with our SQLite settings: WAL, foreign keys, busy timeout, and
     explicit ``BEGIN`` so a transaction holds from its first statement (pysqlite's own
@@ -37,18 +38,29 @@ def make_engine(
 
     ``foreign_keys=False`` is for migrations: batch mode recreates tables, and dropping a
     parent table with foreign keys on would cascade into its children.
+
+    ``sqlite_synchronous="NORMAL"`` (with WAL): a commit is atomic and survives a process
+    crash, but the last commits before a power loss may be lost (the file stays
+    consistent); each commit then costs no fsync. ``"FULL"`` fsyncs every commit.
     """
+    if sqlite_synchronous not in ("NORMAL", "FULL"):
+        raise ValueError(f"sqlite_synchronous must be NORMAL or FULL, got {sqlite_synchronous!r}")
     u = normalize_url(url)
     kwargs: dict[str, Any] = {"echo": echo}
     if u.get_backend_name() == "postgresql":
         kwargs["pool_pre_ping"] = True
     engine = create_engine(u, **kwargs)
     if engine.dialect.name == "sqlite":
-        _install_sqlite_hooks(engine, foreign_keys=foreign_keys, busy_timeout_ms=busy_timeout_ms)
+        _install_sqlite_hooks(
+            engine, foreign_keys=foreign_keys, busy_timeout_ms=busy_timeout_ms,
+            synchronous=sqlite_synchronous,
+        )
     return engine
 
 
-def _install_sqlite_hooks(engine: Engine, *, foreign_keys: bool, busy_timeout_ms: int) -> None:
+def _install_sqlite_hooks(
+    engine: Engine, *, foreign_keys: bool, busy_timeout_ms: int, synchronous: str
+) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # The driver must not open transactions on its own: the begin hook does it.
@@ -57,6 +69,7 @@ def _install_sqlite_hooks(engine: Engine, *, foreign_keys: bool, busy_timeout_ms
         try:
             cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
             cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute(f"PRAGMA synchronous={synchronous}")
             cursor.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
         finally:
             cursor.close()

@@ -114,7 +114,7 @@ class Tx:
             start_at=_utc(window.start), end_at=_utc(window.end), interval_s=window.interval_s,
             source=window.source[:32], n_workers=len(window.workers),
             n_failures=len(window.failures), requests=requests,
-            body=dumps_json(window.to_dict()),
+            body=dumps_json(window.to_dict(compact=True)),
         )
         self._s.add(row)
         self._s.flush()
@@ -582,15 +582,22 @@ class Store:
         *,
         echo: bool = False,
         busy_timeout_ms: int = 5000,
+        sqlite_synchronous: str = "NORMAL",
     ) -> None:
         self.url = normalize_url(url)
         self.clock: Clock = clock or WallClock()
-        self.engine: Engine = make_engine(self.url, echo=echo, busy_timeout_ms=busy_timeout_ms)
+        self.engine: Engine = make_engine(
+            self.url, echo=echo, busy_timeout_ms=busy_timeout_ms,
+            sqlite_synchronous=sqlite_synchronous,
+        )
         self._writer = self.engine.execution_options(**{WRITE_OPTION: True})
 
     @classmethod
     def from_config(cls, config: StoreConfig, clock: Clock | None = None) -> Store:
-        return cls(config.url, clock, echo=config.echo, busy_timeout_ms=config.busy_timeout_ms)
+        return cls(
+            config.url, clock, echo=config.echo, busy_timeout_ms=config.busy_timeout_ms,
+            sqlite_synchronous=config.sqlite_synchronous,
+        )
 
     @property
     def dialect(self) -> str:

@@ -22,11 +22,25 @@ from controller.policy.model import Route
 from tests.store.factories import sample_window
 
 
+@pytest.mark.parametrize("compact", [False, True])
 @pytest.mark.parametrize("seed", range(5))
-def test_json_round_trip_is_lossless(seed: int) -> None:
+def test_json_round_trip_is_lossless(seed: int, compact: bool) -> None:
     w = sample_window(random.Random(seed), 1_800_000_000.1 + seed)
-    text = json.dumps(w.to_dict(), allow_nan=False)  # raises on NaN/inf numbers
-    assert Window.from_dict(json.loads(text)) == w
+    text = json.dumps(w.to_dict(compact=compact), allow_nan=False)  # raises on NaN/inf
+    back = Window.from_dict(json.loads(text))
+    assert back == w
+    assert [o.to_row() for o in back.outcomes] == [o.to_row() for o in w.outcomes]
+
+
+def test_compact_outcomes_keep_awkward_floats_bit_exact() -> None:
+    awkward = [0.1 + 0.2, 5e-324, 1.7976931348623157e308, 1 / 3, 0.0, 2.0**53 + 1]
+    outcomes = [
+        RouteOutcome("r\u00e9", Route.DECODE_LOCAL, 9, 0, x, x, x, x, x, x) for x in awkward
+    ]
+    w = Window(start=0, end=1, interval_s=1, outcomes=tuple(outcomes))
+    back = Window.from_dict(json.loads(json.dumps(w.to_dict(compact=True))))
+    assert [o.requests for o in back.outcomes] == awkward
+    assert back.outcomes == w.outcomes
 
 
 def test_missing_values_stay_none() -> None:
@@ -77,6 +91,12 @@ def test_from_dict_rejects_unknown_schema_and_malformed_rows() -> None:
         Window.from_dict({**d, "schema_version": 99})
     with pytest.raises(WindowError, match="outcome row"):
         Window.from_dict({**d, "outcomes": [["r", "DECODE_LOCAL", 0]]})
+    packed = sample_window(random.Random(1), 0.0, n_routers=1, cells=2).to_dict(compact=True)
+    truncated = {**packed["packed_outcomes"], "floats": packed["packed_outcomes"]["floats"][:-8]}
+    with pytest.raises(WindowError, match="packed outcomes"):
+        Window.from_dict({**packed, "packed_outcomes": truncated})
+    with pytest.raises(WindowError, match="packed outcomes"):
+        Window.from_dict({**packed, "packed_outcomes": {**truncated, "ints": "not base64!"}})
 
 
 def test_role_aggregate_weights_means_by_count_and_sums_loads() -> None:
