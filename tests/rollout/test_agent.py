@@ -444,6 +444,11 @@ def test_policy_age_and_staleness_follow_the_clock(caplog: pytest.LogCaptureFixt
     agent.apply(checkerboard(2))
     assert not agent.is_stale()
     assert sample(agent, "pdrouter_policy_age_seconds") == 0
+    with caplog.at_level(logging.WARNING):
+        clock.advance(150.0)
+        agent.observe(agent.decide(later_turn()), 0.1, 0.01)  # observe() notices it too
+    stale_lines = [r for r in caplog.records if "stale" in r.getMessage()]
+    assert len(stale_lines) == 2 and "v2" in stale_lines[1].getMessage()
 
 
 def test_every_agent_has_its_own_registry() -> None:
