@@ -18,6 +18,8 @@ _COMMAND_MODULES = (
     "demo_cmd",
     "sim_cmd",
     "bench_run",
+    "db_cmd",
+    "history_cmd",
 )
 
 for _name in _COMMAND_MODULES:
