@@ -64,7 +64,7 @@ def realistic_window(rng: random.Random, start: float, interval_s: float = 30.0)
                     f"router-{r}", route, c // 10, c % 10, n, float(int(n * 0.9)),
                     n * rng.random(), n, n * rng.random() * 0.05, n,
                 ))
-    edges = tuple(float(2**k) for k in range(8, 18)) + (float("inf"),)
+    edges = (*(float(2**k) for k in range(8, 18)), float("inf"))
     io_edges = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, float("inf"))
     workload = Workload(
         context_tokens=Histogram(edges, tuple(float(rng.randint(0, 500)) for _ in edges)),

@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from controller.cli import app
-from controller.clock import WallClock
 from controller.cli.history_cmd import parse_since
+from controller.clock import WallClock
 from controller.store import Store
 from tests.store.factories import sample_window
 
