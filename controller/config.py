@@ -95,6 +95,11 @@ class RoutersConfig(_Section):
     targets: list[str] = Field(
         default_factory=list, description="Router agents' gRPC addresses HOST:PORT (static list)."
     )
+    metrics_targets: list[str] = Field(
+        default_factory=list,
+        description="Routers' /metrics addresses HOST:PORT (pdrouter_* series) for the scrape "
+        "source; dns+NAME:PORT expands to every address of a headless service.",
+    )
 
 
 class SecurityConfig(_Section):
@@ -152,6 +157,43 @@ class ControllerConfig(_Section):
     interval_s: float = Field(30.0, gt=0, description="Control interval (window length).")
 
 
+class PrometheusConfig(_Section):
+    """The Prometheus (or Thanos/Mimir) HTTP API the prometheus source queries."""
+
+    url: str = Field("http://127.0.0.1:9090", description="Base URL of the HTTP API.")
+    timeout_s: float = Field(10.0, gt=0, description="Timeout of one API request.")
+    retries: int = Field(
+        2, ge=0, le=10, description="Retries on connection errors and HTTP 429/502/503/504."
+    )
+    window_mode: Literal["edges", "increase"] = Field(
+        "edges",
+        description="edges: diff the cumulative values at the window's start and end (exact "
+        "counts, new series counted); increase: increase() at the end (extrapolated counts).",
+    )
+    escaped_names: bool = Field(
+        False,
+        description="Prometheus stored vllm:x as vllm_x (prometheus_client 0.22+ answering a "
+        "Prometheus < 2.49 over OpenMetrics).",
+    )
+    discover_targets: bool = Field(
+        False, description="Take workers and routers from /api/v1/targets instead of the "
+        "static lists.",
+    )
+    role_label: str = Field(
+        "role", description="Target label holding prefill|decode|router (else the job name)."
+    )
+
+
+class ObserveConfig(_Section):
+    """How windows are observed."""
+
+    source: Literal["scrape", "prometheus"] = Field(
+        "scrape", description="scrape: GET every target's /metrics; prometheus: PromQL."
+    )
+    scrape_timeout_s: float = Field(5.0, gt=0, description="Timeout of one /metrics scrape.")
+    scrape_concurrency: int = Field(32, ge=1, description="Scrapes in flight at once.")
+
+
 class StoreConfig(_Section):
     """The history database (SQLite embedded default, PostgreSQL in production)."""
 
@@ -205,6 +247,8 @@ class Settings(BaseSettings):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    prometheus: PrometheusConfig = Field(default_factory=PrometheusConfig)
+    observe: ObserveConfig = Field(default_factory=ObserveConfig)
 
     _toml_file: ClassVar[Path | None] = None
 
