@@ -15,6 +15,10 @@ One :class:`RouterAgent` per router process. It
 * judges completed requests against the running policy's SLOs (``observe``) and exports the
   ``pdrouter_*`` metrics (see :mod:`controller.rollout.agent_metrics`).
 
+Start-up: a readable, valid ``state_file`` wins over ``initial_policy`` (the state file holds
+what the controller last pushed; ``initial_policy`` — e.g. the ``[ppd].lookup_table`` file — is
+only the fallback). A corrupt state file is renamed to ``<name>.corrupt-<n>`` and logged.
+
 Staleness: the policy's age counts from when this process applied or loaded it (a restart
 loads the state file and starts the clock again); with no policy at all the agent is not
 "stale" but every decision is counted with reason ``no_policy``.
@@ -42,6 +46,7 @@ from controller.policy import (
     Features,
     Policy,
     PolicyValidationError,
+    Problem,
     Reason,
     Route,
     Slo,
@@ -309,13 +314,16 @@ class RouterAgent:
                 message,
             )
 
-        problems = validate_policy(policy)
+        try:
+            problems = validate_policy(policy)
+        except Exception as e:  # not even shaped like a Policy (a bug in the caller's decoding)
+            problems = [Problem("$", f"cannot be validated: {type(e).__name__}: {e}")]
         if problems:
             listed = "; ".join(str(p) for p in problems)
             return result(
                 ApplyOutcome.INVALID,
-                f"policy v{policy.version!r} is invalid ({len(problems)} problem(s)): {listed}; "
-                f"keeping v{cur_version}",
+                f"policy v{getattr(policy, 'version', '?')!r} is invalid "
+                f"({len(problems)} problem(s)): {listed}; keeping v{cur_version}",
             )
         checksum = policy.checksum
         if current is not None and policy.version == cur_version:

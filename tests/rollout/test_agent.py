@@ -122,6 +122,14 @@ def test_invalid_update_is_refused_with_every_problem_and_last_good_kept(
     assert sample(agent, "pdrouter_updates_total", result="invalid") == 1
 
 
+def test_an_update_that_is_not_a_policy_is_refused_not_raised() -> None:
+    agent = RouterAgent(clock=VirtualClock(), initial_policy=checkerboard(1))
+    result = agent.apply(None)  # type: ignore[arg-type]
+    assert result.outcome is ApplyOutcome.INVALID
+    assert "cannot be validated" in result.message
+    assert agent.policy == checkerboard(1)
+
+
 def test_first_apply_on_an_empty_agent_reports_what_runs() -> None:
     agent = RouterAgent(clock=VirtualClock())
     assert (agent.policy, agent.checksum, agent.applied_at) == (None, "", None)
