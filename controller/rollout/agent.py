@@ -222,6 +222,10 @@ class RouterAgent:
         logger: logging.Logger | None = None,
         writer: Callable[[Path, bytes], None] | None = None,
     ) -> None:
+        if not decision_timeout_ms > 0:
+            raise ValueError(f"decision_timeout_ms must be > 0, got {decision_timeout_ms!r}")
+        if not stale_after_s > 0:
+            raise ValueError(f"stale_after_s must be > 0, got {stale_after_s!r}")
         self.router_id = router_id
         self._clock: Clock = clock if clock is not None else WallClock()
         self._registry = registry if registry is not None else CollectorRegistry()

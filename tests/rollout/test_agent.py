@@ -484,3 +484,10 @@ def test_decision_counts_add_up_to_the_decisions_made() -> None:
     }
     assert {k: v for k, v in got.items() if v} == made
     assert len(got) == len(Route) * len(Reason)  # every series exists from the start
+
+
+@pytest.mark.parametrize("kwargs", [{"decision_timeout_ms": 0.0}, {"stale_after_s": -1.0},
+                                    {"decision_timeout_ms": float("nan")}])
+def test_nonsense_limits_are_refused_at_construction(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        RouterAgent(clock=VirtualClock(), **kwargs)  # type: ignore[arg-type]
