@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +152,34 @@ def test_max_tokens_rules() -> None:
     assert max_tokens_for(10, "cap", 2000) == 2000
     assert max_tokens_for(10, 256, 2000) == 256
     assert max_tokens_for(300, 256, 2000) == 300
+
+
+def sessions_digest(seed: int) -> str:
+    digest = hashlib.sha256()
+    for source in ("mooncake", "azure-code", "synthetic"):
+        workload = build_workload(WorkloadConfig(source, rate_scale=1.5))
+        for session in workload.sessions(random.Random(seed)):
+            digest.update(repr(session).encode())
+    return digest.hexdigest()
+
+
+@pytest.mark.slow
+def test_same_seed_same_sessions_across_processes() -> None:
+    from tests.sim.workloads.test_mooncake import real_trace_path
+
+    real_trace_path()
+    code = (
+        "import sys; from tests.sim.workloads.test_build import sessions_digest as d; print(d(7))"
+    )
+    other_process = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+        cwd=Path(__file__).resolve().parents[3],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.strip()
+    here = sessions_digest(7)
+    assert here == other_process
+    assert here != sessions_digest(8)
