@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from controller.observe.source import FakeSource, Target
 from controller.policy.model import Route
@@ -73,6 +74,22 @@ class Router:
 
 
 @dataclass
+class Truth:
+    """What the traffic since the last ``Cluster.mark()`` was, kept by the test itself."""
+
+    hist: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # count, total
+    requests: dict[str, float] = field(default_factory=dict)
+    generation: dict[str, float] = field(default_factory=dict)
+    prompt: dict[str, dict[str, float]] = field(default_factory=dict)
+    gauges: dict[str, dict[str, float]] = field(default_factory=dict)  # latest, not reset
+    cells: dict[tuple[str, str, int, int], list[float]] = field(default_factory=dict)
+    latency: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
+    context: dict[float, float] = field(default_factory=dict)
+    io: dict[float, float] = field(default_factory=dict)
+    qps: dict[str, float] = field(default_factory=dict)  # latest, not reset
+
+
+@dataclass
 class Cluster:
     """Workers and routers as registries, and a FakeSource fed the same traffic."""
 
@@ -80,6 +97,14 @@ class Cluster:
     workers: dict[str, VllmWorker] = field(default_factory=dict)
     routers: dict[str, Router] = field(default_factory=dict)
     fake: FakeSource | None = None
+    truth: Truth = field(default_factory=Truth)
+
+    def mark(self) -> Truth:
+        """The traffic since the previous mark; gauges and qps carry over."""
+        done = self.truth
+        self.truth = Truth(gauges={k: dict(v) for k, v in done.gauges.items()},
+                           qps=dict(done.qps))
+        return done
 
     @classmethod
     def build(cls, prefill: int, decode: int, routers: int, names: list[str] | None = None
@@ -97,6 +122,17 @@ class Cluster:
         c.fake = FakeSource(targets)
         return c
 
+    def renamed(self, names: list[str]) -> Cluster:
+        """The same registries under other target names (e.g. the ports they are served on)."""
+        mapping = dict(zip([t.name for t in self.targets], names, strict=True))
+        targets = [Target(mapping[t.name], t.role) for t in self.targets]
+        return Cluster(
+            targets=targets,
+            workers={mapping[k]: v for k, v in self.workers.items()},
+            routers={mapping[k]: v for k, v in self.routers.items()},
+            fake=FakeSource(targets),
+        )
+
     def registries(self) -> dict[str, CollectorRegistry]:
         out = {n: w.registry for n, w in self.workers.items()}
         out.update({n: r.registry for n, r in self.routers.items()})
@@ -105,6 +141,9 @@ class Cluster:
     # --- traffic: applied to the registries and to the fake ledgers -----------------------
     def observe(self, worker: str, key: str, value: float) -> None:
         self.workers[worker].hist[key].observe(value)
+        h = self.truth.hist.setdefault((worker, key), [0.0, 0.0])
+        h[0] += 1
+        h[1] += value
         assert self.fake is not None
         self.fake.observe(worker, key, value)
 
@@ -114,6 +153,11 @@ class Cluster:
         w.generation.inc(gen_tokens)
         for src, n in prompt.items():
             w.prompt[src].inc(n)
+        t = self.truth
+        t.requests[worker] = t.requests.get(worker, 0.0) + 1
+        t.generation[worker] = t.generation.get(worker, 0.0) + gen_tokens
+        for src, n in prompt.items():
+            t.prompt.setdefault(worker, {})[src] = t.prompt.get(worker, {}).get(src, 0.0) + n
         assert self.fake is not None
         self.fake.finish_request(worker, gen_tokens, {k: float(v) for k, v in prompt.items()})
 
@@ -122,6 +166,8 @@ class Cluster:
         w.running.set(running)
         w.waiting.set(waiting)
         w.kv_usage.set(kv)
+        self.truth.gauges[worker] = {"running": running, "waiting": waiting,
+                                     "kv_cache_usage": kv}
         assert self.fake is not None
         for key, v in (("running", running), ("waiting", waiting), ("kv_cache_usage", kv)):
             self.fake.set_gauge(worker, key, v)
@@ -140,13 +186,25 @@ class Cluster:
         assert self.fake is not None
         ci = CONTEXT_BINS.labels.index(ctx_label)
         ii = IO_RATIO_BINS.labels.index(io_label)
+        cell = self.truth.cells.setdefault((router, route.name, ci, ii), [0.0, 0.0])
+        cell[0] += 1
+        cell[1] += 1 if (met_ttft and met_tpot) else 0
+        lat = self.truth.latency.setdefault((router, route.name, ci), [0.0] * 4)
+        lat[0] += 1
+        lat[1] += ttft_s
+        lat[2] += 1
+        lat[3] += tpot_s
         self.fake.route_request(router, route, ci, ii, ttft_s, tpot_s, met_ttft and met_tpot)
         ctx_edges = (*FEATURE_CONTEXT_EDGES, float("inf"))
         io_edges = (*FEATURE_IO_RATIO_EDGES, float("inf"))
         self.fake.feature(router, ctx_edges[ci], io_edges[ii])
+        t = self.truth
+        t.context[ctx_edges[ci]] = t.context.get(ctx_edges[ci], 0.0) + 1
+        t.io[io_edges[ii]] = t.io.get(io_edges[ii], 0.0) + 1
 
     def set_qps(self, router: str, qps: float) -> None:
         self.routers[router].metrics.qps.set(qps)
+        self.truth.qps[router] = qps
         assert self.fake is not None
         self.fake.set_qps(router, qps)
 
@@ -176,3 +234,21 @@ class Cluster:
                            rng.choice([0.1, 1.0, 3.0, 100.0]), rng.uniform(0.05, 3.0),
                            rng.uniform(0.01, 0.2))
             self.set_qps(name, round(rng.uniform(1, 50), 3))
+
+
+def serve_http(cluster: Cluster) -> tuple[Cluster, dict[str, Any]]:
+    """Serve every registry with prometheus_client's own HTTP server on 127.0.0.1."""
+    servers: dict[str, Any] = {}
+    names = []
+    registries = cluster.registries()
+    for t in cluster.targets:
+        server, _thread = start_http_server(0, addr="127.0.0.1", registry=registries[t.name])
+        name = f"127.0.0.1:{server.server_port}"
+        names.append(name)
+        servers[name] = server
+    return cluster.renamed(names), servers
+
+
+def stop_http(server: Any) -> None:
+    server.shutdown()
+    server.server_close()
