@@ -13,8 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import secrets
 import statistics
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from controller.clock import WallClock
@@ -91,48 +94,66 @@ def main() -> None:
     windows = [realistic_window(rng, 1.9e9 + 30 * i) for i in range(args.n + args.warmup)]
     body = json.dumps(windows[0].to_dict(compact=True), allow_nan=False)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        url = args.url or f"sqlite:///{Path(tmp) / 'bench.db'}"
-        with Store(url, clock) as store:
-            store.upgrade()
-            samples_ms: list[float] = []
-            for i, w in enumerate(windows):
-                t0 = clock.perf_counter_ns()
-                with store.cycle() as tx:
-                    tx.add_window(w)
-                dt = (clock.perf_counter_ns() - t0) / 1e6
-                if i >= args.warmup:
-                    samples_ms.append(dt)
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        _database(args.url, Path(tmp)) as url,
+        Store(url, clock) as store,
+    ):
+        store.upgrade()
+        samples_ms: list[float] = []
+        for i, w in enumerate(windows):
             t0 = clock.perf_counter_ns()
-            back = store.windows(limit=1)[0].window
-            read_ms = (clock.perf_counter_ns() - t0) / 1e6
-            assert back == windows[-1], "round trip changed the window"
+            with store.cycle() as tx:
+                tx.add_window(w)
+            dt = (clock.perf_counter_ns() - t0) / 1e6
+            if i >= args.warmup:
+                samples_ms.append(dt)
+        t0 = clock.perf_counter_ns()
+        back = store.windows(limit=1)[0].window
+        read_ms = (clock.perf_counter_ns() - t0) / 1e6
+        assert back == windows[-1], "round trip changed the window"
+        dialect = store.dialect
 
-            encode = []
-            for w in windows[: args.n]:
-                t0 = clock.perf_counter_ns()
-                json.dumps(w.to_dict(compact=True), allow_nan=False, separators=(",", ":"))
-                encode.append((clock.perf_counter_ns() - t0) / 1e6)
+    encode = []
+    for w in windows[: args.n]:
+        t0 = clock.perf_counter_ns()
+        json.dumps(w.to_dict(compact=True), allow_nan=False, separators=(",", ":"))
+        encode.append((clock.perf_counter_ns() - t0) / 1e6)
 
-            if store.dialect != "sqlite" and args.url is None:
-                raise SystemExit("unexpected dialect")
-            samples_ms.sort()
-            p99 = samples_ms[min(len(samples_ms) - 1, int(0.99 * len(samples_ms)))]
-            print(f"backend: {store.dialect} ({store.safe_url if args.url else 'temp file'})")
-            print(f"window: {N_WORKERS} workers, {N_ROUTERS} routers x 2 routes x {N_CELLS} "
-                  f"cells = {len(windows[0].outcomes)} outcomes, JSON body {len(body)} bytes")
-            print(f"write one window (one transaction), n={len(samples_ms)}: "
-                  f"mean {statistics.fmean(samples_ms):.2f} ms, "
-                  f"p50 {statistics.median(samples_ms):.2f} ms, p99 {p99:.2f} ms, "
-                  f"max {samples_ms[-1]:.2f} ms")
-            print(f"  of which to_dict + JSON encode: mean {statistics.fmean(encode):.2f} ms")
-            print(f"read newest window back (decode + rebuild): {read_ms:.2f} ms")
-            if args.url:  # leave no benchmark rows in a shared database
-                store.engine.dispose()
-                from controller.store import migrate
+    samples_ms.sort()
+    p99 = samples_ms[min(len(samples_ms) - 1, int(0.99 * len(samples_ms)))]
+    print(f"backend: {dialect}")
+    print(f"window: {N_WORKERS} workers, {N_ROUTERS} routers x 2 routes x {N_CELLS} "
+          f"cells = {len(windows[0].outcomes)} outcomes, stored body {len(body)} bytes")
+    print(f"write one window (one transaction), n={len(samples_ms)}: "
+          f"mean {statistics.fmean(samples_ms):.2f} ms, "
+          f"p50 {statistics.median(samples_ms):.2f} ms, p99 {p99:.2f} ms, "
+          f"max {samples_ms[-1]:.2f} ms")
+    print(f"  of which to_dict(compact) + JSON encode: mean {statistics.fmean(encode):.2f} ms")
+    print(f"read newest window back (decode + rebuild): {read_ms:.2f} ms")
 
-                migrate.downgrade(url, "base")
 
+@contextmanager
+def _database(url: str | None, tmp: Path) -> Iterator[str]:
+    """SQLite: a file in ``tmp``. PostgreSQL: a throwaway schema, dropped afterwards."""
+    if url is None:
+        yield f"sqlite:///{tmp / 'bench.db'}"
+        return
+    if not url.startswith("postgresql"):
+        yield url
+        return
+    import psycopg
+
+    schema = f"pdc_bench_{secrets.token_hex(4)}"
+    conninfo = url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    try:
+        sep = "&" if "?" in url else "?"
+        yield f"{url}{sep}options=-csearch_path%3D{schema}"
+    finally:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
 if __name__ == "__main__":
     main()
