@@ -18,6 +18,7 @@ same per-step arithmetic as step-by-step mode, so every exported number is the s
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -124,6 +125,9 @@ class Engine:
         self._cpf = p.c_pf_s
         self._run_batch = 0
         self._run_ctx0 = 0
+        self._dts: list[float] = []
+        self._ends: list[float] = []
+        self._pos = 0
 
     def step_time(self, n_new: int, ctx_sum: int, pairs: float) -> float:
         """The step-time model (same arithmetic as :meth:`Profile.step_time_s`)."""
@@ -362,8 +366,7 @@ class Engine:
             if self._run_steps > 1:
                 # the step in progress finishes as planned; the input joins after it
                 self._run_steps = 1
-                self.run_end = self.run_start + self.step_time(
-                    self._run_batch, self._run_ctx0, 0.0)
+                self.run_end = self._ends[self._pos]
                 self.version += 1
                 return self.run_end
         return None
@@ -374,18 +377,10 @@ class Engine:
             self._apply_completed(now)
 
     def _apply_completed(self, now: float) -> None:
-        t = self.run_start
-        ctx = self._run_ctx0
-        batch = self._run_batch
-        j = 0
-        while j < self._run_steps - 1:
-            t2 = t + self.step_time(batch, ctx, 0.0)
-            if t2 > now:
-                break
-            t = t2
-            ctx += batch
-            j += 1
-        if j:
+        # steps of the run (all but its last) whose end is <= now
+        pos = self._pos
+        j = bisect_right(self._ends, now, pos, pos + self._run_steps - 1) - pos
+        if j > 0:
             self._apply_decode_steps(j)
 
     def on_run_end(self, now: float) -> float | None:
@@ -429,10 +424,22 @@ class Engine:
             self._run_steps = k
             self._run_batch = batch
             self._run_ctx0 = ctx
+            # per-step durations, with step_time()'s arithmetic (pairs = 0 adds exactly 0)
+            lin = self._a + self._b * batch
+            if lin < self._floor:
+                lin = self._floor
+            base = self._fixed + lin
+            cdec = self._cdec
+            dts = self._dts = []
+            ends = self._ends = []
             t = now
             for _ in range(k):
-                t = t + self.step_time(batch, ctx, 0.0)
+                dt = base + cdec * ctx
+                t = t + dt
+                dts.append(dt)
+                ends.append(t)
                 ctx += batch
+            self._pos = 0
             self.run_end = t
         else:
             n_new = 0
@@ -474,18 +481,28 @@ class Engine:
         return lo
 
     def _apply_decode_steps(self, j: int) -> None:
+        """Apply the next ``j`` steps of the current decode run (bulk histogram updates)."""
         m = self.metrics
         batch = self._run_batch
-        ctx = self._run_ctx0
-        t = self.run_start
+        pos = self._pos
+        dts = self._dts
         itl = m.h_itl
-        itok = m.h_iter
-        for _ in range(j):
-            dt = self.step_time(batch, ctx, 0.0)
-            t = t + dt
-            ctx += batch
-            itl.observe(dt, batch)
-            itok.observe(batch)
+        bounds = itl.bounds
+        counts = itl.counts
+        nb = len(bounds)
+        # durations grow within a run, so the bucket index only moves up
+        idx = bisect_left(bounds, dts[pos])
+        total = itl.sum
+        for i in range(pos, pos + j):
+            dt = dts[i]
+            while idx < nb and bounds[idx] < dt:
+                idx += 1
+            counts[idx] += batch
+            total += dt * batch
+        itl.sum = total
+        # j equal integer samples: the float sum is exact, as with j single observations
+        m.h_iter.observe(batch, j)
+        t = self._ends[pos + j - 1]
         m.generation_tokens += batch * j
         self.steps += j
         self.busy_time += t - self.run_start
@@ -495,13 +512,14 @@ class Engine:
             r.computed += j
             r.generated += j
             r.last_token = t
-            nb = -(-r.computed // bs)
-            if nb > r.blocks:
-                grown += nb - r.blocks
-                r.blocks = nb
+            need = -(-r.computed // bs)
+            if need > r.blocks:
+                grown += need - r.blocks
+                r.blocks = need
         self.used_blocks += grown
         self._run_steps -= j
-        self._run_ctx0 = ctx
+        self._run_ctx0 += batch * j
+        self._pos = pos + j
         self.run_start = t
         self._update_gauges()
 
