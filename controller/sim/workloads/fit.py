@@ -92,6 +92,7 @@ class SessionShape:
     think_percentiles_s: tuple[float, ...]  # 0th..100th percentile of the think time
     append_ratio_percentiles: tuple[float, ...]  # same for new_tokens / turn-1 prompt_tokens
     provenance: Mapping[str, Any] = field(default_factory=dict)
+    _cumulative: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.turns_counts or sum(self.turns_counts) <= 0 or min(self.turns_counts) < 0:
@@ -107,6 +108,7 @@ class SessionShape:
                     f"session shape: {name} must hold {QUANTILE_STEPS + 1} positive, "
                     f"non-decreasing values"
                 )
+        object.__setattr__(self, "_cumulative", tuple(itertools.accumulate(self.turns_counts)))
 
     @property
     def max_turns(self) -> int:
@@ -123,8 +125,8 @@ class SessionShape:
         return table[round(q * QUANTILE_STEPS)]
 
     def draw_turns(self, rng: random.Random) -> int:
-        cumulative = _cumulative(self.turns_counts)
-        return bisect.bisect_right(cumulative, rng.random() * cumulative[-1]) + 1
+        total = self._cumulative[-1]
+        return bisect.bisect_right(self._cumulative, rng.random() * total) + 1
 
     def draw_think_s(self, rng: random.Random) -> float:
         return _draw_from_table(self.think_percentiles_s, rng)
@@ -163,20 +165,6 @@ class SessionShape:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise WorkloadError(f"{source}: malformed session shape: {exc!r}") from exc
-
-
-_CUMULATIVE_CACHE: dict[tuple[int, ...], list[int]] = {}
-
-
-def _cumulative(counts: tuple[int, ...]) -> list[int]:
-    cached = _CUMULATIVE_CACHE.get(counts)
-    if cached is None:
-        cached, total = [], 0
-        for c in counts:
-            total += c
-            cached.append(total)
-        _CUMULATIVE_CACHE[counts] = cached
-    return cached
 
 
 def fit_session_shape(
