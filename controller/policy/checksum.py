@@ -35,15 +35,21 @@ def _f64(x: float) -> bytes:
 
 
 def canonical_bytes(policy: Policy) -> bytes:
+    # One struct.pack per section: routers hash a policy on every update, so this runs
+    # 1000s of cells at a time. ``x + 0.0`` turns -0.0 into 0.0 and leaves every other value
+    # (NaN and infinities included) as it is, exactly like _f64.
     t = policy.table
     parts: list[bytes] = [MAGIC]
     for edges in (t.axes.context_tokens, t.axes.io_ratio, t.axes.qps):
-        parts.append(struct.pack("<I", len(edges)))
-        parts.extend(_f64(e) for e in edges)
-    for route, score, expl in zip(t.routes, t.scores, t.exploration, strict=True):
-        parts.append(struct.pack("<B", int(route)))
-        parts.append(_f64(score))
-        parts.append(_f64(expl))
+        parts.append(struct.pack(f"<I{len(edges)}d", len(edges), *[e + 0.0 for e in edges]))
+    n = len(t.routes)
+    if not len(t.scores) == n == len(t.exploration):
+        raise ValueError("routes, scores and exploration differ in length")
+    cells: list[float] = [0.0] * (3 * n)
+    cells[0::3] = [int(r) for r in t.routes]
+    cells[1::3] = [s + 0.0 for s in t.scores]
+    cells[2::3] = [e + 0.0 for e in t.exploration]
+    parts.append(struct.pack("<" + "Bdd" * n, *cells))
     parts.append(_f64(policy.weights.wtft))
     parts.append(_f64(policy.weights.wtpot))
     parts.append(struct.pack("<B", int(policy.overrides.first_turn_route)))
