@@ -178,6 +178,10 @@ class RoleStats:
     kv_cache_usage: float | None = None  # mean over workers
     generation_tokens: float | None = None  # sum
 
+    def __post_init__(self) -> None:
+        for n in _ROLE_FIELDS[2:]:
+            _check_finite(f"RoleStats({self.role}).{n}", getattr(self, n))
+
     def to_dict(self) -> dict[str, Any]:
         return {n: getattr(self, n) for n in _ROLE_FIELDS}
 
@@ -193,19 +197,34 @@ _ROLE_FIELDS = (
 )
 
 
+def _finite_or_none(x: float) -> float | None:
+    # Absurd inputs may overflow; an aggregate that is not a number is missing, not inf.
+    return x if math.isfinite(x) else None
+
+
+def _fsum(values: Sequence[float]) -> float:
+    try:
+        return math.fsum(values)
+    except OverflowError:
+        return math.inf
+
+
 def _sum(values: Iterable[float | None]) -> float | None:
     present = [v for v in values if v is not None]
-    return math.fsum(present) if present else None
+    return _finite_or_none(_fsum(present)) if present else None
 
 
 def _weighted_mean(summaries: Iterable[Summary | None]) -> float | None:
-    total = weight = 0.0
+    products, weights = [], []
     for s in summaries:
         if s is None or s.mean is None or not s.count:
             continue
-        total += s.mean * s.count
-        weight += s.count
-    return total / weight if weight > 0 else None
+        products.append(s.mean * s.count)
+        weights.append(s.count)
+    if not weights:
+        return None
+    total, weight = _fsum(products), _fsum(weights)
+    return _finite_or_none(total / weight) if math.isfinite(total + weight) else None
 
 
 def aggregate_role(role: Role, workers: Sequence[WorkerStats]) -> RoleStats:
@@ -218,7 +237,7 @@ def aggregate_role(role: Role, workers: Sequence[WorkerStats]) -> RoleStats:
         request_rate=_sum(w.request_rate for w in mine),
         running=_sum(w.running for w in mine),
         waiting=_sum(w.waiting for w in mine),
-        kv_cache_usage=(math.fsum(usages) / len(usages)) if usages else None,
+        kv_cache_usage=_finite_or_none(_fsum(usages) / len(usages)) if usages else None,
         generation_tokens=_sum(w.generation_tokens for w in mine),
         **{n: _weighted_mean(getattr(w, n) for w in mine) for n in SUMMARY_FIELDS},
     )
@@ -296,7 +315,7 @@ class Histogram:
 
     @property
     def total(self) -> float:
-        return math.fsum(self.counts)
+        return _fsum(self.counts)
 
     def to_dict(self) -> dict[str, Any]:
         return {"edges": [_enc_float(e) for e in self.edges], "counts": list(self.counts)}

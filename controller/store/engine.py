@@ -9,6 +9,7 @@ from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.engine import URL, Connection
 
 DEFAULT_BUSY_TIMEOUT_MS = 5000
+PG_CONNECT_TIMEOUT_S = 10
 # Execution option asking the SQLite begin hook for BEGIN IMMEDIATE (a write transaction).
 WRITE_OPTION = "pdc_write"
 
@@ -49,6 +50,8 @@ def make_engine(
     kwargs: dict[str, Any] = {"echo": echo}
     if u.get_backend_name() == "postgresql":
         kwargs["pool_pre_ping"] = True
+        if "connect_timeout" not in u.query:  # an unreachable server fails, never hangs
+            kwargs["connect_args"] = {"connect_timeout": PG_CONNECT_TIMEOUT_S}
     engine = create_engine(u, **kwargs)
     if engine.dialect.name == "sqlite":
         _install_sqlite_hooks(

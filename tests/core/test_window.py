@@ -7,6 +7,8 @@ import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from controller.core.window import (
     Histogram,
@@ -118,8 +120,49 @@ def test_role_aggregate_weights_means_by_count_and_sums_loads() -> None:
     assert (p.workers, p.request_rate, p.ttft_s) == (1, 9.0, 1.0)
 
 
+def test_aggregates_that_overflow_are_missing_not_infinite() -> None:
+    huge = Summary(1e308, count=1e308)
+    workers = [WorkerStats(f"d{i}", "decode", ttft_s=huge, running=1e308) for i in range(2)]
+    d = aggregate_role("decode", workers)
+    assert d.ttft_s is None and d.running is None
+    json.dumps(Window.build(0, 1, 1, workers).to_dict(), allow_nan=False)
+
+
 def test_outcome_goodput() -> None:
     o = RouteOutcome("r", Route.PREFILL_NODE, 1, 2, requests=8, met=6, ttft_sum=4.0,
                      ttft_count=8, tpot_sum=0.4, tpot_count=8)
     assert o.goodput == 0.75
     assert RouteOutcome("r", Route.PREFILL_NODE, 0, 0, 0, 0, 0, 0, 0, 0).goodput is None
+
+
+finite = st.floats(allow_nan=False, allow_infinity=False)
+counts = st.floats(min_value=0, allow_nan=False, allow_infinity=False)
+maybe = st.none() | finite
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    summary=st.builds(Summary, mean=maybe, count=st.none() | counts, p50=maybe, p90=maybe,
+                      p99=maybe, interpolated=st.booleans()),
+    outcome_values=st.lists(st.tuples(counts, counts, counts, counts, counts, counts),
+                            max_size=5),
+    router=st.text(max_size=20),
+    rate=maybe,
+    compact=st.booleans(),
+)
+def test_round_trip_holds_for_any_finite_values(
+    summary: Summary,
+    outcome_values: list[tuple[float, ...]],
+    router: str,
+    rate: float | None,
+    compact: bool,
+) -> None:
+    outcomes = [RouteOutcome(router, Route.PREFILL_NODE, i, i + 1, *v)
+                for i, v in enumerate(outcome_values)]
+    w = Window.build(
+        start=1.5, end=31.5, interval_s=30,
+        workers=[WorkerStats("w", "decode", request_rate=rate, ttft_s=summary, tpot_s=summary)],
+        outcomes=outcomes,
+    )
+    text = json.dumps(w.to_dict(compact=compact), allow_nan=False)
+    assert Window.from_dict(json.loads(text)) == w
