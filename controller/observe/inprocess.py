@@ -37,6 +37,12 @@ class InProcessSource(SnapshotSource):
         """Make a target stop answering (a crashed worker), as a scrape would see it."""
         (self._down.add if down else self._down.discard)(target)
 
+    def replace_registry(self, target: str, registry: CollectorRegistry) -> None:
+        """A restarted worker: same target, fresh counters (the next window sees a reset)."""
+        if target not in self._registries:
+            raise KeyError(target)
+        self._registries[target] = registry
+
     async def fetch_all(self, targets: Sequence[Target]) -> list[str | FetchError]:
         out: list[str | FetchError] = []
         for t in targets:

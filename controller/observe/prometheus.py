@@ -87,6 +87,9 @@ def map_client_error(exc: BaseException) -> PrometheusError:
             return PrometheusUnavailable(f"Prometheus answered HTTP {status}: {detail}")
         return PrometheusQueryError(f"Prometheus refused the query (HTTP {status}, "
                                     f"{error_type or 'error'}): {detail}", error_type)
+    if isinstance(exc, requests.exceptions.JSONDecodeError):  # also a RequestException
+        return PrometheusQueryError(f"Prometheus answered something that is not API JSON: "
+                                    f"{exc}")
     if isinstance(exc, requests.exceptions.RetryError):
         return PrometheusUnavailable(f"Prometheus kept failing after the retries: {exc}")
     if isinstance(exc, requests.exceptions.Timeout):

@@ -1,0 +1,142 @@
+"""Quantiles from bucket increases, engine detection, router cells."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from controller.observe.catalog import SGLANG, VLLM, VLLM_LEGACY, detect_engine
+from controller.observe.exposition import parse_exposition
+from controller.observe.window_builder import (
+    ALL_BINS,
+    UNKNOWN_BIN,
+    bin_index,
+    diff_snapshots,
+    quantiles,
+    worker_stats,
+)
+
+
+def test_quantile_is_linear_inside_its_bucket() -> None:
+    # 10 observations: 4 in (0, 1], 4 in (1, 1.5], 2 in (1.5, +Inf)
+    cum = [(1.0, 4.0), (1.5, 8.0), (math.inf, 10.0)]
+    (p50, p90), flagged = quantiles(cum, (0.5, 0.7))
+    assert p50 == pytest.approx(1.0 + 0.5 * (5 - 4) / 4)
+    assert p90 == pytest.approx(1.0 + 0.5 * (7 - 4) / 4)
+    assert flagged is False  # (1, 1.5] resolves it
+
+
+@pytest.mark.parametrize(
+    ("cum", "q", "expected"),
+    [
+        ([(0.01, 10.0), (0.025, 10.0), (math.inf, 10.0)], 0.5, 0.005),  # below vLLM's ITL floor
+        ([(0.3, 1.0), (0.5, 1.0), (math.inf, 10.0)], 0.9, 0.5),  # in +Inf: clamped
+        ([(0.3, 0.0), (0.5, 0.0), (0.8, 0.0), (1.0, 1.0), (2.5, 2.0), (math.inf, 2.0)], 0.9,
+         1.0 + 1.5 * (1.8 - 1.0)),  # bucket (1, 2.5] is 2.5x wide
+    ],
+)
+def test_unresolved_quantiles_are_flagged(cum, q, expected) -> None:  # type: ignore[no-untyped-def]
+    (value,), flagged = quantiles(cum, (q,))
+    assert value == pytest.approx(expected)
+    assert flagged is True
+
+
+def test_no_observations_no_quantiles() -> None:
+    assert quantiles([(1.0, 0.0), (math.inf, 0.0)], (0.5,)) == ([None], False)
+    assert quantiles([], (0.5,)) == ([None], False)
+
+
+VLLM_LEGACY_TEXT = """\
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="m"} 0.25
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 3
+# TYPE vllm:time_per_output_token_seconds histogram
+vllm:time_per_output_token_seconds_bucket{le="0.01",model_name="m"} 0
+vllm:time_per_output_token_seconds_bucket{le="0.025",model_name="m"} 4
+vllm:time_per_output_token_seconds_bucket{le="+Inf",model_name="m"} 4
+vllm:time_per_output_token_seconds_count{model_name="m"} 4
+vllm:time_per_output_token_seconds_sum{model_name="m"} 0.08
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{model_name="m"} 500
+"""
+
+SGLANG_TEXT = """\
+# TYPE sglang:token_usage gauge
+sglang:token_usage{engine_type="prefill",tp_rank="0"} 0.5
+sglang:token_usage{engine_type="prefill",tp_rank="1"} 0.7
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="prefill",tp_rank="0"} 2
+sglang:num_running_reqs{engine_type="prefill",tp_rank="1"} 3
+# TYPE sglang:kv_transfer_latency_ms histogram
+sglang:kv_transfer_latency_ms_bucket{le="10.0"} 1
+sglang:kv_transfer_latency_ms_bucket{le="+Inf"} 2
+sglang:kv_transfer_latency_ms_count 2
+sglang:kv_transfer_latency_ms_sum 30
+# TYPE sglang:per_stage_req_latency_seconds histogram
+sglang:per_stage_req_latency_seconds_bucket{le="+Inf",stage="prefill_forward"} 2
+sglang:per_stage_req_latency_seconds_count{stage="prefill_forward"} 2
+sglang:per_stage_req_latency_seconds_sum{stage="prefill_forward"} 0.5
+sglang:per_stage_req_latency_seconds_bucket{le="+Inf",stage="decode_waiting"} 5
+sglang:per_stage_req_latency_seconds_count{stage="decode_waiting"} 5
+sglang:per_stage_req_latency_seconds_sum{stage="decode_waiting"} 100
+"""
+
+
+def _zeroed(text: str) -> str:
+    # the same families, every sample 0: the baseline before the window
+    out = []
+    for line in text.splitlines():
+        out.append(line if line.startswith("#") else line.rsplit(" ", 1)[0] + " 0")
+    return "\n".join(out) + "\n"
+
+
+@pytest.mark.parametrize(("text", "spec"), [(VLLM_LEGACY_TEXT, VLLM_LEGACY), (SGLANG_TEXT, SGLANG)])
+def test_engine_is_detected_from_its_families(text: str, spec) -> None:  # type: ignore[no-untyped-def]
+    snap = parse_exposition(text, target="w", taken_at=1.0)
+    assert detect_engine(snap.families) is spec
+
+
+def test_old_vllm_names_map_to_the_same_keys() -> None:
+    prev = parse_exposition(_zeroed(VLLM_LEGACY_TEXT), target="w", taken_at=0.0)
+    cur = parse_exposition(VLLM_LEGACY_TEXT, target="w", taken_at=30.0)
+    stats, _notes = worker_stats(diff_snapshots(prev, cur), "decode", 30.0)
+    assert stats is not None and stats.engine == "vllm-legacy"
+    # time_per_output_token_seconds measured inter-token latency: it is NOT per-request TPOT
+    assert stats.inter_token_s is not None and stats.inter_token_s.mean == pytest.approx(0.02)
+    assert stats.tpot_s is None
+    assert stats.kv_cache_usage == 0.25 and stats.running == 3
+    assert stats.prompt_tokens_by_source == {"total": 500.0}
+
+
+def test_sglang_units_labels_and_aggregation() -> None:
+    prev = parse_exposition(_zeroed(SGLANG_TEXT), target="w", taken_at=0.0)
+    cur = parse_exposition(SGLANG_TEXT, target="w", taken_at=30.0)
+    stats, _ = worker_stats(diff_snapshots(prev, cur), "prefill", 30.0)
+    assert stats is not None and stats.engine == "sglang"
+    assert stats.kv_transfer_s is not None and stats.kv_transfer_s.mean == pytest.approx(0.015)
+    assert stats.prefill_s is not None and stats.prefill_s.count == 2  # only prefill_forward
+    assert stats.prefill_s.mean == pytest.approx(0.25)
+    assert stats.running == 5  # summed over ranks
+    assert stats.kv_cache_usage == pytest.approx(0.6)  # averaged over ranks
+
+
+def test_vllm_spec_names_come_from_the_reference() -> None:
+    assert VLLM.histograms["tpot_s"].family == "vllm:request_time_per_output_token_seconds"
+    assert VLLM.histograms["inter_token_s"].family == "vllm:inter_token_latency_seconds"
+    assert VLLM.gauges["kv_cache_usage"].family == "vllm:kv_cache_usage_perc"
+
+
+def test_unknown_exposition_is_a_missing_family_failure() -> None:
+    cur = parse_exposition("# TYPE up gauge\nup 1\n", target="w", taken_at=0.0)
+    stats, notes = worker_stats(diff_snapshots(None, cur), "decode", 30.0)
+    assert stats is None and [n.kind for n in notes] == ["missing_family"]
+
+
+def test_bin_labels() -> None:
+    labels = ["256", "1024", "+Inf"]
+    assert bin_index("1024", labels) == 1
+    assert bin_index("+Inf", labels) == 2
+    assert bin_index("unknown", labels) == UNKNOWN_BIN
+    assert bin_index(None, labels) == ALL_BINS
