@@ -18,6 +18,7 @@ _COMMAND_MODULES = (
     "demo_cmd",
     "sim_cmd",
     "bench_run",
+    "observe_cmd",
     "db_cmd",
     "history_cmd",
 )
