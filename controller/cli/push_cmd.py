@@ -1,0 +1,130 @@
+"""``pdctl push POLICY.json --router HOST:PORT ...``: one reconcile pass, printed per router.
+
+Routers come from ``--router`` (repeatable) or, without it, ``[routers] targets`` of the
+config. Security, deadlines, retries and concurrency come from ``[security]`` and
+``[rollout]``. Exit 0 when every router acknowledged the policy, 1 when any did not, 2 for
+bad input (unreadable or invalid policy file, no routers, invalid config).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from controller.cli._app import app
+
+if TYPE_CHECKING:
+    from controller.rollout.reconciler import RouterStatus
+
+
+def _print_table(statuses: dict[str, RouterStatus], version: int, rollback: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console()
+    kind = "rollback to" if rollback else "push of"
+    table = Table(title=f"{kind} policy v{version}")
+    for col in ("router", "ok", "outcome", "acked", "checksum", "attempts", "ms"):
+        table.add_column(col, no_wrap=True)
+    for router, s in statuses.items():
+        acked = "-" if s.acked_version is None else f"v{s.acked_version}"
+        if s.reissued_as is not None:
+            acked += " (re-issued)"
+        table.add_row(
+            router,
+            "[green]yes[/green]" if s.ok else "[red]no[/red]",
+            s.outcome,
+            acked,
+            (s.acked_checksum or "")[:12],
+            str(s.attempts),
+            f"{s.latency_s * 1000:.1f}",
+        )
+    console.print(table)
+    for router, s in statuses.items():
+        if s.last_error:
+            console.print(Text.assemble((router, "red"), ": ", s.last_error), soft_wrap=True)
+
+
+@app.command("push")
+def push(
+    policy_file: Annotated[Path, typer.Argument(help="Policy JSON file (schema_version 1).")],
+    router: Annotated[
+        list[str] | None,
+        typer.Option("--router", "-r", help="Router agent HOST:PORT (repeatable)."),
+    ] = None,
+    rollback: Annotated[
+        bool, typer.Option("--rollback", help="Allow a version lower than the routers' own.")
+    ] = False,
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="TOML config ([security], [rollout]).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Push a policy to routers once (only where it differs) and print each router's result."""
+    import asyncio
+
+    from controller.clock import WallClock
+    from controller.config import load_settings
+    from controller.errors import ConfigError
+    from controller.policy import PolicyValidationError, loads
+    from controller.rollout.client import GrpcRouterTransport
+    from controller.rollout.reconciler import Reconciler, reissued_versions
+
+    try:
+        settings = load_settings(config)
+    except ConfigError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2) from None
+    try:
+        policy = loads(policy_file.read_bytes())
+    except OSError as e:
+        typer.echo(f"cannot read {policy_file}: {e}", err=True)
+        raise typer.Exit(2) from None
+    except PolicyValidationError as e:
+        typer.echo(f"{policy_file}: {e}", err=True)
+        raise typer.Exit(2) from None
+    routers = list(router or settings.routers.targets)
+    if not routers:
+        typer.echo("no routers: pass --router HOST:PORT or set [routers] targets", err=True)
+        raise typer.Exit(2)
+
+    async def once() -> dict[str, RouterStatus]:
+        transport = GrpcRouterTransport(settings.security)
+        try:
+            reconciler = Reconciler.from_config(transport, WallClock(), settings.rollout)
+            return await reconciler.reconcile(dict.fromkeys(routers, policy), rollback=rollback)
+        finally:
+            await transport.close()
+
+    try:
+        statuses = asyncio.run(once())
+    except ConfigError as e:  # unreadable certificates or token file
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "version": policy.version,
+                    "checksum": policy.checksum,
+                    "rollback": rollback,
+                    "reissued_as": sorted(set(reissued_versions(statuses).values())),
+                    "routers": [asdict(s) for s in statuses.values()],
+                },
+                indent=1,
+            )
+        )
+    else:
+        _print_table(statuses, policy.version, rollback)
+        for version in sorted(set(reissued_versions(statuses).values())):
+            typer.echo(
+                f"note: a router was ahead of v{policy.version}; the same policy now runs as "
+                f"v{version} - use v{version} as the desired version from now on"
+            )
+    if not all(s.ok for s in statuses.values()):
+        raise typer.Exit(1)
