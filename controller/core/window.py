@@ -21,6 +21,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Literal, cast
 
 from controller.policy.model import Route
@@ -488,16 +489,18 @@ def _unb64(typecode: str, text: str) -> array[Any]:
 
 
 def _pack_outcomes(outcomes: Sequence[RouteOutcome]) -> dict[str, Any]:
-    routers: dict[str, int] = {}
-    ints = array("i", [
-        x for o in outcomes
-        for x in (routers.setdefault(o.router, len(routers)), int(o.route), o.ctx_bin, o.io_bin)
-    ])
-    floats = array("d", [
-        x for o in outcomes
-        for x in (o.requests, o.met, o.ttft_sum, o.ttft_count, o.tpot_sum, o.tpot_count)
-    ])
-    return {"routers": list(routers), "ints": _b64(ints), "floats": _b64(floats)}
+    """Column-major: ``ints`` = router index, route, ctx_bin, io_bin columns; ``floats`` =
+    requests, met, ttft_sum, ttft_count, tpot_sum, tpot_count columns (C-level loops)."""
+    names = list(dict.fromkeys(map(_get_router, outcomes)))
+    index = {name: i for i, name in enumerate(names)}
+    ints: array[int] = array("i", map(index.__getitem__, map(_get_router, outcomes)))
+    ints.extend(map(int, map(_get_route, outcomes)))
+    ints.extend(map(_get_ctx, outcomes))
+    ints.extend(map(_get_io, outcomes))
+    floats: array[float] = array("d")
+    for getter in _FLOAT_GETTERS:
+        floats.extend(map(getter, outcomes))
+    return {"routers": names, "ints": _b64(ints), "floats": _b64(floats)}
 
 
 def _unpack_outcomes(packed: Mapping[str, Any]) -> tuple[RouteOutcome, ...]:
@@ -510,17 +513,27 @@ def _unpack_outcomes(packed: Mapping[str, Any]) -> tuple[RouteOutcome, ...]:
     n = len(ints) // _INTS_PER_OUTCOME
     if len(ints) != n * _INTS_PER_OUTCOME or len(floats) != n * _FLOATS_PER_OUTCOME:
         raise WindowError("packed outcomes: column lengths disagree")
-    out = []
-    for k in range(n):
-        i, f = k * _INTS_PER_OUTCOME, k * _FLOATS_PER_OUTCOME
-        out.append(
-            RouteOutcome(
-                routers[ints[i]], Route(ints[i + 1]), ints[i + 2], ints[i + 3],
-                floats[f], floats[f + 1], floats[f + 2], floats[f + 3], floats[f + 4],
-                floats[f + 5],
-            )
+    ic = [ints[k * n : (k + 1) * n] for k in range(_INTS_PER_OUTCOME)]
+    fc = [floats[k * n : (k + 1) * n] for k in range(_FLOATS_PER_OUTCOME)]
+    if n and (min(ic[0]) < 0 or max(ic[0]) >= len(routers)):
+        raise WindowError("packed outcomes: router index out of range")
+    routes = {int(r): r for r in Route}
+    try:
+        return tuple(
+            RouteOutcome(routers[r], routes[route], ctx, io, *values)
+            for r, route, ctx, io, *values in zip(*ic, *fc, strict=True)
         )
-    return tuple(out)
+    except (IndexError, KeyError) as e:
+        raise WindowError(f"malformed packed outcomes: bad index {e}") from None
+
+
+_get_router = attrgetter("router")
+_get_route = attrgetter("route")
+_get_ctx = attrgetter("ctx_bin")
+_get_io = attrgetter("io_bin")
+_FLOAT_GETTERS = tuple(
+    attrgetter(n) for n in ("requests", "met", "ttft_sum", "ttft_count", "tpot_sum", "tpot_count")
+)
 
 
 def _hist_dict(h: Histogram | None) -> dict[str, Any] | None:

@@ -99,6 +99,9 @@ def test_from_dict_rejects_unknown_schema_and_malformed_rows() -> None:
         Window.from_dict({**packed, "packed_outcomes": truncated})
     with pytest.raises(WindowError, match="packed outcomes"):
         Window.from_dict({**packed, "packed_outcomes": {**truncated, "ints": "not base64!"}})
+    no_routers = {**packed["packed_outcomes"], "routers": []}
+    with pytest.raises(WindowError, match="router index out of range"):
+        Window.from_dict({**packed, "packed_outcomes": no_routers})
 
 
 def test_role_aggregate_weights_means_by_count_and_sums_loads() -> None:
