@@ -103,6 +103,13 @@ class EventLoop:
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         heapq.heappush(self._heap, (max(t, self.now), next(self._seq), fn, args))
 
+    def advance_to(self, t: float, max_events: int = 1_000_000) -> None:
+        """Process events up to ``t`` and move the clock to ``t`` (live mode pacing)."""
+        self.run(t, max_events)
+        if t > self.now:
+            self.now = t
+            self.clock.set(t)
+
     def next_time(self) -> float | None:
         return self._heap[0][0] if self._heap else None
 
@@ -227,10 +234,10 @@ class SimCluster:
     def router_for(self, session: str) -> SimRouter:
         return self.routers[zlib.crc32(session.encode()) % len(self.routers)]
 
-    def submit(self, req: SimRequest) -> None:
-        """A request arrives now."""
+    def submit(self, req: SimRequest, router: int | None = None) -> None:
+        """A request arrives now (at ``router``, else the router its session hashes to)."""
         req.arrival = self.loop.now
-        req.router = self.router_for(req.session).index
+        req.router = self.router_for(req.session).index if router is None else router
         self._route(req)
 
     def _decode_for(self, session: str) -> Engine | None:
@@ -296,6 +303,7 @@ class SimCluster:
                 shared_prefix=req.shared_prefix, max_out=req.output_tokens,
                 max_tokens_param=req.max_tokens, arrival=now,
                 on_first_token=self._first_token, on_done=self._decode_done, tag=req,
+                on_token=self._token if req.stream is not None else None,
             )
             self.requests_by_tag[id(er)] = req
             d.add(er, now)
@@ -315,6 +323,7 @@ class SimCluster:
             shared_prefix=req.shared_prefix, max_out=req.output_tokens,
             max_tokens_param=req.max_tokens, arrival=now,
             on_first_token=self._first_token, on_done=self._decode_done, tag=req,
+            on_token=self._token if req.stream is not None else None,
         )
         self.requests_by_tag[id(der)] = req
         d.add_pd(der, now, self.config.transfer_missing_only)
@@ -356,6 +365,12 @@ class SimCluster:
         req.first_token = now
         if req.stream is not None:
             req.stream(req, 1, now)
+
+    def _token(self, er: EngineRequest, now: float) -> None:
+        req = er.tag
+        assert isinstance(req, SimRequest)
+        if req.stream is not None and er.generated < er.max_out:
+            req.stream(req, er.generated, now)
 
     def _decode_done(self, er: EngineRequest, now: float) -> None:
         req = er.tag

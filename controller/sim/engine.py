@@ -45,6 +45,7 @@ class EngineRequest:
     arrival: float
     on_first_token: Callable[[EngineRequest, float], None] | None = None
     on_done: Callable[[EngineRequest, float], None] | None = None
+    on_token: Callable[[EngineRequest, float], None] | None = None  # live streaming
     # filled by the engine
     computed: int = 0
     generated: int = 0
@@ -516,6 +517,8 @@ class Engine:
             if need > r.blocks:
                 grown += need - r.blocks
                 r.blocks = need
+            if r.on_token is not None:
+                r.on_token(r, t)
         self.used_blocks += grown
         self._run_steps -= j
         self._run_ctx0 += batch * j
@@ -535,6 +538,8 @@ class Engine:
                     m.h_itl.observe(now - r.last_token)
                 r.last_token = now
                 m.generation_tokens += 1
+                if r.on_token is not None:
+                    r.on_token(r, now)
             else:
                 r.computed += q
                 if r.computed >= r.prefill_target and r.generated == 0:

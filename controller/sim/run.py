@@ -96,6 +96,77 @@ def _session_feed(scenario: Scenario, rng: random.Random,
         yield spec.start_s, spec
 
 
+class ScenarioDriver:
+    """Feeds a scenario's sessions and events into a cluster's event loop (virtual or live)."""
+
+    def __init__(self, scenario: Scenario, cluster: SimCluster, *,
+                 shared_dir: Path | None = None, traffic: bool = True) -> None:
+        self.scenario = scenario
+        self.cluster = cluster
+        self.traffic = traffic
+        self.requests: list[SimRequest] = []
+        self._rid = itertools.count()
+        self._pending: dict[str, tuple[SessionSpec, int]] = {}
+        self._feed = _session_feed(scenario, random.Random(scenario.seed), shared_dir)
+
+    def next_rid(self) -> int:
+        return next(self._rid)
+
+    def install(self) -> None:
+        loop = self.cluster.loop
+        for ev in self.scenario.events:
+            loop.at(ev.at_s, self._apply_event, ev)
+        if self.traffic:
+            self._start_next()
+
+    def _issue(self, spec: SessionSpec, index: int) -> None:
+        turn = spec.turns[index]
+        req = SimRequest(self.next_rid(), spec.session_id, turn.turn, self.cluster.loop.now,
+                         turn.prompt_tokens, turn.new_tokens, turn.output_tokens,
+                         turn.max_tokens, on_complete=self._completed)
+        self._pending[spec.session_id] = (spec, index)
+        self.requests.append(req)
+        self.cluster.submit(req)
+
+    def _completed(self, req: SimRequest) -> None:
+        spec, index = self._pending[req.session]
+        loop = self.cluster.loop
+        if index + 1 >= len(spec.turns):
+            del self._pending[req.session]
+            return
+        if req.rejected:
+            del self._pending[req.session]
+            for turn in spec.turns[index + 1:]:
+                self.requests.append(SimRequest(
+                    self.next_rid(), spec.session_id, turn.turn, loop.now, turn.prompt_tokens,
+                    turn.new_tokens, turn.output_tokens, turn.max_tokens, rejected=True,
+                    reject_reason="session_aborted"))
+            return
+        nxt = spec.turns[index + 1]
+        loop.at(loop.now + nxt.think_s, self._issue, spec, index + 1)
+
+    def _start_next(self) -> None:
+        item = next(self._feed, None)
+        if item is not None:
+            self.cluster.loop.at(item[0], self._start_session, item[1])
+
+    def _start_session(self, spec: SessionSpec) -> None:
+        self._issue(spec, 0)
+        self._start_next()
+
+    def _apply_event(self, ev: Event) -> None:
+        cluster = self.cluster
+        if ev.kind == "link_bandwidth":
+            cluster.set_link_factor(ev.factor)
+        elif ev.kind == "add_worker":
+            for _ in range(ev.count):
+                cluster.add_worker(ev.role)  # type: ignore[arg-type]
+        elif ev.kind == "remove_worker":
+            for _ in range(ev.count):
+                cluster.remove_worker(ev.role)  # type: ignore[arg-type]
+        # rate_scale and workload act through the session feed
+
+
 def run_scenario(
     scenario: Scenario,
     policy: PolicySource,
@@ -120,64 +191,10 @@ def run_scenario(
         scenario.profile, policy, clock=VirtualClock(start=0.0), seed=scenario.seed,
     )
     loop = cluster.loop
-    rng = random.Random(scenario.seed)
     phases = scenario.phase_bounds()
     phase_starts = [a for a, _ in phases]
-    rid = itertools.count()
-    requests: list[SimRequest] = []
-    pending_turns: dict[str, tuple[SessionSpec, int]] = {}
-
-    def issue(spec: SessionSpec, index: int) -> None:
-        turn = spec.turns[index]
-        req = SimRequest(next(rid), spec.session_id, turn.turn, loop.now, turn.prompt_tokens,
-                         turn.new_tokens, turn.output_tokens, turn.max_tokens,
-                         on_complete=completed)
-        pending_turns[spec.session_id] = (spec, index)
-        requests.append(req)
-        cluster.submit(req)
-
-    def completed(req: SimRequest) -> None:
-        spec, index = pending_turns[req.session]
-        if index + 1 >= len(spec.turns):
-            del pending_turns[req.session]
-            return
-        if req.rejected:
-            del pending_turns[req.session]
-            for turn in spec.turns[index + 1:]:
-                r = SimRequest(next(rid), spec.session_id, turn.turn, loop.now,
-                               turn.prompt_tokens, turn.new_tokens, turn.output_tokens,
-                               turn.max_tokens, rejected=True, reject_reason="session_aborted")
-                requests.append(r)
-            return
-        nxt = spec.turns[index + 1]
-        loop.at(loop.now + nxt.think_s, issue, spec, index + 1)
-
-    feed = _session_feed(scenario, rng, shared_dir)
-
-    def start_next() -> None:
-        item = next(feed, None)
-        if item is None:
-            return
-        t, spec = item
-        loop.at(t, start_session, spec)
-
-    def start_session(spec: SessionSpec) -> None:
-        issue(spec, 0)
-        start_next()
-
-    def apply_event(ev: Event) -> None:
-        if ev.kind == "link_bandwidth":
-            cluster.set_link_factor(ev.factor)
-        elif ev.kind == "add_worker":
-            for _ in range(ev.count):
-                cluster.add_worker(ev.role)  # type: ignore[arg-type]
-        elif ev.kind == "remove_worker":
-            for _ in range(ev.count):
-                cluster.remove_worker(ev.role)  # type: ignore[arg-type]
-        # rate_scale and workload act through the session feed
-
-    for ev in scenario.events:
-        loop.at(ev.at_s, apply_event, ev)
+    driver = ScenarioDriver(scenario, cluster, shared_dir=shared_dir)
+    requests = driver.requests
     if controller is not None:
         def tick() -> None:
             controller(loop.now, cluster)
@@ -193,7 +210,7 @@ def run_scenario(
             if loop.now + step <= scenario.duration_s:
                 loop.at(loop.now + step, report)
         loop.at(0.0, report)
-    start_next()
+    driver.install()
     horizon = scenario.duration_s + drain_limit_s
     if not loop.run(horizon, max_events):
         raise RuntimeError(f"run exceeded max_events={max_events} at t={loop.now:.3f}s")
