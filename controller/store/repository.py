@@ -11,9 +11,11 @@ Time comes in as arguments (``at=``/``now=``); a missing ``at`` is read from the
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
 from sqlalchemy import (
@@ -71,6 +73,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 LEADER = "leader"
+_REQUESTS = attrgetter("requests")
 # Policy status changes that make sense; anything else is a bug in the caller.
 POLICY_TRANSITIONS: Mapping[str, frozenset[str]] = {
     "candidate": frozenset({"approved", "rejected", "advisory"}),
@@ -107,9 +110,7 @@ class Tx:
     # -- windows ----------------------------------------------------------------------
 
     def add_window(self, window: Window) -> int:
-        requests = (
-            sum(o.requests for o in window.outcomes) if window.outcomes else None
-        )
+        requests = _total_requests(window)
         row = WindowRow(
             start_at=_utc(window.start), end_at=_utc(window.end), interval_s=window.interval_s,
             source=window.source[:32], n_workers=len(window.workers),
@@ -697,6 +698,15 @@ def _utc(epoch_s: float) -> datetime:
     from datetime import UTC
 
     return datetime.fromtimestamp(epoch_s, tz=UTC)
+
+
+def _total_requests(window: Window) -> float | None:
+    if not window.outcomes:
+        return None
+    try:
+        return math.fsum(map(_REQUESTS, window.outcomes))
+    except OverflowError:  # only absurd inputs; the body keeps every value anyway
+        return None
 
 
 def _rowcount(result: Any) -> int:
