@@ -134,3 +134,15 @@ def test_batch_migration_of_a_parent_table_keeps_its_children(
                 assert conn.exec_driver_sql("PRAGMA foreign_key_check").all() == []
         finally:
             engine.dispose()
+
+
+def test_store_from_config_applies_the_sqlite_settings(tmp_path: Path) -> None:
+    from controller.config import load_settings
+
+    cfg = load_settings(
+        store={"url": f"sqlite:///{tmp_path}/c.db", "sqlite_synchronous": "FULL",
+               "busy_timeout_ms": 1234}
+    ).store
+    with Store.from_config(cfg) as store, store.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 1234
