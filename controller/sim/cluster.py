@@ -33,6 +33,7 @@ from controller.sim.profiles import Profile
 from controller.sim.router import SimRouter
 
 Role = Literal["prefill", "decode"]
+KV_LEASE_S = 30.0  # vLLM NIXL kv_lease_duration default
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,8 @@ class ClusterConfig:
     transfer_missing_only: bool = True
     closed_form_runs: bool = True
     qps_window_s: float = 10.0
+    # vLLM --custom-histogram-buckets: bucket family -> boundaries
+    custom_histogram_buckets: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
 
 @dataclass(slots=True)
@@ -73,6 +76,7 @@ class SimRequest:
     tpot: float | None = None
     kv_bytes: int = 0
     xfer_s: float = 0.0
+    prefill_done_at: float | None = None
     rejected: bool = False
     reject_reason: str = ""
     retries: int = 0
@@ -176,6 +180,7 @@ class SimCluster:
             max_batch_tokens=self.config.max_batch_tokens,
             prefix_cache=self.config.prefill_prefix_cache if role == "prefill" else True,
             runs=self.config.closed_form_runs,
+            custom_buckets=dict(self.config.custom_histogram_buckets) or None,
         )
         if role == "prefill":
             self.prefill.append(eng)
@@ -313,6 +318,7 @@ class SimCluster:
         req = er.tag
         assert isinstance(req, SimRequest)
         self.requests_by_tag.pop(id(er), None)
+        req.prefill_done_at = now
         d = self._decode_for(req.session)
         if d is None:
             self._reject(req, "no_decode_worker")
@@ -339,6 +345,12 @@ class SimCluster:
                           self.link_factor)
         nbytes = er.external * self.kv_bytes_per_token
         start, end = link.schedule(now, nbytes)
+        if req.prefill_done_at is not None and start - req.prefill_done_at > KV_LEASE_S:
+            # vLLM NIXL: the decoder read the KV after P's lease ran out (counted on P; the
+            # simulated blocks are still there, so the transfer proceeds)
+            p = next((e for e in self.prefill if e.name == req.prefill_worker), None)
+            if p is not None:
+                p.metrics.nixl_expired += 1
         req.kv_bytes += nbytes
         req.xfer_s = end - start
         self.kv_bytes += nbytes

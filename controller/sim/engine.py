@@ -81,6 +81,7 @@ class Engine:
         prefix_cache: bool = True,
         runs: bool = True,
         metrics: WorkerMetrics | None = None,
+        custom_buckets: dict[str, tuple[float, ...]] | None = None,
     ) -> None:
         self.name = name
         self.role = role
@@ -104,6 +105,7 @@ class Engine:
             block_size=profile.block_size,
             max_model_len=profile.max_model_len,
             enable_prefix_caching=prefix_cache,
+            custom_buckets=custom_buckets,
         )
         self._admit_seq = 0
         # the run in progress: steps left to apply, their composition and timing

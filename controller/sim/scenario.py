@@ -118,7 +118,7 @@ class _Table:
 
 CLUSTER_KEYS = {"prefill_workers", "decode_workers", "profile", "kv_link_gbps",
                 "kv_link_setup_ms", "max_batch_tokens", "routers", "prefill_prefix_cache",
-                "transfer_missing_only", "qps_window_s"}
+                "transfer_missing_only", "qps_window_s", "custom_histogram_buckets"}
 WORKLOAD_KEYS = {"source", "rate_scale", "time_slice_s", "params"}
 
 
@@ -146,6 +146,21 @@ def _workload(data: Any, where: str, duration_s: float) -> WorkloadConfig:
         )
     except ConfigError as e:
         raise ScenarioError(f"{where}: {e}") from None
+
+
+def _buckets(data: Any) -> tuple[tuple[str, tuple[float, ...]], ...]:
+    from controller.sim.vllm_metrics import BUCKET_FAMILIES
+
+    where = "cluster.custom_histogram_buckets"
+    t = _Table(data, where, set(BUCKET_FAMILIES))
+    out = []
+    for family, bounds in t.data.items():
+        numbers = isinstance(bounds, list) and bool(bounds) and all(
+            isinstance(b, int | float) and not isinstance(b, bool) for b in bounds)
+        if not numbers or any(b <= a for a, b in itertools.pairwise(bounds)):
+            raise ScenarioError(f"{where}.{family}: expected a strictly increasing list of numbers")
+        out.append((str(family), tuple(float(b) for b in bounds)))
+    return tuple(out)
 
 
 def parse_scenario(data: Mapping[str, Any], source_path: Path | None = None) -> Scenario:
@@ -176,6 +191,7 @@ def parse_scenario(data: Mapping[str, Any], source_path: Path | None = None) -> 
         prefill_prefix_cache=c.boolean("prefill_prefix_cache", True),
         transfer_missing_only=c.boolean("transfer_missing_only", True),
         qps_window_s=c.number("qps_window_s", 10.0, gt=0),
+        custom_histogram_buckets=_buckets(c.data.get("custom_histogram_buckets", {})),
     )
     if "workload" not in data:
         raise ScenarioError("workload: required")

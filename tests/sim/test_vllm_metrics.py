@@ -112,3 +112,31 @@ def test_usage_and_gauges_return_to_idle() -> None:
         assert m.running == 0 and m.waiting == 0 and m.kv_usage == 0.0
     prof = load_profile("llama-3.1-8b-h100")
     assert prof.kv_capacity_tokens == 29205 * 16
+
+
+def test_custom_histogram_buckets_from_the_scenario() -> None:
+    import pytest
+
+    from controller.sim.scenario import ScenarioError, parse_scenario
+
+    base = {"name": "b", "duration_s": 5, "workload": {"source": "synthetic"}}
+    fine = (0.002, 0.004, 0.006, 0.008, 0.01, 0.02)
+    sc = parse_scenario({**base, "cluster": {"custom_histogram_buckets": {
+        "inter_token_latency": list(fine)}}})
+    cluster, _, _ = drive(sessions=4, turns=1, cfg={
+        "custom_histogram_buckets": sc.cluster.custom_histogram_buckets})
+    d = cluster.decode[0]
+    fams = _families(d)
+    les = [float(lbl["le"]) for n, lbl, _ in _samples(fams, "vllm:inter_token_latency_seconds")
+           if n.endswith("_bucket") and lbl["le"] != "+Inf"]
+    assert tuple(les) == fine
+    # an 8B H100 decode step (~7.5-10 ms) is now resolved below the default 10 ms floor
+    counts = d.metrics.h_itl.counts
+    assert counts[0] == 0 and sum(counts[2:4]) > 0
+    ttft_les = [float(lbl["le"]) for n, lbl, _ in
+                _samples(fams, "vllm:time_to_first_token_seconds")
+                if n.endswith("_bucket") and lbl["le"] != "+Inf"]
+    assert tuple(ttft_les) == TTFT_BUCKETS  # other families keep vLLM's defaults
+    for bad in ({"inter_token_latency": [0.2, 0.1]}, {"itl": [0.1]}):
+        with pytest.raises(ScenarioError, match="cluster.custom_histogram_buckets"):
+            parse_scenario({**base, "cluster": {"custom_histogram_buckets": bad}})
