@@ -138,5 +138,5 @@ def test_custom_histogram_buckets_from_the_scenario() -> None:
                 if n.endswith("_bucket") and lbl["le"] != "+Inf"]
     assert tuple(ttft_les) == TTFT_BUCKETS  # other families keep vLLM's defaults
     for bad in ({"inter_token_latency": [0.2, 0.1]}, {"itl": [0.1]}):
-        with pytest.raises(ScenarioError, match="cluster.custom_histogram_buckets"):
+        with pytest.raises(ScenarioError, match=r"cluster\.custom_histogram_buckets"):
             parse_scenario({**base, "cluster": {"custom_histogram_buckets": bad}})
