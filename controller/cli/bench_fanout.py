@@ -140,6 +140,7 @@ async def run_fanout(
             proc.join(timeout=10)
 
     failed = sum(1 for s in statuses.values() if not s.ok)
+    errors = sorted({f"{s.outcome}: {s.last_error}" for s in statuses.values() if not s.ok})
     latencies = [s.latency_s for s in statuses.values() if s.ok]
     persisted = sum(1 for i in range(routers) if (state_dir / f"router-{i}.json").exists())
     return {
@@ -157,6 +158,7 @@ async def run_fanout(
         "warm_failed": sum(1 for s in warm.values() if not s.ok),
         "noop_pass_s": round(noop_pass_s, 4),
         "noop_pushes": sum(1 for s in again.values() if s.pushed),
+        "errors": errors[:5],
     }
 
 
