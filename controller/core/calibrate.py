@@ -1,0 +1,524 @@
+"""Calibration: windows → latency model → table (fixed point) → weights → candidate policy.
+
+The table is built **under the load the candidate itself creates** (the gap the PPD paper's
+offline table leaves open): candidate routes → implied load on prefill workers, KV links and
+decode workers (from the workload mix per cell and the QPS of each table row) → predicted TTFT
+and TPOT for both routes of every cell → scores → routes, repeated until no cell changes or a
+bounded number of rounds (a cycle ends at its best-goodput member). Every round is recorded.
+
+Score (DESIGN §2, the paper's form):
+``score = wtft·(TTFT_P − TTFT_L)/TTFT_P − wtpot·(TPOT_L − TPOT_P)/TPOT_P``, decode-local iff
+``score > 0``. The predicted values include the delay a request of the cell imposes on the
+others sharing the resource (its marginal load: prefill-pool queueing for the prefill node,
+decode-step stretch for decode-local); otherwise every cell would count only its own share of
+the interference it causes and the table would push the decode pool into saturation.
+
+Pure: windows, config values and ``now`` in; a :class:`CalibrationResult` out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from controller.core.exploration import ExplorationConfig, exploration_fractions
+from controller.core.features import (
+    N_CTX_BINS,
+    N_IO_BINS,
+    ROUTER_CTX_REP,
+    ROUTER_IO_REP,
+    FloatArray,
+    IntArray,
+    TrainingSet,
+    build_training_set,
+    context_representatives,
+    ratio_representatives,
+)
+from controller.core.guardrail import GuardrailVerdict, check
+from controller.core.latency_model import (
+    ErrorStats,
+    LatencyModel,
+    Predictions,
+    Scenario,
+    fit_latency_model,
+    heldout_error,
+    prob_below,
+)
+from controller.core.weights import DEFAULT_RATIOS, WeightChoice, choose_weights
+from controller.core.window import Window
+from controller.policy.model import (
+    Axes,
+    LookupTable,
+    Overrides,
+    Policy,
+    Provenance,
+    Route,
+    Slo,
+    Weights,
+)
+
+DAMPING = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationConfig:
+    axes: Axes = field(default_factory=Axes)
+    slo: Slo = field(default_factory=Slo)
+    pinned_weights: Weights | None = None  # operator-pinned wtft/wtpot: no tuning
+    weight_ratios: tuple[float, ...] = DEFAULT_RATIOS
+    max_rounds: int = 12
+    exploration: ExplorationConfig = field(default_factory=ExplorationConfig)
+    guardrail_margin: float = 0.005
+    holdout_fraction: float = 0.2  # later windows held out to measure the model's error
+    recent_windows: int = 20  # windows that define "the current mix" for predicted goodput
+    overrides: Overrides = field(default_factory=Overrides)
+    default_route: Route = Route.PREFILL_NODE
+    residual_model: bool = True
+    refit_on_all: bool = True  # after measuring held-out error, refit on every window
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    round: int
+    changed_cells: int
+    decode_local_share: float  # traffic-weighted, over the current mix
+    predicted_goodput: float
+
+
+@dataclass(frozen=True, slots=True)
+class TableGrid:
+    """The table's cells as a prediction problem: ``S`` QPS rows × ``K`` (ctx, io) cells."""
+
+    axes: Axes
+    context: FloatArray  # [K]
+    ratio: FloatArray  # [K]
+    mix: FloatArray  # [K] share of requests (sums to 1; zeros where never seen)
+    output_tokens: float
+    qps: FloatArray  # [S] per-router QPS representative of each row
+    n_routers: float
+    n_prefill: float
+    n_decode: float
+    qps_weight: FloatArray  # [S] share of recent windows per QPS row
+
+    def scenario(self, local: FloatArray) -> Scenario:
+        """``local[s, k]`` = share of cell k sent decode-local in row s."""
+        rate = (self.qps * self.n_routers)[:, None] * self.mix[None, :]
+        s = self.qps.shape[0]
+        context = np.broadcast_to(self.context, (s, self.context.shape[0]))
+        append = np.broadcast_to(self.ratio * self.output_tokens, context.shape)
+        return Scenario(
+            np.ascontiguousarray(context), np.ascontiguousarray(append),
+            rate * (1.0 - local), rate * local, np.full(s, self.output_tokens),
+            np.full(s, max(self.n_prefill, 1.0)), np.full(s, max(self.n_decode, 1.0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FixedPoint:
+    routes: Any  # bool [S, K]: True = decode-local
+    scores: FloatArray
+    predictions: Predictions
+    rounds: tuple[RoundRecord, ...]
+    converged: bool
+    predicted_goodput: float
+    stable_rows: Any  # bool [S]: QPS rows that reached a fixed point
+
+
+@dataclass(slots=True)
+class CalibrationResult:
+    """Everything the store records about one calibration."""
+
+    policy: Policy  # the candidate (version = current + 1)
+    verdict: GuardrailVerdict
+    weights: WeightChoice
+    rounds: tuple[RoundRecord, ...]
+    converged: bool
+    predicted_goodput_candidate: float
+    predicted_goodput_current: float | None
+    heldout: dict[str, dict[str, ErrorStats]]
+    training_window_range: tuple[float, float]
+    n_training_windows: int
+    n_heldout_windows: int
+    changed_cells: int | None  # vs the current policy (None: no current or other axes)
+    model: LatencyModel
+    grid: TableGrid
+    predictions: Predictions  # under the candidate's load, [qps row, (ctx, io) cell, route]
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def approved(self) -> bool:
+        return self.verdict.approved
+
+    def heldout_mape(self) -> dict[str, dict[str, float | None]]:
+        return {r: {t: e.mape for t, e in v.items()} for r, v in self.heldout.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe summary for the store's ``details`` column and ``--json`` output."""
+        return {
+            "candidate_version": self.policy.version,
+            "approved": self.approved,
+            "verdict": self.verdict.to_dict(),
+            "predicted_goodput": {"current": self.predicted_goodput_current,
+                                  "candidate": self.predicted_goodput_candidate},
+            "changed_cells": self.changed_cells,
+            "heldout": {r: {t: {"mape": e.mape, "r2": e.r2, "rows": e.rows}
+                            for t, e in v.items()} for r, v in self.heldout.items()},
+            "heldout_mape": self.heldout_mape(),
+            "weights": self.weights.to_dict(),
+            "rounds": [
+                {"round": r.round, "changed_cells": r.changed_cells,
+                 "decode_local_share": r.decode_local_share,
+                 "predicted_goodput": r.predicted_goodput} for r in self.rounds
+            ],
+            "converged": self.converged,
+            "training_window_range": list(self.training_window_range),
+            "n_training_windows": self.n_training_windows,
+            "n_heldout_windows": self.n_heldout_windows,
+            "model": self.model.report,
+            **self.details,
+        }
+
+
+class CalibrationError(ValueError):
+    """The windows cannot support a calibration (the message says why)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Grid, scores, goodput
+
+
+def _bin(edges: Sequence[float], values: FloatArray) -> IntArray:
+    idx = np.searchsorted(np.asarray(edges, dtype=np.float64), values, side="left")
+    out: IntArray = np.minimum(idx, len(edges) - 1).astype(np.int64)
+    return out
+
+
+def table_grid(ts: TrainingSet, axes: Axes, recent_windows: int) -> TableGrid:
+    """The current mix (last ``recent_windows`` windows) laid on the table's cells."""
+    if ts.n_windows == 0:
+        raise CalibrationError("no windows")
+    recent = np.arange(max(ts.n_windows - recent_windows, 0), ts.n_windows)
+    n_ctx, n_io, n_qps = axes.shape
+    t_ctx = _bin(axes.context_tokens, ROUTER_CTX_REP)  # router ctx bin -> table ctx bin
+    t_io = _bin(axes.io_ratio, ROUTER_IO_REP)
+    router_to_table = (t_ctx[:, None] * n_io + t_io[None, :]).reshape(-1)  # [K_router]
+    mass_router = ts.rate[recent].sum(axis=(0, 2))
+    if mass_router.sum() <= 0:
+        mass_router = ts.rate.sum(axis=(0, 2))
+    if mass_router.sum() <= 0:
+        raise CalibrationError("the windows hold no routed requests")
+    k = n_ctx * n_io
+    mix = np.bincount(router_to_table, weights=mass_router, minlength=k)
+    ctx_r = np.repeat(ROUTER_CTX_REP, N_IO_BINS)
+    io_r = np.tile(ROUTER_IO_REP, N_CTX_BINS)
+    ctx_sum = np.bincount(router_to_table, weights=mass_router * ctx_r, minlength=k)
+    io_sum = np.bincount(router_to_table, weights=mass_router * np.log(io_r), minlength=k)
+    axis_ctx = np.repeat(context_representatives(axes.context_tokens)[:n_ctx], n_io)
+    axis_io = np.tile(ratio_representatives(axes.io_ratio)[:n_io], n_ctx)
+    seen = mix > 0
+    context = np.where(seen, ctx_sum / np.where(seen, mix, 1.0), axis_ctx)
+    ratio = np.where(seen, np.exp(io_sum / np.where(seen, mix, 1.0)), axis_io)
+    router_qps = ts.cluster_qps[recent] / np.maximum(ts.n_routers[recent], 1.0)
+    qps_rows = _bin(axes.qps, router_qps)
+    qps_weight = np.bincount(qps_rows, minlength=n_qps).astype(np.float64)
+    qps_weight /= qps_weight.sum()
+    return TableGrid(
+        axes=axes, context=context, ratio=ratio, mix=mix / mix.sum(),
+        output_tokens=float(np.median(ts.output_tokens[recent])),
+        qps=ratio_representatives(axes.qps)[:n_qps],
+        n_routers=float(np.median(np.maximum(ts.n_routers[recent], 1.0))),
+        n_prefill=float(np.median(ts.n_prefill[recent])),
+        n_decode=float(np.median(ts.n_decode[recent])),
+        qps_weight=qps_weight,
+    )
+
+
+def scores(pred: Predictions, sc: Scenario, weights: Weights) -> FloatArray:
+    """The paper's score per cell, with marginal (social) costs added to both routes."""
+    ph = pred.physics
+    ttft_p, ttft_l = pred.ttft[:, :, 0], pred.ttft[:, :, 1]
+    tpot_p, tpot_l = pred.tpot[:, :, 0], pred.tpot[:, :, 1]
+    rate_p = sc.rate_p.sum(axis=1)
+    rate_l = sc.rate_l.sum(axis=1)
+    rate_all = rate_p + rate_l
+    # Prefill-node: queueing this request adds to the other prefill-node requests.
+    harm_p = ph.prefill_harm
+    # Decode-local: its append tokens stretch every decode step on the worker.
+    d_step = (ph.step_per_local_tps / sc.n_decode)[:, None] * sc.append
+    harm_l_tpot = rate_all[:, None] * d_step
+    harm_l_ttft = rate_l[:, None] * d_step * 1.5
+    tp = ttft_p + harm_p
+    tl = ttft_l + harm_l_ttft
+    out: FloatArray = (weights.wtft * (tp - tl) / tp
+                       - weights.wtpot * (tpot_l + harm_l_tpot - tpot_p) / tpot_p)
+    return out
+
+
+def goodput_rows(pred: Predictions, sc: Scenario, slo: Slo, sigma: dict[str, float]
+                 ) -> FloatArray:
+    """Predicted goodput of each scenario row (fraction of its requests meeting both SLOs)."""
+    g = (prob_below(pred.ttft, slo.ttft_s, sigma["ttft"])
+         * prob_below(pred.tpot, slo.tpot_s, sigma["tpot"]))
+    met = (sc.rate_p * g[:, :, 0] + sc.rate_l * g[:, :, 1]).sum(axis=1)
+    total = (sc.rate_p + sc.rate_l).sum(axis=1)
+    out: FloatArray = np.where(total > 0, met / np.where(total > 0, total, 1.0), 1.0)
+    return out
+
+
+def local_share(routes: Any, exploration: FloatArray | float) -> FloatArray:
+    """Share of a cell's requests that run decode-local, exploration included."""
+    x = np.asarray(routes, dtype=np.float64)
+    e = np.asarray(exploration, dtype=np.float64)
+    out: FloatArray = x * (1.0 - e) + (1.0 - x) * e
+    return out
+
+
+def predicted_goodput(model: LatencyModel, grid: TableGrid, routes: Any,
+                      exploration: FloatArray | float, slo: Slo) -> tuple[float, Predictions]:
+    """Goodput of a routing (``routes[s, k]`` True = local) for the current mix and QPS."""
+    sc = grid.scenario(local_share(routes, exploration))
+    pred = model.predict(sc)
+    rows = goodput_rows(pred, sc, slo, model.sigma)
+    return float(np.dot(rows, grid.qps_weight)), pred
+
+
+def fixed_point(
+    model: LatencyModel,
+    grid: TableGrid,
+    weights: Weights,
+    slo: Slo,
+    initial: Any,
+    exploration: FloatArray | float = 0.0,
+    max_rounds: int = 12,
+) -> FixedPoint:
+    """Routes → implied load → predictions → scores → routes, until stable or bounded.
+
+    QPS rows do not share load, so each row converges on its own; a row still moving after
+    ``max_rounds`` (or caught in a cycle) keeps the visited routes with its best predicted
+    goodput.
+    """
+    routes = np.asarray(initial, dtype=bool).copy()
+    visited: list[tuple[Any, FloatArray]] = []  # (routes, goodput per row)
+    records: list[RoundRecord] = []
+    stable = np.zeros(routes.shape[0], dtype=bool)
+    for rnd in range(1, max_rounds + 1):
+        sc = grid.scenario(local_share(routes, exploration))
+        pred = model.predict(sc)
+        rows = goodput_rows(pred, sc, slo, model.sigma)
+        new = scores(pred, sc, weights) > 0.0
+        row_changes = (new != routes).sum(axis=1)
+        share = float(np.dot(grid.qps_weight, (routes * grid.mix[None, :]).sum(axis=1)))
+        records.append(RoundRecord(rnd, int(row_changes.sum()), share,
+                                   float(np.dot(rows, grid.qps_weight))))
+        visited.append((routes, rows))
+        stable = row_changes == 0
+        if stable.all():
+            break
+        cycle = any(np.array_equal(new, prev) for prev, _ in visited)
+        if cycle:
+            break
+        routes = _damped(routes, new, scores(pred, sc, weights), rnd)
+    final = visited[-1][0].copy()
+    if not stable.all():
+        row_goodput = np.stack([g for _, g in visited])  # [rounds, S]
+        best = row_goodput.argmax(axis=0)
+        for s in np.flatnonzero(~stable):
+            final[s] = visited[best[s]][0][s]
+    sc = grid.scenario(local_share(final, exploration))
+    pred = model.predict(sc)
+    g = float(np.dot(goodput_rows(pred, sc, slo, model.sigma), grid.qps_weight))
+    return FixedPoint(final, scores(pred, sc, weights), pred, tuple(records),
+                      bool(stable.all()), g, stable)
+
+
+def _damped(routes: Any, new: Any, sc_scores: FloatArray, rnd: int) -> Any:
+    """Flip, per QPS row, only the most decided half (then quarter, ...) of changing cells.
+
+    The first round takes every change; later rounds take fewer, strongest |score| first, so
+    the loop settles instead of swinging the whole pool between two overloaded states.
+    """
+    changed = new != routes
+    if rnd == 1:
+        return new
+    n_changed = changed.sum(axis=1)
+    allowed = np.ceil(n_changed * DAMPING ** (rnd - 1)).astype(np.int64)
+    key = np.where(changed, np.abs(sc_scores), -1.0)
+    order = np.argsort(-key, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(order.shape[1])[None, :].repeat(order.shape[0], 0),
+                      axis=1)
+    flip = changed & (rank < allowed[:, None])
+    return np.where(flip, new, routes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Current policy, exploration inputs
+
+
+def policy_routes_on(policy: Policy, grid: TableGrid) -> tuple[Any, FloatArray]:
+    """The routes and exploration a policy (any axes) applies to ``grid``'s cells."""
+    axes = policy.table.axes
+    ctx_bins = _bin(axes.context_tokens, grid.context)
+    io_bins = _bin(axes.io_ratio, grid.ratio)
+    qps_bins = _bin(axes.qps, grid.qps)
+    _, p_io, p_qps = axes.shape
+    idx = (ctx_bins[None, :] * p_io + io_bins[None, :]) * p_qps + qps_bins[:, None]
+    routes = np.array(policy.table.routes, dtype=np.int64)[idx] == int(Route.DECODE_LOCAL)
+    expl = np.array(policy.table.exploration, dtype=np.float64)[idx]
+    return routes, expl
+
+
+def _cell_uncertainty(ts: TrainingSet, model: LatencyModel, axes: Axes
+                      ) -> tuple[FloatArray, FloatArray, NDArray[np.bool_]]:
+    """Per table cell (flattened, policy order): rarer-route samples, residual spread, seen."""
+    _, n_io, n_qps = axes.shape
+    t_ctx = _bin(axes.context_tokens, ROUTER_CTX_REP)
+    t_io = _bin(axes.io_ratio, ROUTER_IO_REP)
+    router_to_table = (t_ctx[:, None] * n_io + t_io[None, :]).reshape(-1)
+    router_qps = ts.cluster_qps / np.maximum(ts.n_routers, 1.0)
+    w_qps = _bin(axes.qps, router_qps)
+    cell = router_to_table[ts.row_cell] * n_qps + w_qps[ts.row_window]
+    n = axes.n_cells
+    req_p = np.bincount(cell, weights=np.where(ts.row_route == 0, ts.row_requests, 0.0),
+                        minlength=n)
+    req_l = np.bincount(cell, weights=np.where(ts.row_route == 1, ts.row_requests, 0.0),
+                        minlength=n)
+    ttft_pred, _ = model.predict_rows(ts)
+    ok = np.isfinite(ts.row_ttft) & (ts.row_ttft > 0) & (ts.row_ttft_count > 0)
+    resid = np.where(ok, np.log(np.where(ok, ts.row_ttft, 1.0) / ttft_pred), 0.0)
+    w = np.where(ok, ts.row_ttft_count, 0.0)
+    sw = np.bincount(cell, weights=w, minlength=n)
+    m1 = np.bincount(cell, weights=w * resid, minlength=n) / np.where(sw > 0, sw, 1.0)
+    m2 = np.bincount(cell, weights=w * resid**2, minlength=n) / np.where(sw > 0, sw, 1.0)
+    spread = np.where(sw > 0, np.sqrt(np.maximum(m2 - m1**2, 0.0)), np.nan)
+    return np.minimum(req_p, req_l), spread, (req_p + req_l) > 0
+
+
+def _to_datetime(epoch: float) -> datetime:
+    return datetime.fromtimestamp(epoch, tz=UTC)
+
+
+# ---------------------------------------------------------------------------------------------
+# The calibration
+
+
+def calibrate(
+    windows: Sequence[Window],
+    now: float,
+    current: Policy | None = None,
+    config: CalibrationConfig | None = None,
+    heldout_windows: Sequence[Window] | None = None,
+    reason: str = "",
+    training: TrainingSet | None = None,
+) -> CalibrationResult:
+    """Fit, build and judge a candidate policy from ``windows`` (oldest first).
+
+    Held-out error comes from ``heldout_windows`` when given, else from the last
+    ``holdout_fraction`` of ``windows`` (a model fitted on the earlier ones predicts them).
+    """
+    cfg = config or CalibrationConfig()
+    ts = training if training is not None else build_training_set(windows)
+    if ts.n_windows < 2 or ts.n_rows == 0:
+        raise CalibrationError(
+            f"need at least 2 windows with routed requests, got {ts.n_windows} windows "
+            f"and {ts.n_rows} outcome rows"
+        )
+    slo = cfg.slo
+    if heldout_windows is not None:
+        hold = build_training_set(heldout_windows)
+        model = fit_latency_model(ts, slo.ttft_s, slo.tpot_s, seed=cfg.seed,
+                                  residual=cfg.residual_model)
+        heldout = heldout_error(model, hold)
+        n_hold = hold.n_windows
+    else:
+        n_hold = max(int(ts.n_windows * cfg.holdout_fraction), 1)
+        cut = ts.n_windows - n_hold
+        early = ts.subset(np.arange(cut))
+        late = ts.subset(np.arange(cut, ts.n_windows))
+        model = fit_latency_model(early, slo.ttft_s, slo.tpot_s, seed=cfg.seed,
+                                  residual=cfg.residual_model)
+        heldout = heldout_error(model, late)
+        if cfg.refit_on_all:
+            model = fit_latency_model(ts, slo.ttft_s, slo.tpot_s, seed=cfg.seed,
+                                      residual=cfg.residual_model)
+
+    grid = table_grid(ts, cfg.axes, cfg.recent_windows)
+    n_qps = grid.qps.shape[0]
+    k = grid.context.shape[0]
+    if current is not None:
+        cur_routes, cur_expl = policy_routes_on(current, grid)
+        initial = cur_routes
+    else:
+        cur_routes, cur_expl = None, np.zeros((n_qps, k))
+        initial = np.zeros((n_qps, k), dtype=bool)
+
+    results: dict[float, FixedPoint] = {}
+
+    def goodput_of_ratio(ratio: float) -> float:
+        w = Weights(wtft=ratio, wtpot=1.0) if math.isfinite(ratio) else Weights(1.0, 0.0)
+        fp = fixed_point(model, grid, w, slo, initial, 0.0, cfg.max_rounds)
+        results[ratio] = fp
+        return fp.predicted_goodput
+
+    choice = choose_weights(goodput_of_ratio, cfg.weight_ratios, cfg.pinned_weights)
+    fp = results[choice.ratio]
+
+    # Exploration per cell (policy order: ctx, io, qps; the grid is [qps, ctx*io]).
+    samples, spread, seen = _cell_uncertainty(ts, model, cfg.axes)
+    score_flat = fp.scores.T.reshape(-1)  # [(ctx*io), qps] -> policy order
+    explore = exploration_fractions(samples, spread, score_flat, seen, cfg.exploration)
+    routes_flat = fp.routes.T.reshape(-1)
+    explore_grid = explore.reshape(k, n_qps).T
+
+    g_candidate, pred = predicted_goodput(model, grid, fp.routes, explore_grid, slo)
+    g_current = None
+    if current is not None:
+        g_current, _ = predicted_goodput(model, grid, cur_routes, cur_expl, slo)
+    verdict = check(g_candidate, g_current, cfg.guardrail_margin)
+
+    table = LookupTable(
+        axes=cfg.axes,
+        routes=tuple(Route.DECODE_LOCAL if r else Route.PREFILL_NODE for r in routes_flat),
+        scores=tuple(float(np.clip(s, -1e6, 1e6)) for s in score_flat),
+        exploration=tuple(float(e) for e in explore),
+    )
+    policy = Policy(
+        version=(current.version + 1) if current is not None else 1,
+        table=table,
+        weights=choice.weights,
+        slo=slo,
+        overrides=cfg.overrides,
+        default_route=cfg.default_route,
+        provenance=Provenance(
+            created_at=_to_datetime(now), reason=reason, created_by="pd-controller calibrate",
+            trained_from=_to_datetime(float(ts.start.min())),
+            trained_to=_to_datetime(float(ts.end.max())),
+        ),
+    )
+    changed = None
+    if current is not None and current.table.axes == cfg.axes:
+        changed = sum(a != b for a, b in zip(current.table.routes, table.routes, strict=True))
+    share = float(np.dot(grid.qps_weight, (fp.routes * grid.mix[None, :]).sum(axis=1)))
+    return CalibrationResult(
+        policy=policy, verdict=verdict, weights=choice, rounds=fp.rounds,
+        converged=fp.converged, predicted_goodput_candidate=g_candidate,
+        predicted_goodput_current=g_current, heldout=heldout,
+        training_window_range=(float(ts.start.min()), float(ts.end.max())),
+        n_training_windows=ts.n_windows, n_heldout_windows=n_hold, changed_cells=changed,
+        model=model, grid=grid, predictions=pred,
+        details={"decode_local_share": share,
+                 "stable_qps_rows": [int(i) for i in np.flatnonzero(fp.stable_rows)],
+                 "exploration_mean": float(explore[seen].mean()) if seen.any() else 0.0},
+    )
+
+
+def with_version(result: CalibrationResult, version: int) -> CalibrationResult:
+    """The same result with the candidate renumbered (the store assigns versions)."""
+    return replace(result, policy=result.policy.with_version(version))

@@ -1,0 +1,335 @@
+"""Windows → training data: per-window load, the route mix per cell, per-route outcomes.
+
+Pure and vectorised: a calibration reads thousands of windows, so everything lands in numpy
+arrays (struct of arrays) in one pass over the Python objects.
+
+Router cells use the routers' fixed feature bins (the default table's edges, plus one
+overflow bin); each bin stands for a representative value so that the latency model can work
+in tokens, whatever axes the policy being built has.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from controller.core.window import Histogram, Window, WorkerStats
+from controller.policy.model import DEFAULT_CONTEXT_EDGES, DEFAULT_IO_RATIO_EDGES, Route
+
+FloatArray = NDArray[np.float64]
+IntArray = NDArray[np.int64]
+
+# Router bins: inclusive upper edges of the default axes, index len(edges) = beyond the last.
+ROUTER_CONTEXT_EDGES: tuple[float, ...] = tuple(float(e) for e in DEFAULT_CONTEXT_EDGES)
+ROUTER_IO_EDGES: tuple[float, ...] = tuple(float(e) for e in DEFAULT_IO_RATIO_EDGES)
+N_CTX_BINS = len(ROUTER_CONTEXT_EDGES) + 1
+N_IO_BINS = len(ROUTER_IO_EDGES) + 1
+N_ROUTER_CELLS = N_CTX_BINS * N_IO_BINS
+ROUTES: tuple[Route, Route] = (Route.PREFILL_NODE, Route.DECODE_LOCAL)  # column 0, column 1
+
+DEFAULT_OUTPUT_TOKENS = 256.0  # used only when no decode worker reports generated tokens
+
+
+def context_representatives(edges: Sequence[float]) -> FloatArray:
+    """Representative context per bin (and one overflow bin): arithmetic bin midpoints."""
+    e = [float(x) for x in edges]
+    lows = [0.0, *e[:-1]]
+    reps = [(lo + hi) / 2.0 for lo, hi in zip(lows, e, strict=True)]
+    return np.array([*reps, e[-1] * 1.5], dtype=np.float64)
+
+
+def ratio_representatives(edges: Sequence[float]) -> FloatArray:
+    """Representative io ratio per bin (and one overflow bin): geometric bin midpoints."""
+    e = [float(x) for x in edges]
+    reps = [e[0] / math.sqrt(2.0)]
+    reps += [math.sqrt(lo * hi) for lo, hi in itertools.pairwise(e)]
+    return np.array([*reps, e[-1] * 2.0], dtype=np.float64)
+
+
+ROUTER_CTX_REP = context_representatives(ROUTER_CONTEXT_EDGES)
+ROUTER_IO_REP = ratio_representatives(ROUTER_IO_EDGES)
+
+
+def router_cell(ctx_bin: int, io_bin: int) -> int:
+    return min(max(ctx_bin, 0), N_CTX_BINS - 1) * N_IO_BINS + min(max(io_bin, 0), N_IO_BINS - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRows:
+    """Per-worker component signals, one row per (window, worker) that reported them."""
+
+    window: IntArray
+    value: FloatArray  # the measured time (s)
+    x: FloatArray  # regressors, one row per sample (columns depend on the component)
+    weight: FloatArray  # observations behind the mean
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingSet:
+    """Everything a calibration learns from, for ``W`` windows.
+
+    ``rate[w, k, r]``: requests per second of router cell ``k`` on route column ``r``
+    (0 = prefill node, 1 = decode-local) summed over routers. Outcome rows aggregate routers.
+    """
+
+    start: FloatArray  # [W]
+    end: FloatArray
+    interval_s: FloatArray
+    n_prefill: FloatArray
+    n_decode: FloatArray
+    cluster_qps: FloatArray  # arrivals per second over all routers
+    n_routers: FloatArray
+    output_tokens: FloatArray  # mean generated tokens per request
+    goodput: FloatArray  # met / requests over the window (NaN when no requests)
+    rate: FloatArray  # [W, K, 2]
+    # outcome rows (window, cell, route)
+    row_window: IntArray
+    row_cell: IntArray
+    row_route: IntArray
+    row_requests: FloatArray
+    row_met: FloatArray
+    row_ttft: FloatArray  # mean, NaN when no sample
+    row_ttft_count: FloatArray
+    row_tpot: FloatArray
+    row_tpot_count: FloatArray
+    # component signals
+    prefill: WorkerRows  # x = [prompt tokens computed per request]
+    prefill_queue: WorkerRows  # x = [utilisation rho, mean prefill time]
+    kv_transfer: WorkerRows  # x = [bytes per transfer, link busy fraction]
+    decode_step: WorkerRows  # x = [running, running * ctx_mean, local prefill tok/s]
+    kv_bytes_per_token: float | None
+
+    @property
+    def n_windows(self) -> int:
+        return int(self.start.shape[0])
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.row_window.shape[0])
+
+    def subset(self, windows: IntArray) -> TrainingSet:
+        """The same data restricted to some windows (renumbered 0..len-1), for held-out splits."""
+        order = np.asarray(windows, dtype=np.int64)
+        remap = np.full(self.n_windows, -1, dtype=np.int64)
+        remap[order] = np.arange(order.shape[0])
+
+        def rows(r: WorkerRows) -> WorkerRows:
+            keep = remap[r.window] >= 0
+            return WorkerRows(remap[r.window[keep]], r.value[keep], r.x[keep], r.weight[keep])
+
+        keep = remap[self.row_window] >= 0
+        return TrainingSet(
+            start=self.start[order], end=self.end[order], interval_s=self.interval_s[order],
+            n_prefill=self.n_prefill[order], n_decode=self.n_decode[order],
+            cluster_qps=self.cluster_qps[order], n_routers=self.n_routers[order],
+            output_tokens=self.output_tokens[order], goodput=self.goodput[order],
+            rate=self.rate[order],
+            row_window=remap[self.row_window[keep]], row_cell=self.row_cell[keep],
+            row_route=self.row_route[keep], row_requests=self.row_requests[keep],
+            row_met=self.row_met[keep], row_ttft=self.row_ttft[keep],
+            row_ttft_count=self.row_ttft_count[keep], row_tpot=self.row_tpot[keep],
+            row_tpot_count=self.row_tpot_count[keep],
+            prefill=rows(self.prefill), prefill_queue=rows(self.prefill_queue),
+            kv_transfer=rows(self.kv_transfer), decode_step=rows(self.decode_step),
+            kv_bytes_per_token=self.kv_bytes_per_token,
+        )
+
+
+def _finished(w: WorkerStats, interval_s: float) -> float | None:
+    if w.request_rate is not None:
+        return w.request_rate * interval_s
+    return None
+
+
+def _local_compute(w: WorkerStats) -> float | None:
+    src = w.prompt_tokens_by_source
+    if not src:
+        return None
+    return src.get("local_compute")
+
+
+def histogram_mean(h: Histogram | None, representatives: FloatArray | None = None) -> float | None:
+    """Mean of a bucketed distribution, each bucket at its midpoint (last bucket: 1.5x edge)."""
+    if h is None or h.total <= 0:
+        return None
+    edges = np.array([e if math.isfinite(e) else np.nan for e in h.edges], dtype=np.float64)
+    finite = edges[np.isfinite(edges)]
+    if representatives is not None and representatives.shape[0] == edges.shape[0]:
+        reps = representatives
+    else:
+        lows = np.concatenate(([0.0], np.nan_to_num(edges[:-1], nan=0.0)))
+        reps = np.where(np.isfinite(edges), (lows + np.nan_to_num(edges)) / 2.0,
+                        (finite[-1] * 1.5) if finite.size else 0.0)
+    counts = np.array(h.counts, dtype=np.float64)
+    return float(np.dot(reps, counts) / counts.sum())
+
+
+def build_training_set(windows: Sequence[Window]) -> TrainingSet:
+    """One pass over ``windows`` (any order; kept as given)."""
+    n = len(windows)
+    start = np.empty(n)
+    end = np.empty(n)
+    interval = np.empty(n)
+    n_p = np.zeros(n)
+    n_d = np.zeros(n)
+    qps = np.zeros(n)
+    n_routers = np.zeros(n)
+    out_tokens = np.full(n, np.nan)
+    goodput = np.full(n, np.nan)
+    rate = np.zeros((n, N_ROUTER_CELLS, 2))
+
+    # outcome rows, aggregated over routers: key (window, cell, route)
+    rw: list[int] = []
+    rc: list[int] = []
+    rr: list[int] = []
+    sums: list[list[float]] = []
+
+    pf_rows: list[tuple[int, float, float, float]] = []  # (w, prefill_s, tokens, count)
+    pq_rows: list[tuple[int, float, float, float, float]] = []  # (w, queue_s, rho, s, count)
+    kv_rows: list[tuple[int, float, float, float, float]] = []  # (w, t, bytes, busy, count)
+    dec_rows: list[tuple[int, float, float, float, float]] = []  # (w, itl, running, pf_tps, cnt)
+    bytes_per_token: list[float] = []
+
+    for i, win in enumerate(windows):
+        iv = win.interval_s
+        start[i], end[i], interval[i] = win.start, win.end, iv
+        prefill_workers = [w for w in win.workers if w.role == "prefill"]
+        decode_workers = [w for w in win.workers if w.role == "decode"]
+        roles = win.roles
+        n_p[i] = roles["prefill"].workers if "prefill" in roles else len(prefill_workers)
+        n_d[i] = roles["decode"].workers if "decode" in roles else len(decode_workers)
+
+        index: dict[tuple[int, int], int] = {}
+        total_req = total_met = 0.0
+        for o in win.outcomes:
+            cell = router_cell(o.ctx_bin, o.io_bin)
+            col = 0 if o.route == Route.PREFILL_NODE else 1
+            rate[i, cell, col] += o.requests / iv
+            total_req += o.requests
+            total_met += o.met
+            key = (cell, col)
+            j = index.get(key)
+            if j is None:
+                index[key] = len(sums)
+                rw.append(i)
+                rc.append(cell)
+                rr.append(col)
+                sums.append([o.requests, o.met, o.ttft_sum, o.ttft_count, o.tpot_sum,
+                            o.tpot_count])
+            else:
+                acc = sums[j]
+                acc[0] += o.requests
+                acc[1] += o.met
+                acc[2] += o.ttft_sum
+                acc[3] += o.ttft_count
+                acc[4] += o.tpot_sum
+                acc[5] += o.tpot_count
+        if total_req > 0:
+            goodput[i] = total_met / total_req
+        routers = win.workload.qps_by_router
+        if routers:
+            qps[i] = math.fsum(routers.values())
+            n_routers[i] = len(routers)
+        else:
+            qps[i] = total_req / iv
+            n_routers[i] = 1.0
+
+        gen = finished = 0.0
+        for w in decode_workers:
+            f = _finished(w, iv)
+            if w.generation_tokens is not None and f:
+                gen += w.generation_tokens
+                finished += f
+        if finished > 0:
+            out_tokens[i] = gen / finished
+
+        p_tokens: list[float] = []
+        for w in prefill_workers:
+            f = _finished(w, iv)
+            local = _local_compute(w)
+            s = w.prefill_s
+            if s is not None and s.mean is not None and s.count and local is not None and f:
+                tokens = local / f
+                p_tokens.append(tokens)
+                pf_rows.append((i, s.mean, tokens, s.count))
+            q = w.queue_s
+            if q is not None and q.mean is not None and q.count and s is not None and s.mean:
+                rho = (w.request_rate or 0.0) * s.mean
+                pq_rows.append((i, q.mean, rho, s.mean, q.count))
+        for w in win.workers:
+            t, b = w.kv_transfer_s, w.kv_transfer_bytes
+            if t is not None and t.mean is not None and t.count and b is not None and b.mean:
+                busy = t.count * t.mean / iv
+                kv_rows.append((i, t.mean, b.mean, busy, t.count))
+                if p_tokens:
+                    bytes_per_token.append(b.mean / max(float(np.mean(p_tokens)), 1.0))
+        for w in decode_workers:
+            itl = w.inter_token_s
+            if itl is None or itl.mean is None or not itl.count or w.running is None:
+                continue
+            local = _local_compute(w)
+            pf_tps = (local or 0.0) / iv
+            dec_rows.append((i, itl.mean, w.running, pf_tps, itl.count))
+
+    out_tokens = np.where(np.isfinite(out_tokens), out_tokens,
+                          np.nanmedian(out_tokens) if np.isfinite(out_tokens).any()
+                          else DEFAULT_OUTPUT_TOKENS)
+    ctx_mean = decode_context_mean(rate, out_tokens)
+
+    a = np.array(sums, dtype=np.float64).reshape(-1, 6)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ttft = np.where(a[:, 3] > 0, a[:, 2] / np.where(a[:, 3] > 0, a[:, 3], 1.0), np.nan)
+        tpot = np.where(a[:, 5] > 0, a[:, 4] / np.where(a[:, 5] > 0, a[:, 5], 1.0), np.nan)
+
+    def worker_rows(rows: Sequence[tuple[float, ...]], x_of: int) -> WorkerRows:
+        m = np.array(rows, dtype=np.float64).reshape(-1, x_of + 3)
+        return WorkerRows(m[:, 0].astype(np.int64), m[:, 1], m[:, 2:2 + x_of], m[:, -1])
+
+    dec = worker_rows(dec_rows, 2)
+    if dec.window.size:
+        # decode step regressors: running, running * mean context, local prefill tokens/s
+        running = dec.x[:, 0]
+        dec = WorkerRows(dec.window, dec.value,
+                         np.column_stack([running, running * ctx_mean[dec.window], dec.x[:, 1]]),
+                         dec.weight)
+    else:
+        dec = WorkerRows(dec.window, dec.value, np.zeros((0, 3)), dec.weight)
+
+    return TrainingSet(
+        start=start, end=end, interval_s=interval, n_prefill=n_p, n_decode=n_d,
+        cluster_qps=qps, n_routers=n_routers, output_tokens=out_tokens, goodput=goodput,
+        rate=rate,
+        row_window=np.array(rw, dtype=np.int64), row_cell=np.array(rc, dtype=np.int64),
+        row_route=np.array(rr, dtype=np.int64), row_requests=a[:, 0], row_met=a[:, 1],
+        row_ttft=ttft, row_ttft_count=a[:, 3], row_tpot=tpot, row_tpot_count=a[:, 5],
+        prefill=worker_rows(pf_rows, 1), prefill_queue=worker_rows(pq_rows, 2),
+        kv_transfer=worker_rows(kv_rows, 2), decode_step=dec,
+        kv_bytes_per_token=float(np.median(bytes_per_token)) if bytes_per_token else None,
+    )
+
+
+def cell_tokens(output_tokens: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """Representative (context, append) tokens per router cell, per window: ``[W, K]``."""
+    ctx = np.repeat(ROUTER_CTX_REP, N_IO_BINS)  # [K]
+    ratio = np.tile(ROUTER_IO_REP, N_CTX_BINS)  # [K]
+    out = np.asarray(output_tokens, dtype=np.float64)
+    context = np.broadcast_to(ctx, (out.shape[0], ctx.shape[0]))
+    append = ratio[None, :] * out[:, None]
+    return np.ascontiguousarray(context), append
+
+
+def decode_context_mean(rate: FloatArray, output_tokens: FloatArray) -> FloatArray:
+    """Mean KV context of a running decode, per window: prompt + half the output."""
+    context, append = cell_tokens(output_tokens)
+    total = rate.sum(axis=2)  # [W, K]
+    mass = total.sum(axis=1)
+    prompt = (total * (context + append)).sum(axis=1) / np.where(mass > 0, mass, 1.0)
+    fallback = float(np.median(prompt[mass > 0])) if (mass > 0).any() else 1024.0
+    prompt = np.where(mass > 0, prompt, fallback)
+    result: FloatArray = prompt + output_tokens / 2.0
+    return result

@@ -1,0 +1,225 @@
+"""Calibration against a known ground truth (tests/core/synth.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from controller.core.calibrate import (
+    CalibrationConfig,
+    CalibrationError,
+    CalibrationResult,
+    calibrate,
+    fixed_point,
+)
+from controller.core.features import N_IO_BINS, build_training_set
+from controller.core.latency_model import fit_latency_model, heldout_error
+from controller.policy.decide import bin_index
+from controller.policy.model import Policy, Route, Slo
+from controller.policy.validation import validate_policy
+from tests.core.synth import (
+    ROUTER_CTX_REP,
+    ROUTER_IO_REP,
+    Mix,
+    Truth,
+    _lognorm_cdf,
+    cell_tokens,
+    training_windows,
+    true_latencies,
+)
+
+SLO = Slo(ttft_s=1.0, tpot_s=0.05)
+NOW = 1_900_000_000.0
+
+
+@pytest.fixture(scope="module")
+def truth() -> Truth:
+    return Truth()
+
+
+@pytest.fixture(scope="module")
+def train(truth: Truth) -> list:
+    return training_windows(truth, Mix(), 300, seed=1, slo=SLO)
+
+
+@pytest.fixture(scope="module")
+def heldout(truth: Truth) -> list:
+    return training_windows(truth, Mix(), 80, seed=2, slo=SLO, start=1_800_000_000.0)
+
+
+@pytest.fixture(scope="module")
+def result(train: list, heldout: list) -> CalibrationResult:
+    return calibrate(train, NOW, config=CalibrationConfig(slo=SLO), heldout_windows=heldout)
+
+
+def true_goodput(t: Truth, mix: Mix, qps_per_router: float, local: np.ndarray,
+                 slo: Slo, n_routers: int = 2) -> float:
+    """Expected goodput of the ground truth with per-cell local shares."""
+    k, share = mix.arrays()
+    context, append = cell_tokens(t, k)
+    rate = qps_per_router * n_routers * share
+    tl = true_latencies(t, context, append, rate * (1 - local), rate * local)
+    g = 0.0
+    for j in range(k.shape[0]):
+        for col, w in ((0, 1 - local[j]), (1, local[j])):
+            g += share[j] * w * (_lognorm_cdf(slo.ttft_s, tl.ttft[j, col], t.sigma_ttft)
+                                 * _lognorm_cdf(slo.tpot_s, tl.tpot[j, col], t.sigma_tpot))
+    return g
+
+
+def policy_local(policy: Policy, mix: Mix, qps_per_router: float) -> np.ndarray:
+    """Local share the policy gives each mix cell at this QPS (exploration included)."""
+    k, _ = mix.arrays()
+    axes = policy.table.axes
+    out = []
+    for cell in k:
+        ctx = ROUTER_CTX_REP[cell // N_IO_BINS]
+        ratio = ROUTER_IO_REP[cell % N_IO_BINS]
+        idx = axes.cell_index(bin_index(axes.context_tokens, ctx),
+                              bin_index(axes.io_ratio, ratio), bin_index(axes.qps, qps_per_router))
+        route = policy.table.routes[idx]
+        e = policy.table.exploration[idx]
+        out.append(1 - e if route == Route.DECODE_LOCAL else e)
+    return np.array(out)
+
+
+def test_heldout_error_within_15_percent(result: CalibrationResult) -> None:
+    for route in ("PREFILL_NODE", "DECODE_LOCAL"):
+        for target in ("ttft", "tpot"):
+            e = result.heldout[route][target]
+            assert e.rows > 100
+            assert e.mape is not None and e.mape <= 0.15, (route, target, e)
+            assert e.r2 is not None and e.r2 > 0.5, (route, target, e)
+
+
+def test_heldout_error_is_measured_not_assumed(truth: Truth, train: list) -> None:
+    """A model fitted on a different cluster (4x slower KV link) must show a larger error."""
+    model = fit_latency_model(build_training_set(train), SLO.ttft_s, SLO.tpot_s)
+    slow = Truth(link_bw=truth.link_bw / 8, link_setup=0.02)
+    other = build_training_set(training_windows(slow, Mix(), 40, seed=3, slo=SLO))
+    same = build_training_set(training_windows(truth, Mix(), 40, seed=3, slo=SLO))
+    err_other = heldout_error(model, other)["PREFILL_NODE"]["ttft"].mape
+    err_same = heldout_error(model, same)["PREFILL_NODE"]["ttft"].mape
+    assert err_other is not None and err_same is not None
+    assert err_other > 2 * err_same
+
+
+def test_fixed_point_records_rounds_and_converges(result: CalibrationResult) -> None:
+    rounds = result.rounds
+    assert [r.round for r in rounds] == list(range(1, len(rounds) + 1))
+    assert 1 <= len(rounds) <= CalibrationConfig().max_rounds
+    if result.converged:
+        assert rounds[-1].changed_cells == 0
+    # every round re-predicted under its own routes: goodput values are probabilities
+    assert all(0.0 <= r.predicted_goodput <= 1.0 for r in rounds)
+
+
+def test_fixed_point_is_a_fixed_point(result: CalibrationResult) -> None:
+    """Starting from the final routes, one more round changes nothing in the stable rows."""
+    stable = result.details["stable_qps_rows"]
+    # the rows the current traffic lives in must have settled
+    busy = [int(i) for i in np.flatnonzero(result.grid.qps_weight)]
+    assert set(busy) <= set(stable)
+    grid = result.grid
+    n_ctx, n_io, n_qps = grid.axes.shape
+    routes = np.array([r == Route.DECODE_LOCAL for r in result.policy.table.routes])
+    start = routes.reshape(n_ctx * n_io, n_qps).T
+    fp = fixed_point(result.model, grid, result.policy.weights, SLO, start, 0.0, 1)
+    again = fp.routes
+    assert np.array_equal(again[stable], start[stable])
+    assert all(fp.stable_rows[stable])
+
+
+def test_policy_is_valid_and_carries_provenance(result: CalibrationResult, train: list) -> None:
+    p = result.policy
+    validate_policy(p)
+    assert p.version == 1
+    assert p.slo == SLO
+    assert p.provenance.trained_from is not None and p.provenance.trained_to is not None
+    assert p.provenance.trained_from.timestamp() == train[0].start
+    assert p.provenance.trained_to.timestamp() == train[-1].end
+    assert result.approved  # no current policy: nothing to beat
+    d = result.to_dict()
+    assert d["predicted_goodput"]["candidate"] == result.predicted_goodput_candidate
+    assert set(d["heldout_mape"]) == {"PREFILL_NODE", "DECODE_LOCAL"}
+
+
+@pytest.mark.parametrize("qps", [0.7, 1.5, 3.0])
+def test_table_matches_ground_truth_best_route(
+    result: CalibrationResult, truth: Truth, qps: float
+) -> None:
+    """Per cell, flipping the learned route must not raise the TRUE goodput materially."""
+    mix = Mix()
+    local = policy_local(result.policy, mix, qps)
+    base = true_goodput(truth, mix, qps, local, SLO)
+    k, share = mix.arrays()
+    agree = 0.0
+    for j in range(k.shape[0]):
+        flipped = local.copy()
+        flipped[j] = 1.0 - local[j]
+        g = true_goodput(truth, mix, qps, flipped, SLO)
+        if g <= base + 0.002:  # the learned route is the (near-)best one for this cell
+            agree += share[j]
+    assert agree >= 0.75, f"learned routes match the truth for only {agree:.0%} of traffic"
+
+
+@pytest.mark.parametrize("qps", [0.7, 1.5, 3.0])
+def test_calibrated_policy_beats_uniform_baselines_on_truth(
+    result: CalibrationResult, truth: Truth, qps: float
+) -> None:
+    mix = Mix()
+    k, _ = mix.arrays()
+    learned = true_goodput(truth, mix, qps, policy_local(result.policy, mix, qps), SLO)
+    all_p = true_goodput(truth, mix, qps, np.zeros(k.shape[0]), SLO)
+    all_l = true_goodput(truth, mix, qps, np.ones(k.shape[0]), SLO)
+    assert learned >= max(all_p, all_l) - 0.01, (learned, all_p, all_l)
+
+
+def test_guardrail_rejects_a_candidate_no_better_than_current(
+    result: CalibrationResult, train: list, heldout: list
+) -> None:
+    again = calibrate(train, NOW + 60, current=result.policy,
+                      config=CalibrationConfig(slo=SLO), heldout_windows=heldout)
+    assert again.policy.version == result.policy.version + 1
+    assert again.predicted_goodput_current is not None
+    assert not again.approved
+    assert "rejected" in again.verdict.reason
+    assert again.changed_cells is not None
+
+
+def test_guardrail_approves_over_a_bad_current_policy(
+    result: CalibrationResult, train: list, heldout: list
+) -> None:
+    # all-prefill-node is predicted (and truly) worse here: the candidate must be approved
+    bad = Policy.uniform(7, Route.PREFILL_NODE, slo=SLO)
+    cand = calibrate(train, NOW, current=bad, config=CalibrationConfig(slo=SLO),
+                     heldout_windows=heldout)
+    assert cand.predicted_goodput_current is not None
+    if cand.predicted_goodput_candidate >= cand.predicted_goodput_current + 0.005:
+        assert cand.approved and cand.policy.version == 8
+    else:
+        assert not cand.approved
+
+
+def test_calibration_refuses_empty_input() -> None:
+    with pytest.raises(CalibrationError):
+        calibrate([], NOW)
+
+
+def test_exploration_is_zero_where_no_traffic(result: CalibrationResult) -> None:
+    table = result.policy.table
+    mix = Mix()
+    k, _ = mix.arrays()
+    seen_ctx_io = {
+        (bin_index(table.axes.context_tokens, ROUTER_CTX_REP[c // N_IO_BINS]),
+         bin_index(table.axes.io_ratio, ROUTER_IO_REP[c % N_IO_BINS])) for c in k
+    }
+    for idx, e in enumerate(table.exploration):
+        i_ctx, i_io, _ = table.axes.cell_coords(idx)
+        if (i_ctx, i_io) not in seen_ctx_io:
+            assert e == 0.0
+        assert 0.0 <= e <= 0.2
+    assert any(e > 0 for e in table.exploration)
+    assert math.isfinite(sum(table.scores))
