@@ -511,11 +511,14 @@ class Engine:
         self.busy_time += t - self.run_start
         bs = self.bs
         grown = 0
+        # a partial apply (a scrape mid-run) leaves the next step in progress: its KV is
+        # allocated already, as the scheduler of step-by-step mode would have done
+        ahead = 1 if self._run_steps > j else 0
         for r in self.running:
             r.computed += j
             r.generated += j
             r.last_token = t
-            need = -(-r.computed // bs)
+            need = -(-(r.computed + ahead) // bs)
             if need > r.blocks:
                 grown += need - r.blocks
                 r.blocks = need

@@ -21,6 +21,7 @@ def drive(
     seed: int = 5,
     cfg: dict[str, object] | None = None,
     before_run: Callable[[SimCluster], None] | None = None,
+    until: float = 1e9,
 ) -> tuple[SimCluster, list[SimRequest], dict[str, int]]:
     """Sessions arriving every ``gap_s``; each later turn 1 s after the previous finishes."""
     prof = load_profile("llama-3.1-8b-h100")
@@ -52,5 +53,5 @@ def drive(
         cluster.loop.at(s * gap_s, submit, f"s{s}", 1, p, p)
     if before_run is not None:
         before_run(cluster)
-    assert cluster.loop.run(1e9, 10**7)
+    assert cluster.loop.run(until, 10**7)
     return cluster, done, issued

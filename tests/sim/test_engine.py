@@ -109,3 +109,19 @@ def test_kv_pool_exhaustion_preempts_and_everything_still_finishes() -> None:
     assert eng.metrics.preemptions > 0
     assert eng.metrics.generation_tokens == 4 * 400
     assert eng.used_blocks == 0
+
+
+@pytest.mark.parametrize("at", [3.0, 7.77, 12.5])
+def test_a_scrape_in_the_middle_of_a_run_sees_what_step_by_step_shows(at: float) -> None:
+    def stop_at(cluster) -> None:  # type: ignore[no-untyped-def]
+        cluster.loop.at(at, lambda: None)
+
+    import tests.sim._synthetic as syn
+
+    views = []
+    for runs in (True, False):
+        cluster, _, _ = syn.drive(route=Route.PREFILL_NODE, runs=runs, before_run=stop_at,
+                                  until=at)
+        cluster.sync()
+        views.append(_exposition(cluster))
+    assert views[0] == views[1]
