@@ -4,9 +4,10 @@
 one cached ``grpc.aio`` channel per router address (closed by :meth:`close`), a deadline on
 every call, status codes mapped to the error taxonomy (transient: retry; terminal: do not).
 Retries are the reconciler's job (with jitter on its clock), so the channel's own retry
-policy stays off. A call that finds the router ``UNAVAILABLE`` drops its channel: the next
-attempt connects afresh instead of failing fast inside the old channel's reconnect backoff,
-so a router that comes back after an outage is reached on the very next attempt.
+policy stays off. A call that fails with a transient status (``UNAVAILABLE``, a deadline,
+a connection cut mid-call) drops its channel: the next attempt connects afresh instead of
+failing fast inside the old channel's reconnect backoff, so a router that comes back after
+an outage is reached on the very next attempt.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class GrpcRouterTransport:
         return ch
 
     def _error(self, router: str, e: grpc.aio.AioRpcError) -> Exception:
-        if e.code() is grpc.StatusCode.UNAVAILABLE:
+        if e.code() in TRANSIENT_CODES:
             stale = self._channels.pop(router, None)
             if stale is not None:
                 task = asyncio.ensure_future(stale.close())
