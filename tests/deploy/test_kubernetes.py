@@ -1,0 +1,188 @@
+"""deploy/kubernetes and deploy/Containerfile, validated offline.
+
+``kubernetes-validate --strict`` checks the manifests against the 1.29 schemas (the first
+version where native sidecars are on by default). Schemas do not check enum values or what
+the fields mean, so the fields that matter here are checked by hand.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from controller.config import load_settings
+from tests.conftest import require
+
+DEPLOY = Path(__file__).parents[2] / "deploy"
+K8S = DEPLOY / "kubernetes"
+MANIFESTS = ["configmap.yaml", "standalone.yaml", "sidecar.yaml"]
+
+
+def kubernetes_validate() -> str:
+    exe = Path(sys.executable).parent / "kubernetes-validate"
+    found = str(exe) if exe.is_file() else shutil.which("kubernetes-validate")
+    require("kubernetes-validate", found is not None, "pip install -e '.[dev]'")
+    assert found is not None
+    return found
+
+
+def validate(path: Path, version: str = "1.29.0") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [kubernetes_validate(), "--strict", "-k", version, str(path)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+
+
+def docs(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+
+
+def one(name: str, kind: str) -> dict[str, Any]:
+    found = [d for d in docs(name) if d["kind"] == kind]
+    assert len(found) == 1, f"{name}: {len(found)} {kind}"
+    return found[0]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_manifest_validates_strictly_for_1_29(name: str) -> None:
+    out = validate(K8S / name)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.integration
+def test_validation_catches_a_typo_and_a_too_old_cluster(tmp_path: Path) -> None:
+    typo = tmp_path / "typo.yaml"
+    typo.write_text((K8S / "standalone.yaml").read_text().replace("periodSeconds", "periodSecond"))
+    assert validate(typo).returncode != 0
+    # Native sidecars (initContainers[].restartPolicy) do not exist before 1.28.
+    assert validate(K8S / "sidecar.yaml", "1.27.0").returncode != 0
+
+
+def probes(container: dict[str, Any]) -> dict[str, str]:
+    return {
+        kind: container[kind]["httpGet"]["path"]
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe")
+        if "httpGet" in container.get(kind, {})
+    }
+
+
+def check_controller_container(container: dict[str, Any], pod: dict[str, Any]) -> None:
+    assert probes(container) == {
+        "startupProbe": "/readyz",
+        "readinessProbe": "/readyz",
+        "livenessProbe": "/healthz",
+    }
+    # Every probe targets a port of this very container (not the router's).
+    own_ports = {p["name"] for p in container["ports"]}
+    own_ports |= {p["containerPort"] for p in container["ports"]}
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[kind]["httpGet"]["port"] in own_ports
+    env = {e["name"]: e for e in container["env"]}
+    secret = env["PDCTL_STORE__URL"]["valueFrom"]["secretKeyRef"]
+    assert secret["name"] and secret["key"]
+    assert "value" not in env["PDCTL_STORE__URL"]
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    assert not re.search(r":latest$|^[^:]+$", container["image"]), container["image"]
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    config_volume = next(v for v in pod["volumes"] if v["name"] == mounts["/etc/pd-controller"])
+    configmap = one("configmap.yaml", "ConfigMap")
+    assert config_volume["configMap"]["name"] == configmap["metadata"]["name"]
+    assert container["args"][-1] == "/etc/pd-controller/pd-controller.toml"
+
+
+def test_standalone_deployment() -> None:
+    deployment = one("standalone.yaml", "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    check_controller_container(container, pod)
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    pdb = one("standalone.yaml", "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert 0 < pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"]
+    service = one("standalone.yaml", "Service")
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http-metrics"]
+    assert pod["serviceAccountName"] == one("standalone.yaml", "ServiceAccount")["metadata"]["name"]
+
+
+def test_sidecar_is_native_and_does_not_wait_on_its_router() -> None:
+    deployment = one("sidecar.yaml", "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (sidecar,) = pod["initContainers"]
+    assert sidecar["restartPolicy"] == "Always"  # schemas accept any string here
+    check_controller_container(sidecar, pod)
+    router_ports = {p["containerPort"] for c in pod["containers"] for p in c["ports"]}
+    sidecar_ports = {p["containerPort"] for p in sidecar["ports"]}
+    assert not router_ports & sidecar_ports
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    # It reconciles only its own router, over loopback.
+    assert yaml.safe_load(env["PDCTL_ROUTERS__TARGETS"]) == ["127.0.0.1:50151"]
+    assert 50151 in router_ports
+
+
+@pytest.mark.parametrize("override", [{}, {"routers": {"targets": ["127.0.0.1:50151"]}}])
+def test_configmap_is_a_valid_config(tmp_path: Path, override: dict[str, Any]) -> None:
+    toml = one("configmap.yaml", "ConfigMap")["data"]["pd-controller.toml"]
+    path = tmp_path / "pd-controller.toml"
+    path.write_text(toml)
+    settings = load_settings(path, **override)
+    assert settings.metrics.listen.startswith("0.0.0.0:")
+    port = int(settings.metrics.listen.rsplit(":", 1)[1])
+    for name in ("standalone.yaml", "sidecar.yaml"):
+        pod = one(name, "Deployment")["spec"]["template"]["spec"]
+        controller = next(
+            c for c in pod.get("initContainers", []) + pod["containers"]
+            if c["name"] == "pd-controller"
+        )
+        assert port in {p["containerPort"] for p in controller["ports"]}
+
+
+def containerfile_instructions() -> list[tuple[str, str]]:
+    text = (DEPLOY / "Containerfile").read_text()
+    text = re.sub(r"\\\n", " ", text)  # join continuation lines
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            out.append((keyword.upper(), rest.strip()))
+    return out
+
+
+def test_containerfile_is_multi_stage_non_root_and_pinned() -> None:
+    steps = containerfile_instructions()
+    args = dict(a.split("=", 1) for k, a in steps if k == "ARG" and "=" in a)
+    froms = [rest for k, rest in steps if k == "FROM"]
+    assert len(froms) >= 2
+    stages = [f.split()[-1] for f in froms if " AS " in f.upper()]
+    assert len(stages) == len(froms)
+    for f in froms:
+        image = f.split()[0]
+        image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
+        assert ":" in image.rsplit("/", 1)[-1], f"untagged base image {image}"
+        assert not image.endswith(":latest"), image
+    # The final stage copies from an earlier one and runs as a numeric non-root user.
+    final = max(i for i, (k, _) in enumerate(steps) if k == "FROM")
+    tail = steps[final:]
+    assert any(k == "COPY" and r.startswith("--from=") for k, r in tail)
+    users = [r for k, r in tail if k == "USER"]
+    assert users and users[-1].split(":")[0] not in {"0", "root"}
+    assert users[-1].split(":")[0].isdigit()  # runAsNonRoot can check a numeric uid
+    entrypoint = [r for k, r in tail if k == "ENTRYPOINT"]
+    assert entrypoint and yaml.safe_load(entrypoint[-1]) == ["pdctl"]
+    uid = int(users[-1].split(":")[0])
+    for name in ("standalone.yaml", "sidecar.yaml"):
+        pod = one(name, "Deployment")["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsUser"] == uid
