@@ -24,7 +24,7 @@ def _run(name: str) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict[str, dict[str, Any]]]:
-    return {name: _run(name) for name in ("ppd-1p3d", "ppd-2p2d", "ppd-3p1d")}
+    return {name: _run(name) for name in ("ppd-1p3d", "ppd-2p2d", "ppd-3p1d", "ppd-3p3d")}
 
 
 def _cut(r: dict[str, dict[str, Any]]) -> float:
@@ -45,6 +45,8 @@ def test_decode_local_cuts_turn2_ttft_by_tens_of_percent_on_1p3d(runs: Any) -> N
 def test_the_cut_shrinks_as_prefill_workers_grow(runs: Any) -> None:
     cuts = [_cut(runs[n]) for n in ("ppd-1p3d", "ppd-2p2d", "ppd-3p1d")]
     assert cuts[0] < cuts[1] < cuts[2] < 0, cuts
+    # same decode pool, more prefill workers: the P/D path queues less
+    assert _cut(runs["ppd-1p3d"]) < _cut(runs["ppd-3p3d"]) < 0
 
 
 def test_decode_local_raises_tpot_more_with_one_decode_worker(runs: Any) -> None:
