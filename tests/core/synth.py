@@ -273,3 +273,13 @@ def training_windows(
 
 def with_truth(t: Truth, **changes: float) -> Truth:
     return replace(t, **changes)  # type: ignore[arg-type]
+
+
+def stationary(
+    t: Truth, mix: Mix, qps: float, local: float | np.ndarray, n: int, seed: int,
+    start: float = 1_750_000_000.0, interval_s: float = 30.0, slo: Slo | None = None,
+) -> list[Window]:
+    """``n`` windows of one regime (fixed QPS and routing): only sampling noise varies."""
+    rng = np.random.default_rng(seed)
+    return [make_window(t, mix, qps, local, rng, start + i * interval_s, interval_s, slo)[0]
+            for i in range(n)]

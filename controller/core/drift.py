@@ -1,0 +1,431 @@
+"""Drift detection: three detectors as pure state machines, plus scaling events.
+
+Each detector has a statistic, a threshold, a minimum sample size, hysteresis (consecutive
+windows over the threshold before it fires) and a cooldown after it fires or after a
+recalibration. ``step(state, ...) -> (state, verdict)``; nothing here reads a clock (``now``
+is an argument) or keeps hidden state.
+
+- **workload**: population stability index (PSI) of ``context_tokens`` and ``io_ratio``
+  (router histograms, fixed bins) against the calibration set, with a threshold that is the
+  larger of an effect-size floor (0.2, the usual "significant shift") and a multiple of PSI's
+  expected value under no change (``(bins - 1) (1/n + 1/N)``, so small windows do not
+  false-alarm); and ``|log(qps / calibration median)|`` against the larger of ``log 1.25`` and
+  four robust standard deviations of the calibration windows. The statistic is the largest
+  ratio statistic / threshold over the three features (fires at 1).
+- **performance**: two-sided CUSUM (tabular Page–Hinkley) on standardised residuals
+  ``log(observed / predicted)`` of per-route mean TTFT and TPOT, one accumulator per route and
+  target; standardised by the calibration set's own residual mean and spread, clipped per
+  window so that one bad window cannot fire it alone (its hysteresis is that clip: the
+  default needs two windows of a large shift).
+- **slo**: window goodput outside the calibration band ``mean ± max(4 sd, floor)``.
+
+A change in the number of prefill or decode workers is not drift: :func:`scaling_event`
+reports it as a known cause that triggers a recalibration directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from controller.core.features import build_training_set
+from controller.core.latency_model import LatencyModel
+from controller.core.window import Histogram, Window
+
+KINDS = ("workload", "performance", "slo")
+HISTORY = 32  # statistics kept per detector for `pdctl drift`
+RESIDUAL_KEYS = ("PREFILL_NODE.ttft", "PREFILL_NODE.tpot", "DECODE_LOCAL.ttft",
+                 "DECODE_LOCAL.tpot")
+
+
+@dataclass(frozen=True, slots=True)
+class DetectorConfig:
+    threshold: float
+    min_samples: float
+    hysteresis: int = 2
+    cooldown_s: float = 900.0
+
+
+@dataclass(frozen=True, slots=True)
+class DriftConfig:
+    workload: DetectorConfig = field(
+        default_factory=lambda: DetectorConfig(threshold=1.0, min_samples=50.0))
+    performance: DetectorConfig = field(
+        # CUSUM accumulates evidence itself; the per-window clip of z (below) is what keeps a
+        # single bad window from firing, so it needs no extra consecutive-window hysteresis.
+        default_factory=lambda: DetectorConfig(threshold=7.5, min_samples=20.0, hysteresis=1))
+    slo: DetectorConfig = field(
+        default_factory=lambda: DetectorConfig(threshold=1.0, min_samples=50.0))
+    psi_floor: float = 0.2
+    psi_null_multiple: float = 4.0
+    qps_floor: float = math.log(1.25)
+    qps_sd_multiple: float = 4.0
+    cusum_allowance: float = 1.0  # k, in standard deviations
+    z_clip: float = 5.0  # one window moves a CUSUM by at most z_clip - k
+    residual_sd_floor: float = 0.04
+    # The calibration set's residual spread is measured in-sample (the model was fitted on
+    # those windows); later windows scatter more.
+    residual_sd_inflation: float = 1.3
+    goodput_floor: float = 0.05
+    goodput_sd_multiple: float = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class DriftReference:
+    """What the calibration set looked like."""
+
+    context_counts: tuple[float, ...]
+    io_counts: tuple[float, ...]
+    qps_log_median: float
+    qps_log_sd: float
+    goodput_mean: float | None
+    goodput_sd: float
+    residual_mean: Mapping[str, float]
+    residual_sd: Mapping[str, float]
+    window_range: tuple[float, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "context_counts": list(self.context_counts), "io_counts": list(self.io_counts),
+            "qps_log_median": self.qps_log_median, "qps_log_sd": self.qps_log_sd,
+            "goodput_mean": self.goodput_mean, "goodput_sd": self.goodput_sd,
+            "residual_mean": dict(self.residual_mean), "residual_sd": dict(self.residual_sd),
+            "window_range": list(self.window_range),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DriftReference:
+        return cls(
+            context_counts=tuple(float(x) for x in d["context_counts"]),
+            io_counts=tuple(float(x) for x in d["io_counts"]),
+            qps_log_median=float(d["qps_log_median"]), qps_log_sd=float(d["qps_log_sd"]),
+            goodput_mean=None if d.get("goodput_mean") is None else float(d["goodput_mean"]),
+            goodput_sd=float(d["goodput_sd"]),
+            residual_mean={str(k): float(v) for k, v in d["residual_mean"].items()},
+            residual_sd={str(k): float(v) for k, v in d["residual_sd"].items()},
+            window_range=(float(d["window_range"][0]), float(d["window_range"][1])),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DetectorState:
+    consecutive: int = 0
+    cooldown_until: float = -math.inf
+    last_fired_at: float | None = None
+    cusum: Mapping[str, tuple[float, float]] = field(default_factory=dict)  # key -> (up, down)
+    history: tuple[tuple[float, float], ...] = ()  # (window end, statistic)
+
+
+@dataclass(frozen=True, slots=True)
+class DriftState:
+    workload: DetectorState = field(default_factory=DetectorState)
+    performance: DetectorState = field(default_factory=DetectorState)
+    slo: DetectorState = field(default_factory=DetectorState)
+
+    def of(self, kind: str) -> DetectorState:
+        state: DetectorState = getattr(self, kind)
+        return state
+
+
+@dataclass(frozen=True, slots=True)
+class DriftVerdict:
+    kind: str
+    fired: bool
+    statistic: float  # NaN when the window had too few samples
+    threshold: float
+    samples: float
+    consecutive: int
+    in_cooldown: bool
+    reason: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "fired": self.fired,
+            "statistic": None if math.isnan(self.statistic) else self.statistic,
+            "threshold": self.threshold, "samples": self.samples,
+            "consecutive": self.consecutive, "in_cooldown": self.in_cooldown,
+            "reason": self.reason, "details": dict(self.details),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+
+
+def _counts(h: Histogram | None) -> np.ndarray[Any, np.dtype[np.float64]]:
+    if h is None:
+        return np.zeros(0)
+    return np.asarray(h.counts, dtype=np.float64)
+
+
+def psi(
+    reference: Sequence[float] | np.ndarray[Any, np.dtype[np.float64]],
+    current: Sequence[float] | np.ndarray[Any, np.dtype[np.float64]],
+) -> tuple[float, float]:
+    """(PSI, its expected value under no change) over aligned bins; +0.5 count smoothing."""
+    ref = np.asarray(reference, dtype=np.float64)
+    cur = np.asarray(current, dtype=np.float64)
+    if ref.shape != cur.shape or ref.sum() <= 0 or cur.sum() <= 0:
+        return math.nan, math.nan
+    used = (ref + cur) > 0
+    r = (ref[used] + 0.5) / (ref[used].sum() + 0.5 * used.sum())
+    c = (cur[used] + 0.5) / (cur[used].sum() + 0.5 * used.sum())
+    value = float(np.sum((c - r) * np.log(c / r)))
+    null = (used.sum() - 1) * (1.0 / cur.sum() + 1.0 / ref.sum())
+    return value, float(null)
+
+
+def window_qps(window: Window) -> float:
+    q = window.workload.qps_by_router
+    if q:
+        return math.fsum(q.values())
+    total = math.fsum(o.requests for o in window.outcomes)
+    return total / window.interval_s
+
+
+def window_goodput(window: Window) -> tuple[float | None, float]:
+    req = math.fsum(o.requests for o in window.outcomes)
+    met = math.fsum(o.met for o in window.outcomes)
+    return (met / req if req > 0 else None), req
+
+
+def performance_residuals(
+    model: LatencyModel, windows: Sequence[Window]
+) -> list[dict[str, tuple[float, float]]]:
+    """Per window and route/target: (count-weighted mean log(observed/predicted), count)."""
+    ts = build_training_set(windows)
+    out: list[dict[str, tuple[float, float]]] = [{} for _ in windows]
+    if ts.n_rows == 0:
+        return out
+    ttft, tpot = model.predict_rows(ts)
+    for name, pred, obs, cnt in (("ttft", ttft, ts.row_ttft, ts.row_ttft_count),
+                                 ("tpot", tpot, ts.row_tpot, ts.row_tpot_count)):
+        ok = np.isfinite(obs) & (obs > 0) & (cnt > 0)
+        logr = np.where(ok, np.log(np.where(ok, obs, 1.0) / pred), 0.0)
+        w = np.where(ok, cnt, 0.0)
+        for col, route in ((0, "PREFILL_NODE"), (1, "DECODE_LOCAL")):
+            sel = ts.row_route == col
+            sw = np.bincount(ts.row_window[sel], weights=w[sel], minlength=len(windows))
+            sr = np.bincount(ts.row_window[sel], weights=(w * logr)[sel],
+                             minlength=len(windows))
+            for i in np.flatnonzero(sw > 0):
+                out[i][f"{route}.{name}"] = (float(sr[i] / sw[i]), float(sw[i]))
+    return out
+
+
+def reference_from_windows(
+    windows: Sequence[Window], model: LatencyModel | None = None
+) -> DriftReference:
+    """The calibration set's distributions, goodput band and residual scale."""
+    if not windows:
+        raise ValueError("a drift reference needs at least one window")
+    n_ctx = max((len(w.workload.context_tokens.counts) for w in windows
+                 if w.workload.context_tokens is not None), default=0)
+    n_io = max((len(w.workload.io_ratio.counts) for w in windows
+                if w.workload.io_ratio is not None), default=0)
+    ctx = np.zeros(n_ctx)
+    io = np.zeros(n_io)
+    for w in windows:
+        c, i = _counts(w.workload.context_tokens), _counts(w.workload.io_ratio)
+        if c.shape == ctx.shape:
+            ctx += c
+        if i.shape == io.shape:
+            io += i
+    logq = np.log(np.maximum([window_qps(w) for w in windows], 1e-9))
+    med = float(np.median(logq))
+    mad = float(np.median(np.abs(logq - med))) * 1.4826
+    goods = [g for g, n in (window_goodput(w) for w in windows) if g is not None and n > 0]
+    res_mean: dict[str, float] = {}
+    res_sd: dict[str, float] = {}
+    if model is not None:
+        per = performance_residuals(model, windows)
+        for key in RESIDUAL_KEYS:
+            vals = np.array([p[key][0] for p in per if key in p])
+            if vals.size >= 3:
+                res_mean[key] = float(np.mean(vals))
+                res_sd[key] = float(np.std(vals, ddof=1))
+    return DriftReference(
+        context_counts=tuple(float(x) for x in ctx), io_counts=tuple(float(x) for x in io),
+        qps_log_median=med, qps_log_sd=mad,
+        goodput_mean=float(np.mean(goods)) if goods else None,
+        goodput_sd=float(np.std(goods, ddof=1)) if len(goods) > 1 else 0.0,
+        residual_mean=res_mean, residual_sd=res_sd,
+        window_range=(min(w.start for w in windows), max(w.end for w in windows)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The state machine shared by the three detectors
+
+
+def _advance(
+    kind: str, cfg: DetectorConfig, state: DetectorState, now: float, statistic: float,
+    threshold: float, samples: float, details: Mapping[str, Any],
+    cusum: Mapping[str, tuple[float, float]] | None = None,
+) -> tuple[DetectorState, DriftVerdict]:
+    cusum = state.cusum if cusum is None else cusum
+    in_cooldown = now < state.cooldown_until
+    if samples < cfg.min_samples or math.isnan(statistic):
+        new = replace(state, cusum=cusum)
+        return new, DriftVerdict(kind, False, math.nan, threshold, samples, state.consecutive,
+                                 in_cooldown, f"too few samples ({samples:g} < "
+                                 f"{cfg.min_samples:g})", details)
+    history = (*state.history, (now, statistic))[-HISTORY:]
+    over = statistic > threshold
+    consecutive = state.consecutive + 1 if over else 0
+    if over and consecutive >= cfg.hysteresis and not in_cooldown:
+        fired = DetectorState(consecutive=0, cooldown_until=now + cfg.cooldown_s,
+                              last_fired_at=now, cusum={}, history=history)
+        return fired, DriftVerdict(
+            kind, True, statistic, threshold, samples, consecutive, False,
+            f"{kind} drift: {statistic:.3g} > {threshold:.3g} for {consecutive} windows",
+            details)
+    reason = ("over threshold, in cooldown" if over and in_cooldown
+              else f"over threshold {consecutive}/{cfg.hysteresis}" if over
+              else "within threshold")
+    new = replace(state, consecutive=consecutive, cusum=cusum, history=history)
+    return new, DriftVerdict(kind, False, statistic, threshold, samples, consecutive,
+                             in_cooldown, reason, details)
+
+
+def step_workload(
+    state: DetectorState, ref: DriftReference, window: Window, now: float,
+    cfg: DriftConfig | None = None,
+) -> tuple[DetectorState, DriftVerdict]:
+    c = cfg or DriftConfig()
+    details: dict[str, Any] = {}
+    ratios: list[float] = []
+    samples = 0.0
+    for name, ref_counts, hist in (
+        ("context_tokens", ref.context_counts, window.workload.context_tokens),
+        ("io_ratio", ref.io_counts, window.workload.io_ratio),
+    ):
+        cur = _counts(hist)
+        samples = max(samples, float(cur.sum()))
+        value, null = psi(ref_counts, cur)
+        if math.isnan(value):
+            continue
+        thr = max(c.psi_floor, c.psi_null_multiple * null)
+        details[name] = {"psi": value, "threshold": thr}
+        ratios.append(value / thr)
+    q = window_qps(window)
+    if q > 0:
+        shift = abs(math.log(q) - ref.qps_log_median)
+        thr = max(c.qps_floor, c.qps_sd_multiple * ref.qps_log_sd)
+        details["qps"] = {"log_ratio": shift, "threshold": thr, "qps": q,
+                          "reference_qps": math.exp(ref.qps_log_median)}
+        ratios.append(shift / thr)
+    stat = max(ratios) if ratios else math.nan
+    return _advance("workload", c.workload, state, now, stat, c.workload.threshold, samples,
+                    details)
+
+
+def step_performance(
+    state: DetectorState, ref: DriftReference, residuals: Mapping[str, tuple[float, float]],
+    now: float, cfg: DriftConfig | None = None,
+) -> tuple[DetectorState, DriftVerdict]:
+    """``residuals``: see :func:`performance_residuals` (one window's entry)."""
+    c = cfg or DriftConfig()
+    cusum = dict(state.cusum)
+    details: dict[str, Any] = {}
+    samples = 0.0
+    stat = math.nan
+    for key, (value, count) in residuals.items():
+        if key not in ref.residual_mean or count < c.performance.min_samples:
+            continue
+        samples = max(samples, count)
+        sd = max(ref.residual_sd.get(key, 0.0) * c.residual_sd_inflation, c.residual_sd_floor)
+        z = min(max((value - ref.residual_mean[key]) / sd, -c.z_clip), c.z_clip)
+        up, down = cusum.get(key, (0.0, 0.0))
+        up = max(0.0, up + z - c.cusum_allowance)
+        down = max(0.0, down - z - c.cusum_allowance)
+        cusum[key] = (up, down)
+        details[key] = {"z": z, "cusum_up": up, "cusum_down": down}
+        stat = max(up, down) if math.isnan(stat) else max(stat, up, down)
+    return _advance("performance", c.performance, state, now, stat, c.performance.threshold,
+                    samples, details, cusum)
+
+
+def step_slo(
+    state: DetectorState, ref: DriftReference, window: Window, now: float,
+    cfg: DriftConfig | None = None,
+) -> tuple[DetectorState, DriftVerdict]:
+    c = cfg or DriftConfig()
+    g, n = window_goodput(window)
+    if g is None or ref.goodput_mean is None:
+        return _advance("slo", c.slo, state, now, math.nan, c.slo.threshold, n, {})
+    band = max(c.goodput_sd_multiple * ref.goodput_sd, c.goodput_floor)
+    stat = abs(g - ref.goodput_mean) / band
+    details = {"goodput": g, "reference": ref.goodput_mean, "band": band}
+    return _advance("slo", c.slo, state, now, stat, c.slo.threshold, n, details)
+
+
+def assess(
+    state: DriftState, ref: DriftReference, window: Window, now: float,
+    residuals: Mapping[str, tuple[float, float]] | None = None,
+    cfg: DriftConfig | None = None,
+) -> tuple[DriftState, tuple[DriftVerdict, ...]]:
+    """All three detectors on one window (performance only when residuals are given)."""
+    w_state, w = step_workload(state.workload, ref, window, now, cfg)
+    s_state, s = step_slo(state.slo, ref, window, now, cfg)
+    verdicts = [w]
+    p_state = state.performance
+    if residuals is not None:
+        p_state, p = step_performance(state.performance, ref, residuals, now, cfg)
+        verdicts.append(p)
+    verdicts.append(s)
+    return DriftState(w_state, p_state, s_state), tuple(verdicts)
+
+
+def after_recalibration(state: DriftState, now: float, cfg: DriftConfig | None = None
+                        ) -> DriftState:
+    """Fresh accumulators and a cooldown for every detector (a new calibration set)."""
+    c = cfg or DriftConfig()
+
+    def fresh(s: DetectorState, dc: DetectorConfig) -> DetectorState:
+        return DetectorState(cooldown_until=now + dc.cooldown_s, last_fired_at=s.last_fired_at,
+                             history=s.history)
+
+    return DriftState(fresh(state.workload, c.workload),
+                      fresh(state.performance, c.performance), fresh(state.slo, c.slo))
+
+
+# ---------------------------------------------------------------------------------------------
+# Scaling
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingEvent:
+    role: str
+    before: int
+    after: int
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+
+    @property
+    def reason(self) -> str:
+        return f"{self.role} workers {self.before} -> {self.after}"
+
+
+def scaling_event(prev: Window, window: Window) -> tuple[ScalingEvent, ...]:
+    """Changes in the number of prefill or decode workers between two windows.
+
+    A worker that vanished but is listed among this window's failed targets is a failed
+    scrape, not a scale-down.
+    """
+    failed = {f.target for f in window.failures}
+    events = []
+    for role in ("prefill", "decode"):
+        before = {w.worker for w in prev.workers if w.role == role}
+        after = {w.worker for w in window.workers if w.role == role}
+        removed = tuple(sorted(before - after - failed))
+        added = tuple(sorted(after - before))
+        n_after = len(after | (before & failed))
+        if n_after != len(before):
+            events.append(ScalingEvent(role, len(before), n_after, added, removed))
+    return tuple(events)

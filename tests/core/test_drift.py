@@ -1,0 +1,198 @@
+"""Drift detectors on ground-truth streams: no false alarms, fast detection, hysteresis."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import pytest
+
+from controller.core.drift import (
+    DetectorConfig,
+    DetectorState,
+    DriftConfig,
+    DriftReference,
+    DriftState,
+    after_recalibration,
+    assess,
+    performance_residuals,
+    psi,
+    reference_from_windows,
+    scaling_event,
+    step_workload,
+)
+from controller.core.features import build_training_set
+from controller.core.latency_model import LatencyModel, fit_latency_model
+from controller.core.window import TargetFailure, Window
+from controller.policy.model import Slo
+from tests.core.synth import Mix, Truth, stationary, training_windows
+
+SLO = Slo(ttft_s=1.0, tpot_s=0.05)
+QPS = 2.0
+LOCAL = 0.6
+SEEDS = range(5)
+
+
+@pytest.fixture(scope="module")
+def model() -> LatencyModel:
+    windows = training_windows(Truth(), Mix(), 300, seed=1, slo=SLO)
+    return fit_latency_model(build_training_set(windows), SLO.ttft_s, SLO.tpot_s)
+
+
+@pytest.fixture(scope="module")
+def reference(model: LatencyModel) -> DriftReference:
+    calib = stationary(Truth(), Mix(), QPS, LOCAL, 40, seed=100, slo=SLO)
+    return reference_from_windows(calib, model)
+
+
+def run(windows: Sequence[Window], ref: DriftReference, model: LatencyModel,
+        cfg: DriftConfig | None = None, state: DriftState | None = None
+        ) -> list[dict[str, bool]]:
+    """Fired flags per window and detector."""
+    state = state or DriftState()
+    residuals = performance_residuals(model, windows)
+    out = []
+    for w, res in zip(windows, residuals, strict=True):
+        state, verdicts = assess(state, ref, w, w.end, res, cfg)
+        out.append({v.kind: v.fired for v in verdicts})
+    return out
+
+
+def first_fire(flags: list[dict[str, bool]], kind: str) -> int | None:
+    for i, f in enumerate(flags):
+        if f.get(kind):
+            return i + 1  # windows after the shift, 1-based
+    return None
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_stationary_streams_never_fire(
+    seed: int, model: LatencyModel, reference: DriftReference
+) -> None:
+    stream = stationary(Truth(), Mix(), QPS, LOCAL, 200, seed=seed, slo=SLO,
+                        start=1_760_000_000.0)
+    flags = run(stream, reference, model)
+    fired = [(i, k) for i, f in enumerate(flags) for k, v in f.items() if v]
+    assert fired == []
+
+
+SHIFTS = {
+    "context x3": ("workload", dict(mix=Mix().scaled_context(3.0))),
+    "qps x2": ("workload", dict(qps=QPS * 2)),
+    "kv link / 4": ("performance", dict(truth=Truth(link_bw=Truth().link_bw / 4))),
+    "decode slowdown": ("slo", dict(truth=Truth(floor=0.045, t_fixed=0.006))),
+}
+
+
+@pytest.mark.parametrize("name", list(SHIFTS))
+@pytest.mark.parametrize("seed", SEEDS)
+def test_shifts_fire_the_right_detector_within_3_windows(
+    name: str, seed: int, model: LatencyModel, reference: DriftReference
+) -> None:
+    kind, change = SHIFTS[name]
+    args = {"truth": Truth(), "mix": Mix(), "qps": QPS} | change
+    before = stationary(Truth(), Mix(), QPS, LOCAL, 10, seed=seed, slo=SLO,
+                        start=1_760_000_000.0)
+    after = stationary(args["truth"], args["mix"], args["qps"], LOCAL, 10, seed=seed + 50,
+                       slo=SLO, start=before[-1].end)
+    flags = run(before + after, reference, model)
+    assert first_fire(flags[:10], kind) is None
+    delay = first_fire(flags[10:], kind)
+    assert delay is not None and delay <= 3, (name, delay)
+
+
+def test_hysteresis_ignores_a_single_window_spike(
+    model: LatencyModel, reference: DriftReference
+) -> None:
+    calm = stationary(Truth(), Mix(), QPS, LOCAL, 5, seed=7, slo=SLO, start=1_760_000_000.0)
+    spike = stationary(Truth(), Mix(), QPS * 3, LOCAL, 1, seed=8, slo=SLO, start=calm[-1].end)
+    calm2 = stationary(Truth(), Mix(), QPS, LOCAL, 5, seed=9, slo=SLO, start=spike[-1].end)
+    flags = run(calm + spike + calm2, reference, model)
+    assert first_fire(flags, "workload") is None
+    # the same spike twice in a row does fire
+    spike2 = stationary(Truth(), Mix(), QPS * 3, LOCAL, 2, seed=8, slo=SLO, start=calm[-1].end)
+    assert first_fire(run(calm + spike2, reference, model), "workload") == 7
+
+
+def test_cooldown_holds_then_fires_again(reference: DriftReference) -> None:
+    cfg = DriftConfig(workload=DetectorConfig(threshold=1.0, min_samples=50, hysteresis=2,
+                                              cooldown_s=300.0))
+    shifted = stationary(Truth(), Mix(), QPS * 2, LOCAL, 20, seed=11, slo=SLO,
+                         start=1_760_000_000.0)  # 30 s windows
+    state = DetectorState()
+    fired_at = []
+    for w in shifted:
+        state, v = step_workload(state, reference, w, w.end, cfg)
+        if v.fired:
+            fired_at.append(w.end)
+        elif fired_at and w.end < fired_at[-1] + 300.0:
+            assert v.in_cooldown or v.statistic <= 1.0
+    assert len(fired_at) >= 2
+    assert all(b - a >= 300.0 for a, b in itertools.pairwise(fired_at))
+
+
+def test_after_recalibration_resets_and_cools_down(
+    model: LatencyModel, reference: DriftReference
+) -> None:
+    shifted = stationary(Truth(), Mix(), QPS * 2, LOCAL, 3, seed=12, slo=SLO,
+                         start=1_760_000_000.0)
+    state = after_recalibration(DriftState(), now=shifted[0].start)
+    flags = run(shifted, reference, model, state=state)
+    assert first_fire(flags, "workload") is None  # inside the 900 s cooldown
+
+
+def test_psi_is_zero_for_identical_and_large_for_moved_mass() -> None:
+    same, null = psi([10, 20, 30], [10, 20, 30])
+    assert same == pytest.approx(0.0, abs=1e-12) and null > 0
+    moved, _ = psi([100, 0, 0], [0, 0, 100])
+    assert moved > 5
+    assert math.isnan(psi([1, 2], [0, 0])[0])
+
+
+def test_reference_round_trips_through_json(reference: DriftReference) -> None:
+    assert DriftReference.from_dict(reference.to_dict()) == reference
+
+
+def test_too_few_samples_never_fire(reference: DriftReference) -> None:
+    tiny = stationary(Truth(), Mix(), 0.05, LOCAL, 5, seed=13, slo=SLO)
+    state = DetectorState()
+    for w in tiny:
+        state, v = step_workload(state, reference, w, w.end)
+        assert not v.fired
+
+
+def _with_workers(w: Window, drop: str | None = None, add: str | None = None,
+                  failed: str | None = None) -> Window:
+    workers = [x for x in w.workers if x.worker != drop]
+    if add is not None:
+        base = next(x for x in w.workers if x.role == "prefill")
+        from dataclasses import replace
+
+        workers.append(replace(base, worker=add))
+    failures = (TargetFailure(failed, "timeout", "scrape timed out"),) if failed else ()
+    return Window.build(w.start, w.end, w.interval_s, workers, w.outcomes, w.workload,
+                        failures=failures)
+
+
+def test_scaling_event_detection() -> None:
+    a, b = stationary(Truth(), Mix(), QPS, LOCAL, 2, seed=14, slo=SLO)
+    assert scaling_event(a, b) == ()
+    lost = scaling_event(a, _with_workers(b, drop="p1"))
+    assert len(lost) == 1 and lost[0].role == "prefill"
+    assert (lost[0].before, lost[0].after, lost[0].removed) == (2, 1, ("p1",))
+    gained = scaling_event(a, _with_workers(b, add="p9"))
+    assert gained[0].after == 3 and gained[0].added == ("p9",)
+    # a worker that failed its scrape has not been scaled away
+    assert scaling_event(a, _with_workers(b, drop="p1", failed="p1")) == ()
+
+
+def test_one_bad_performance_window_does_not_fire(
+    model: LatencyModel, reference: DriftReference
+) -> None:
+    calm = stationary(Truth(), Mix(), QPS, LOCAL, 5, seed=21, slo=SLO, start=1_760_000_000.0)
+    bad = stationary(Truth(link_bw=Truth().link_bw / 50), Mix(), QPS, LOCAL, 1, seed=22,
+                     slo=SLO, start=calm[-1].end)
+    calm2 = stationary(Truth(), Mix(), QPS, LOCAL, 6, seed=23, slo=SLO, start=bad[-1].end)
+    flags = run(calm + bad + calm2, reference, model)
+    assert first_fire(flags, "performance") is None
