@@ -61,21 +61,32 @@ def parse_exposition(
     keep: Container[str] | None = None,
 ) -> Snapshot:
     """Parse ``text``; keep samples whose name or family is in ``keep`` (all if ``None``)."""
-    head = text.lstrip()[:256].lower()
-    if head.startswith("<") or "<html" in head or "<!doctype" in head:
+    # No exposition line starts with "<"; an HTML page (login proxy, error page) does.
+    if text.lstrip()[:1] == "<":
         raise ExpositionError("parse", "the answer is an HTML page, not exposition text")
     if text and not text.endswith("\n"):
         last = text.rsplit("\n", 1)[-1]
         raise ExpositionError("parse", f"truncated exposition: last line {last[:80]!r} is cut off")
     samples: dict[str, dict[LabelKey, float]] = {}
     families: set[str] = set()
+    decided: dict[str, str | None] = {}  # sample name -> its family if kept, else None
+    # Samples follow their family's TYPE line: a family the window does not use is skipped
+    # by a prefix test per line, without reading its names or values.
+    skip_prefix: str | None = None
     for lineno, line in enumerate(text.split("\n"), 1):
         if not line:
             continue
         if line[0] == "#":
-            parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[1] == "TYPE":
-                families.add(parts[2])
+            if line.startswith("# TYPE "):
+                parts = line.split(None, 3)
+                if len(parts) >= 3:
+                    families.add(parts[2])
+                    skip_prefix = None
+                    if keep is not None and parts[2] not in keep and not _keeps_any(
+                            keep, parts[2]):
+                        skip_prefix = parts[2]
+            continue
+        if skip_prefix is not None and line.startswith(skip_prefix):
             continue
         brace = line.find("{")
         if brace >= 0:
@@ -88,12 +99,18 @@ def parse_exposition(
             name, _, rest = line.partition(" ")
             rest = " " + rest
             close = -1
-        name = name.strip()
-        wanted = keep is None or name in keep or base_name(name) in keep
-        if not wanted:
+        if name in decided:
+            family = decided[name]
+        else:
+            name = name.strip()
+            family = base_name(name)
+            if keep is not None and name not in keep and family not in keep:
+                family = None
+            elif not _NAME.match(name):
+                raise ExpositionError("parse", f"line {lineno}: bad metric name {name[:80]!r}")
+            decided[name] = family
+        if family is None:
             continue
-        if not _NAME.match(name):
-            raise ExpositionError("parse", f"line {lineno}: bad metric name {name[:80]!r}")
         fields = rest.split()
         if not 1 <= len(fields) <= 2 or (rest and not rest[0].isspace()):
             raise ExpositionError(
@@ -102,24 +119,46 @@ def parse_exposition(
         value = _number(fields[0], lineno)
         if len(fields) == 2 and not fields[1].lstrip("-").isdigit():
             raise ExpositionError("non_numeric", f"line {lineno}: bad timestamp {fields[1]!r}")
-        labels = _labels(line[brace + 1 : close], lineno) if brace >= 0 else ()
-        by_labels = samples.setdefault(name, {})
+        if brace >= 0:
+            body = line[brace + 1 : close]
+            labels = _LABEL_CACHE.get(body)
+            if labels is None:
+                labels = _labels(body, lineno)
+                if len(_LABEL_CACHE) > _LABEL_CACHE_MAX:
+                    _LABEL_CACHE.clear()
+                _LABEL_CACHE[body] = labels
+        else:
+            labels = ()
+        by_labels = samples.get(name)
+        if by_labels is None:
+            by_labels = samples[name] = {}
+            families.add(family)
         if labels in by_labels:
             shown = ",".join(f'{k}="{v}"' for k, v in labels)
             raise ExpositionError(
                 "duplicate_series", f"line {lineno}: series {name}{{{shown}}} appears twice"
             )
         by_labels[labels] = value
-        families.add(base_name(name))
     return Snapshot(target=target, taken_at=taken_at, samples=samples,
                     families=frozenset(families))
 
 
+def _keeps_any(keep: Container[str], family: str) -> bool:
+    # A counter's TYPE line may name it with or without "_total"; keep both spellings.
+    return (family + "_total") in keep or (
+        family.endswith("_total") and family[: -len("_total")] in keep)
+
+
+# Label sets repeat across targets (same model, engine, le edges): parse each text once.
+_LABEL_CACHE: dict[str, LabelKey] = {}
+_LABEL_CACHE_MAX = 200_000
+
+
 def _number(text: str, lineno: int) -> float:
     try:
+        value = float(text)
         if "_" in text:  # Python accepts 1_000; the exposition format does not
             raise ValueError(text)
-        value = float(text)
     except ValueError:
         raise ExpositionError(
             "non_numeric", f"line {lineno}: sample value {text[:40]!r} is not a number"

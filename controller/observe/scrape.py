@@ -37,13 +37,24 @@ class ScrapeSource(SnapshotSource):
         super().__init__(targets, clock)
         self._timeout = timeout_s
         self._semaphore = asyncio.Semaphore(max(1, concurrency))
-        limits = httpx.Limits(max_connections=max(1, concurrency),
-                              max_keepalive_connections=max(1, concurrency))
-        self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s), limits=limits, headers={"Accept": _ACCEPT},
-            follow_redirects=False, trust_env=False,
-        )
-        self._own_client = client is None
+        # One small client per target, each keeping its connection alive: httpcore scans its
+        # whole pool (and polls every socket) on each request, so one shared pool of 72
+        # connections costs O(targets^2) per window; 72 pools of one cost O(targets).
+        # The semaphore, not the pools, bounds how many scrapes are in flight.
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._shared = client
+
+    def _client_for(self, target: Target) -> httpx.AsyncClient:
+        if self._shared is not None:
+            return self._shared
+        client = self._clients.get(target.name)
+        if client is None:
+            client = self._clients[target.name] = httpx.AsyncClient(
+                timeout=httpx.Timeout(self._timeout),
+                limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+                headers={"Accept": _ACCEPT}, follow_redirects=False, trust_env=False,
+            )
+        return client
 
     async def fetch_all(self, targets: Sequence[Target]) -> list[str | FetchError]:
         return list(await asyncio.gather(*(self._fetch(t) for t in targets)))
@@ -51,7 +62,9 @@ class ScrapeSource(SnapshotSource):
     async def _fetch(self, target: Target) -> str | FetchError:
         async with self._semaphore:
             try:
-                response = await self._client.get(target.metrics_url, timeout=self._timeout)
+                response = await self._client_for(target).get(
+                    target.metrics_url, headers={"Accept": _ACCEPT}, timeout=self._timeout
+                )
             except httpx.TimeoutException:
                 return FetchError("timeout", f"no answer within {self._timeout:g} s")
             except httpx.HTTPError as e:
@@ -71,5 +84,6 @@ class ScrapeSource(SnapshotSource):
             return FetchError("parse", "the answer is not UTF-8 text")
 
     async def aclose(self) -> None:
-        if self._own_client:
-            await self._client.aclose()
+        clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            await c.aclose()

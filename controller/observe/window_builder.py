@@ -82,11 +82,8 @@ def check_histograms(snapshot: Snapshot) -> None:
         family = name[: -len("_bucket")]
         groups: dict[LabelKey, list[tuple[float, float]]] = {}
         for labels, value in series.items():
-            le = dict(labels).get("le")
-            if le is None:
-                raise ExpositionError("parse", f"{name}: a bucket has no 'le' label")
-            rest = tuple(p for p in labels if p[0] != "le")
-            groups.setdefault(rest, []).append((_le(le, name), value))
+            rest, le = split_le(labels, name)
+            groups.setdefault(rest, []).append((le, value))
         counts = snapshot.series(family + "_count")
         for rest, buckets in groups.items():
             buckets.sort()
@@ -104,11 +101,31 @@ def check_histograms(snapshot: Snapshot) -> None:
                 )
 
 
-def _le(text: str, name: str) -> float:
+_LE_CACHE: dict[LabelKey, tuple[LabelKey, float]] = {}
+
+
+def split_le(labels: LabelKey, name: str) -> tuple[LabelKey, float]:
+    """A bucket's labels without ``le``, and ``le`` as a number (cached: sets repeat)."""
+    hit = _LE_CACHE.get(labels)
+    if hit is not None:
+        return hit
+    le_text = None
+    rest = []
+    for pair in labels:
+        if pair[0] == "le":
+            le_text = pair[1]
+        else:
+            rest.append(pair)
+    if le_text is None:
+        raise ExpositionError("parse", f"{name}: a bucket has no 'le' label")
     try:
-        return float(text)
+        le = float(le_text)
     except ValueError:
-        raise ExpositionError("non_numeric", f"{name}: bad le={text!r}") from None
+        raise ExpositionError("non_numeric", f"{name}: bad le={le_text!r}") from None
+    if len(_LE_CACHE) > 100_000:
+        _LE_CACHE.clear()
+    hit = _LE_CACHE[labels] = (tuple(rest), le)
+    return hit
 
 
 def diff_snapshots(prev: Snapshot | None, cur: Snapshot) -> TargetDelta:
@@ -179,10 +196,7 @@ def histogram_summary(delta: TargetDelta, spec: HistogramSpec) -> Summary | None
     for labels, v in delta.increases.get(spec.family + "_bucket", {}).items():
         if not _matches(labels, spec.match):
             continue
-        le = dict(labels).get("le")
-        if le is None:
-            continue
-        edge = float(le) * spec.scale
+        edge = split_le(labels, spec.family)[1] * spec.scale
         buckets[edge] = buckets.get(edge, 0.0) + v
     q, interpolated = quantiles(sorted(buckets.items()), QUANTILES)
     mean = total / count * spec.scale
@@ -372,9 +386,8 @@ def _buckets(delta: TargetDelta, family: str) -> list[tuple[float, float]] | Non
         return None
     out: dict[float, float] = {}
     for labels, v in series.items():
-        le = dict(labels).get("le")
-        if le is not None:
-            out[float(le)] = out.get(float(le), 0.0) + v
+        le = split_le(labels, family)[1]
+        out[le] = out.get(le, 0.0) + v
     return sorted(out.items())
 
 

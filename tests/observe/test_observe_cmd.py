@@ -84,7 +84,9 @@ def test_observe_once_prometheus_with_discovered_targets(tmp_path: Path) -> None
     cluster, servers = serve_http(Cluster.build(prefill=1, decode=1, routers=1))
     prom = PromServer(cluster.targets)
     try:
+        # the window ends on an interval boundary: let Prometheus hold samples from before it
         prom.wait_scraped_after(WallClock().now())
+        prom.wait_scraped_after(WallClock().now() + 2.5)
         cfg = tmp_path / "prom.toml"
         cfg.write_text(f'[prometheus]\nurl = "{prom.url}"\ndiscover_targets = true\n'
                        "escaped_names = true\n")
