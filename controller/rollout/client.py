@@ -93,8 +93,9 @@ def client_options(
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.enable_retries", 0),
+        # Not grpc.min_reconnect_backoff_ms: gRPC core also uses it as the minimum time a
+        # connection attempt may take (20 s by default), and a busy router needs that.
         ("grpc.initial_reconnect_backoff_ms", min(100, backoff_ms)),
-        ("grpc.min_reconnect_backoff_ms", min(100, backoff_ms)),
         ("grpc.max_reconnect_backoff_ms", backoff_ms),
         *channel_options(security),
     ]
