@@ -1,0 +1,121 @@
+"""A live simulated cluster (``pdctl sim serve``), observed by direct scrape and by a real
+Prometheus scraping it: the same interval gives the same counts and means."""
+
+from __future__ import annotations
+
+import json
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from controller.clock import WallClock
+from controller.core.window import Window
+from controller.observe.catalog import HISTOGRAM_KEYS
+from controller.observe.prometheus import PrometheusClient, PrometheusSource
+from controller.observe.scrape import ScrapeSource
+from controller.observe.source import Target
+from tests.conftest import require
+from tests.observe.promserver import HOW_TO_INSTALL, PROMETHEUS, PromServer
+
+REPO = Path(__file__).resolve().parents[2]
+SCENARIO = REPO / "scenarios" / "ppd-2p2d.toml"
+CLOCK = WallClock()
+
+
+@pytest.fixture
+def live_sim() -> Iterator[dict[str, Any]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from controller.cli import main; main()", "sim", "serve",
+         str(SCENARIO), "--json",
+         "--no-traffic"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            proc.kill()
+            raise RuntimeError("pdctl sim serve printed no addresses: "
+                               + (proc.stderr.read() if proc.stderr else ""))
+        yield json.loads(line)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def _targets(addresses: dict[str, Any]) -> list[Target]:
+    def name(url: str) -> str:
+        return url.split("//", 1)[1].split("/", 1)[0]
+
+    ts = [Target(name(w["metrics"]), w["role"]) for w in addresses["workers"]]
+    ts += [Target(name(r["metrics"]), "router") for r in addresses["routers"]]
+    return ts
+
+
+def _counts_and_means(w: Window) -> dict[tuple[str, str], tuple[float, float]]:
+    out = {}
+    for s in w.workers:
+        for key in HISTOGRAM_KEYS:
+            summary = getattr(s, key)
+            if summary is not None and summary.count:
+                assert summary.mean is not None
+                out[(s.worker, key)] = (summary.count, summary.mean)
+    return out
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+async def test_scrape_and_prometheus_agree_on_a_live_simulated_cluster(
+    live_sim: dict[str, Any],
+) -> None:
+    require("prometheus", PROMETHEUS is not None, HOW_TO_INSTALL)
+    targets = _targets(live_sim)
+    prom = PromServer(targets)
+    scrape = ScrapeSource(targets, timeout_s=3.0, clock=CLOCK)
+    client = PrometheusClient(prom.url, timeout_s=5.0, retries=1)
+    source = PrometheusSource(client, targets, mode="edges")  # the sim serves text 0.0.4
+    try:
+        prom.wait_scraped_after(CLOCK.now(), timeout_s=30)
+        await scrape.window(CLOCK.now() - 1, CLOCK.now())
+        prom.wait_scraped_after(CLOCK.now())
+        start = CLOCK.now()
+        prom.wait_scraped_after(CLOCK.now())
+        api = live_sim["routers"][0]["openai"]
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
+            for turn in range(12):
+                r = await http.post(f"{api}/chat/completions", headers={
+                    "X-Session-Id": f"s{turn % 3}"}, json={
+                    "model": "sim", "max_tokens": 8,
+                    "messages": [{"role": "user", "content": "hello " * (50 + 40 * turn)}]})
+                assert r.status_code == 200, r.text
+        prom.wait_scraped_after(CLOCK.now() + 1.0)  # requests done, counters settled
+        end = CLOCK.now()
+        direct = await scrape.window(start, end)
+        via_prom = await source.window(start, end)
+    finally:
+        await scrape.aclose()
+        await source.aclose()
+        prom.stop()
+    assert direct.failures == () and via_prom.failures == ()
+    a, b = _counts_and_means(direct), _counts_and_means(via_prom)
+    assert a, "the requests left no trace in the workers' histograms"
+    assert a.keys() == b.keys()
+    for key, (count, mean) in a.items():
+        assert b[key][0] == count, key
+        assert abs(b[key][1] - mean) <= 0.02 * abs(mean), key
+    assert sum(o.requests for o in direct.outcomes) == 12
+    assert sorted((o.router, o.route, o.ctx_bin, o.io_bin, o.requests, o.met)
+                  for o in direct.outcomes) == sorted(
+        (o.router, o.route, o.ctx_bin, o.io_bin, o.requests, o.met) for o in via_prom.outcomes)
