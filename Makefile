@@ -22,11 +22,11 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check controller tests scripts
+	$(BIN)/ruff check controller tests scripts benchmarks dashboards
 	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
-	$(BIN)/mypy controller
+	$(BIN)/mypy controller dashboards/build.py
 
 proto-check: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH bash scripts/check_generated.sh
