@@ -72,17 +72,22 @@ async def serve_agent(
         security=settings.security,
         allow_unauthenticated=allow_unauthenticated,
     )
+    metrics_server = None
     if metrics_listen:
         from prometheus_client import start_http_server
 
         host, port = split_host_port(metrics_listen)
-        start_http_server(port, addr=host, registry=agent.registry)
+        metrics_server, _ = start_http_server(port, addr=host, registry=agent.registry)
     await server.start()
     snap = agent.snapshot
     typer.echo(
         f"router-agent listening on {server.address} ({server.security.describe()}); "
         f"policy: {f'v{snap.version}' if snap else 'none'}",
     )
+    if metrics_server is not None:
+        m_host, m_port = metrics_server.server_address[:2]
+        host_text = m_host.decode() if isinstance(m_host, bytes) else str(m_host)
+        typer.echo(f"metrics on http://{host_text}:{m_port}/metrics")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -95,6 +100,8 @@ async def serve_agent(
                 await asyncio.wait_for(stop.wait(), STALENESS_CHECK_S)
     finally:
         await server.stop(grace=2.0)
+        if metrics_server is not None:
+            metrics_server.shutdown()
         typer.echo("router-agent stopped")
 
 

@@ -208,3 +208,32 @@ def test_agent_refuses_an_unauthenticated_public_listen_address() -> None:
     )
     assert proc.returncode == 2
     assert "without authentication" in proc.stderr
+
+
+def test_agent_exports_its_metrics_and_counts_refusals(
+    tmp_path: Path, agents: list[AgentProcess]
+) -> None:
+    import httpx
+
+    config = tmp_path / "token.toml"
+    config.write_text('[security]\ntoken = "metrics-test-token"\n')
+    agent = start(agents, "--config", str(config), "--metrics-listen", "127.0.0.1:0")
+    assert agent.proc.stdout is not None
+    metrics_line = agent.proc.stdout.readline()
+    assert metrics_line.startswith("metrics on http://127.0.0.1:")
+    url = metrics_line.split()[2]
+
+    with_token = ("--config", str(config))
+    assert push(str(write_policy(tmp_path, 7)), "-r", agent.address, *with_token)[0] == 0
+    assert push(str(write_policy(tmp_path, 8)), "-r", agent.address)[0] == 1  # no token
+
+    text = httpx.get(url, timeout=10).text
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples["pdrouter_policy_version"] == 7
+    assert samples['pdrouter_updates_total{result="applied"}'] == 1
+    assert samples['pdrouter_auth_refusals_total{reason="missing_token"}'] == 1
+    assert samples['pdrouter_auth_refusals_total{reason="wrong_token"}'] == 0
