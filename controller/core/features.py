@@ -14,6 +14,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -53,6 +54,9 @@ def ratio_representatives(edges: Sequence[float]) -> FloatArray:
 
 ROUTER_CTX_REP = context_representatives(ROUTER_CONTEXT_EDGES)
 ROUTER_IO_REP = ratio_representatives(ROUTER_IO_EDGES)
+
+
+_ACTIVE: dict[int, tuple[FloatArray, IntArray]] = {}
 
 
 def router_cell(ctx_bin: int, io_bin: int) -> int:
@@ -103,6 +107,16 @@ class TrainingSet:
     kv_transfer: WorkerRows  # x = [bytes per transfer, link busy fraction]
     decode_step: WorkerRows  # x = [running, running * ctx_mean, local prefill tok/s]
     kv_bytes_per_token: float | None
+
+    @property
+    def active_cells(self) -> IntArray:
+        """Router cells that carry traffic in some window (computed once)."""
+        cached = _ACTIVE.get(id(self.rate))
+        if cached is None or cached[0] is not self.rate:
+            cached = (self.rate, np.flatnonzero(self.rate.sum(axis=(0, 2)) > 0))
+            _ACTIVE.clear()  # one training set at a time is the common case
+            _ACTIVE[id(self.rate)] = cached
+        return cached[1]
 
     @property
     def n_windows(self) -> int:
@@ -180,14 +194,10 @@ def build_training_set(windows: Sequence[Window]) -> TrainingSet:
     qps = np.zeros(n)
     n_routers = np.zeros(n)
     out_tokens = np.full(n, np.nan)
-    goodput = np.full(n, np.nan)
     rate = np.zeros((n, N_ROUTER_CELLS, 2))
 
-    # outcome rows, aggregated over routers: key (window, cell, route)
-    rw: list[int] = []
-    rc: list[int] = []
-    rr: list[int] = []
-    sums: list[list[float]] = []
+    # outcome rows (one per router x route x cell), aggregated over routers below
+    orows: list[tuple[Any, ...]] = []
 
     pf_rows: list[tuple[int, float, float, float]] = []  # (w, prefill_s, tokens, count)
     pq_rows: list[tuple[int, float, float, float, float]] = []  # (w, queue_s, rho, s, count)
@@ -204,33 +214,12 @@ def build_training_set(windows: Sequence[Window]) -> TrainingSet:
         n_p[i] = roles["prefill"].workers if "prefill" in roles else len(prefill_workers)
         n_d[i] = roles["decode"].workers if "decode" in roles else len(decode_workers)
 
-        index: dict[tuple[int, int], int] = {}
-        total_req = total_met = 0.0
-        for o in win.outcomes:
-            cell = router_cell(o.ctx_bin, o.io_bin)
-            col = 0 if o.route == Route.PREFILL_NODE else 1
-            rate[i, cell, col] += o.requests / iv
-            total_req += o.requests
-            total_met += o.met
-            key = (cell, col)
-            j = index.get(key)
-            if j is None:
-                index[key] = len(sums)
-                rw.append(i)
-                rc.append(cell)
-                rr.append(col)
-                sums.append([o.requests, o.met, o.ttft_sum, o.ttft_count, o.tpot_sum,
-                            o.tpot_count])
-            else:
-                acc = sums[j]
-                acc[0] += o.requests
-                acc[1] += o.met
-                acc[2] += o.ttft_sum
-                acc[3] += o.ttft_count
-                acc[4] += o.tpot_sum
-                acc[5] += o.tpot_count
-        if total_req > 0:
-            goodput[i] = total_met / total_req
+        orows.extend(
+            (i, o.ctx_bin, o.io_bin, o.route == Route.DECODE_LOCAL, o.requests, o.met,
+             o.ttft_sum, o.ttft_count, o.tpot_sum, o.tpot_count)
+            for o in win.outcomes
+        )
+        total_req = math.fsum(o.requests for o in win.outcomes)
         routers = win.workload.qps_by_router
         if routers:
             qps[i] = math.fsum(routers.values())
@@ -267,7 +256,7 @@ def build_training_set(windows: Sequence[Window]) -> TrainingSet:
                 busy = t.count * t.mean / iv
                 kv_rows.append((i, t.mean, b.mean, busy, t.count))
                 if p_tokens:
-                    bytes_per_token.append(b.mean / max(float(np.mean(p_tokens)), 1.0))
+                    bytes_per_token.append(b.mean / max(sum(p_tokens) / len(p_tokens), 1.0))
         for w in decode_workers:
             itl = w.inter_token_s
             if itl is None or itl.mean is None or not itl.count or w.running is None:
@@ -279,9 +268,25 @@ def build_training_set(windows: Sequence[Window]) -> TrainingSet:
     out_tokens = np.where(np.isfinite(out_tokens), out_tokens,
                           np.nanmedian(out_tokens) if np.isfinite(out_tokens).any()
                           else DEFAULT_OUTPUT_TOKENS)
+    o = np.array(orows, dtype=np.float64).reshape(-1, 10)
+    ow = o[:, 0].astype(np.int64)
+    cells = (np.clip(o[:, 1], 0, N_CTX_BINS - 1) * N_IO_BINS
+             + np.clip(o[:, 2], 0, N_IO_BINS - 1)).astype(np.int64)
+    cols = o[:, 3].astype(np.int64)
+    key = (ow * N_ROUTER_CELLS + cells) * 2 + cols
+    uniq, inverse = np.unique(key, return_inverse=True)
+    a: FloatArray = np.column_stack([
+        np.bincount(inverse, weights=o[:, j], minlength=uniq.shape[0]).astype(np.float64)
+        for j in range(4, 10)
+    ]).reshape(-1, 6)
+    rw = uniq // (2 * N_ROUTER_CELLS)
+    rc = (uniq // 2) % N_ROUTER_CELLS
+    rr = uniq % 2
+    np.add.at(rate, (ow, cells, cols), o[:, 4] / interval[ow])
+    req_w = np.bincount(ow, weights=o[:, 4], minlength=n)
+    met_w = np.bincount(ow, weights=o[:, 5], minlength=n)
+    goodput = np.where(req_w > 0, met_w / np.where(req_w > 0, req_w, 1.0), np.nan)
     ctx_mean = decode_context_mean(rate, out_tokens)
-
-    a = np.array(sums, dtype=np.float64).reshape(-1, 6)
     with np.errstate(invalid="ignore", divide="ignore"):
         ttft = np.where(a[:, 3] > 0, a[:, 2] / np.where(a[:, 3] > 0, a[:, 3], 1.0), np.nan)
         tpot = np.where(a[:, 5] > 0, a[:, 4] / np.where(a[:, 5] > 0, a[:, 5], 1.0), np.nan)
@@ -304,8 +309,8 @@ def build_training_set(windows: Sequence[Window]) -> TrainingSet:
         start=start, end=end, interval_s=interval, n_prefill=n_p, n_decode=n_d,
         cluster_qps=qps, n_routers=n_routers, output_tokens=out_tokens, goodput=goodput,
         rate=rate,
-        row_window=np.array(rw, dtype=np.int64), row_cell=np.array(rc, dtype=np.int64),
-        row_route=np.array(rr, dtype=np.int64), row_requests=a[:, 0], row_met=a[:, 1],
+        row_window=rw.astype(np.int64), row_cell=rc.astype(np.int64),
+        row_route=rr.astype(np.int64), row_requests=a[:, 0], row_met=a[:, 1],
         row_ttft=ttft, row_ttft_count=a[:, 3], row_tpot=tpot, row_tpot_count=a[:, 5],
         prefill=worker_rows(pf_rows, 1), prefill_queue=worker_rows(pq_rows, 2),
         kv_transfer=worker_rows(kv_rows, 2), decode_step=dec,

@@ -90,9 +90,24 @@ class Scenario:
 
     @classmethod
     def from_training(cls, ts: TrainingSet) -> Scenario:
-        context, append = cell_tokens(ts.output_tokens)
-        return cls(context, append, ts.rate[:, :, 0], ts.rate[:, :, 1], ts.output_tokens,
-                   np.maximum(ts.n_prefill, 1.0), np.maximum(ts.n_decode, 1.0))
+        return training_scenario(ts)[0]
+
+
+def training_scenario(ts: TrainingSet) -> tuple[Scenario, NDArray[np.int64]]:
+    """The windows' loads as a scenario over the router cells that carry traffic, and the
+    column of each router cell in it (-1 for cells never seen)."""
+    context, append = cell_tokens(ts.output_tokens)
+    active = ts.active_cells
+    if active.size == 0:
+        active = np.arange(ts.rate.shape[1])
+    column = np.full(ts.rate.shape[1], -1, dtype=np.int64)
+    column[active] = np.arange(active.size)
+    sc = Scenario(
+        np.ascontiguousarray(context[:, active]), np.ascontiguousarray(append[:, active]),
+        np.ascontiguousarray(ts.rate[:, active, 0]), np.ascontiguousarray(ts.rate[:, active, 1]),
+        ts.output_tokens, np.maximum(ts.n_prefill, 1.0), np.maximum(ts.n_decode, 1.0),
+    )
+    return sc, column
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +211,15 @@ def _service_second_moment(p: ComponentParams, ts: TrainingSet) -> FloatArray:
     return out
 
 
+def _subsample(rows: NDArray[np.int64], limit: int = RESIDUAL_MAX_ROWS) -> NDArray[np.int64]:
+    """At most ``limit`` rows, a fixed pseudo-random choice (fits stay deterministic)."""
+    if rows.shape[0] <= limit:
+        return rows
+    picked = np.random.default_rng(0).choice(rows, limit, replace=False)
+    out: NDArray[np.int64] = np.sort(picked)
+    return out
+
+
 def _positive_fit(x: FloatArray, y: FloatArray, w: FloatArray) -> tuple[float, FloatArray] | None:
     """Non-negative least squares with a free intercept; None when the data cannot say."""
     from sklearn.linear_model import LinearRegression
@@ -203,7 +227,8 @@ def _positive_fit(x: FloatArray, y: FloatArray, w: FloatArray) -> tuple[float, F
     ok = np.isfinite(y) & np.isfinite(x).all(axis=1) & (w > 0)
     if ok.sum() < max(5, x.shape[1] + 2) or np.ptp(x[ok], axis=0).max() <= 0:
         return None
-    reg = LinearRegression(positive=True).fit(x[ok], y[ok], sample_weight=w[ok])
+    rows = _subsample(np.flatnonzero(ok))
+    reg = LinearRegression(positive=True).fit(x[rows], y[rows], sample_weight=w[rows])
     return float(reg.intercept_), np.asarray(reg.coef_, dtype=np.float64)
 
 
@@ -390,15 +415,16 @@ class LatencyModel:
 
     def predict_rows(self, ts: TrainingSet) -> tuple[FloatArray, FloatArray]:
         """Predicted mean TTFT and TPOT for every outcome row of ``ts``."""
-        pred = self.predict(Scenario.from_training(ts))
-        idx = (ts.row_window, ts.row_cell, ts.row_route)
+        sc, column = training_scenario(ts)
+        pred = self.predict(sc)
+        idx = (ts.row_window, column[ts.row_cell], ts.row_route)
         return pred.ttft[idx], pred.tpot[idx]
 
 
 def _fit_route_maps(
-    ts: TrainingSet, ph: Physics, sc: Scenario
+    ts: TrainingSet, ph: Physics, sc: Scenario, column: NDArray[np.int64]
 ) -> dict[str, tuple[RouteMap, RouteMap]]:
-    w, c, r = ts.row_window, ts.row_cell, ts.row_route
+    w, c, r = ts.row_window, column[ts.row_cell], ts.row_route
     maps: dict[str, tuple[RouteMap, RouteMap]] = {}
     for target in TARGETS:
         per_route: list[RouteMap] = []
@@ -450,9 +476,9 @@ def _fit_residual(model: LatencyModel, ts: TrainingSet) -> dict[str, Residual]:
     """Ridge on log(observed / base prediction); kept only if later windows agree."""
     from sklearn.linear_model import Ridge
 
-    sc = Scenario.from_training(ts)
+    sc, column = training_scenario(ts)
     ttft, tpot, ph = model.base(sc)
-    idx = (ts.row_window, ts.row_cell, ts.row_route)
+    idx = (ts.row_window, column[ts.row_cell], ts.row_route)
     x_all = _design(ts, ph)
     chosen: dict[str, Residual] = {}
     for name, pred, obs, cnt in (("ttft", ttft, ts.row_ttft, ts.row_ttft_count),
@@ -465,7 +491,7 @@ def _fit_residual(model: LatencyModel, ts: TrainingSet) -> dict[str, Residual]:
         # Later windows validate: the correction must generalise forward in time.
         order = rows[np.argsort(ts.row_window[rows], kind="stable")]
         cut = int(order.size * 0.8)
-        train, valid = order[:cut], order[cut:]
+        train, valid = _subsample(order[:cut]), order[cut:]
         target = np.log(obs / p)
         # Weights: counts, capped so a few huge cells do not own the fit.
         weight = np.minimum(cnt, np.quantile(cnt[rows], 0.9))
@@ -475,6 +501,7 @@ def _fit_residual(model: LatencyModel, ts: TrainingSet) -> dict[str, Residual]:
         before = _weighted_ape(p[valid], obs[valid], cnt[valid])
         after = _weighted_ape(p[valid] * np.exp(adj), obs[valid], cnt[valid])
         if after < before * 0.98:
+            rows = _subsample(rows)
             reg.fit(x_all[rows], target[rows], sample_weight=weight[rows])
             chosen[name] = _residual_from_coef(np.asarray(reg.coef_, dtype=np.float64))
     return chosen
@@ -484,26 +511,25 @@ def _weighted_ape(pred: FloatArray, obs: FloatArray, w: FloatArray) -> float:
     return float(np.sum(w * np.abs(pred - obs) / obs) / max(np.sum(w), 1e-12))
 
 
-def _fit_sigma(model: LatencyModel, ts: TrainingSet, slo_ttft: float, slo_tpot: float,
-               seed: int) -> dict[str, float]:
+def _fit_sigma(model: LatencyModel, ts: TrainingSet, slo_ttft: float, slo_tpot: float
+               ) -> dict[str, float]:
     """Log-normal spread per target that best reproduces the per-row goodput observed."""
     ok = ts.row_requests > 0
     rows = np.flatnonzero(ok)
     if rows.size < 20:
         return dict(model.sigma)
-    if rows.size > RESIDUAL_MAX_ROWS:
-        rows = np.random.default_rng(seed).choice(rows, RESIDUAL_MAX_ROWS, replace=False)
-    sub = ts
-    ttft, tpot = model.predict_rows(sub)
+    rows = _subsample(rows, RESIDUAL_MAX_ROWS // 2)
+    ttft, tpot = model.predict_rows(ts)
     ttft, tpot = ttft[rows], tpot[rows]
     observed = ts.row_met[rows] / ts.row_requests[rows]
     weight = ts.row_requests[rows]
-    grid = (0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0)
+    grid = (0.1, 0.2, 0.35, 0.5, 0.7, 1.0)
     best = (math.inf, 0.5, 0.25)
+    p2s = [prob_below(tpot, slo_tpot, s2) for s2 in grid]
     for s1 in grid:
         p1 = prob_below(ttft, slo_ttft, s1)
-        for s2 in grid:
-            err = float(np.sum(weight * (p1 * prob_below(tpot, slo_tpot, s2) - observed) ** 2))
+        for s2, p2 in zip(grid, p2s, strict=True):
+            err = float(np.sum(weight * (p1 * p2 - observed) ** 2))
             if err < best[0]:
                 best = (err, s1, s2)
     return {"ttft": best[1], "tpot": best[2]}
@@ -527,13 +553,25 @@ def fit_latency_model(
     residual: bool = True,
 ) -> LatencyModel:
     """Fit components, route maps, the residual regressor and the goodput spread."""
+    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+
+    # The fits are small and many: one BLAS thread is faster than threads fighting over two
+    # shared cores (measured: X^T X of 20k x 50 went from 66 ms to a few ms).
+    with threadpool_limits(1):
+        return _fit_latency_model(ts, slo_ttft, slo_tpot, prior, residual)
+
+
+def _fit_latency_model(
+    ts: TrainingSet, slo_ttft: float, slo_tpot: float, prior: ComponentParams | None,
+    residual: bool,
+) -> LatencyModel:
     params, report = fit_components(ts, prior)
     model = LatencyModel(params=params, report={"components": report})
-    sc = Scenario.from_training(ts)
-    model.maps = _fit_route_maps(ts, physics(params, sc), sc)
+    sc, column = training_scenario(ts)
+    model.maps = _fit_route_maps(ts, physics(params, sc), sc, column)
     if residual:
         model.residual = _fit_residual(model, ts)
-    model.sigma = _fit_sigma(model, ts, slo_ttft, slo_tpot, seed)
+    model.sigma = _fit_sigma(model, ts, slo_ttft, slo_tpot)
     model.report["route_maps"] = {
         t: [{"intercept": m.intercept, "coefs": list(m.coefs)}
             for m in model.maps[t]] for t in TARGETS
