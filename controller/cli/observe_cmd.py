@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -13,7 +13,6 @@ from controller.cli._app import app
 if TYPE_CHECKING:
     from controller.config import Settings
     from controller.core.window import Summary, Window
-    from controller.observe.source import MetricsSource
 
 
 @app.command("observe")
@@ -78,9 +77,10 @@ def observe(
 async def _observe_once(settings: Settings, kind: str, length: float) -> Window:
     from controller.clock import WallClock
     from controller.errors import ConfigError
+    from controller.observe.factory import source_from_settings
 
     clock = WallClock()
-    src = await _build_source(settings, kind)
+    src = await source_from_settings(settings, kind, clock)  # type: ignore[arg-type]
     if not src.targets():
         await src.aclose()
         raise ConfigError(
@@ -97,32 +97,6 @@ async def _observe_once(settings: Settings, kind: str, length: float) -> Window:
         return await src.window(start, clock.now())
     finally:
         await src.aclose()
-
-
-async def _build_source(settings: Settings, kind: str) -> MetricsSource:
-    from controller.observe.discovery import static_targets_async, targets_from_prometheus
-
-    if kind == "prometheus":
-        from controller.observe.prometheus import PrometheusClient, PrometheusSource
-
-        p = settings.prometheus
-        client = PrometheusClient(p.url, timeout_s=p.timeout_s, retries=p.retries)
-        if p.discover_targets:
-            targets = targets_from_prometheus(await client.targets(), p.role_label)
-        else:
-            targets = await _static(settings, static_targets_async)
-        return PrometheusSource(client, targets, mode=p.window_mode,
-                                escaped_names=p.escaped_names)
-    from controller.observe.scrape import ScrapeSource
-
-    targets = await _static(settings, static_targets_async)
-    return ScrapeSource(targets, timeout_s=settings.observe.scrape_timeout_s,
-                        concurrency=settings.observe.scrape_concurrency)
-
-
-async def _static(settings: Settings, resolve: Any) -> Any:
-    return await resolve(settings.prefill_pool.nodes, settings.decode_pool.nodes,
-                         settings.routers.metrics_targets)
 
 
 def _ms(s: Summary | None) -> str:
