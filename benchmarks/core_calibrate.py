@@ -31,7 +31,6 @@ import numpy as np  # noqa: E402
 import scipy.special  # noqa: E402, F401  (imports are excluded from the timing)
 import sklearn.linear_model  # noqa: E402, F401
 
-
 from controller.core.calibrate import CalibrationConfig, calibrate  # noqa: E402
 from controller.core.features import N_IO_BINS, build_training_set  # noqa: E402
 from controller.policy.model import Slo  # noqa: E402
