@@ -155,6 +155,63 @@ class RolloutConfig(_Section):
 
 class ControllerConfig(_Section):
     interval_s: float = Field(30.0, gt=0, description="Control interval (window length).")
+    calibrate_every_s: float | None = Field(
+        3600.0, gt=0, description="Scheduled recalibration period (None: only on drift, "
+        "scaling or operator request). The next due time follows from the last calibration "
+        "stored, so a restart keeps it.",
+    )
+    training_windows: int = Field(
+        120, ge=2, description="Newest complete windows a calibration trains on."
+    )
+    min_training_windows: int = Field(
+        4, ge=2, description="Windows with routed requests needed before the first calibration."
+    )
+    min_policy_interval_s: float = Field(
+        600.0, ge=0, description="Automatic approvals at most this often (operator actions "
+        "are not limited).",
+    )
+    guardrail_margin: float = Field(
+        0.005, ge=0, description="A candidate needs predicted goodput >= current + margin."
+    )
+    advisory: bool = Field(
+        False, description="Everything but pushes: candidates are recorded as advisory."
+    )
+    canary_fraction: float = Field(
+        0.25, gt=0, le=1, description="Share of routers that get a new policy first (>= 1)."
+    )
+    bake_windows: int = Field(3, ge=1, description="Windows a canary bakes before judging.")
+    bake_min_requests: float = Field(
+        100.0, ge=0, description="Requests needed on both canary and control routers."
+    )
+    max_bake_windows: int = Field(
+        12, ge=1, description="A canary still short of requests after this many windows is "
+        "rolled back (no evidence, no promotion).",
+    )
+    promote_margin: float = Field(
+        0.02, ge=0, description="Canary goodput may be this much below control's and still "
+        "be promoted.",
+    )
+    promote_alpha: float = Field(
+        0.05, gt=0, lt=0.5, description="One-sided significance of the two-proportion test "
+        "that rolls a canary back.",
+    )
+    lease_ttl_s: float = Field(
+        15.0, gt=0, description="SQLite leader lease lifetime; a follower takes over after it."
+    )
+    stalled_after_s: float | None = Field(
+        None, gt=0, description="/healthz fails when no cycle completed for this long "
+        "(None: 3 intervals + 30 s).",
+    )
+    shutdown_timeout_s: float = Field(
+        10.0, gt=0, description="On SIGTERM, wait this long for the in-flight cycle."
+    )
+    replica_id: str | None = Field(
+        None, description="This replica's name in leases and request claims (None: "
+        "HOSTNAME-PID).",
+    )
+    sidecar_router: str | None = Field(
+        None, description="Sidecar mode: reconcile only this router (needs PostgreSQL)."
+    )
 
 
 class PrometheusConfig(_Section):

@@ -1,0 +1,864 @@
+"""The control cycle: observe → store → assess drift → calibrate → guardrail → approve →
+canary → bake → promote or roll back → reconcile.
+
+One :class:`Cycle` object holds the injected clock, metrics source, store, learner,
+reconciler and metrics. ``await cycle.run_once()`` runs one cycle; the daemon calls it from
+a scheduler job on the wall clock, the bench calls it every control interval on a
+:class:`~controller.clock.VirtualClock`. Both run this same code.
+
+SQL holds the truth (DESIGN §4): desired versions, acknowledgements, operator requests,
+canary state (a canary is "the newest approved version is desired by some routers only")
+and every decision's reason. A new ``Cycle`` on the same store continues where the last one
+stopped; the reconciler pushes only where a router differs from its desired version, so a
+restart never re-pushes an acknowledged version.
+
+Transactions: a cycle's decision writes (window, drift events, calibration, policy,
+desired versions, canary verdict, operator outcomes) are ONE ``store.cycle()``
+transaction, written after the observe and the fit so no database lock is held across
+network calls or a fit. Two small transactions surround it: claiming operator requests
+(so that exactly one replica acts on each) and recording what the routers acknowledged
+after the reconcile pass.
+
+Operator requests use the store's kinds: ``pause``/``resume`` with ``args.what`` in
+``approvals`` (default), ``pin`` (``args.version``) or ``exploration``; ``rollback`` with
+``args.version`` (None: the previous approved) or ``args.to == "fallback-prefill"``;
+``recalibrate`` with ``args.dry_run``/``args.force``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from statistics import NormalDist
+from typing import Any, Protocol, TypeVar
+
+from controller.clock import Clock
+from controller.core.drift import scaling_event
+from controller.core.window import Window
+from controller.learning import (
+    CalibrationOutcome,
+    DriftFinding,
+    Learner,
+    LearnerError,
+    LearnerState,
+    without_exploration,
+)
+from controller.metrics import ControllerMetrics
+from controller.observe.source import MetricsSource
+from controller.policy import Policy, Provenance, Route, dumps, loads
+from controller.rollout.reconciler import Reconciler, RouterStatus
+from controller.store import OperatorRequest, PolicyRecord, Store, Tx
+
+T = TypeVar("T")
+log = logging.getLogger("pdctl.cycle")
+
+FALLBACK_PREFILL = "fallback-prefill"
+MAX_REQUESTS_PER_CYCLE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class CycleConfig:
+    interval_s: float = 30.0
+    calibrate_every_s: float | None = 3600.0
+    training_windows: int = 120
+    min_training_windows: int = 4
+    min_policy_interval_s: float = 600.0
+    advisory: bool = False
+    canary_fraction: float = 0.25
+    bake_windows: int = 3
+    bake_min_requests: float = 100.0
+    max_bake_windows: int = 12
+    promote_margin: float = 0.02
+    promote_alpha: float = 0.05
+    request_stale_after_s: float = 300.0
+
+    @classmethod
+    def from_settings(cls, settings: Any, advisory: bool | None = None) -> CycleConfig:
+        c = settings.controller
+        return cls(
+            interval_s=c.interval_s, calibrate_every_s=c.calibrate_every_s,
+            training_windows=c.training_windows, min_training_windows=c.min_training_windows,
+            min_policy_interval_s=c.min_policy_interval_s,
+            advisory=c.advisory if advisory is None else advisory,
+            canary_fraction=c.canary_fraction, bake_windows=c.bake_windows,
+            bake_min_requests=c.bake_min_requests, max_bake_windows=c.max_bake_windows,
+            promote_margin=c.promote_margin, promote_alpha=c.promote_alpha,
+        )
+
+
+class Leadership(Protocol):
+    """Who may calibrate and approve. ``ensure`` takes or renews leadership and says whether
+    this replica leads; ``fence`` re-checks it inside the cycle's write transaction."""
+
+    holder: str
+
+    async def ensure(self) -> bool: ...
+
+    def fence(self, tx: Tx) -> bool: ...
+
+
+class AlwaysLeader:
+    """A single replica (tests, bench)."""
+
+    def __init__(self, holder: str = "pdctl") -> None:
+        self.holder = holder
+
+    async def ensure(self) -> bool:
+        return True
+
+    def fence(self, tx: Tx) -> bool:
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorState:
+    """What operators asked for, folded from the finished requests in order."""
+
+    paused: bool = False
+    pinned: int | None = None
+    fallback: bool = False
+    exploration_off: bool = False
+
+    @property
+    def holding(self) -> bool:
+        """No automatic approvals while paused, pinned or in fallback."""
+        return self.paused or self.pinned is not None or self.fallback
+
+
+def operator_state(requests: Sequence[OperatorRequest]) -> OperatorState:
+    """Fold finished (``done``) operator requests, oldest first, into the current state."""
+    state = OperatorState()
+    for r in sorted(requests, key=lambda x: x.id):
+        if r.status != "done":
+            continue
+        args = r.args or {}
+        what = args.get("what", "approvals")
+        if r.kind == "pause":
+            if what == "pin":
+                state = replace(state, pinned=int(args["version"]), fallback=False)
+            elif what == "exploration":
+                state = replace(state, exploration_off=True)
+            else:
+                state = replace(state, paused=True)
+        elif r.kind == "resume":
+            if what == "pin":
+                state = replace(state, pinned=None, fallback=False)
+            elif what == "exploration":
+                state = replace(state, exploration_off=False)
+            else:
+                state = replace(state, paused=False)
+        elif r.kind == "rollback" and args.get("to") == FALLBACK_PREFILL:
+            state = replace(state, fallback=True, pinned=None)
+    return state
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """The rollout state read from the desired versions."""
+
+    fleet_version: int | None  # what the non-canary routers run (None: no policy yet)
+    canary_version: int | None  # set while a canary bakes
+    canary_routers: tuple[str, ...] = ()
+    control_routers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryVerdict:
+    action: str  # "wait" | "promote" | "roll_back"
+    reason: str
+    canary_goodput: float | None = None
+    control_goodput: float | None = None
+    canary_requests: float = 0.0
+    control_requests: float = 0.0
+    z: float | None = None
+
+
+@dataclass
+class CycleReport:
+    """What one cycle did (also logged and kept as :attr:`Cycle.last_report`)."""
+
+    result: str = "ok"  # ok | skipped | failed
+    reason: str = ""
+    leader: bool = True
+    window_id: int | None = None
+    drift: list[str] = field(default_factory=list)
+    trigger: str | None = None
+    calibration_id: int | None = None
+    candidate_version: int | None = None
+    approved_version: int | None = None
+    guardrail: str | None = None
+    canary: str | None = None
+    requests: list[str] = field(default_factory=list)
+    pushes: int = 0
+    acked: dict[str, int | None] = field(default_factory=dict)
+
+
+@dataclass
+class _Plan:
+    """Decisions computed before the write transaction."""
+
+    window: Window | None = None
+    findings: list[DriftFinding] = field(default_factory=list)
+    calibration: CalibrationOutcome | None = None
+    calibration_windows: list[int] = field(default_factory=list)
+    trigger: str | None = None
+    recalibrate_request: OperatorRequest | None = None
+    calibration_error: str | None = None
+
+
+def two_proportion_z(met_a: float, n_a: float, met_b: float, n_b: float, margin: float
+                     ) -> float | None:
+    """z of ``p_a - p_b + margin`` (unpooled): very negative = ``a`` is worse than ``b`` by
+    more than ``margin``. None without requests on both sides."""
+    if n_a <= 0 or n_b <= 0:
+        return None
+    pa, pb = met_a / n_a, met_b / n_b
+    diff = pa - pb + margin
+    se = math.sqrt(pa * (1 - pa) / n_a + pb * (1 - pb) / n_b)
+    if se == 0.0:
+        return math.copysign(math.inf, diff) if diff != 0 else 0.0
+    return diff / se
+
+
+def canary_subset(routers: Sequence[str], fraction: float, version: int) -> tuple[str, ...]:
+    """``ceil(fraction * n)`` routers (at least one, at most n - 1), rotated by version so
+    successive canaries land on different routers."""
+    ordered = sorted(routers)
+    n = len(ordered)
+    k = max(1, min(math.ceil(fraction * n), n - 1))
+    start = version % n
+    return tuple(sorted(ordered[(start + i) % n] for i in range(k)))
+
+
+async def _to_thread(fn: Callable[[], T]) -> T:
+    return await asyncio.to_thread(fn)
+
+
+class Cycle:
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        source: MetricsSource,
+        store: Store,
+        learner: Learner,
+        reconciler: Reconciler,
+        metrics: ControllerMetrics,
+        routers: Sequence[str],
+        config: CycleConfig | None = None,
+        leadership: Leadership | None = None,
+        outcome_names: Mapping[str, str] | None = None,
+        reconcile_only: Sequence[str] | None = None,
+        run_blocking: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
+    ) -> None:
+        self.clock = clock
+        self.source = source
+        self.store = store
+        self.learner = learner
+        self.reconciler = reconciler
+        self.metrics = metrics
+        self.routers = tuple(sorted(routers))
+        self.config = config or CycleConfig()
+        self.leadership: Leadership = leadership or AlwaysLeader()
+        # Router id (what the reconciler dials) -> its name in windows' route outcomes.
+        self.outcome_names = {r: (outcome_names or {}).get(r, r) for r in self.routers}
+        self.reconcile_only = tuple(reconcile_only) if reconcile_only is not None else None
+        self._run_blocking = run_blocking or _to_thread
+        self._state = LearnerState()
+        self._state_for: int | None = None  # the policy version the learner state belongs to
+        self._last_end: float | None = None
+        self._previous_window: Window | None = None
+        self._policies: dict[int, Policy] = {}
+        self.last_report: CycleReport | None = None
+        self.last_completed_at: float | None = None  # clock.now() of the last ok cycle
+
+    # -- the whole cycle ------------------------------------------------------------------
+
+    async def run_once(self) -> CycleReport:
+        started = self.clock.monotonic()
+        report = CycleReport()
+        try:
+            report.leader = await self.leadership.ensure()
+            self.metrics.set_leader(report.leader)
+            if report.leader:
+                await self._decide(report)
+            if report.result != "failed":
+                await self._reconcile(report)
+        except _LostLeadership:
+            pass
+        except Exception as e:  # a cycle never kills the daemon: record and go on
+            log.exception("cycle failed")
+            report.result, report.reason = "failed", f"{type(e).__name__}: {e}"
+        seconds = self.clock.monotonic() - started
+        self.metrics.observe_cycle(report.result, seconds, self.clock.now())
+        if report.result == "ok":
+            self.last_completed_at = self.clock.now()
+        self.last_report = report
+        log.info("cycle %s", report.result, extra={"cycle": _report_fields(report)})
+        return report
+
+    # -- deciding (leader only) -----------------------------------------------------------
+
+    async def _decide(self, report: CycleReport) -> None:
+        cfg = self.config
+        now = self.clock.now()
+        end = now
+        start = self._last_end if self._last_end is not None and self._last_end < end \
+            else end - cfg.interval_s
+        plan = _Plan()
+        try:
+            plan.window = await self.source.window(start, end)
+        except Exception as e:
+            report.result = "skipped"
+            report.reason = f"observe failed: {type(e).__name__}: {e}"
+            log.warning("%s", report.reason)
+        self._last_end = end
+        claimed = self._claim_requests(report)
+        with self.store.read() as tx:
+            rollout = self._rollout(tx)
+            ops = operator_state(tx.requests(status="done"))
+            current = self._current_policy(tx, rollout)
+            self._restore_learner(tx, rollout)
+        window = plan.window
+        complete = window is not None and not window.failures and bool(window.outcomes)
+        if window is not None:
+            self._state, plan.findings = self.learner.assess(self._state, window, window.end)
+        recal = next((r for r in claimed if r.kind == "recalibrate"), None)
+        plan.trigger = self._trigger(plan, rollout, ops, recal, now)
+        if plan.trigger is not None:
+            if not complete and recal is None:
+                report.reason = _join(report.reason, f"calibration ({plan.trigger}) deferred: "
+                                      f"{_why_incomplete(window)}")
+                plan.trigger = None
+            else:
+                await self._calibrate(plan, current, now, recal, ops, report)
+        self._write(plan, claimed, rollout, ops, current, report)
+        self._previous_window = window if window is not None else self._previous_window
+
+    def _claim_requests(self, report: CycleReport) -> list[OperatorRequest]:
+        claimed: list[OperatorRequest] = []
+        with self.store.cycle() as tx:
+            for _ in range(MAX_REQUESTS_PER_CYCLE):
+                r = tx.claim_next_request(self.leadership.holder,
+                                          stale_after_s=self.config.request_stale_after_s)
+                if r is None:
+                    break
+                claimed.append(r)
+        return claimed
+
+    def _trigger(self, plan: _Plan, rollout: Rollout, ops: OperatorState,
+                 recal: OperatorRequest | None, now: float) -> str | None:
+        """Why to calibrate now, or None."""
+        if recal is not None:
+            return "operator"
+        if ops.holding or rollout.canary_version is not None:
+            return None
+        if self._since_last_change(now) < self.config.min_policy_interval_s:
+            if any(f.fired for f in plan.findings):
+                log.info("drift fired but the policy changed less than %.0f s ago",
+                         self.config.min_policy_interval_s)
+            return None
+        if any(f.fired for f in plan.findings):
+            return "drift"
+        if plan.window is not None and self._previous_window is not None \
+                and scaling_event(self._previous_window, plan.window):
+            return "scaling"
+        due = self.next_due()
+        if due is not None and now >= due:
+            return "schedule"
+        return None
+
+    def next_due(self) -> float | None:
+        """When the next scheduled calibration is due (epoch s), from the store."""
+        every = self.config.calibrate_every_s
+        with self.store.read() as tx:
+            last = tx.calibrations(limit=1)
+            if last:
+                return last[0].created_at.timestamp() + every if every is not None else None
+            n = len(tx.windows(limit=self.config.min_training_windows))
+        # Never calibrated: due as soon as enough windows exist.
+        return self.clock.now() if n >= self.config.min_training_windows else None
+
+    def _since_last_change(self, now: float) -> float:
+        with self.store.read() as tx:
+            latest = tx.policies(limit=1, status="approved")
+        if not latest:
+            return math.inf
+        return now - latest[-1].created_at.timestamp()
+
+    async def _calibrate(self, plan: _Plan, current: Policy | None, now: float,
+                         recal: OperatorRequest | None, ops: OperatorState,
+                         report: CycleReport) -> None:
+        trigger = plan.trigger or "schedule"
+        self.metrics.recalibration(trigger)
+        with self.store.read() as tx:
+            stored = tx.windows(limit=self.config.training_windows)
+        usable = [s for s in stored if not s.window.failures and s.window.outcomes]
+        force = bool(recal is not None and (recal.args or {}).get("force"))
+        plan.recalibrate_request = recal
+        if plan.window is not None and not plan.window.failures and plan.window.outcomes:
+            # This cycle's window is written in the same transaction; train on it too.
+            windows = [s.window for s in usable] + [plan.window]
+        else:
+            windows = [s.window for s in usable]
+        plan.calibration_windows = [s.id for s in usable]
+        if len(windows) < 2:
+            plan.calibration_error = f"only {len(windows)} complete window(s) stored"
+            return
+        reason = f"{trigger}: {recal.reason}" if recal is not None and recal.reason else trigger
+
+        def fit() -> CalibrationOutcome:
+            return self.learner.calibrate(windows, current, now, reason, force)
+
+        try:
+            outcome: CalibrationOutcome = await self._run_blocking(fit)
+        except LearnerError as e:
+            plan.calibration_error = str(e)
+            return
+        except Exception as e:  # a bug in a fit must not push anything
+            log.exception("calibration failed")
+            plan.calibration_error = f"{type(e).__name__}: {e}"
+            return
+        if ops.exploration_off:
+            outcome = replace(outcome, policy=without_exploration(outcome.policy))
+        plan.calibration = outcome
+
+    # -- the one write transaction --------------------------------------------------------
+
+    def _write(self, plan: _Plan, claimed: list[OperatorRequest], rollout: Rollout,
+               ops: OperatorState, current: Policy | None, report: CycleReport) -> None:
+        now_dt = self.clock.utcnow()
+        with self.store.cycle() as tx:
+            if not self.leadership.fence(tx):
+                report.result, report.reason = "skipped", "lost leadership before writing"
+                report.leader = False
+                raise _LostLeadership()
+            window_ids: list[int] = []
+            if plan.window is not None:
+                report.window_id = tx.add_window(plan.window)
+                window_ids = [report.window_id]
+            self._record_drift(tx, plan.findings, window_ids, report)
+            for r in claimed:
+                if r.kind != "recalibrate":
+                    outcome, ok = self._apply_request(tx, r, report)
+                    tx.finish_request(r.id, outcome, ok=ok)
+                    report.requests.append(f"{r.kind}#{r.id}: {outcome}")
+            # Operator actions above may have changed the rollout; read it again.
+            rollout = self._rollout(tx)
+            ops = operator_state(tx.requests(status="done"))
+            if rollout.canary_version is not None and plan.window is not None:
+                self._judge_canary(tx, rollout, report)
+                rollout = self._rollout(tx)
+            if plan.trigger is not None:
+                report.trigger = plan.trigger
+                self._record_calibration(tx, plan, rollout, ops, current, report)
+            for r in claimed:
+                if r.kind == "recalibrate":
+                    ok = plan.calibration is not None
+                    outcome = report.guardrail or plan.calibration_error or "nothing to do"
+                    if plan.calibration is None and plan.calibration_error is None:
+                        outcome = report.reason or "not run"
+                    tx.finish_request(r.id, outcome, ok=ok)
+                    report.requests.append(f"recalibrate#{r.id}: {outcome}")
+            self._assign_new_routers(tx, now_dt)
+            self._set_state_metrics(tx)
+        if plan.calibration_error is not None:
+            report.reason = _join(report.reason, f"calibration skipped: {plan.calibration_error}")
+
+    def _record_drift(self, tx: Tx, findings: list[DriftFinding], window_ids: list[int],
+                      report: CycleReport) -> None:
+        for f in findings:
+            if not math.isnan(f.statistic):
+                self.metrics.set_drift(f.kind, "all", f.statistic, f.threshold)
+            if f.fired:
+                tx.add_drift_event(f.kind, f.statistic, f.threshold, window_ids,
+                                   {"reason": f.reason, **_plain(f.details)})
+                self.metrics.drift_event(f.kind)
+                report.drift.append(f.kind)
+
+    def _record_calibration(self, tx: Tx, plan: _Plan, rollout: Rollout, ops: OperatorState,
+                            current: Policy | None, report: CycleReport) -> None:
+        outcome = plan.calibration
+        if outcome is None:
+            return
+        ids = list(plan.calibration_windows) + ([report.window_id] if report.window_id else [])
+        dry_run = bool(plan.recalibrate_request is not None
+                       and (plan.recalibrate_request.args or {}).get("dry_run"))
+        decision = "approved" if outcome.approved else "rejected"
+        self.metrics.guardrail_decision(decision, "forced" if "forced" in outcome.reason
+                                        else decision, self.clock.now())
+        if outcome.predicted_goodput_current is not None:
+            self.metrics.set_predicted_goodput(outcome.predicted_goodput_current,
+                                               outcome.predicted_goodput_new)
+        report.guardrail = outcome.reason
+        version: int | None = None
+        if not dry_run:
+            version = tx.next_version()
+            policy = outcome.policy.with_version(version)
+            reason = outcome.reason
+            if self.config.advisory:
+                status = "advisory"
+            elif not outcome.approved:
+                status = "rejected"
+            elif ops.holding or rollout.canary_version is not None:
+                status = "candidate"  # an operator asked for it; the rollout is held
+                held = "paused" if ops.paused else "pinned" if ops.holding else \
+                    f"v{rollout.canary_version} is baking"
+                reason = f"not approved ({held}): {outcome.reason}"
+                report.guardrail = reason
+            else:
+                status = "approved"
+            tx.add_policy(version, policy.checksum, dumps(policy), status, reason)
+            self._policies[version] = policy
+            report.candidate_version = version
+            if status == "approved":
+                self._approve(tx, version, rollout, report)
+                self._state = self.learner.adopt(self._state, outcome, self.clock.now())
+                self._state_for = version
+        report.calibration_id = tx.add_calibration(
+            ids, outcome.heldout_error, outcome.predicted_goodput_new,
+            outcome.predicted_goodput_current, version,
+            {"trigger": plan.trigger, "dry_run": dry_run, "approved": outcome.approved,
+             "reason": outcome.reason, **_plain(outcome.details)},
+        )
+
+    def _approve(self, tx: Tx, version: int, rollout: Rollout, report: CycleReport) -> None:
+        """Make an approved version desired: a canary share first when there is a fleet
+        version to compare with, else every router at once."""
+        report.approved_version = version
+        self.metrics.policy_changed(version)
+        if rollout.fleet_version is None or len(self.routers) < 2:
+            for r in self.routers:
+                tx.set_desired(r, version)
+            report.canary = ("no previous policy: every router at once"
+                             if rollout.fleet_version is None
+                             else "one router: no control group, promoted at once")
+            self.metrics.set_canary_state("promoted")
+            return
+        canary = canary_subset(self.routers, self.config.canary_fraction, version)
+        for r in canary:
+            tx.set_desired(r, version)
+        report.canary = f"baking v{version} on {', '.join(canary)}"
+        self.metrics.set_canary_state("baking")
+
+    # -- canary ---------------------------------------------------------------------------
+
+    def _judge_canary(self, tx: Tx, rollout: Rollout, report: CycleReport) -> None:
+        assert rollout.canary_version is not None
+        record = tx.policy(rollout.canary_version)
+        assert record is not None
+        verdict = self.judge_canary(tx, rollout, record)
+        report.canary = f"v{rollout.canary_version}: {verdict.reason}"
+        if verdict.action == "promote":
+            for r in self.routers:
+                tx.set_desired(r, rollout.canary_version)
+            self.metrics.set_canary_state("promoted")
+        elif verdict.action == "roll_back":
+            tx.set_policy_status(rollout.canary_version, "rolled_back",
+                                 f"canary rolled back: {verdict.reason}")
+            if rollout.fleet_version is not None:
+                for r in rollout.canary_routers:
+                    tx.set_desired(r, rollout.fleet_version)
+                self.metrics.desired_version.set(rollout.fleet_version)
+            self.metrics.set_canary_state("rolled_back")
+
+    def judge_canary(self, tx: Tx, rollout: Rollout, record: PolicyRecord) -> CanaryVerdict:
+        """Compare canary and control routers' goodput over the windows since approval.
+
+        Canary and control share the workers, so this compares routing, not load."""
+        cfg = self.config
+        # Windows that ended at least half an interval after the approval: the one the
+        # approval happened in saw the old policy everywhere.
+        approved_at = record.created_at.timestamp()
+        since = record.created_at - timedelta(seconds=cfg.interval_s)
+        windows = [w.window for w in tx.windows(since=since)
+                   if w.window.end >= approved_at + 0.5 * cfg.interval_s]
+        canary_names = {self.outcome_names[r] for r in rollout.canary_routers}
+        control_names = {self.outcome_names[r] for r in rollout.control_routers}
+        met_c = n_c = met_k = n_k = 0.0
+        for w in windows:
+            for o in w.outcomes:
+                if o.router in canary_names:
+                    met_c += o.met
+                    n_c += o.requests
+                elif o.router in control_names:
+                    met_k += o.met
+                    n_k += o.requests
+        pc = met_c / n_c if n_c else None
+        pk = met_k / n_k if n_k else None
+        z = two_proportion_z(met_c, n_c, met_k, n_k, cfg.promote_margin)
+        numbers = (f"canary goodput {_pct(pc)} of {n_c:.0f} requests vs control {_pct(pk)} "
+                   f"of {n_k:.0f} over {len(windows)} window(s), margin {cfg.promote_margin:g}")
+        enough = n_c >= cfg.bake_min_requests and n_k >= cfg.bake_min_requests
+        if len(windows) < cfg.bake_windows or not enough:
+            if len(windows) >= cfg.max_bake_windows:
+                return CanaryVerdict("roll_back", f"not enough traffic to judge: {numbers}",
+                                     pc, pk, n_c, n_k, z)
+            return CanaryVerdict("wait", f"baking: {numbers}", pc, pk, n_c, n_k, z)
+        critical = NormalDist().inv_cdf(cfg.promote_alpha)  # negative
+        if z is not None and z < critical:
+            return CanaryVerdict("roll_back", f"canary worse than control: {numbers}, "
+                                 f"z {z:.2f} < {critical:.2f}", pc, pk, n_c, n_k, z)
+        return CanaryVerdict("promote", f"promoted: {numbers}, z {_num(z)}", pc, pk, n_c, n_k, z)
+
+    # -- operator requests ----------------------------------------------------------------
+
+    def _apply_request(self, tx: Tx, r: OperatorRequest, report: CycleReport
+                       ) -> tuple[str, bool]:
+        args = r.args or {}
+        what = args.get("what", "approvals")
+        if r.kind == "pause":
+            if what == "pin":
+                version = int(args["version"])
+                rec = tx.policy(version)
+                if rec is None or rec.status != "approved":
+                    return (f"cannot pin v{version}: "
+                            f"{'no such version' if rec is None else rec.status}"), False
+                for router in self.routers:
+                    tx.set_desired(router, version)
+                return f"pinned v{version} on every router", True
+            if what == "exploration":
+                return self._exploration_off(tx, report), True
+            return "paused: no approvals and no pushes until resume", True
+        if r.kind == "resume":
+            return {"pin": "unpinned", "exploration": "exploration back on"}.get(
+                what, "resumed"), True
+        if r.kind == "rollback":
+            if args.get("to") == FALLBACK_PREFILL:
+                return self._fallback(tx, r), True
+            return self._rollback(tx, args.get("version"))
+        return f"unknown request kind {r.kind}", False
+
+    def _rollback(self, tx: Tx, version: Any) -> tuple[str, bool]:
+        rollout = self._rollout(tx)
+        newest = rollout.canary_version or rollout.fleet_version
+        if version is None:
+            approved = [p.version for p in tx.policies(status="approved")
+                        if newest is None or p.version < newest]
+            if not approved:
+                return "nothing to roll back to", False
+            target = max(approved)
+        else:
+            target = int(version)
+            rec = tx.policy(target)
+            if rec is None or rec.status != "approved":
+                return (f"cannot roll back to v{target}: "
+                        f"{'no such version' if rec is None else rec.status}"), False
+        if newest is not None and newest > target:
+            for p in tx.policies(status="approved"):
+                if p.version > target:
+                    tx.set_policy_status(p.version, "rolled_back", "operator rollback")
+        for router in self.routers:
+            tx.set_desired(router, target)
+        self.metrics.set_canary_state("rolled_back")
+        self.metrics.desired_version.set(target)
+        return f"rolled back to v{target}", True
+
+    def _fallback(self, tx: Tx, r: OperatorRequest) -> str:
+        version = tx.next_version()
+        policy = Policy.uniform(version, Route.PREFILL_NODE, provenance=Provenance(
+            created_at=self.clock.utcnow(), reason=f"operator fallback ({r.who})",
+            created_by="pdctl fallback prefill"))
+        tx.add_policy(version, policy.checksum, dumps(policy), "approved",
+                      f"fallback prefill by {r.who}: {r.reason}")
+        self._policies[version] = policy
+        for router in self.routers:
+            tx.set_desired(router, version)
+        self.metrics.policy_changed(version)
+        return f"fallback: every router to all-prefill-node v{version} (held until unpin)"
+
+    def _exploration_off(self, tx: Tx, report: CycleReport) -> str:
+        rollout = self._rollout(tx)
+        if rollout.fleet_version is None:
+            return "exploration off (no policy yet)"
+        current = self._policy(tx, rollout.fleet_version)
+        if not any(current.table.exploration):
+            return f"exploration off (v{rollout.fleet_version} explores nothing)"
+        version = tx.next_version()
+        policy = without_exploration(current).with_version(version)
+        tx.add_policy(version, policy.checksum, dumps(policy), "approved",
+                      f"v{rollout.fleet_version} without exploration (operator)")
+        self._policies[version] = policy
+        for router in self.routers:
+            tx.set_desired(router, version)
+        self.metrics.policy_changed(version)
+        report.approved_version = version
+        return f"exploration off: every router to v{version}"
+
+    # -- reading the store ----------------------------------------------------------------
+
+    def _rollout(self, tx: Tx) -> Rollout:
+        desired = {r: v for r, v in tx.desired_versions().items() if r in self.routers}
+        if not desired:
+            return Rollout(None, None)
+        versions = sorted(set(desired.values()))
+        if len(versions) == 1:
+            return Rollout(versions[0], None)
+        canary = versions[-1]
+        rec = tx.policy(canary)
+        counts: dict[int, int] = {}
+        for v in desired.values():
+            counts[v] = counts.get(v, 0) + 1
+        fleet = max((v for v in versions if v != canary), key=lambda v: (counts[v], v))
+        if rec is None or rec.status != "approved":
+            return Rollout(fleet, None)
+        return Rollout(
+            fleet, canary,
+            tuple(sorted(r for r, v in desired.items() if v == canary)),
+            tuple(sorted(r for r, v in desired.items() if v != canary)),
+        )
+
+    def _current_policy(self, tx: Tx, rollout: Rollout) -> Policy | None:
+        return None if rollout.fleet_version is None else self._policy(tx, rollout.fleet_version)
+
+    def _policy(self, tx: Tx, version: int) -> Policy:
+        cached = self._policies.get(version)
+        if cached is None:
+            rec = tx.policy(version)
+            if rec is None:
+                raise LookupError(f"desired policy v{version} is not stored")
+            cached = self._policies[version] = loads(rec.body_json)
+        return cached
+
+    def _restore_learner(self, tx: Tx, rollout: Rollout) -> None:
+        """After a restart (or a rollback), the drift reference of the fleet's policy."""
+        version = rollout.canary_version or rollout.fleet_version
+        if version is None or version == self._state_for:
+            return
+        record = tx.calibration_for(version)
+        self._state = self.learner.restore(record.details if record else None)
+        self._state_for = version
+
+    def _assign_new_routers(self, tx: Tx, now: datetime) -> None:
+        """A configured router without a desired version joins the fleet's version."""
+        rollout = self._rollout(tx)
+        if rollout.fleet_version is None:
+            return
+        desired = tx.desired_versions()
+        for r in self.routers:
+            if r not in desired:
+                tx.set_desired(r, rollout.fleet_version, at=now)
+
+    def _set_state_metrics(self, tx: Tx) -> None:
+        ops = operator_state(tx.requests(status="done"))
+        self.metrics.set_paused(ops.paused)
+        self.metrics.set_pinned(ops.pinned is not None)
+
+    # -- reconcile (every replica) --------------------------------------------------------
+
+    async def _reconcile(self, report: CycleReport) -> None:
+        if self.config.advisory:
+            return
+        with self.store.read() as tx:
+            ops = operator_state(tx.requests(status="done"))
+            if ops.paused:
+                report.reason = _join(report.reason, "paused: no pushes")
+                return
+            desired_versions = tx.desired_versions()
+            mine = self.reconcile_only if self.reconcile_only is not None else self.routers
+            desired = {r: self._policy(tx, v) for r, v in desired_versions.items() if r in mine}
+            # A router at a version we stored and moved back from (a rollback, a pin, a
+            # rolled-back canary) gets a rollback push; a router ahead at a version we never
+            # stored (a restored backup) gets the desired policy re-issued above it.
+            acked = {r.router_id: r.acked_version for r in tx.routers()}
+            back = {
+                r for r, p in desired.items()
+                if (a := acked.get(r)) is not None and a > p.version
+                and tx.policy(a) is not None
+            }
+        if not desired:
+            return
+        forward = {r: p for r, p in desired.items() if r not in back}
+        backward = {r: p for r, p in desired.items() if r in back}
+        passes = [self.reconciler.reconcile(d, rollback=rb)
+                  for d, rb in ((forward, False), (backward, True)) if d]
+        statuses: dict[str, RouterStatus] = {}
+        for part in await asyncio.gather(*passes):
+            statuses.update(part)
+        self._record_statuses(statuses, desired_versions, report)
+
+    def _record_statuses(self, statuses: Mapping[str, RouterStatus],
+                         desired_versions: Mapping[str, int], report: CycleReport) -> None:
+        at = self.clock.utcnow()
+        with self.store.cycle() as tx:
+            reissued: dict[int, int] = {}
+            for router, s in statuses.items():
+                if s.reissued_as is not None:
+                    old = desired_versions[router]
+                    if old not in reissued and tx.policy(s.reissued_as) is None:
+                        policy = self._policy(tx, old).with_version(s.reissued_as)
+                        tx.add_policy(s.reissued_as, policy.checksum, dumps(policy), "approved",
+                                      f"v{old} re-issued above a router that was ahead")
+                        self._policies[s.reissued_as] = policy
+                    reissued[old] = s.reissued_as
+                    tx.set_desired(router, s.reissued_as, at=at)
+                if s.ok and s.acked_version is not None and s.acked_checksum is not None:
+                    tx.record_ack(router, s.acked_version, s.acked_checksum, at=at)
+                elif not s.ok:
+                    tx.record_router_error(router, f"{s.outcome}: {s.last_error}", at=at)
+                if s.pushed:
+                    report.pushes += 1
+                    version = s.reissued_as or desired_versions[router]
+                    tx.add_push(router, version, _push_result(s), s.latency_s,
+                                None if s.ok else s.last_error, at=at)
+                    self.metrics.observe_push(router, _push_result(s), s.latency_s)
+                report.acked[router] = s.acked_version
+                desired = s.reissued_as or desired_versions[router]
+                self.metrics.set_router_versions(router, desired, s.acked_version or 0)
+
+
+class _LostLeadership(Exception):
+    pass
+
+
+def _push_result(s: RouterStatus) -> str:
+    if s.ok:
+        return "ok"
+    if s.outcome in ("conflict", "stale"):
+        return "conflict"
+    if s.outcome in ("invalid", "refused"):
+        return "rejected"
+    return "failed"
+
+
+def _why_incomplete(window: Window | None) -> str:
+    if window is None:
+        return "no window (observe failed)"
+    if window.failures:
+        names = ", ".join(sorted(f.target for f in window.failures)[:5])
+        return f"{len(window.failures)} target(s) failed: {names}"
+    return "the window has no routed requests"
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}; {b}" if a else b
+
+
+def _pct(p: float | None) -> str:
+    return "n/a" if p is None else f"{p:.4f}"
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def _plain(d: Mapping[str, Any]) -> dict[str, Any]:
+    from controller.learning import _json_safe
+
+    out: dict[str, Any] = _json_safe(dict(d))
+    return out
+
+
+def _report_fields(r: CycleReport) -> dict[str, Any]:
+    return {k: v for k, v in r.__dict__.items() if v not in (None, [], {}, "")}
+
+
+__all__ = [
+    "FALLBACK_PREFILL", "AlwaysLeader", "CanaryVerdict", "Cycle", "CycleConfig", "CycleReport",
+    "Leadership", "OperatorState", "Rollout", "canary_subset", "operator_state",
+    "two_proportion_z",
+]

@@ -1,0 +1,185 @@
+"""The one seam between the control cycle and the learning core.
+
+:class:`Learner` is what :class:`controller.cycle.Cycle` calls: ``assess`` runs the drift
+detectors on a new window, ``calibrate`` fits and judges a candidate policy, ``adopt``
+makes an approved calibration the new drift reference, ``restore`` rebuilds that reference
+after a restart. :class:`CoreLearner` delegates to :mod:`controller.core`; tests pass their
+own small learner.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from controller.core.window import Window
+from controller.policy import LookupTable, Policy
+
+
+class LearnerError(Exception):
+    """The windows cannot support a calibration (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DriftFinding:
+    """One detector's verdict on one window."""
+
+    kind: str  # workload | performance | slo
+    fired: bool
+    statistic: float  # NaN: too few samples
+    threshold: float
+    reason: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationOutcome:
+    """A candidate policy and the guardrail's verdict on it."""
+
+    policy: Policy  # its version is renumbered by the store
+    approved: bool
+    reason: str
+    predicted_goodput_new: float | None
+    predicted_goodput_current: float | None
+    heldout_error: Mapping[str, Any]
+    details: Mapping[str, Any] = field(default_factory=dict)
+    reference: Any = None  # what `adopt` turns into the new drift reference
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerState:
+    """Opaque to the cycle: the drift reference and the detectors' state."""
+
+    reference: Any = None
+    drift: Any = None
+    model: Any = None
+
+
+class Learner(Protocol):
+    def assess(
+        self, state: LearnerState, window: Window, now: float
+    ) -> tuple[LearnerState, list[DriftFinding]]: ...
+
+    def calibrate(
+        self,
+        windows: Sequence[Window],
+        current: Policy | None,
+        now: float,
+        reason: str,
+        force: bool = False,
+    ) -> CalibrationOutcome: ...
+
+    def adopt(self, state: LearnerState, outcome: CalibrationOutcome, now: float) -> LearnerState:
+        ...
+
+    def restore(self, details: Mapping[str, Any] | None) -> LearnerState: ...
+
+
+def without_exploration(policy: Policy) -> Policy:
+    """The same table with every cell's exploration share at 0 (operator: exploration off)."""
+    t = policy.table
+    table = LookupTable(t.axes, t.routes, t.scores, (0.0,) * len(t.exploration))
+    return replace(policy, table=table)
+
+
+class CoreLearner:
+    """The real learner: :mod:`controller.core` drift detectors and calibration."""
+
+    def __init__(self, settings: Any) -> None:
+        from controller.core.calibrate import CalibrationConfig
+        from controller.policy import Slo, Weights
+
+        ppd = settings.ppd
+        self._config = CalibrationConfig(
+            slo=Slo(settings.slo.ttft_s, settings.slo.tpot_s),
+            pinned_weights=Weights(ppd.wtft, ppd.wtpot) if ppd.pin_weights else None,
+            guardrail_margin=settings.controller.guardrail_margin,
+        )
+
+    def assess(
+        self, state: LearnerState, window: Window, now: float
+    ) -> tuple[LearnerState, list[DriftFinding]]:
+        from controller.core import drift
+
+        if state.reference is None:
+            return state, []
+        residuals = None
+        if state.model is not None:
+            residuals = drift.performance_residuals(state.model, [window])[0]
+        drift_state = state.drift if state.drift is not None else drift.DriftState()
+        new, verdicts = drift.assess(drift_state, state.reference, window, now, residuals)
+        findings = [
+            DriftFinding(v.kind, v.fired, v.statistic, v.threshold, v.reason, dict(v.details))
+            for v in verdicts
+        ]
+        return replace(state, drift=new), findings
+
+    def calibrate(
+        self,
+        windows: Sequence[Window],
+        current: Policy | None,
+        now: float,
+        reason: str,
+        force: bool = False,
+    ) -> CalibrationOutcome:
+        from controller.core import drift
+        from controller.core.calibrate import CalibrationError, calibrate
+        from controller.core.guardrail import check
+
+        try:
+            result = calibrate(windows, now, current, self._config, reason=reason)
+        except CalibrationError as e:
+            raise LearnerError(str(e)) from None
+        verdict = result.verdict
+        if force and not verdict.approved:
+            verdict = check(result.predicted_goodput_candidate, result.predicted_goodput_current,
+                            self._config.guardrail_margin, force=True)
+        reference = drift.reference_from_windows(windows, result.model)
+        details = result.to_dict()
+        details["verdict"] = verdict.to_dict()
+        details["drift_reference"] = reference.to_dict()
+        return CalibrationOutcome(
+            policy=result.policy, approved=verdict.approved, reason=verdict.reason,
+            predicted_goodput_new=_finite(result.predicted_goodput_candidate),
+            predicted_goodput_current=_finite(result.predicted_goodput_current),
+            heldout_error=_json_safe(result.heldout_mape()), details=_json_safe(details),
+            reference=(reference, result.model),
+        )
+
+    def adopt(self, state: LearnerState, outcome: CalibrationOutcome, now: float) -> LearnerState:
+        from controller.core import drift
+
+        if outcome.reference is None:
+            return state
+        reference, model = outcome.reference
+        previous = state.drift if state.drift is not None else drift.DriftState()
+        return LearnerState(reference, drift.after_recalibration(previous, now), model)
+
+    def restore(self, details: Mapping[str, Any] | None) -> LearnerState:
+        """After a restart: the reference stored with the current policy's calibration (the
+        performance detector waits for the next calibration: its model is not stored)."""
+        from controller.core import drift
+
+        if not details or "drift_reference" not in details:
+            return LearnerState()
+        return LearnerState(drift.DriftReference.from_dict(details["drift_reference"]),
+                            drift.DriftState(), None)
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN and infinities become None (the store keeps strict JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return _json_safe(value.item())
+    return value

@@ -1,0 +1,162 @@
+"""Small fakes for the cycle: a source whose goodput follows each router's running policy,
+and a learner whose drift and verdicts the test scripts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from controller.clock import VirtualClock
+from controller.core.window import RouteOutcome, TargetFailure, Window, Workload
+from controller.cycle import Cycle, CycleConfig, CycleReport
+from controller.learning import CalibrationOutcome, DriftFinding, LearnerState
+from controller.metrics import ControllerMetrics
+from controller.observe.source import Target
+from controller.policy import Policy, Route
+from controller.rollout.agent import RouterAgent
+from controller.rollout.reconciler import FakeRouterTransport, Reconciler
+from controller.store import Store
+
+
+class ObserveFailed(Exception):
+    pass
+
+
+class PolicyAwareSource:
+    """Each router serves ``requests`` per window; the share meeting the SLOs is
+    ``goodput[v]`` for the policy version ``v`` the router's agent runs (``default`` else).
+    ``fail_next`` makes the next window raise; ``down`` lists targets reported failed."""
+
+    name = "fake"
+
+    def __init__(self, agents: Mapping[str, RouterAgent], requests: float = 200.0,
+                 default: float = 0.9) -> None:
+        self.agents = agents
+        self.requests = requests
+        self.default = default
+        self.goodput: dict[int, float] = {}
+        self.fail_next = False
+        self.down: set[str] = set()
+        self.calls = 0
+
+    def targets(self) -> Sequence[Target]:
+        return [Target(name=r, role="router") for r in self.agents]
+
+    async def window(self, start: float, end: float) -> Window:
+        self.calls += 1
+        if self.fail_next:
+            self.fail_next = False
+            raise ObserveFailed("scripted observe failure")
+        outcomes = []
+        for name, agent in sorted(self.agents.items()):
+            if name in self.down:
+                continue
+            snap = agent.snapshot
+            share = self.goodput.get(snap.version, self.default) if snap else self.default
+            outcomes.append(RouteOutcome(name, Route.PREFILL_NODE, 0, 0, self.requests,
+                                         round(share * self.requests), 1.0, 1.0, 1.0, 1.0))
+        failures = [TargetFailure(t, "unreachable", "scripted") for t in sorted(self.down)]
+        return Window.build(start, end, max(end - start, 1.0), outcomes=outcomes,
+                            workload=Workload(qps_by_router={n: 1.0 for n in self.agents}),
+                            answered=[n for n in self.agents if n not in self.down],
+                            failures=failures, source="fake")
+
+    async def aclose(self) -> None:
+        return None
+
+
+@dataclass
+class ScriptedLearner:
+    """``fire`` makes the next assessed window fire a workload drift; ``approve`` and
+    ``route`` shape the next candidate; ``fail`` makes calibrate raise."""
+
+    fire: bool = False
+    approve: bool = True
+    route: Route = Route.DECODE_LOCAL
+    exploration: float = 0.05
+    fail: bool = False
+    calibrations: int = 0
+    trained_on: list[int] = field(default_factory=list)
+
+    def assess(self, state: LearnerState, window: Window, now: float
+               ) -> tuple[LearnerState, list[DriftFinding]]:
+        fired, self.fire = self.fire, False
+        return state, [DriftFinding("workload", fired, 2.0 if fired else 0.5, 1.0,
+                                    "scripted", {"n": len(window.outcomes)})]
+
+    def calibrate(self, windows: Sequence[Window], current: Policy | None, now: float,
+                  reason: str, force: bool = False) -> CalibrationOutcome:
+        from controller.learning import LearnerError
+
+        if self.fail:
+            raise LearnerError("scripted fit failure")
+        self.calibrations += 1
+        self.trained_on.append(len(windows))
+        version = (current.version + 1) if current else 1
+        policy = Policy.uniform(version, self.route, exploration=self.exploration)
+        ok = self.approve or force
+        return CalibrationOutcome(policy, ok, "approved: scripted" if ok else "rejected: scripted",
+                                  0.95, 0.9 if current else None, {"mape": 0.1},
+                                  {"scripted": True}, reference="ref")
+
+    def adopt(self, state: LearnerState, outcome: CalibrationOutcome, now: float
+              ) -> LearnerState:
+        return LearnerState(reference=outcome.reference)
+
+    def restore(self, details: Mapping[str, object] | None) -> LearnerState:
+        return LearnerState(reference="restored" if details else None)
+
+
+@dataclass
+class Rig:
+    clock: VirtualClock
+    store: Store
+    agents: dict[str, RouterAgent]
+    transport: FakeRouterTransport
+    source: PolicyAwareSource
+    learner: ScriptedLearner
+    config: CycleConfig
+    registry: CollectorRegistry
+    cycle: Cycle
+
+    def new_cycle(self) -> Cycle:
+        """A fresh Cycle (a restarted daemon) on the same store, routers and clock."""
+        self.registry = CollectorRegistry()
+        self.cycle = make_cycle(self)
+        return self.cycle
+
+    async def step(self) -> CycleReport:
+        self.clock.advance(self.config.interval_s)
+        return await self.cycle.run_once()
+
+    def applies(self) -> int:
+        return sum(1 for kind, _ in self.transport.calls if kind == "apply")
+
+
+def make_cycle(rig: Rig) -> Cycle:
+    reconciler = Reconciler(rig.transport, rig.clock, max_attempts=1)
+    return Cycle(clock=rig.clock, source=rig.source, store=rig.store, learner=rig.learner,
+                 reconciler=reconciler, metrics=ControllerMetrics(rig.registry),
+                 routers=list(rig.agents), config=rig.config)
+
+
+def make_rig(tmp_path: Path, routers: int = 4, **config: object) -> Rig:
+    clock = VirtualClock(1_800_000_000.0)
+    store = Store(f"sqlite:///{tmp_path / 'history.db'}", clock)
+    store.upgrade()
+    agents = {f"r{i}": RouterAgent(router_id=f"r{i}", clock=clock) for i in range(routers)}
+    transport = FakeRouterTransport(agents)
+    defaults: dict[str, object] = dict(
+        interval_s=30.0, calibrate_every_s=None, min_training_windows=2,
+        min_policy_interval_s=0.0, bake_windows=2, bake_min_requests=100.0,
+        max_bake_windows=6,
+    )
+    defaults.update(config)
+    cfg = CycleConfig(**defaults)  # type: ignore[arg-type]
+    rig = Rig(clock, store, agents, transport, PolicyAwareSource(agents), ScriptedLearner(),
+              cfg, CollectorRegistry(), None)  # type: ignore[arg-type]
+    rig.cycle = make_cycle(rig)
+    return rig

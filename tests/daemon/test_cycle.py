@@ -1,0 +1,298 @@
+"""The control cycle in virtual time: scripted windows whose goodput follows the policy each
+router runs, in-memory router agents, a SQLite store, a scripted learner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from controller.cycle import CycleReport, canary_subset, operator_state, two_proportion_z
+from controller.policy import Route
+from tests.daemon.fakes import Rig, make_rig
+
+
+def _desired(rig: Rig) -> dict[str, int]:
+    return rig.store.desired_versions()
+
+
+def _running(rig: Rig) -> dict[str, int | None]:
+    return {r: (a.snapshot.version if a.snapshot else None) for r, a in rig.agents.items()}
+
+
+def _metric(registry: CollectorRegistry, name: str, labels: dict[str, str] | None = None
+            ) -> float | None:
+    return registry.get_sample_value(name, labels or {})
+
+
+async def _bootstrap(rig: Rig) -> None:
+    """Windows until the first calibration puts v1 on every router."""
+    for _ in range(4):
+        report = await rig.step()
+        assert isinstance(report, CycleReport)
+        if report.approved_version == 1:
+            break
+    assert _running(rig) == dict.fromkeys(rig.agents, 1)
+
+
+async def test_drift_calibrate_canary_promote_all_acked(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    assert [p.status for p in rig.store.policies()] == ["approved"]
+
+    rig.source.goodput = {1: 0.90, 2: 0.97}
+    rig.learner.fire = True
+    report = await rig.step()
+    assert report.drift == ["workload"] and report.trigger == "drift"
+    assert report.approved_version == 2
+    canary = canary_subset(list(rig.agents), 0.25, 2)
+    assert len(canary) == 1
+    assert _desired(rig) == {r: (2 if r in canary else 1) for r in rig.agents}
+    assert _running(rig) == {r: (2 if r in canary else 1) for r in rig.agents}
+    assert _metric(rig.registry, "pdctl_canary_state", {"state": "baking"}) == 1
+
+    promoted = None
+    for _ in range(4):
+        report = await rig.step()
+        if report.canary and "promoted" in report.canary:
+            promoted = report
+            break
+        assert report.canary is not None and "baking" in report.canary
+    assert promoted is not None, "the canary was never judged"
+    assert _desired(rig) == dict.fromkeys(rig.agents, 2)
+    assert _running(rig) == dict.fromkeys(rig.agents, 2)
+    assert {r.router_id: r.acked_version for r in rig.store.routers()} == \
+        dict.fromkeys(rig.agents, 2)
+    events = rig.store.drift_events()
+    assert [(e.kind, e.statistic > e.threshold) for e in events] == [("workload", True)]
+    cals = rig.store.calibrations()
+    assert [c.policy_version for c in cals] == [1, 2]
+    assert cals[1].details["trigger"] == "drift"
+    # Exactly one approval per decision: the bootstrap and the drift.
+    assert [p.version for p in rig.store.policies(status="approved")] == [1, 2]
+    assert _metric(rig.registry, "pdctl_policy_changes_total") == 2
+    assert (_metric(rig.registry, "pdctl_cycles_total", {"result": "ok"}) or 0) >= 6
+
+
+async def test_a_regressing_canary_is_rolled_back_with_its_reason(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.source.goodput = {1: 0.90, 2: 0.55}
+    rig.learner.fire = True
+    assert (await rig.step()).approved_version == 2
+    canary = canary_subset(list(rig.agents), 0.25, 2)
+    verdict = None
+    for _ in range(4):
+        report = await rig.step()
+        if report.canary and "worse" in report.canary:
+            verdict = report
+            break
+    assert verdict is not None
+    v2 = rig.store.policy(2)
+    assert v2 is not None and v2.status == "rolled_back"
+    assert "canary worse than control" in v2.reason and "z " in v2.reason
+    assert _desired(rig) == dict.fromkeys(rig.agents, 1)
+    # The canary router was sent back to v1 by a rollback push, not a re-issue.
+    assert _running(rig) == dict.fromkeys(rig.agents, 1)
+    assert rig.store.next_version() == 3
+    assert all(r in rig.agents for r in canary)
+    assert _metric(rig.registry, "pdctl_canary_state", {"state": "rolled_back"}) == 1
+
+
+async def test_failed_observe_skips_the_cycle_and_pushes_nothing(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    applies, windows = rig.applies(), len(rig.store.windows())
+    rig.source.fail_next = True
+    rig.learner.fire = True  # would fire if there were a window
+    report = await rig.step()
+    assert report.result == "skipped"
+    assert "observe failed" in report.reason and "scripted observe failure" in report.reason
+    assert len(rig.store.windows()) == windows
+    assert rig.applies() == applies
+    assert [p.version for p in rig.store.policies()] == [1]
+    assert _metric(rig.registry, "pdctl_cycles_total", {"result": "skipped"}) == 1
+
+
+async def test_incomplete_window_and_failed_fit_never_approve(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.source.down = {"r3"}
+    rig.learner.fire = True
+    report = await rig.step()
+    assert report.trigger is None and "deferred" in report.reason and "r3" in report.reason
+    rig.source.down = set()
+    rig.learner.fail = True
+    rig.learner.fire = True
+    report = await rig.step()
+    assert report.trigger == "drift" and "scripted fit failure" in report.reason
+    assert [p.version for p in rig.store.policies()] == [1]
+    assert _running(rig) == dict.fromkeys(rig.agents, 1)
+
+
+async def test_guardrail_rejection_is_recorded_and_pushes_nothing(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    applies = rig.applies()
+    rig.learner.approve = False
+    rig.learner.fire = True
+    report = await rig.step()
+    assert report.candidate_version == 2 and report.approved_version is None
+    v2 = rig.store.policy(2)
+    assert v2 is not None and v2.status == "rejected" and "rejected" in v2.reason
+    assert rig.applies() == applies
+    assert _metric(rig.registry, "pdctl_guardrail_decisions_total",
+                   {"decision": "rejected"}) == 1
+
+
+async def test_pause_and_resume(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rid = rig.store.add_request("pause", {}, "alice@host", "maintenance")
+    await rig.step()
+    req = rig.store.request(rid)
+    assert req is not None and req.status == "done" and "paused" in (req.outcome or "")
+    assert operator_state(rig.store.requests()).paused
+    assert _metric(rig.registry, "pdctl_paused") == 1
+    applies = rig.applies()
+    rig.learner.fire = True
+    report = await rig.step()
+    assert report.trigger is None and report.approved_version is None
+    # Paused means no pushes either: a router that lost its policy stays behind.
+    rig.agents["r0"].apply(rig.agents["r0"].snapshot.policy.with_version(9))  # type: ignore[union-attr]
+    await rig.step()
+    assert rig.applies() == applies and _running(rig)["r0"] == 9
+
+    rig.store.add_request("resume", {}, "alice@host", "done")
+    await rig.step()
+    assert not operator_state(rig.store.requests()).paused
+    assert rig.applies() > applies
+    rig.learner.fire = True
+    assert (await rig.step()).approved_version is not None
+    who = [(r.kind, r.who, r.reason) for r in rig.store.requests()]
+    assert who == [("pause", "alice@host", "maintenance"), ("resume", "alice@host", "done")]
+
+
+async def test_pin_holds_a_version_until_unpinned(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, canary_fraction=1.0, bake_windows=1)
+    await _bootstrap(rig)
+    rig.learner.fire = True
+    await rig.step()
+    for _ in range(3):
+        await rig.step()
+    assert _desired(rig) == dict.fromkeys(rig.agents, 2)
+
+    rig.store.add_request("pause", {"what": "pin", "version": 1}, "bob@h", "incident")
+    await rig.step()
+    assert _desired(rig) == dict.fromkeys(rig.agents, 1)
+    assert _running(rig) == dict.fromkeys(rig.agents, 1)
+    assert operator_state(rig.store.requests()).pinned == 1
+    rig.learner.fire = True
+    assert (await rig.step()).approved_version is None
+    bad = rig.store.add_request("pause", {"what": "pin", "version": 42}, "bob@h", "")
+    await rig.step()
+    failed = rig.store.request(bad)
+    assert failed is not None and failed.status == "failed" and "no such version" in str(
+        failed.outcome)
+    rig.store.add_request("resume", {"what": "pin"}, "bob@h", "incident over")
+    await rig.step()
+    assert operator_state(rig.store.requests()).pinned is None
+    rig.learner.fire = True
+    assert (await rig.step()).approved_version == 3
+
+
+async def test_fallback_prefill_reaches_every_router_at_once(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.store.add_request("rollback", {"to": "fallback-prefill"}, "carol@h", "kv link down")
+    report = await rig.step()
+    version = rig.store.next_version() - 1
+    assert _running(rig) == dict.fromkeys(rig.agents, version)
+    policy = rig.agents["r0"].snapshot.policy  # type: ignore[union-attr]
+    assert set(policy.table.routes) == {Route.PREFILL_NODE}
+    assert any("fallback" in r for r in report.requests)
+    state = operator_state(rig.store.requests())
+    assert state.fallback and state.holding
+    rig.learner.fire = True
+    assert (await rig.step()).approved_version is None
+
+
+async def test_exploration_off_reissues_without_exploration(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    assert any(rig.agents["r0"].snapshot.policy.table.exploration)  # type: ignore[union-attr]
+    rig.store.add_request("pause", {"what": "exploration"}, "dan@h", "measure cleanly")
+    await rig.step()
+    for agent in rig.agents.values():
+        assert agent.snapshot is not None and not any(agent.snapshot.policy.table.exploration)
+    assert operator_state(rig.store.requests()).exploration_off
+
+
+async def test_operator_rollback_and_recalibrate(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, canary_fraction=1.0, bake_windows=1)
+    await _bootstrap(rig)
+    rid = rig.store.add_request("recalibrate", {"force": True}, "erin@h", "new hardware")
+    report = await rig.step()
+    assert report.trigger == "operator" and report.approved_version == 2
+    req = rig.store.request(rid)
+    assert req is not None and req.status == "done"
+    dry = rig.store.add_request("recalibrate", {"dry_run": True}, "erin@h", "just looking")
+    await rig.step()
+    assert rig.store.request(dry).status == "done"  # type: ignore[union-attr]
+    assert rig.store.next_version() == 3  # a dry run stores no policy
+    for _ in range(2):
+        await rig.step()
+    rig.store.add_request("rollback", {}, "erin@h", "regression seen by users")
+    await rig.step()
+    assert _desired(rig) == dict.fromkeys(rig.agents, 1)
+    assert _running(rig) == dict.fromkeys(rig.agents, 1)
+    assert rig.store.policy(2).status == "rolled_back"  # type: ignore[union-attr]
+
+
+async def test_restart_does_not_repush_an_acknowledged_version(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    await rig.step()
+    applies, policies = rig.applies(), len(rig.store.policies())
+    rig.new_cycle()
+    for _ in range(3):
+        report = await rig.step()
+        assert report.result == "ok" and report.pushes == 0
+    assert rig.applies() == applies
+    assert len(rig.store.policies()) == policies
+    assert _metric(rig.registry, "pdctl_router_acked_version", {"router": "r1"}) == 1
+
+
+async def test_policy_change_limit_defers_automatic_approvals(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, min_policy_interval_s=300.0)
+    await _bootstrap(rig)
+    rig.learner.fire = True
+    report = await rig.step()
+    assert report.approved_version is None and report.trigger is None
+    for _ in range(10):
+        await rig.step()
+    rig.learner.fire = True
+    assert (await rig.step()).approved_version == 2
+
+
+async def test_advisory_mode_records_candidates_and_pushes_nothing(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, advisory=True)
+    for _ in range(4):
+        await rig.step()
+    assert rig.applies() == 0
+    assert [p.status for p in rig.store.policies()] == ["advisory"]
+    assert _desired(rig) == {}
+
+
+def test_two_proportion_z() -> None:
+    assert two_proportion_z(50, 100, 90, 100, 0.02) < -5  # type: ignore[operator]
+    assert two_proportion_z(90, 100, 90, 100, 0.02) > 0  # type: ignore[operator]
+    assert two_proportion_z(0, 0, 9, 10, 0.0) is None
+
+
+@pytest.mark.parametrize("n,expected", [(1, 1), (2, 1), (4, 1), (5, 2), (8, 2), (16, 4)])
+def test_canary_subset_size(n: int, expected: int) -> None:
+    routers = [f"r{i}" for i in range(n)]
+    got = canary_subset(routers, 0.25, 7)
+    assert len(got) == min(expected, max(n - 1, 1)) and set(got) <= set(routers)
