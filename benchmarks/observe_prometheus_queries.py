@@ -3,9 +3,11 @@
 Run from the repository root: ``.venv/bin/python benchmarks/observe_prometheus_queries.py``
 (needs Debian's ``prometheus`` binary). For 2, 8 and 32 workers (plus 2 routers) it serves
 vLLM-shaped targets on loopback, starts a real Prometheus scraping them every second, builds
-one window per mode and prints the HTTP requests the source sent (counted by our client and,
-independently, by Prometheus' own ``prometheus_http_requests_total``), the window latency and
-what the window held.
+one 7 s window per mode (one traffic step inside it) and prints the HTTP requests the source
+sent (counted by our client and, independently, by Prometheus' own
+``prometheus_http_requests_total``), the window latency and what the window held. Router
+cells are fewer in ``increase`` mode: label sets first used inside the window have no earlier
+sample for ``increase()`` to start from.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ async def one(workers: int, routers: int) -> list[str]:
     rows = []
     try:
         prom.wait_scraped_after(time.time(), timeout_s=30)
+        prom.wait_scraped_after(time.time() + 2)  # samples before the traffic, in the window
         parent.send("traffic")
         parent.recv()
         prom.wait_scraped_after(time.time() + 3, timeout_s=30)
@@ -52,7 +55,7 @@ async def one(workers: int, routers: int) -> list[str]:
             served_before = prom.http_requests().get("/api/v1/query", 0.0)
             sent_before = client.requests_sent
             t0 = time.perf_counter()
-            w = await source.window(end - 4.0, end)
+            w = await source.window(end - 7.0, end)
             ms = (time.perf_counter() - t0) * 1000
             served = prom.http_requests().get("/api/v1/query", 0.0) - served_before
             sent = client.requests_sent - sent_before
