@@ -18,6 +18,7 @@ import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 REPO = Path(__file__).resolve().parents[1]
 for p in (REPO, REPO / "benchmarks"):
@@ -49,8 +50,9 @@ async def one(workers: int, routers: int) -> list[str]:
         parent.recv()
         prom.wait_scraped_after(time.time() + 3, timeout_s=30)
         client = PrometheusClient(prom.url, timeout_s=10, retries=1)
-        for mode in ("edges", "increase"):
-            source = PrometheusSource(client, targets, mode=mode)  # type: ignore[arg-type]
+        modes: tuple[Literal["edges", "increase"], ...] = ("edges", "increase")
+        for mode in modes:
+            source = PrometheusSource(client, targets, mode=mode)
             end = time.time()
             served_before = prom.http_requests().get("/api/v1/query", 0.0)
             sent_before = client.requests_sent

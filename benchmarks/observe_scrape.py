@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import multiprocessing as mp
 import os
 import random
@@ -116,8 +117,7 @@ def serve(workers: int, routers: int, conn: Any) -> None:
 
     async def main() -> None:
         for i in range(len(registries)):
-            server = await asyncio.start_server(
-                lambda r, w, i=i: handle(i, r, w), "127.0.0.1", 0)
+            server = await asyncio.start_server(functools.partial(handle, i), "127.0.0.1", 0)
             ports.append(server.sockets[0].getsockname()[1])
         ready.set()
         await asyncio.Event().wait()
