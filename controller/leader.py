@@ -1,0 +1,175 @@
+"""Leadership: only the leader calibrates and approves; every replica may reconcile.
+
+- :class:`LeaseLeadership` (SQLite, or any store): a lease row with an expiry in the store.
+  ``ensure`` renews it, or takes it when it is free or expired; every change of holder
+  raises its ``term``, the fencing number. ``fence(tx)`` re-reads the row inside the
+  cycle's write transaction, so a replica that lost the lease mid-cycle writes nothing.
+- :class:`PgAdvisoryLeadership` (PostgreSQL): ``pg_try_advisory_lock`` on a dedicated,
+  un-pooled psycopg connection with TCP keepalives (a pool's reset does not unlock, and a
+  dead leader's lock must go with its connection). The lock decides who may lead; the lease
+  row on top of it supplies the term and the in-transaction fence.
+
+Time comes from the injected clock, so tests move leases forward without sleeping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+from controller.clock import Clock
+from controller.store import Lease, Store, Tx
+
+log = logging.getLogger("pdctl.leader")
+
+LOCK_NAME = b"pd-controller leader"
+
+
+def default_holder() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def advisory_key(name: bytes = LOCK_NAME) -> int:
+    """A stable signed 64-bit key for ``pg_try_advisory_lock``."""
+    return int.from_bytes(hashlib.sha256(name).digest()[:8], "big", signed=True)
+
+
+class LeaseLeadership:
+    def __init__(self, store: Store, clock: Clock, holder: str, ttl_s: float) -> None:
+        if ttl_s <= 0:
+            raise ValueError("lease ttl must be > 0")
+        self.store = store
+        self.clock = clock
+        self.holder = holder
+        self.ttl_s = ttl_s
+        self.lease: Lease | None = None
+
+    @property
+    def term(self) -> int | None:
+        return self.lease.term if self.lease is not None else None
+
+    @property
+    def is_leader(self) -> bool:
+        lease = self.lease
+        return lease is not None and lease.expires_at is not None \
+            and lease.expires_at > self.clock.utcnow()
+
+    async def ensure(self) -> bool:
+        """Renew our lease or take a free or expired one; True while we lead."""
+        now = self.clock.utcnow()
+        with self.store.cycle() as tx:
+            lease = None
+            if self.lease is not None:
+                lease = tx.renew_lease(self.holder, self.ttl_s, now)
+            if lease is None:
+                lease = tx.try_acquire_lease(self.holder, self.ttl_s, now)
+        if lease is None and self.lease is not None:
+            log.warning("lost leadership (term %d)", self.lease.term)
+        elif lease is not None and (self.lease is None or lease.term != self.lease.term):
+            log.info("leader now (term %d)", lease.term)
+        self.lease = lease
+        return lease is not None
+
+    def fence(self, tx: Tx) -> bool:
+        """Inside a write transaction: is the lease still ours, same term, unexpired?"""
+        if self.lease is None:
+            return False
+        row = tx.lease()
+        return (
+            row is not None and row.holder == self.holder and row.term == self.lease.term
+            and row.expires_at is not None and row.expires_at > self.clock.utcnow()
+        )
+
+    async def release(self) -> None:
+        if self.lease is None:
+            return
+        self.store.release_lease(self.holder, self.clock.utcnow())
+        log.info("released leadership (term %d)", self.lease.term)
+        self.lease = None
+
+    async def aclose(self) -> None:
+        await self.release()
+
+
+class PgAdvisoryLeadership(LeaseLeadership):
+    """The advisory lock on its own connection, plus the lease row for the term."""
+
+    def __init__(
+        self,
+        store: Store,
+        clock: Clock,
+        holder: str,
+        ttl_s: float,
+        *,
+        key: int | None = None,
+        connect_timeout_s: int = 5,
+        keepalive_idle_s: int = 5,
+    ) -> None:
+        super().__init__(store, clock, holder, ttl_s)
+        self.key = advisory_key() if key is None else key
+        self._connect_timeout_s = connect_timeout_s
+        self._keepalive_idle_s = keepalive_idle_s
+        self._conn: Any = None  # psycopg.AsyncConnection holding the lock
+        self.locked = False
+
+    def _conninfo(self) -> str:
+        url = self.store.url.set(drivername="postgresql")
+        return url.render_as_string(hide_password=False)
+
+    async def _lock(self) -> bool:
+        import psycopg
+
+        if self._conn is not None and not self._conn.closed:
+            try:
+                await self._conn.execute("SELECT 1")
+                return self.locked
+            except psycopg.Error as e:
+                log.warning("leader lock connection lost: %s", type(e).__name__)
+                await self._drop()
+        try:
+            self._conn = await psycopg.AsyncConnection.connect(
+                self._conninfo(), autocommit=True, connect_timeout=self._connect_timeout_s,
+                keepalives=1, keepalives_idle=self._keepalive_idle_s, keepalives_interval=2,
+                keepalives_count=3, application_name=f"pdctl-leader {self.holder}"[:63],
+            )
+            cur = await self._conn.execute("SELECT pg_try_advisory_lock(%s)", (self.key,))
+            row = await cur.fetchone()
+        except psycopg.Error as e:
+            log.warning("cannot take the leader lock: %s", type(e).__name__)
+            await self._drop()
+            return False
+        self.locked = bool(row and row[0])
+        if not self.locked:
+            await self._drop()  # do not keep an idle connection per follower
+        return self.locked
+
+    async def _drop(self) -> None:
+        conn, self._conn, self.locked = self._conn, None, False
+        if conn is not None:
+            try:
+                await conn.close()
+            except Exception:  # closing a broken connection may fail too
+                log.debug("closing the lock connection failed", exc_info=True)
+
+    async def ensure(self) -> bool:
+        if not await self._lock():
+            self.lease = None
+            return False
+        return await super().ensure()
+
+    def fence(self, tx: Tx) -> bool:
+        return self.locked and super().fence(tx)
+
+    async def release(self) -> None:
+        await super().release()
+        await self._drop()
+
+
+def lease_expires_in(lease: Lease | None, clock: Clock) -> timedelta | None:
+    if lease is None or lease.expires_at is None:
+        return None
+    return lease.expires_at - clock.utcnow()
