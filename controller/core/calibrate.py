@@ -75,6 +75,7 @@ class CalibrationConfig:
     max_rounds: int = 12
     exploration: ExplorationConfig = field(default_factory=ExplorationConfig)
     guardrail_margin: float = 0.005
+    exploration_budget: float = 0.005  # predicted goodput exploration may cost (above floor)
     holdout_fraction: float = 0.2  # later windows held out to measure the model's error
     recent_windows: int = 20  # windows that define "the current mix" for predicted goodput
     overrides: Overrides = field(default_factory=Overrides)
@@ -401,6 +402,36 @@ def _cell_uncertainty(ts: TrainingSet, model: LatencyModel, axes: Axes
     return np.minimum(req_p, req_l), spread, (req_p + req_l) > 0
 
 
+def _price_exploration(
+    model: LatencyModel, grid: TableGrid, routes: Any, explore: FloatArray,
+    seen: NDArray[np.bool_], floor: float, budget: float, slo: Slo,
+) -> tuple[FloatArray, float]:
+    """Shrink exploration above the floor until its predicted goodput cost is within budget.
+
+    Exploring sends requests the predicted-worse way, and decode-local exploration also
+    stretches every decode step; on a pool near its SLO that costs real goodput. The part
+    above the floor is scaled by the largest factor in [0, 1] (bisection) whose predicted
+    loss against no exploration at all is at most ``budget``; the floor always stays.
+    """
+    k, n_qps = grid.context.shape[0], grid.qps.shape[0]
+    base = np.where(seen, np.minimum(explore, floor), 0.0)
+
+    def loss(scale: float) -> float:
+        e = base + scale * (explore - base)
+        with_e, _ = predicted_goodput(model, grid, routes, e.reshape(k, n_qps).T, slo)
+        return none - with_e
+
+    none, _ = predicted_goodput(model, grid, routes, 0.0, slo)
+    if loss(1.0) <= budget:
+        return explore, 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(8):
+        mid = (lo + hi) / 2.0
+        lo, hi = (mid, hi) if loss(mid) <= budget else (lo, mid)
+    out: FloatArray = base + lo * (explore - base)
+    return out, lo
+
+
 def _to_datetime(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, tz=UTC)
 
@@ -474,6 +505,8 @@ def calibrate(
     samples, spread, seen = _cell_uncertainty(ts, model, cfg.axes)
     score_flat = fp.scores.T.reshape(-1)  # [(ctx*io), qps] -> policy order
     explore = exploration_fractions(samples, spread, score_flat, seen, cfg.exploration)
+    explore, explore_scale = _price_exploration(
+        model, grid, fp.routes, explore, seen, cfg.exploration.floor, cfg.exploration_budget, slo)
     routes_flat = fp.routes.T.reshape(-1)
     explore_grid = explore.reshape(k, n_qps).T
 
@@ -515,7 +548,8 @@ def calibrate(
         model=model, grid=grid, predictions=pred,
         details={"decode_local_share": share,
                  "stable_qps_rows": [int(i) for i in np.flatnonzero(fp.stable_rows)],
-                 "exploration_mean": float(explore[seen].mean()) if seen.any() else 0.0},
+                 "exploration_mean": float(explore[seen].mean()) if seen.any() else 0.0,
+                 "exploration_scale": explore_scale},
     )
 
 
