@@ -379,9 +379,11 @@ class Cycle:
             last = tx.calibrations(limit=1)
             if last:
                 return last[0].created_at.timestamp() + every if every is not None else None
-            n = len(tx.windows(limit=self.config.min_training_windows))
+            recent = tx.windows(limit=self.config.min_training_windows)
         # Never calibrated: due as soon as enough windows exist.
-        return self.clock.now() if n >= self.config.min_training_windows else None
+        if len(recent) >= self.config.min_training_windows:
+            return recent[-1].window.end
+        return None
 
     def _since_last_change(self, now: float) -> float:
         with self.store.read() as tx:

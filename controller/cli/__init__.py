@@ -21,6 +21,8 @@ _COMMAND_MODULES = (
     "observe_cmd",
     "db_cmd",
     "history_cmd",
+    "run_cmd",
+    "ops_cmd",
 )
 
 for _name in _COMMAND_MODULES:

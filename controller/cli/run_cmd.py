@@ -1,0 +1,41 @@
+"""``pdctl run --config FILE``: the long-running controller daemon.
+
+The config file is required: a production daemon never falls back to a simulated cluster
+(``pdctl demo`` is the embedded default)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from controller.cli._app import app
+
+
+@app.command("run")
+def run(
+    config: Annotated[Path, typer.Option(
+        "--config", "-c", help="TOML config file (required).", exists=False)],
+    advisory: Annotated[bool, typer.Option(
+        "--advisory", help="Everything but pushes: candidates are recorded as advisory.")
+    ] = False,
+    log_json: Annotated[bool, typer.Option(
+        "--log-json", help="Structured logs: one JSON object per line on stderr.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logs.")] = False,
+) -> None:
+    """Run the control loop: observe, detect drift, recalibrate, canary, push. Serves
+    /healthz, /readyz and /metrics on [metrics] listen; stops cleanly on SIGTERM."""
+    import logging
+
+    from controller.config import load_settings
+    from controller.daemon import configure_logging, run_daemon
+    from controller.errors import ConfigError
+
+    configure_logging(log_json, logging.DEBUG if verbose else logging.INFO)
+    try:
+        settings = load_settings(config)
+    except ConfigError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(run_daemon(settings, advisory=advisory))

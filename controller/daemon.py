@@ -1,0 +1,320 @@
+"""The daemon's composition root: ``pdctl run --config FILE``.
+
+Builds everything from the config (store, metrics source, router transport, reconciler,
+leadership, learner, cycle, health server), then runs the control cycle as an APScheduler
+3.11 ``AsyncIOScheduler`` job: no overlapping runs (``max_instances=1``), missed runs
+coalesced, skips and misses counted. Heavy fits run off the event loop (the cycle hands them
+to ``asyncio.to_thread``). The next scheduled calibration follows from the last one stored,
+so a restart does not forget it.
+
+systemd: ``READY=1`` once the store, health server and scheduler are up; ``WATCHDOG=1``
+only while the loop's heartbeat is fresh; ``STOPPING=1`` on SIGTERM. Shutdown: pause the
+scheduler, let the in-flight cycle finish within ``shutdown_timeout_s`` (else cancel it:
+a push is either acknowledged and recorded or retried by the next leader), release the
+lease, exit 0.
+
+Logs are structured (``--log-json``: one JSON object per line). Secrets (the bearer token,
+database passwords) are never logged: URLs are rendered with the password hidden.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from controller import sdnotify
+from controller.clock import Clock, WallClock
+from controller.config import Settings
+from controller.errors import ConfigError, TerminalError, TransientError
+
+log = logging.getLogger("pdctl.daemon")
+
+JOB_ID = "cycle"
+JOB_LABEL = "observe"  # the metrics label of the cycle job (observe → ... → reconcile)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and structured extras."""
+
+    _STANDARD = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": round(record.created, 3), "level": record.levelname.lower(),
+            "logger": record.name, "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in self._STANDARD and not key.startswith("_"):
+                doc[key] = value
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def configure_logging(json_lines: bool, level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+def stalled_after_s(settings: Settings) -> float:
+    c = settings.controller
+    return c.stalled_after_s if c.stalled_after_s is not None else 3 * c.interval_s + 30.0
+
+
+@dataclass
+class Parts:
+    """Everything the daemon built (tests reach into it)."""
+
+    store: Any
+    source: Any
+    transport: Any
+    leadership: Any
+    cycle: Any
+    health: Any
+    server: Any
+
+
+class Daemon:
+    def __init__(self, settings: Settings, *, advisory: bool = False,
+                 clock: Clock | None = None, registry: CollectorRegistry | None = None) -> None:
+        self.settings = settings
+        self.advisory = advisory or settings.controller.advisory
+        self.clock: Clock = clock or WallClock()
+        self.registry = registry or CollectorRegistry()
+        self.parts: Parts | None = None
+        self._inflight: asyncio.Task[Any] | None = None
+        self._stop = asyncio.Event()
+        self._started_at = self.clock.now()
+
+    # -- building -------------------------------------------------------------------------
+
+    async def build(self) -> Parts:
+        from controller.cycle import Cycle, CycleConfig
+        from controller.health import Health, HealthServer
+        from controller.leader import LeaseLeadership, PgAdvisoryLeadership, default_holder
+        from controller.learning import CoreLearner
+        from controller.metrics import ControllerMetrics
+        from controller.rollout.client import GrpcRouterTransport
+        from controller.rollout.reconciler import Reconciler
+        from controller.store import Store
+
+        s = self.settings
+        c = s.controller
+        metrics = ControllerMetrics(self.registry)
+        store = Store.from_config(s.store, self.clock)
+        if store.dialect == "sqlite":
+            await asyncio.to_thread(store.upgrade)  # the embedded default migrates itself
+        else:
+            await asyncio.to_thread(store.require_schema)  # production: `pdctl db upgrade`
+        if c.sidecar_router is not None and store.dialect == "sqlite":
+            raise ConfigError("[controller] sidecar_router needs PostgreSQL as the shared "
+                              "store (every replica reconciles its own router)")
+        routers = list(s.routers.targets)
+        if not routers:
+            raise ConfigError("[routers] targets is empty: the daemon needs routers to control")
+        names: dict[str, str] = {}
+        if len(s.routers.metrics_targets) == len(routers):
+            names = dict(zip(routers, s.routers.metrics_targets, strict=True))
+        source = await _build_source(s)
+        transport = GrpcRouterTransport(s.security)
+        reconciler = Reconciler.from_config(transport, self.clock, s.rollout)
+        holder = c.replica_id or default_holder()
+        leadership: LeaseLeadership
+        if store.dialect == "postgresql":
+            leadership = PgAdvisoryLeadership(store, self.clock, holder, c.lease_ttl_s)
+        else:
+            leadership = LeaseLeadership(store, self.clock, holder, c.lease_ttl_s)
+        cycle = Cycle(
+            clock=self.clock, source=source, store=store, learner=CoreLearner(s),
+            reconciler=reconciler, metrics=metrics, routers=routers,
+            config=CycleConfig.from_settings(s, advisory=self.advisory),
+            leadership=leadership, outcome_names=names,
+            reconcile_only=[c.sidecar_router] if c.sidecar_router else None,
+        )
+        health = Health(self.clock, stalled_after_s(s), lambda: cycle.last_completed_at)
+        health.details = lambda: {"leader": leadership.is_leader, "holder": holder}
+        server = None
+        if s.metrics.enable:
+            server = HealthServer(health, self.registry, s.metrics.listen)
+            await server.start()
+        log.info("built", extra={"store": store.safe_url, "routers": len(routers),
+                                 "holder": holder, "advisory": self.advisory,
+                                 "interval_s": c.interval_s,
+                                 "listen": server.address if server else None})
+        self.parts = Parts(store, source, transport, leadership, cycle, health, server)
+        return self.parts
+
+    # -- running --------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def _job(self) -> None:
+        """The scheduler job: one cycle, tracked so shutdown can wait for it."""
+        assert self.parts is not None
+        task = asyncio.ensure_future(self.parts.cycle.run_once())
+        self._inflight = task
+        started = self.clock.monotonic()
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._inflight = None
+            self.parts.cycle.metrics.observe_job(JOB_LABEL, self.clock.monotonic() - started)
+
+    def _heartbeat_fresh(self) -> bool:
+        assert self.parts is not None
+        last: float | None = self.parts.cycle.last_completed_at
+        limit = float(self.parts.health.stalled_after_s)
+        if last is None:
+            return self.clock.now() - self._started_at < limit
+        return self.clock.now() - last < limit
+
+    async def _watchdog(self, interval: float) -> None:
+        while not self._stop.is_set():
+            if self._heartbeat_fresh():
+                sdnotify.notify("WATCHDOG=1")
+            else:
+                log.warning("loop heartbeat stale: not petting the watchdog")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), interval)
+
+    async def run(self) -> int:
+        from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED
+        from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+        parts = await self.build()
+        metrics = parts.cycle.metrics
+        interval = self.settings.controller.interval_s
+        scheduler = AsyncIOScheduler(job_defaults={
+            "coalesce": True, "max_instances": 1,
+            "misfire_grace_time": max(1, int(interval)),
+        })
+
+        def on_event(event: Any) -> None:
+            if event.code == EVENT_JOB_MAX_INSTANCES:
+                metrics.job_skipped_run(JOB_LABEL, "overlap")
+            elif event.code == EVENT_JOB_MISSED:
+                metrics.job_skipped_run(JOB_LABEL, "missed")
+            elif event.code == EVENT_JOB_ERROR:
+                log.error("cycle job raised: %r", event.exception)
+
+        scheduler.add_listener(on_event, EVENT_JOB_MAX_INSTANCES | EVENT_JOB_MISSED
+                               | EVENT_JOB_ERROR)
+        scheduler.add_job(self._job, "interval", seconds=interval, id=JOB_ID,
+                          replace_existing=True, next_run_time=_now_dt(self.clock),
+                          jitter=None)
+        scheduler.start()
+        parts.health.ready = True
+        sdnotify.notify("READY=1", f"STATUS=controlling {len(parts.cycle.routers)} router(s)")
+        watchdog = None
+        wd_interval = sdnotify.watchdog_interval_s()
+        if wd_interval is not None:
+            watchdog = asyncio.ensure_future(self._watchdog(wd_interval))
+        log.info("running")
+        try:
+            await self._stop.wait()
+        finally:
+            await self._shutdown(scheduler, watchdog)
+        return 0
+
+    async def _shutdown(self, scheduler: Any, watchdog: asyncio.Task[None] | None) -> None:
+        assert self.parts is not None
+        parts = self.parts
+        sdnotify.notify("STOPPING=1")
+        log.info("stopping")
+        parts.health.ready = False
+        scheduler.pause()
+        task = self._inflight
+        if task is not None and not task.done():
+            timeout = self.settings.controller.shutdown_timeout_s
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout)
+            except TimeoutError:
+                log.warning("in-flight cycle abandoned after %.1f s", timeout)
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            except Exception:
+                log.exception("in-flight cycle failed during shutdown")
+        scheduler.shutdown(wait=False)
+        if watchdog is not None:
+            watchdog.cancel()
+            with contextlib.suppress(BaseException):
+                await watchdog
+        with contextlib.suppress(Exception):
+            await parts.leadership.release()
+        parts.cycle.metrics.set_leader(False)
+        for closer in (parts.source.aclose, parts.transport.close):
+            with contextlib.suppress(Exception):
+                await closer()
+        if parts.server is not None:
+            await parts.server.stop()
+        parts.store.close()
+        log.info("stopped")
+
+
+def _now_dt(clock: Clock) -> Any:
+    return clock.utcnow()
+
+
+async def _build_source(settings: Settings) -> Any:
+    from controller.observe.discovery import static_targets_async, targets_from_prometheus
+
+    if settings.observe.source == "prometheus":
+        from controller.observe.prometheus import PrometheusClient, PrometheusSource
+
+        p = settings.prometheus
+        client = PrometheusClient(p.url, timeout_s=p.timeout_s, retries=p.retries)
+        if p.discover_targets:
+            targets = targets_from_prometheus(await client.targets(), p.role_label)
+        else:
+            targets = await static_targets_async(
+                settings.prefill_pool.nodes, settings.decode_pool.nodes,
+                settings.routers.metrics_targets)
+        return PrometheusSource(client, targets, mode=p.window_mode,
+                                escaped_names=p.escaped_names)
+    from controller.observe.scrape import ScrapeSource
+
+    targets = await static_targets_async(settings.prefill_pool.nodes, settings.decode_pool.nodes,
+                                         settings.routers.metrics_targets)
+    return ScrapeSource(targets, timeout_s=settings.observe.scrape_timeout_s,
+                        concurrency=settings.observe.scrape_concurrency)
+
+
+def run_daemon(settings: Settings, *, advisory: bool = False) -> int:
+    """Run until SIGTERM/SIGINT; the process exit code."""
+    daemon = Daemon(settings, advisory=advisory)
+    try:
+        return asyncio.run(daemon.run())
+    except ConfigError as e:
+        log.error("%s", e)
+        return 2
+    except TerminalError as e:  # e.g. the store is not at the schema head
+        log.error("%s", e)
+        return 3
+    except TransientError as e:  # e.g. the database is unreachable at start
+        log.error("%s", e)
+        return 3
+
+
+__all__ = ["Daemon", "JsonFormatter", "configure_logging", "run_daemon"]

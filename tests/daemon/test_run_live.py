@@ -1,0 +1,213 @@
+"""``pdctl run`` as a real process against a live simulated cluster (``pdctl sim serve``):
+scrape source, gRPC pushes, SQLite store, 2 s control interval. Every wait is bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from controller.store import Store
+
+REPO = Path(__file__).resolve().parents[2]
+PDCTL = [sys.executable, "-c", "from controller.cli import main; main()"]
+
+SCENARIO = """
+name = "daemon-live"
+seed = 3
+duration_s = 600
+
+[cluster]
+prefill_workers = 1
+decode_workers = 2
+profile = "llama-3.1-8b-h100"
+kv_link_gbps = 100
+routers = 2
+prefill_prefix_cache = true
+transfer_missing_only = true
+
+[workload]
+source = "synthetic"
+
+[workload.params]
+qps = 6
+turns = 4
+turn1_input = 1024
+turn1_output = 64
+append_input = 256
+append_output = 64
+think_s = 1.0
+
+[slo]
+ttft_s = 0.5
+tpot_s = 0.05
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _hostport(url: str) -> str:
+    return url.split("//", 1)[1].split("/", 1)[0]
+
+
+@pytest.fixture
+def live_sim(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    scenario = tmp_path / "scenario.toml"
+    scenario.write_text(SCENARIO)
+    proc = subprocess.Popen([*PDCTL, "sim", "serve", str(scenario), "--json"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            raise RuntimeError("pdctl sim serve printed no addresses")
+        yield json.loads(line)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def _config(tmp_path: Path, sim: dict[str, Any], listen: str) -> Path:
+    prefill = [_hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "prefill"]
+    decode = [_hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "decode"]
+    routers = [r["grpc"] for r in sim["routers"]]
+    router_metrics = [_hostport(r["metrics"]) for r in sim["routers"]]
+    path = tmp_path / "pd-controller.toml"
+    path.write_text(f"""
+[prefill_pool]
+nodes = {json.dumps(prefill)}
+[decode_pool]
+nodes = {json.dumps(decode)}
+[routers]
+targets = {json.dumps(routers)}
+metrics_targets = {json.dumps(router_metrics)}
+[metrics]
+listen = "{listen}"
+[store]
+url = "sqlite:///{tmp_path / 'history.db'}"
+[slo]
+ttft_s = 0.5
+tpot_s = 0.05
+[controller]
+interval_s = 2.0
+min_training_windows = 2
+min_policy_interval_s = 0
+calibrate_every_s = 3600
+bake_windows = 2
+bake_min_requests = 5
+lease_ttl_s = 10
+shutdown_timeout_s = 5
+[rollout]
+push_deadline_s = 2.0
+max_attempts = 2
+""")
+    return path
+
+
+def _start(config: Path, log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([*PDCTL, "run", "--config", str(config), "--log-json"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=log.open("ab"), env=env)
+
+
+def _wait(what: str, check: Any, timeout_s: float, log: Path) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.25)
+    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{tail}")
+
+
+def _get(url: str) -> httpx.Response | None:
+    try:
+        return httpx.get(url, timeout=2.0, trust_env=False)
+    except httpx.HTTPError:
+        return None
+
+
+def _stop(proc: subprocess.Popen[bytes], within_s: float) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(within_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+        raise AssertionError(f"pdctl run did not exit within {within_s} s of SIGTERM") from None
+
+
+def _all_acked(store: Store) -> dict[str, int] | None:
+    desired = store.desired_versions()
+    acked = {r.router_id: r.acked_version for r in store.routers()}
+    if len(desired) < 2 or any(acked.get(r) != v for r, v in desired.items()):
+        return None
+    return desired
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_pdctl_run_controls_a_live_simulated_cluster(
+    tmp_path: Path, live_sim: dict[str, Any]
+) -> None:
+    listen = f"127.0.0.1:{_free_port()}"
+    config = _config(tmp_path, live_sim, listen)
+    log = tmp_path / "run.log"
+    store = Store(f"sqlite:///{tmp_path / 'history.db'}")
+    proc = _start(config, log)
+    try:
+        _wait("/healthz 200 after the first cycle",
+              lambda: (r := _get(f"http://{listen}/healthz")) is not None
+              and r.status_code == 200, 60, log)
+        assert (r := _get(f"http://{listen}/readyz")) is not None and r.status_code == 200
+        metrics = _get(f"http://{listen}/metrics")
+        assert metrics is not None and 'pdctl_cycles_total{result="ok"}' in metrics.text
+        desired = _wait("every router acknowledging its desired policy",
+                        lambda: _all_acked(store), 90, log)
+        assert set(desired) == {r["grpc"] for r in live_sim["routers"]}
+        policies = store.policies(status="approved")
+        assert policies and policies[0].reason
+        assert store.calibrations(), "no calibration recorded"
+        metrics = _get(f"http://{listen}/metrics")
+        assert metrics is not None and "pdctl_router_acked_version" in metrics.text
+    finally:
+        code = _stop(proc, 15)
+    assert code == 0, log.read_text(errors="replace")[-3000:]
+    assert '"stopped"' in log.read_text()
+
+    acked_before = {r.router_id: r.acked_version for r in store.routers()}
+    pushes_before = len(store.pushes())
+    proc = _start(config, log)
+    try:
+        _wait("/healthz 200 after the restart",
+              lambda: (r := _get(f"http://{listen}/healthz")) is not None
+              and r.status_code == 200, 60, log)
+        time.sleep(5)  # a couple more cycles
+    finally:
+        code = _stop(proc, 15)
+    assert code == 0
+    newest_acked = max(v for v in acked_before.values() if v is not None)
+    repushed = [p for p in store.pushes()[pushes_before:] if p.version <= newest_acked]
+    assert repushed == [], f"re-pushed acknowledged versions: {repushed}"
+    store.close()
