@@ -210,6 +210,31 @@ class _Plan:
     calibration_error: str | None = None
 
 
+def read_rollout(tx: Tx, routers: Sequence[str] | None = None) -> Rollout:
+    """Fleet and canary versions from the desired versions (of ``routers``, default all):
+    a canary is the newest approved version desired by some routers only."""
+    desired = {r: v for r, v in tx.desired_versions().items()
+               if routers is None or r in routers}
+    if not desired:
+        return Rollout(None, None)
+    versions = sorted(set(desired.values()))
+    if len(versions) == 1:
+        return Rollout(versions[0], None)
+    canary = versions[-1]
+    rec = tx.policy(canary)
+    counts: dict[int, int] = {}
+    for v in desired.values():
+        counts[v] = counts.get(v, 0) + 1
+    fleet = max((v for v in versions if v != canary), key=lambda v: (counts[v], v))
+    if rec is None or rec.status != "approved":
+        return Rollout(fleet, None)
+    return Rollout(
+        fleet, canary,
+        tuple(sorted(r for r, v in desired.items() if v == canary)),
+        tuple(sorted(r for r, v in desired.items() if v != canary)),
+    )
+
+
 def two_proportion_z(met_a: float, n_a: float, met_b: float, n_b: float, margin: float
                      ) -> float | None:
     """z of ``p_a - p_b + margin`` (unpooled): very negative = ``a`` is worse than ``b`` by
@@ -694,25 +719,7 @@ class Cycle:
     # -- reading the store ----------------------------------------------------------------
 
     def _rollout(self, tx: Tx) -> Rollout:
-        desired = {r: v for r, v in tx.desired_versions().items() if r in self.routers}
-        if not desired:
-            return Rollout(None, None)
-        versions = sorted(set(desired.values()))
-        if len(versions) == 1:
-            return Rollout(versions[0], None)
-        canary = versions[-1]
-        rec = tx.policy(canary)
-        counts: dict[int, int] = {}
-        for v in desired.values():
-            counts[v] = counts.get(v, 0) + 1
-        fleet = max((v for v in versions if v != canary), key=lambda v: (counts[v], v))
-        if rec is None or rec.status != "approved":
-            return Rollout(fleet, None)
-        return Rollout(
-            fleet, canary,
-            tuple(sorted(r for r, v in desired.items() if v == canary)),
-            tuple(sorted(r for r, v in desired.items() if v != canary)),
-        )
+        return read_rollout(tx, self.routers)
 
     def _current_policy(self, tx: Tx, rollout: Rollout) -> Policy | None:
         return None if rollout.fleet_version is None else self._policy(tx, rollout.fleet_version)
@@ -861,6 +868,6 @@ def _report_fields(r: CycleReport) -> dict[str, Any]:
 
 __all__ = [
     "FALLBACK_PREFILL", "AlwaysLeader", "CanaryVerdict", "Cycle", "CycleConfig", "CycleReport",
-    "Leadership", "OperatorState", "Rollout", "canary_subset", "operator_state",
+    "Leadership", "OperatorState", "Rollout", "canary_subset", "operator_state", "read_rollout",
     "two_proportion_z",
 ]

@@ -25,17 +25,17 @@ def run(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logs.")] = False,
 ) -> None:
     """Run the control loop: observe, detect drift, recalibrate, canary, push. Serves
-    /healthz, /readyz and /metrics on [metrics] listen; stops cleanly on SIGTERM."""
+    /healthz, /readyz and /metrics on the metrics listen address; stops on SIGTERM."""
     import logging
 
     from controller.config import load_settings
     from controller.daemon import configure_logging, run_daemon
     from controller.errors import ConfigError
 
-    configure_logging(log_json, logging.DEBUG if verbose else logging.INFO)
     try:
         settings = load_settings(config)
     except ConfigError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(2) from None
+    configure_logging(log_json, logging.DEBUG if verbose else logging.INFO)
     raise typer.Exit(run_daemon(settings, advisory=advisory))

@@ -1,0 +1,386 @@
+"""Operator commands: ``pdctl status`` and the requests the daemon's leader acts on.
+
+``pdctl pause|resume|pin VERSION|unpin|fallback prefill|rollback [VERSION]|exploration
+on|off|recalibrate`` each write ONE operator request to the store with who (``--who``,
+default ``$USER@hostname``), when and why (``--reason``); the leader claims it in its next
+cycle and records the outcome. ``--wait`` polls for that outcome (bounded by
+``--timeout``). ``recalibrate --local`` instead fits here, on the stored windows, and
+prints the candidate without storing anything.
+
+Exit codes: 0 done, 1 the daemon refused the request, 2 bad input, 3 store unavailable,
+4 ``--wait`` timed out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from controller.cli._app import app
+
+if TYPE_CHECKING:
+    from controller.store import Store
+
+_EXIT_REFUSED = 1
+_EXIT_BAD_INPUT = 2
+_EXIT_UNAVAILABLE = 3
+_EXIT_TIMEOUT = 4
+
+ConfigOption = Annotated[
+    Path | None, typer.Option("--config", "-c", help="Config file ([store], [controller]).")
+]
+UrlOption = Annotated[str | None, typer.Option("--url", help="Database URL (overrides config).")]
+ReasonOption = Annotated[str, typer.Option("--reason", "-m", help="Why (kept with the request).")]
+WhoOption = Annotated[
+    str | None, typer.Option("--who", help="Who asks (default: $USER@hostname).")
+]
+WaitOption = Annotated[
+    bool, typer.Option("--wait", help="Wait for the daemon's outcome (bounded by --timeout).")
+]
+TimeoutOption = Annotated[float, typer.Option("--timeout", help="Seconds --wait waits.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
+
+def default_who() -> str:
+    return f"{os.environ.get('USER') or os.environ.get('LOGNAME') or 'unknown'}@" \
+        f"{socket.gethostname()}"
+
+
+def _open_store(url: str | None, config: Path | None) -> Store:
+    from controller.cli.db_cmd import store_url
+    from controller.errors import TransientError
+    from controller.store import Store, StoreError
+
+    store = Store(store_url(url, config))
+    try:
+        store.require_schema()
+    except StoreError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(_EXIT_UNAVAILABLE) from None
+    except TransientError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(_EXIT_UNAVAILABLE) from None
+    return store
+
+
+def _submit(
+    kind: str, args: dict[str, Any], *, reason: str, who: str | None, wait: bool,
+    timeout: float, as_json: bool, url: str | None, config: Path | None,
+) -> None:
+    store = _open_store(url, config)
+    try:
+        request_id = store.add_request(kind, args, who or default_who(), reason)
+        request = store.request(request_id)
+        deadline = time.monotonic() + timeout
+        while wait and request is not None and request.status in ("pending", "claimed"):
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.25)
+            request = store.request(request_id)
+    finally:
+        store.close()
+    assert request is not None
+    if as_json:
+        typer.echo(json.dumps(_request_json(request), default=str))
+    else:
+        line = f"request #{request.id} {request.kind} {json.dumps(request.args)} by " \
+            f"{request.who}: {request.status}"
+        typer.echo(line + (f" — {request.outcome}" if request.outcome else ""))
+    if wait and request.status in ("pending", "claimed"):
+        if not as_json:
+            typer.echo(f"no outcome within {timeout:g} s (is `pdctl run` running and leader?)",
+                       err=True)
+        raise typer.Exit(_EXIT_TIMEOUT)
+    if request.status == "failed":
+        raise typer.Exit(_EXIT_REFUSED)
+
+
+def _request_json(r: Any) -> dict[str, Any]:
+    return {"id": r.id, "kind": r.kind, "args": r.args, "who": r.who, "reason": r.reason,
+            "status": r.status, "outcome": r.outcome, "created_at": r.created_at,
+            "claimed_by": r.claimed_by, "finished_at": r.finished_at}
+
+
+@app.command("pause")
+def pause(reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
+          timeout: TimeoutOption = 60.0, as_json: JsonOption = False, url: UrlOption = None,
+          config: ConfigOption = None) -> None:
+    """Stop approvals and pushes until `pdctl resume`."""
+    _submit("pause", {"what": "approvals"}, reason=reason, who=who, wait=wait,
+            timeout=timeout, as_json=as_json, url=url, config=config)
+
+
+@app.command("resume")
+def resume(reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
+           timeout: TimeoutOption = 60.0, as_json: JsonOption = False, url: UrlOption = None,
+           config: ConfigOption = None) -> None:
+    """Restart approvals and pushes after `pdctl pause`."""
+    _submit("resume", {"what": "approvals"}, reason=reason, who=who, wait=wait,
+            timeout=timeout, as_json=as_json, url=url, config=config)
+
+
+@app.command("pin")
+def pin(version: Annotated[int, typer.Argument(help="An approved policy version.", min=1)],
+        reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
+        timeout: TimeoutOption = 60.0, as_json: JsonOption = False, url: UrlOption = None,
+        config: ConfigOption = None) -> None:
+    """Put VERSION on every router and hold it (no approvals) until `pdctl unpin`."""
+    _submit("pause", {"what": "pin", "version": version}, reason=reason, who=who, wait=wait,
+            timeout=timeout, as_json=as_json, url=url, config=config)
+
+
+@app.command("unpin")
+def unpin(reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
+          timeout: TimeoutOption = 60.0, as_json: JsonOption = False, url: UrlOption = None,
+          config: ConfigOption = None) -> None:
+    """Release a pin (or a fallback): approvals resume."""
+    _submit("resume", {"what": "pin"}, reason=reason, who=who, wait=wait, timeout=timeout,
+            as_json=as_json, url=url, config=config)
+
+
+@app.command("fallback")
+def fallback(target: Annotated[str, typer.Argument(help="Only `prefill` (all-prefill-node).")],
+             reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
+             timeout: TimeoutOption = 60.0, as_json: JsonOption = False,
+             url: UrlOption = None, config: ConfigOption = None) -> None:
+    """A safe all-prefill-node policy to every router at once, held until `pdctl unpin`."""
+    if target != "prefill":
+        typer.echo("the only fallback is `prefill`", err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT)
+    _submit("rollback", {"to": "fallback-prefill"}, reason=reason, who=who, wait=wait,
+            timeout=timeout, as_json=as_json, url=url, config=config)
+
+
+@app.command("rollback")
+def rollback(
+    version: Annotated[int | None, typer.Argument(
+        help="Approved version to return to (default: the one before the newest).", min=1)
+    ] = None,
+    reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
+    timeout: TimeoutOption = 60.0, as_json: JsonOption = False, url: UrlOption = None,
+    config: ConfigOption = None,
+) -> None:
+    """Roll every router back to VERSION (newer approved versions become rolled_back)."""
+    _submit("rollback", {"version": version}, reason=reason, who=who, wait=wait,
+            timeout=timeout, as_json=as_json, url=url, config=config)
+
+
+@app.command("exploration")
+def exploration(state: Annotated[str, typer.Argument(help="on | off")],
+                reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
+                timeout: TimeoutOption = 60.0, as_json: JsonOption = False,
+                url: UrlOption = None, config: ConfigOption = None) -> None:
+    """Turn per-cell exploration off (the running policy is re-issued without it) or on."""
+    if state not in ("on", "off"):
+        typer.echo("exploration takes `on` or `off`", err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT)
+    _submit("pause" if state == "off" else "resume", {"what": "exploration"}, reason=reason,
+            who=who, wait=wait, timeout=timeout, as_json=as_json, url=url, config=config)
+
+
+@app.command("recalibrate")
+def recalibrate(
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Fit and judge, store the calibration, approve nothing.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Approve even if the guardrail would refuse.")] = False,
+    local: Annotated[bool, typer.Option(
+        "--local", help="Fit here on the stored windows and print; writes nothing.")] = False,
+    reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
+    timeout: TimeoutOption = 300.0, as_json: JsonOption = False, url: UrlOption = None,
+    config: ConfigOption = None,
+) -> None:
+    """Ask the leader to recalibrate now, or fit locally (--local)."""
+    if local:
+        _recalibrate_local(url, config, as_json, force)
+        return
+    _submit("recalibrate", {"dry_run": dry_run, "force": force}, reason=reason, who=who,
+            wait=wait, timeout=timeout, as_json=as_json, url=url, config=config)
+
+
+def _recalibrate_local(url: str | None, config: Path | None, as_json: bool, force: bool
+                       ) -> None:
+    from controller.config import load_settings
+    from controller.cycle import read_rollout
+    from controller.errors import ConfigError
+    from controller.learning import CoreLearner, LearnerError
+    from controller.policy import loads
+
+    try:
+        settings = load_settings(config)
+    except ConfigError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT) from None
+    store = _open_store(url, config)
+    try:
+        with store.read() as tx:
+            stored = tx.windows(limit=settings.controller.training_windows)
+            rollout = read_rollout(tx)
+            rec = tx.policy(rollout.fleet_version) if rollout.fleet_version else None
+        current = loads(rec.body_json) if rec is not None else None
+        windows = [s.window for s in stored if not s.window.failures and s.window.outcomes]
+        try:
+            outcome = CoreLearner(settings).calibrate(
+                windows, current, store.clock.now(), "pdctl recalibrate --local", force)
+        except LearnerError as e:
+            typer.echo(f"cannot calibrate: {e}", err=True)
+            raise typer.Exit(_EXIT_REFUSED) from None
+    finally:
+        store.close()
+    doc = {"approved": outcome.approved, "reason": outcome.reason,
+           "predicted_goodput": {"current": outcome.predicted_goodput_current,
+                                 "candidate": outcome.predicted_goodput_new},
+           "heldout_error": outcome.heldout_error, "windows": len(windows)}
+    if as_json:
+        typer.echo(json.dumps(doc, default=str))
+    else:
+        typer.echo(f"{'approve' if outcome.approved else 'reject'}: {outcome.reason} "
+                   f"({len(windows)} windows; nothing stored)")
+
+
+# -- status ---------------------------------------------------------------------------
+
+
+def status_doc(store: Store, calibrate_every_s: float | None) -> dict[str, Any]:
+    """Everything `pdctl status` shows, as plain data."""
+    from controller.cycle import operator_state, read_rollout
+
+    now = store.clock.utcnow()
+    with store.read() as tx:
+        lease = tx.lease()
+        rollout = read_rollout(tx)
+        desired = tx.desired_versions()
+        routers = {r.router_id: r for r in tx.routers()}
+        drift = tx.drift_events(limit=1)
+        cal = tx.calibrations(limit=1)
+        done = tx.requests(status="done")
+        pending = tx.requests(status="pending") + tx.requests(status="claimed")
+        latest = tx.policies(limit=1)
+    ops = operator_state(done)
+    leader = None
+    if lease is not None and lease.holder is not None and lease.expires_at is not None:
+        leader = {"holder": lease.holder, "term": lease.term,
+                  "expires_in_s": round((lease.expires_at - now).total_seconds(), 1),
+                  "alive": lease.expires_at > now}
+    router_rows = []
+    for rid in sorted(set(desired) | set(routers)):
+        r = routers.get(rid)
+        want = desired.get(rid)
+        acked = r.acked_version if r else None
+        healthy = r is not None and r.last_error is None and acked == want
+        router_rows.append({
+            "router": rid, "desired": want, "acked": acked,
+            "last_seen": r.last_seen if r else None,
+            "last_error": r.last_error if r else None,
+            "health": "ok" if healthy else ("error" if r and r.last_error else "behind"),
+        })
+    last_cal = None
+    next_due: datetime | None = None
+    if cal:
+        c = cal[-1]
+        details = c.details or {}
+        last_cal = {"id": c.id, "at": c.created_at, "policy_version": c.policy_version,
+                    "trigger": details.get("trigger"), "approved": details.get("approved"),
+                    "reason": details.get("reason"),
+                    "predicted_goodput": {"current": c.predicted_goodput_current,
+                                          "candidate": c.predicted_goodput_new}}
+        if calibrate_every_s is not None:
+            from datetime import timedelta
+
+            next_due = c.created_at + timedelta(seconds=calibrate_every_s)
+    return {
+        "now": now,
+        "leader": leader,
+        "fleet_version": rollout.fleet_version,
+        "canary": None if rollout.canary_version is None else {
+            "version": rollout.canary_version, "routers": list(rollout.canary_routers)},
+        "newest_policy": None if not latest else {
+            "version": latest[-1].version, "status": latest[-1].status,
+            "reason": latest[-1].reason},
+        "routers": router_rows,
+        "last_drift": None if not drift else {
+            "at": drift[-1].at, "kind": drift[-1].kind, "statistic": drift[-1].statistic,
+            "threshold": drift[-1].threshold},
+        "last_calibration": last_cal,
+        "operator": {"paused": ops.paused, "pinned": ops.pinned, "fallback": ops.fallback,
+                     "exploration_off": ops.exploration_off,
+                     "pending_requests": [_request_json(r) for r in pending]},
+        "next_calibration_due": next_due,
+    }
+
+
+def _t(value: datetime | None) -> str:
+    return "—" if value is None else value.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _print_status(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    leader = doc["leader"]
+    console.print(
+        f"[bold]leader[/]   {leader['holder']} (term {leader['term']}, lease "
+        f"{'expires in' if leader['alive'] else 'EXPIRED'} {abs(leader['expires_in_s'])} s)"
+        if leader else "[bold]leader[/]   none"
+    )
+    canary = doc["canary"]
+    console.print(f"[bold]desired[/]  v{doc['fleet_version']}" if doc["fleet_version"]
+                  else "[bold]desired[/]  no policy yet", end="")
+    console.print(f"  canary v{canary['version']} on {', '.join(canary['routers'])}"
+                  if canary else "")
+    table = Table("router", "desired", "acked", "health", "last seen", "last error")
+    for r in doc["routers"]:
+        table.add_row(r["router"], str(r["desired"] or "—"), str(r["acked"] or "—"),
+                      r["health"], _t(r["last_seen"]), (r["last_error"] or "")[:60])
+    console.print(table)
+    drift = doc["last_drift"]
+    console.print(f"[bold]drift[/]    {drift['kind']} {drift['statistic']:.3g} > "
+                  f"{drift['threshold']:.3g} at {_t(drift['at'])}" if drift
+                  else "[bold]drift[/]    none recorded")
+    cal = doc["last_calibration"]
+    if cal:
+        verdict = "approved" if cal["approved"] else "not approved"
+        console.print(f"[bold]calib.[/]   #{cal['id']} at {_t(cal['at'])} ({cal['trigger']}): "
+                      f"{verdict} v{cal['policy_version']} — {cal['reason']}")
+    else:
+        console.print("[bold]calib.[/]   none yet")
+    ops = doc["operator"]
+    flags = [name for name, on in (("PAUSED", ops["paused"]), ("FALLBACK", ops["fallback"]),
+                                   ("exploration off", ops["exploration_off"])) if on]
+    if ops["pinned"]:
+        flags.append(f"PINNED v{ops['pinned']}")
+    console.print(f"[bold]operator[/] {', '.join(flags) or 'normal'}; "
+                  f"{len(ops['pending_requests'])} request(s) pending")
+    console.print(f"[bold]next due[/] {_t(doc['next_calibration_due'])}")
+
+
+@app.command("status")
+def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOption = None
+           ) -> None:
+    """One screen: leader, desired versions, each router's acked version and health, last
+    drift event, last calibration, operator state, next scheduled calibration."""
+    from controller.config import load_settings
+    from controller.errors import ConfigError
+
+    try:
+        every = load_settings(config).controller.calibrate_every_s
+    except ConfigError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT) from None
+    store = _open_store(url, config)
+    try:
+        doc = status_doc(store, every)
+    finally:
+        store.close()
+    if as_json:
+        typer.echo(json.dumps(doc, default=str, indent=1))
+    else:
+        _print_status(doc)

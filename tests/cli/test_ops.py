@@ -1,0 +1,93 @@
+"""`pdctl status` and the operator requests, against a store a virtual-time cycle works on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from controller.cli import app
+from tests.daemon.fakes import Rig, make_rig
+
+runner = CliRunner()
+
+
+def _url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'history.db'}"
+
+
+async def _bootstrap(rig: Rig) -> None:
+    for _ in range(4):
+        if (await rig.step()).approved_version == 1:
+            return
+    raise AssertionError("no bootstrap policy")
+
+
+async def test_status_shows_leader_versions_routers_calibration_and_operator_state(
+    tmp_path: Path
+) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    result = runner.invoke(app, ["pause", "--url", _url(tmp_path), "--who", "ops@box",
+                                 "--reason", "maintenance", "--json"])
+    assert result.exit_code == 0, result.output
+    req = json.loads(result.output)
+    assert (req["kind"], req["who"], req["reason"], req["status"]) == \
+        ("pause", "ops@box", "maintenance", "pending")
+    await rig.step()
+
+    result = runner.invoke(app, ["status", "--url", _url(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["fleet_version"] == 1 and doc["canary"] is None
+    assert [(r["router"], r["desired"], r["acked"], r["health"]) for r in doc["routers"]] == \
+        [(r, 1, 1, "ok") for r in sorted(rig.agents)]
+    assert doc["last_calibration"]["policy_version"] == 1
+    assert doc["last_calibration"]["approved"] is True
+    assert doc["operator"]["paused"] is True and doc["operator"]["pending_requests"] == []
+    assert doc["leader"] is None  # the rig runs without a lease
+
+    text = runner.invoke(app, ["status", "--url", _url(tmp_path)])
+    assert text.exit_code == 0 and "PAUSED" in text.output and "v1" in text.output
+
+
+async def test_wait_returns_the_daemon_outcome_or_times_out(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    timed_out = runner.invoke(app, ["pin", "1", "--url", _url(tmp_path), "--wait",
+                                    "--timeout", "0.3"])
+    assert timed_out.exit_code == 4, timed_out.output
+    await rig.step()  # the daemon picks up the pin
+
+    def daemon_cycle_later() -> None:
+        time.sleep(0.5)
+        asyncio.run(rig.step())
+
+    worker = threading.Thread(target=daemon_cycle_later)
+    worker.start()
+    try:
+        refused = runner.invoke(app, ["pin", "99", "--url", _url(tmp_path), "--wait",
+                                      "--timeout", "30", "--json"])
+    finally:
+        worker.join(30)
+    assert refused.exit_code == 1, refused.output
+    doc = json.loads(refused.output)
+    assert doc["status"] == "failed" and "no such version" in doc["outcome"]
+
+
+def test_bad_input_and_missing_schema(tmp_path: Path) -> None:
+    assert runner.invoke(app, ["fallback", "decode", "--url", _url(tmp_path)]).exit_code == 2
+    assert runner.invoke(app, ["exploration", "maybe", "--url", _url(tmp_path)]).exit_code == 2
+    result = runner.invoke(app, ["pause", "--url", _url(tmp_path)])
+    assert result.exit_code == 3 and "pdctl db upgrade" in result.output
+
+
+def test_run_requires_a_config_file(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["run"])
+    assert result.exit_code == 2 and "--config" in result.output
+    missing = runner.invoke(app, ["run", "--config", str(tmp_path / "nope.toml")])
+    assert missing.exit_code == 2
