@@ -107,9 +107,16 @@ class TableGrid:
     n_prefill: float
     n_decode: float
     qps_weight: FloatArray  # [S] share of recent windows per QPS row
+    # Shares of each cell's traffic the table does not decide (overrides: turn 1 always to a
+    # prefill node, the short-append bypass always decode-local), see ``forced_shares``.
+    forced_p: FloatArray | None = None  # [K]
+    forced_l: FloatArray | None = None  # [K]
 
     def scenario(self, local: FloatArray) -> Scenario:
-        """``local[s, k]`` = share of cell k sent decode-local in row s."""
+        """``local[s, k]`` = share of cell k's table-decided traffic sent decode-local."""
+        if self.forced_p is not None and self.forced_l is not None:
+            free = 1.0 - self.forced_p - self.forced_l
+            local = self.forced_l[None, :] + free[None, :] * local
         rate = (self.qps * self.n_routers)[:, None] * self.mix[None, :]
         s = self.qps.shape[0]
         context = np.broadcast_to(self.context, (s, self.context.shape[0]))
@@ -230,6 +237,10 @@ def table_grid(ts: TrainingSet, axes: Axes, recent_windows: int) -> TableGrid:
     qps_rows = _bin(axes.qps, router_qps)
     qps_weight = np.bincount(qps_rows, minlength=n_qps).astype(np.float64)
     qps_weight /= qps_weight.sum()
+    only_p, only_l = forced_shares(ts)
+    safe = np.where(seen, mix, 1.0)
+    forced_p = np.bincount(router_to_table, weights=mass_router * only_p, minlength=k) / safe
+    forced_l = np.bincount(router_to_table, weights=mass_router * only_l, minlength=k) / safe
     return TableGrid(
         axes=axes, context=context, ratio=ratio, mix=mix / mix.sum(),
         output_tokens=float(np.median(ts.output_tokens[recent])),
@@ -237,8 +248,31 @@ def table_grid(ts: TrainingSet, axes: Axes, recent_windows: int) -> TableGrid:
         n_routers=float(np.median(np.maximum(ts.n_routers[recent], 1.0))),
         n_prefill=float(np.median(ts.n_prefill[recent])),
         n_decode=float(np.median(ts.n_decode[recent])),
-        qps_weight=qps_weight,
+        qps_weight=qps_weight, forced_p=np.where(seen, forced_p, 0.0),
+        forced_l=np.where(seen, forced_l, 0.0),
     )
+
+
+FORCED_MIN_REQUESTS = 50.0
+
+
+def forced_shares(ts: TrainingSet) -> tuple[FloatArray, FloatArray]:
+    """Per router cell: 1.0 where overrides, not the table, decide its route.
+
+    A cell with traffic that never went decode-local while the routers did send other cells
+    decode-local in the same windows is decided by an override (turn 1 always goes to a
+    prefill node; its context is 0, so it fills the smallest context bin); likewise for a
+    cell that never went to a prefill node (the short-append bypass). When no cell ever took
+    a route, the routing was simply uniform (a forced policy without exploration): nothing is
+    marked.
+    """
+    per_p = ts.rate[:, :, 0].sum(axis=0)
+    per_l = ts.rate[:, :, 1].sum(axis=0)
+    volume = (per_p + per_l) * float(np.median(ts.interval_s)) if ts.n_windows else per_p
+    any_l, any_p = per_l.sum() > 0, per_p.sum() > 0
+    only_p = (volume >= FORCED_MIN_REQUESTS) & (per_l == 0) & any_l
+    only_l = (volume >= FORCED_MIN_REQUESTS) & (per_p == 0) & any_p
+    return only_p.astype(np.float64), only_l.astype(np.float64)
 
 
 def scores(pred: Predictions, sc: Scenario, weights: Weights) -> FloatArray:

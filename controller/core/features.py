@@ -268,7 +268,7 @@ def build_training_set(windows: Sequence[Window]) -> TrainingSet:
     out_tokens = np.where(np.isfinite(out_tokens), out_tokens,
                           np.nanmedian(out_tokens) if np.isfinite(out_tokens).any()
                           else DEFAULT_OUTPUT_TOKENS)
-    o = np.array(orows, dtype=np.float64).reshape(-1, 10)
+    o = spread_bin_totals(np.array(orows, dtype=np.float64).reshape(-1, 10))
     ow = o[:, 0].astype(np.int64)
     cells = (np.clip(o[:, 1], 0, N_CTX_BINS - 1) * N_IO_BINS
              + np.clip(o[:, 2], 0, N_IO_BINS - 1)).astype(np.int64)
@@ -316,6 +316,37 @@ def build_training_set(windows: Sequence[Window]) -> TrainingSet:
         kv_transfer=worker_rows(kv_rows, 2), decode_step=dec,
         kv_bytes_per_token=float(np.median(bytes_per_token)) if bytes_per_token else None,
     )
+
+
+ALL_BINS = -1  # an outcome row summing over every io bin (see controller.observe)
+
+
+def spread_bin_totals(o: FloatArray) -> FloatArray:
+    """Outcome rows ``[w, ctx, io, local, requests, met, ttft_sum, ttft_n, tpot_sum, tpot_n]``
+    with latency sums only per (route, context bin) spread over that bin's io cells.
+
+    Routers export request counts per (route, context bin, io bin) but latency histograms per
+    (route, context bin): a window then holds latency rows with ``io_bin = ALL_BINS`` and zero
+    requests. Each such row's sums and counts are shared among the io cells of the same
+    window, route and context bin in proportion to their requests (each cell is given the
+    bin's mean). Rows with an unknown or missing context bin, and latency rows without any
+    request row to land on, are dropped.
+    """
+    o = o[(o[:, 1] >= 0) & ((o[:, 2] >= 0) | (o[:, 2] == ALL_BINS))]
+    totals = o[:, 2] == ALL_BINS
+    if not totals.any():
+        return o
+    rows, agg = o[~totals].copy(), o[totals]
+    key_rows = (rows[:, 0] * N_CTX_BINS + rows[:, 1]) * 2 + rows[:, 3]
+    key_agg = (agg[:, 0] * N_CTX_BINS + agg[:, 1]) * 2 + agg[:, 3]
+    keys, inverse = np.unique(np.concatenate([key_rows, key_agg]), return_inverse=True)
+    inv_rows, inv_agg = inverse[:rows.shape[0]], inverse[rows.shape[0]:]
+    requests = np.bincount(inv_rows, weights=rows[:, 4], minlength=keys.shape[0])
+    share = rows[:, 4] / np.where(requests[inv_rows] > 0, requests[inv_rows], 1.0)
+    for j in range(6, 10):
+        group = np.bincount(inv_agg, weights=agg[:, j], minlength=keys.shape[0])
+        rows[:, j] += group[inv_rows] * share
+    return rows
 
 
 def cell_tokens(output_tokens: FloatArray) -> tuple[FloatArray, FloatArray]:

@@ -48,7 +48,7 @@ from controller.core.features import (
 TARGETS = ("ttft", "tpot")
 MAX_UTILISATION = 0.95  # queueing terms saturate here instead of going to infinity
 MIN_STEP_HEADROOM = 0.04  # decode step denominator floor (the pool is saturated below it)
-RESIDUAL_MIN_ROWS = 200
+RESIDUAL_MIN_ROWS = 40
 RESIDUAL_MAX_ROWS = 20_000
 RESIDUAL_RIDGE_ALPHA = 5.0  # in units of one mean-weight row
 RESIDUAL_CLIP = 1.0  # |log ratio| the residual model may apply
@@ -437,7 +437,7 @@ def _fit_route_maps(
             y, cnt = y_all[sel], cnt_all[sel]
             # Relative error matters (MAPE, SLO ratios): weight rows by count / y^2.
             fit = _positive_fit(x, y, cnt / np.maximum(np.nan_to_num(y, nan=1.0), 1e-6) ** 2)
-            if fit is None or fit[1][0] <= 0:
+            if fit is None or (not (fit[1] > 0).any() and fit[0] <= 0):
                 per_route.append(RouteMap(0.0, (1.0,) + (0.0,) * (len(feats) - 1)))
             else:
                 b0, coef = fit

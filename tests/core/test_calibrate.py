@@ -223,3 +223,26 @@ def test_exploration_is_zero_where_no_traffic(result: CalibrationResult) -> None
         assert 0.0 <= e <= 0.2
     assert any(e > 0 for e in table.exploration)
     assert math.isfinite(sum(table.scores))
+
+
+def test_latency_rows_per_context_bin_are_spread_over_io_cells() -> None:
+    """Routers export latency per (route, context bin): rows with io_bin = -1 (ALL_BINS)."""
+    from controller.core.features import spread_bin_totals
+
+    rows = np.array([
+        # w, ctx, io, local, requests, met, ttft_sum, ttft_n, tpot_sum, tpot_n
+        [0, 3, 2, 0, 30, 30, 0, 0, 0, 0],
+        [0, 3, 5, 0, 10, 9, 0, 0, 0, 0],
+        [0, 3, -1, 0, 0, 0, 8.0, 40, 0.4, 40],  # sums over both io cells above
+        [0, 3, 2, 1, 5, 5, 0.5, 5, 0.05, 5],  # other route: untouched
+        [0, -2, 1, 0, 3, 3, 0.3, 3, 0.03, 3],  # unknown context bin: dropped
+        [1, 4, -1, 0, 0, 0, 1.0, 10, 0.1, 10],  # no request row to land on: dropped
+    ], dtype=np.float64)
+    out = spread_bin_totals(rows)
+    assert out.shape[0] == 3
+    a, b, c = out
+    assert a[6] == pytest.approx(6.0) and a[7] == pytest.approx(30)  # 3/4 of the sums
+    assert b[6] == pytest.approx(2.0) and b[7] == pytest.approx(10)
+    assert a[6] / a[7] == pytest.approx(b[6] / b[7])  # the bin's mean in each cell
+    assert c[6] == 0.5 and c[7] == 5
+    assert out[:, 4].sum() == 45  # requests unchanged
