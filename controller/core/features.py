@@ -336,7 +336,8 @@ def spread_bin_totals(o: FloatArray) -> FloatArray:
     totals = o[:, 2] == ALL_BINS
     if not totals.any():
         return o
-    rows, agg = o[~totals].copy(), o[totals]
+    rows: FloatArray = o[~totals].copy()
+    agg = o[totals]
     key_rows = (rows[:, 0] * N_CTX_BINS + rows[:, 1]) * 2 + rows[:, 3]
     key_agg = (agg[:, 0] * N_CTX_BINS + agg[:, 1]) * 2 + agg[:, 3]
     keys, inverse = np.unique(np.concatenate([key_rows, key_agg]), return_inverse=True)
