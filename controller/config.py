@@ -214,6 +214,27 @@ class ControllerConfig(_Section):
     )
 
 
+class DriftSettings(_Section):
+    """Drift detectors (workload PSI/qps, performance CUSUM, SLO band)."""
+
+    cooldown_s: float = Field(
+        900.0, ge=0, description="After a detector fires or a recalibration, it stays quiet "
+        "this long."
+    )
+    hysteresis: int = Field(
+        2, ge=1, description="Consecutive windows over threshold before the workload and "
+        "SLO detectors fire."
+    )
+    min_requests: float = Field(
+        50.0, ge=0, description="Requests a window needs before the workload and SLO "
+        "detectors judge it."
+    )
+    reference_windows: int = Field(
+        10, ge=1, description="Newest windows of a calibration set that become the drift "
+        "reference (what \"normal\" looks like after a shift)."
+    )
+
+
 class PrometheusConfig(_Section):
     """The Prometheus (or Thanos/Mimir) HTTP API the prometheus source queries."""
 
@@ -303,6 +324,7 @@ class Settings(BaseSettings):
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    drift: DriftSettings = Field(default_factory=DriftSettings)
     store: StoreConfig = Field(default_factory=StoreConfig)
     prometheus: PrometheusConfig = Field(default_factory=PrometheusConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)

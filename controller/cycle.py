@@ -263,6 +263,12 @@ async def _to_thread(fn: Callable[[], T]) -> T:
     return await asyncio.to_thread(fn)
 
 
+async def run_inline(fn: Callable[[], T]) -> T:
+    """``run_blocking`` for virtual-time runs: the fit runs right here, deterministically
+    (the virtual clock does not move while it runs anyway)."""
+    return fn()
+
+
 class Cycle:
     def __init__(
         self,
@@ -544,8 +550,11 @@ class Cycle:
             report.candidate_version = version
             if status == "approved":
                 self._approve(tx, version, rollout, report)
-                self._state = self.learner.adopt(self._state, outcome, self.clock.now())
                 self._state_for = version
+        if not dry_run:
+            # Approved or not, the calibration set is what "normal" looks like now: drift is
+            # measured against it (else a refused candidate re-fires the same drift).
+            self._state = self.learner.adopt(self._state, outcome, self.clock.now())
         report.calibration_id = tx.add_calibration(
             ids, outcome.heldout_error, outcome.predicted_goodput_new,
             outcome.predicted_goodput_current, version,
@@ -739,7 +748,10 @@ class Cycle:
         if version is None or version == self._state_for:
             return
         record = tx.calibration_for(version)
-        self._state = self.learner.restore(record.details if record else None)
+        # A version with no calibration of its own (re-issued, exploration off, fallback)
+        # keeps the reference the learner has.
+        if record is not None or self._state_for is None:
+            self._state = self.learner.restore(record.details if record else None)
         self._state_for = version
 
     def _assign_new_routers(self, tx: Tx, now: datetime) -> None:
@@ -869,5 +881,5 @@ def _report_fields(r: CycleReport) -> dict[str, Any]:
 __all__ = [
     "FALLBACK_PREFILL", "AlwaysLeader", "CanaryVerdict", "Cycle", "CycleConfig", "CycleReport",
     "Leadership", "OperatorState", "Rollout", "canary_subset", "operator_state", "read_rollout",
-    "two_proportion_z",
+    "run_inline", "two_proportion_z",
 ]

@@ -91,7 +91,20 @@ class CoreLearner:
         from controller.core.calibrate import CalibrationConfig
         from controller.policy import Slo, Weights
 
+        from controller.core.drift import DetectorConfig, DriftConfig
+
         ppd = settings.ppd
+        d = settings.drift
+        self._reference_windows = d.reference_windows
+        base = DriftConfig()
+        self._drift = DriftConfig(
+            workload=DetectorConfig(base.workload.threshold, d.min_requests, d.hysteresis,
+                                    d.cooldown_s),
+            performance=DetectorConfig(base.performance.threshold,
+                                       base.performance.min_samples,
+                                       base.performance.hysteresis, d.cooldown_s),
+            slo=DetectorConfig(base.slo.threshold, d.min_requests, d.hysteresis, d.cooldown_s),
+        )
         self._config = CalibrationConfig(
             slo=Slo(settings.slo.ttft_s, settings.slo.tpot_s),
             pinned_weights=Weights(ppd.wtft, ppd.wtpot) if ppd.pin_weights else None,
@@ -109,7 +122,8 @@ class CoreLearner:
         if state.model is not None:
             residuals = drift.performance_residuals(state.model, [window])[0]
         drift_state = state.drift if state.drift is not None else drift.DriftState()
-        new, verdicts = drift.assess(drift_state, state.reference, window, now, residuals)
+        new, verdicts = drift.assess(drift_state, state.reference, window, now, residuals,
+                                     self._drift)
         findings = [
             DriftFinding(v.kind, v.fired, v.statistic, v.threshold, v.reason, dict(v.details))
             for v in verdicts
@@ -136,7 +150,8 @@ class CoreLearner:
         if force and not verdict.approved:
             verdict = check(result.predicted_goodput_candidate, result.predicted_goodput_current,
                             self._config.guardrail_margin, force=True)
-        reference = drift.reference_from_windows(windows, result.model)
+        reference = drift.reference_from_windows(windows[-self._reference_windows:],
+                                                 result.model)
         details = result.to_dict()
         details["verdict"] = verdict.to_dict()
         details["drift_reference"] = reference.to_dict()
@@ -155,7 +170,8 @@ class CoreLearner:
             return state
         reference, model = outcome.reference
         previous = state.drift if state.drift is not None else drift.DriftState()
-        return LearnerState(reference, drift.after_recalibration(previous, now), model)
+        return LearnerState(reference, drift.after_recalibration(previous, now, self._drift),
+                            model)
 
     def restore(self, details: Mapping[str, Any] | None) -> LearnerState:
         """After a restart: the reference stored with the current policy's calibration (the
