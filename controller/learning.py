@@ -89,9 +89,8 @@ class CoreLearner:
 
     def __init__(self, settings: Any) -> None:
         from controller.core.calibrate import CalibrationConfig
-        from controller.policy import Slo, Weights
-
         from controller.core.drift import DetectorConfig, DriftConfig
+        from controller.policy import Slo, Weights
 
         ppd = settings.ppd
         d = settings.drift
