@@ -124,8 +124,10 @@ max_attempts = 2
     return path
 
 
-def _start(config: Path, log: Path) -> subprocess.Popen[bytes]:
+def _start(config: Path, log: Path, notify: str | None = None) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if notify is not None:  # as systemd would run it: Type=notify, WatchdogSec=2
+        env.update(NOTIFY_SOCKET=notify, WATCHDOG_USEC="2000000")
     return subprocess.Popen([*PDCTL, "run", "--config", str(config), "--log-json"], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=log.open("ab"), env=env)
 
@@ -175,7 +177,11 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
     config = _config(tmp_path, live_sim, listen)
     log = tmp_path / "run.log"
     store = Store(f"sqlite:///{tmp_path / 'history.db'}")
-    proc = _start(config, log)
+    notify_path = str(tmp_path / "notify.sock")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    notify.setblocking(False)
+    proc = _start(config, log, notify_path)
     try:
         _wait("/healthz 200 after the first cycle",
               lambda: (r := _get(f"http://{listen}/healthz")) is not None
@@ -195,6 +201,15 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
         code = _stop(proc, 15)
     assert code == 0, log.read_text(errors="replace")[-3000:]
     assert '"stopped"' in log.read_text()
+    messages = []
+    while True:
+        try:
+            messages.append(notify.recv(4096).decode())
+        except BlockingIOError:
+            break
+    notify.close()
+    assert messages and messages[0].startswith("READY=1"), messages
+    assert "WATCHDOG=1" in messages and messages[-1] == "STOPPING=1", messages
 
     acked_before = {r.router_id: r.acked_version for r in store.routers()}
     pushes_before = len(store.pushes())
