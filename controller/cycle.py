@@ -317,7 +317,10 @@ class Cycle:
             self.metrics.set_leader(report.leader)
             if report.leader:
                 await self._decide(report)
-            if report.result != "failed":
+            # Standalone replicas: the leader reconciles every router (two replicas pushing
+            # at once would race to re-issue versions). Sidecar mode: every replica
+            # reconciles its own router.
+            if report.result != "failed" and (report.leader or self.reconcile_only is not None):
                 await self._reconcile(report)
         except _LostLeadership:
             pass

@@ -87,12 +87,15 @@ def live_sim(tmp_path: Path) -> Iterator[dict[str, Any]]:
             proc.wait(5)
 
 
-def _config(tmp_path: Path, sim: dict[str, Any], listen: str) -> Path:
+def _config(tmp_path: Path, sim: dict[str, Any], listen: str, store_url: str | None = None,
+            replica: str | None = None) -> Path:
     prefill = [_hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "prefill"]
     decode = [_hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "decode"]
     routers = [r["grpc"] for r in sim["routers"]]
     router_metrics = [_hostport(r["metrics"]) for r in sim["routers"]]
-    path = tmp_path / "pd-controller.toml"
+    path = tmp_path / f"pd-controller-{replica or 'single'}.toml"
+    store_url = store_url or f"sqlite:///{tmp_path / 'history.db'}"
+    replica_line = f'replica_id = "{replica}"' if replica else ""
     path.write_text(f"""
 [prefill_pool]
 nodes = {json.dumps(prefill)}
@@ -104,11 +107,12 @@ metrics_targets = {json.dumps(router_metrics)}
 [metrics]
 listen = "{listen}"
 [store]
-url = "sqlite:///{tmp_path / 'history.db'}"
+url = "{store_url}"
 [slo]
 ttft_s = 0.5
 tpot_s = 0.05
 [controller]
+{replica_line}
 interval_s = 2.0
 min_training_windows = 2
 min_policy_interval_s = 0

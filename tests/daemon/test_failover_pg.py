@@ -1,0 +1,121 @@
+"""Two `pdctl run` replicas on the real PostgreSQL (127.0.0.1:5432) against a live simulated
+cluster: one leads; killing it hands calibration and approval to the other within the lease
+time, and every decision is approved exactly once."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.store import Store
+from tests.conftest import require
+from tests.daemon.test_run_live import (
+    PDCTL,
+    REPO,
+    _all_acked,
+    _config,
+    _free_port,
+    _get,
+    _start,
+    _stop,
+    _wait,
+    live_sim,
+)
+
+PG_SERVER = os.environ.get("PDC_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+__all__ = ["live_sim"]  # the fixture, re-exported for pytest
+
+
+def _admin(sql: str) -> tuple[bool, str]:
+    import psycopg
+
+    try:
+        conninfo = PG_SERVER.replace("postgresql+psycopg://", "postgresql://")
+        with psycopg.connect(conninfo, connect_timeout=3, autocommit=True) as conn:
+            conn.execute(sql)  # type: ignore[arg-type]
+        return True, ""
+    except psycopg.Error as e:
+        return False, str(e).strip()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    schema = f"pdc_test_{secrets.token_hex(6)}"
+    ok, why = _admin(f"CREATE SCHEMA {schema}")
+    require("PostgreSQL", ok, f"{PG_SERVER}: {why}")
+    try:
+        yield f"{PG_SERVER}?options=-csearch_path%3D{schema}"
+    finally:
+        _admin(f"DROP SCHEMA {schema} CASCADE")
+
+
+def _holder(store: Store) -> str | None:
+    lease = store.lease()
+    return lease.holder if lease is not None else None
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_killing_the_leader_hands_over_within_the_lease_time(
+    tmp_path: Path, live_sim: dict[str, Any], pg_url: str
+) -> None:
+    upgrade = subprocess.run([*PDCTL, "db", "upgrade", "--url", pg_url], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    assert upgrade.returncode == 0, upgrade.stderr
+    store = Store(pg_url)
+    listen = {name: f"127.0.0.1:{_free_port()}" for name in ("a", "b")}
+    configs = {name: _config(tmp_path, live_sim, listen[name], pg_url, name)
+               for name in ("a", "b")}
+    logs = {name: tmp_path / f"{name}.log" for name in ("a", "b")}
+    a = _start(configs["a"], logs["a"])
+    b: subprocess.Popen[bytes] | None = None
+    try:
+        _wait("replica a leading", lambda: _holder(store) == "a", 60, logs["a"])
+        b = _start(configs["b"], logs["b"])
+        _wait("every router acknowledging a's policy", lambda: _all_acked(store), 90, logs["a"])
+        _wait("replica b healthy (as a follower)",
+              lambda: (r := _get(f"http://{listen['b']}/healthz")) is not None
+              and r.status_code == 200, 60, logs["b"])
+        assert _holder(store) == "a"
+        metrics_b = _get(f"http://{listen['b']}/metrics")
+        assert metrics_b is not None and "pdctl_leader 0.0" in metrics_b.text
+
+        a.send_signal(signal.SIGKILL)  # no release: the lock goes with the connection
+        a.wait(10)
+        killed_at = time.monotonic()
+        _wait("replica b taking over", lambda: _holder(store) == "b", 30, logs["b"])
+        took_s = time.monotonic() - killed_at
+        lease = store.lease()
+        assert lease is not None and lease.term >= 2
+        # Lease ttl 10 s + one 2 s interval + process scheduling slack.
+        assert took_s < 10 + 2 * 2 + 5, f"takeover took {took_s:.1f} s"
+        rid = store.add_request("recalibrate", {"force": True}, "test@failover", "after failover")
+        _wait("b acting on a request", lambda: (r := store.request(rid)) is not None
+              and r.status in ("done", "failed"), 60, logs["b"])
+        request = store.request(rid)
+        assert request is not None and request.claimed_by == "b"
+        metrics_b = _get(f"http://{listen['b']}/metrics")
+        assert metrics_b is not None and "pdctl_leader 1.0" in metrics_b.text
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait(5)
+        if b is not None and b.poll() is None:
+            assert _stop(b, 15) == 0
+    # Exactly one approval per decision: each approved policy that came from a calibration
+    # has one calibration, and no calibration approved two policies.
+    calibrations = store.calibrations()
+    versions = [c.policy_version for c in calibrations if (c.details or {}).get("approved")
+                and c.policy_version is not None]
+    assert len(versions) == len(set(versions))
+    approved_by_fit = [p for p in store.policies() if p.version in set(versions)]
+    assert len(approved_by_fit) == len(versions) >= 1
+    store.close()
