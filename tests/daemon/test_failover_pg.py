@@ -40,7 +40,7 @@ def _admin(sql: str) -> tuple[bool, str]:
     try:
         conninfo = PG_SERVER.replace("postgresql+psycopg://", "postgresql://")
         with psycopg.connect(conninfo, connect_timeout=3, autocommit=True) as conn:
-            conn.execute(sql)  # type: ignore[arg-type]
+            conn.execute(sql)
         return True, ""
     except psycopg.Error as e:
         return False, str(e).strip()
