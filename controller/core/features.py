@@ -370,3 +370,25 @@ def decode_context_mean(rate: FloatArray, output_tokens: FloatArray) -> FloatArr
     prompt = np.where(mass > 0, prompt, fallback)
     result: FloatArray = prompt + output_tokens / 2.0
     return result
+
+
+FORCED_MIN_REQUESTS = 50.0
+
+
+def forced_shares(ts: TrainingSet) -> tuple[FloatArray, FloatArray]:
+    """Per router cell: 1.0 where overrides, not the table, decide its route.
+
+    A cell with traffic that never went decode-local while the routers did send other cells
+    decode-local in the same windows is decided by an override (turn 1 always goes to a
+    prefill node; its context is 0, so it fills the smallest context bin); likewise for a
+    cell that never went to a prefill node (the short-append bypass). When no cell ever took
+    a route, the routing was simply uniform (a forced policy without exploration): nothing is
+    marked.
+    """
+    per_p = ts.rate[:, :, 0].sum(axis=0)
+    per_l = ts.rate[:, :, 1].sum(axis=0)
+    volume = (per_p + per_l) * float(np.median(ts.interval_s)) if ts.n_windows else per_p
+    any_l, any_p = per_l.sum() > 0, per_p.sum() > 0
+    only_p = (volume >= FORCED_MIN_REQUESTS) & (per_l == 0) & any_l
+    only_l = (volume >= FORCED_MIN_REQUESTS) & (per_p == 0) & any_p
+    return only_p.astype(np.float64), only_l.astype(np.float64)

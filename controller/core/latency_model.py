@@ -43,6 +43,7 @@ from controller.core.features import (
     FloatArray,
     TrainingSet,
     cell_tokens,
+    forced_shares,
 )
 
 TARGETS = ("ttft", "tpot")
@@ -514,7 +515,10 @@ def _weighted_ape(pred: FloatArray, obs: FloatArray, w: FloatArray) -> float:
 def _fit_sigma(model: LatencyModel, ts: TrainingSet, slo_ttft: float, slo_tpot: float
                ) -> dict[str, float]:
     """Log-normal spread per target that best reproduces the per-row goodput observed."""
-    ok = ts.row_requests > 0
+    # Cells an override decides (turn 1) cost the same under every table: leave them out,
+    # the spread must describe the cells the table chooses for.
+    only_p, only_l = forced_shares(ts)
+    ok = (ts.row_requests > 0) & (only_p[ts.row_cell] == 0) & (only_l[ts.row_cell] == 0)
     rows = np.flatnonzero(ok)
     if rows.size < 20:
         return dict(model.sigma)
