@@ -105,22 +105,15 @@ VLLM = EngineSpec(
 VLLM_LEGACY = EngineSpec(
     name="vllm-legacy",
     histograms={
-        "ttft_s": HistogramSpec("vllm:time_to_first_token_seconds"),
+        **VLLM.histograms,
         "inter_token_s": HistogramSpec("vllm:time_per_output_token_seconds"),
-        "tpot_s": HistogramSpec("vllm:request_time_per_output_token_seconds"),
-        "queue_s": HistogramSpec("vllm:request_queue_time_seconds"),
-        "prefill_s": HistogramSpec("vllm:request_prefill_time_seconds"),
-        "kv_transfer_s": HistogramSpec("vllm:nixl_xfer_time_seconds"),
-        "kv_transfer_bytes": HistogramSpec("vllm:nixl_bytes_transferred"),
     },
     counters={
-        "requests": CounterSpec("vllm:request_success_total"),
-        "generation_tokens": CounterSpec("vllm:generation_tokens_total"),
+        **VLLM.counters,
         "prompt_tokens": CounterSpec("vllm:prompt_tokens_total", as_source="total"),
     },
     gauges={
-        "running": GaugeSpec("vllm:num_requests_running"),
-        "waiting": GaugeSpec("vllm:num_requests_waiting"),
+        **VLLM.gauges,
         "kv_cache_usage": GaugeSpec("vllm:gpu_cache_usage_perc", aggregate="mean"),
     },
     markers=("vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds"),
