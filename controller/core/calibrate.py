@@ -53,6 +53,7 @@ from controller.core.latency_model import (
 )
 from controller.core.weights import DEFAULT_RATIOS, WeightChoice, choose_weights
 from controller.core.window import Window
+from controller.policy.decide import Features, decide
 from controller.policy.model import (
     Axes,
     LookupTable,
@@ -571,3 +572,38 @@ def calibrate(
 def with_version(result: CalibrationResult, version: int) -> CalibrationResult:
     """The same result with the candidate renumbered (the store assigns versions)."""
     return replace(result, policy=result.policy.with_version(version))
+
+
+def explain(result: CalibrationResult, features: Features) -> dict[str, Any]:
+    """What ``pdctl explain`` shows: predictions per route for the features' cell (under the
+    load the policy creates), the score, the weights, the decision and its confidence."""
+    policy = result.policy
+    decision = decide(policy, features, lambda: 1.0)  # never explores: the table's choice
+    out: dict[str, Any] = {
+        "decision": decision.route.name, "reason": decision.reason.value,
+        "weights": {"wtft": policy.weights.wtft, "wtpot": policy.weights.wtpot},
+    }
+    if decision.cell is None:
+        return out
+    i_ctx, i_io, i_qps = decision.cell
+    axes = policy.table.axes
+    idx = axes.cell_index(i_ctx, i_io, i_qps)
+    k = i_ctx * axes.shape[1] + i_io
+    pred = result.predictions
+    score = policy.table.scores[idx]
+    out.update(
+        cell={"context_bin": i_ctx, "io_bin": i_io, "qps_bin": i_qps},
+        predicted={
+            "PREFILL_NODE": {"ttft_s": float(pred.ttft[i_qps, k, 0]),
+                             "tpot_s": float(pred.tpot[i_qps, k, 0])},
+            "DECODE_LOCAL": {"ttft_s": float(pred.ttft[i_qps, k, 1]),
+                             "tpot_s": float(pred.tpot[i_qps, k, 1])},
+        },
+        score=score,
+        exploration=policy.table.exploration[idx],
+        # |score| is the relative margin of the decision; a cell the routers never saw is
+        # an extrapolation of the model.
+        confidence="extrapolated" if result.grid.mix[k] == 0 else (
+            "high" if abs(score) >= 0.2 else "medium" if abs(score) >= 0.05 else "low"),
+    )
+    return out

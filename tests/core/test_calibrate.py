@@ -246,3 +246,22 @@ def test_latency_rows_per_context_bin_are_spread_over_io_cells() -> None:
     assert a[6] / a[7] == pytest.approx(b[6] / b[7])  # the bin's mean in each cell
     assert c[6] == 0.5 and c[7] == 5
     assert out[:, 4].sum() == 45  # requests unchanged
+
+
+def test_explain_matches_the_table(result: CalibrationResult) -> None:
+    from controller.core.calibrate import explain
+    from controller.policy.decide import Features
+
+    f = Features(turn=3, context_tokens=3000.0, append_tokens=600.0,
+                 expected_output_tokens=200.0, qps=2.0)
+    out = explain(result, f)
+    axes = result.policy.table.axes
+    cell = out["cell"]
+    idx = axes.cell_index(cell["context_bin"], cell["io_bin"], cell["qps_bin"])
+    assert out["decision"] == result.policy.table.routes[idx].name
+    assert out["score"] == result.policy.table.scores[idx]
+    assert (out["score"] > 0) == (out["decision"] == "DECODE_LOCAL")
+    for route in ("PREFILL_NODE", "DECODE_LOCAL"):
+        assert out["predicted"][route]["ttft_s"] > 0 and out["predicted"][route]["tpot_s"] > 0
+    first = explain(result, Features(1, 0.0, 2000.0, 200.0, 2.0))
+    assert first["reason"] == "first_turn" and "predicted" not in first
