@@ -71,6 +71,16 @@ def configure_logging(json_lines: bool, level: int = logging.INFO) -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
+def notify(*lines: str) -> bool:
+    """sd_notify that never raises and never blocks the loop (a full or missing socket is
+    logged and skipped: the next message will try again)."""
+    try:
+        return sdnotify.notify(*lines)
+    except OSError as e:
+        log.warning("sd_notify %s failed: %s", lines[0], e)
+        return False
+
+
 def stalled_after_s(settings: Settings) -> float:
     c = settings.controller
     return c.stalled_after_s if c.stalled_after_s is not None else 3 * c.interval_s + 30.0
@@ -188,7 +198,7 @@ class Daemon:
     async def _watchdog(self, interval: float) -> None:
         while not self._stop.is_set():
             if self._heartbeat_fresh():
-                sdnotify.notify("WATCHDOG=1")
+                notify("WATCHDOG=1")
             else:
                 log.warning("loop heartbeat stale: not petting the watchdog")
             with contextlib.suppress(TimeoutError):
@@ -225,7 +235,7 @@ class Daemon:
                           jitter=None)
         scheduler.start()
         parts.health.ready = True
-        sdnotify.notify("READY=1", f"STATUS=controlling {len(parts.cycle.routers)} router(s)")
+        notify("READY=1", f"STATUS=controlling {len(parts.cycle.routers)} router(s)")
         watchdog = None
         wd_interval = sdnotify.watchdog_interval_s()
         if wd_interval is not None:
@@ -240,7 +250,7 @@ class Daemon:
     async def _shutdown(self, scheduler: Any, watchdog: asyncio.Task[None] | None) -> None:
         assert self.parts is not None
         parts = self.parts
-        sdnotify.notify("STOPPING=1")
+        notify("STOPPING=1")
         log.info("stopping")
         parts.health.ready = False
         scheduler.pause()
@@ -303,6 +313,10 @@ async def _build_source(settings: Settings) -> Any:
 
 def run_daemon(settings: Settings, *, advisory: bool = False) -> int:
     """Run until SIGTERM/SIGINT; the process exit code."""
+    import faulthandler
+
+    # `kill -USR1 PID` dumps every thread's stack to stderr (a wedged loop, diagnosed live).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     daemon = Daemon(settings, advisory=advisory)
     try:
         return asyncio.run(daemon.run())

@@ -19,6 +19,9 @@ def notify(*lines: str, env: Mapping[str, str] | None = None) -> bool:
     if address.startswith("@"):  # abstract namespace
         address = "\0" + address[1:]
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        # Never block the caller (an event loop): a full receiver queue raises
+        # BlockingIOError instead of hanging until systemd reads.
+        sock.setblocking(False)
         sock.connect(address)
         sock.sendall("\n".join(lines).encode("utf-8"))
     return True

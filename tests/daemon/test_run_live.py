@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,6 +120,7 @@ min_policy_interval_s = 0
 calibrate_every_s = 3600
 bake_windows = 2
 bake_min_requests = 5
+promote_margin = 0.5
 lease_ttl_s = 10
 shutdown_timeout_s = 5
 [rollout]
@@ -184,7 +186,20 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
     notify_path = str(tmp_path / "notify.sock")
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(notify_path)
-    notify.setblocking(False)
+    notify.settimeout(0.2)
+    messages: list[str] = []
+    listening = threading.Event()
+    listening.set()
+
+    def drain() -> None:  # as systemd does: read every datagram as it comes
+        while listening.is_set():
+            try:
+                messages.append(notify.recv(4096).decode())
+            except TimeoutError:
+                continue
+
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
     proc = _start(config, log, notify_path)
     try:
         _wait("/healthz 200 after the first cycle",
@@ -201,16 +216,33 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
         assert store.calibrations(), "no calibration recorded"
         metrics = _get(f"http://{listen}/metrics")
         assert metrics is not None and "pdctl_router_acked_version" in metrics.text
+
+        # An operator recalibration goes through canary → bake → promotion, live.
+        before = max(desired.values())
+        asked = subprocess.run(
+            [*PDCTL, "recalibrate", "--force", "--reason", "live test", "--wait",
+             "--timeout", "60", "--json", "--url", f"sqlite:///{tmp_path / 'history.db'}"],
+            cwd=REPO, capture_output=True, text=True, timeout=90)
+        assert asked.returncode == 0, asked.stdout + asked.stderr
+        outcome = json.loads(asked.stdout)
+        assert outcome["status"] == "done" and "guardrail" in outcome["outcome"]
+        promoted = _wait("the new version promoted and acknowledged everywhere",
+                         lambda: (d := _all_acked(store)) and min(d.values()) > before and d,
+                         60, log)
+        version = max(promoted.values())
+        first_push = {}
+        for p in store.pushes():
+            if p.version == version and p.result == "ok":
+                first_push.setdefault(p.router_id, p.at)
+        canary_router = min(first_push, key=lambda r: first_push[r])
+        assert len(first_push) == 2 and first_push[canary_router] < max(first_push.values())
     finally:
         code = _stop(proc, 15)
     assert code == 0, log.read_text(errors="replace")[-3000:]
     assert '"stopped"' in log.read_text()
-    messages = []
-    while True:
-        try:
-            messages.append(notify.recv(4096).decode())
-        except BlockingIOError:
-            break
+    time.sleep(0.5)
+    listening.clear()
+    drainer.join(5)
     notify.close()
     assert messages and messages[0].startswith("READY=1"), messages
     assert "WATCHDOG=1" in messages and messages[-1] == "STOPPING=1", messages
