@@ -230,7 +230,7 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
                          lambda: (d := _all_acked(store)) and min(d.values()) > before and d,
                          60, log)
         version = max(promoted.values())
-        first_push = {}
+        first_push: dict[str, Any] = {}
         for p in store.pushes():
             if p.version == version and p.result == "ok":
                 first_push.setdefault(p.router_id, p.at)
