@@ -58,6 +58,7 @@ log = logging.getLogger("pdctl.cycle")
 
 FALLBACK_PREFILL = "fallback-prefill"
 MAX_REQUESTS_PER_CYCLE = 16
+FIT_RETRY_INTERVALS = 10  # control intervals between automatic retries of a failed fit
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,6 +305,7 @@ class Cycle:
         self._last_end: float | None = None
         self._previous_window: Window | None = None
         self._policies: dict[int, Policy] = {}
+        self._fit_failed_at: float | None = None  # automatic fits back off after a failure
         self.last_report: CycleReport | None = None
         self.last_completed_at: float | None = None  # clock.now() of the last ok cycle
 
@@ -396,6 +398,9 @@ class Cycle:
                 log.info("drift fired but the policy changed less than %.0f s ago",
                          self.config.min_policy_interval_s)
             return None
+        if self._fit_failed_at is not None \
+                and now - self._fit_failed_at < FIT_RETRY_INTERVALS * self.config.interval_s:
+            return None  # a failed fit is not retried every cycle (operators can force one)
         if any(f.fired for f in plan.findings):
             return "drift"
         if plan.window is not None and self._previous_window is not None \
@@ -504,6 +509,9 @@ class Cycle:
             self._set_state_metrics(tx)
         if plan.calibration_error is not None:
             report.reason = _join(report.reason, f"calibration skipped: {plan.calibration_error}")
+            self._fit_failed_at = self.clock.now()
+        elif plan.calibration is not None:
+            self._fit_failed_at = None
 
     def _record_drift(self, tx: Tx, findings: list[DriftFinding], window_ids: list[int],
                       report: CycleReport) -> None:

@@ -129,6 +129,16 @@ async def test_incomplete_window_and_failed_fit_never_approve(tmp_path: Path) ->
     assert report.trigger == "drift" and "scripted fit failure" in report.reason
     assert [p.version for p in rig.store.policies()] == [1]
     assert _running(rig) == dict.fromkeys(rig.agents, 1)
+    # A failed fit is not retried every cycle...
+    calls = rig.learner.calibrations
+    rig.learner.fail = False
+    rig.learner.fire = True
+    assert (await rig.step()).trigger is None
+    # ...but an operator can ask for one at once.
+    rig.store.add_request("recalibrate", {}, "ops@h", "the fit is fixed")
+    report = await rig.step()
+    assert report.trigger == "operator" and report.approved_version == 2
+    assert rig.learner.calibrations == calls + 1
 
 
 async def test_guardrail_rejection_is_recorded_and_pushes_nothing(tmp_path: Path) -> None:
@@ -296,3 +306,50 @@ def test_canary_subset_size(n: int, expected: int) -> None:
     routers = [f"r{i}" for i in range(n)]
     got = canary_subset(routers, 0.25, 7)
     assert len(got) == min(expected, max(n - 1, 1)) and set(got) <= set(routers)
+
+
+class _Follower:
+    holder = "follower"
+
+    async def ensure(self) -> bool:
+        return False
+
+    def fence(self, tx: object) -> bool:
+        return False
+
+
+async def test_followers_reconcile_only_their_own_router_in_sidecar_mode(tmp_path: Path
+                                                                         ) -> None:
+    from controller.cycle import Cycle
+    from controller.metrics import ControllerMetrics
+    from controller.rollout.reconciler import Reconciler
+
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.store.add_request("rollback", {"to": "fallback-prefill"}, "ops@h", "")
+    # The leader is gone before it acts on it; two followers: standalone and sidecar.
+
+    def follower(only: list[str] | None) -> Cycle:
+        return Cycle(clock=rig.clock, source=rig.source, store=rig.store, learner=rig.learner,
+                     reconciler=Reconciler(rig.transport, rig.clock, max_attempts=1),
+                     metrics=ControllerMetrics(CollectorRegistry()), routers=list(rig.agents),
+                     config=rig.config, leadership=_Follower(), reconcile_only=only)
+
+    with rig.store.cycle() as tx:  # what the leader would have written
+        for r in rig.agents:
+            tx.set_desired(r, 1)
+    applies = rig.applies()
+    windows = len(rig.store.windows())
+    report = await follower(None).run_once()
+    assert not report.leader and report.pushes == 0 and rig.applies() == applies
+    assert len(rig.store.windows()) == windows  # followers neither observe nor store
+    rig.agents["r2"].apply(rig.agents["r2"].snapshot.policy.with_version(7))  # type: ignore[union-attr]
+    rig.agents["r3"].apply(rig.agents["r3"].snapshot.policy.with_version(7))  # type: ignore[union-attr]
+    report = await follower(["r2"]).run_once()
+    # r2 was found ahead at a version the store never issued (a restored backup): its
+    # desired policy is re-issued above it. r3 belongs to another sidecar: left alone.
+    assert report.acked == {"r2": 8} and _running(rig)["r3"] == 7
+    reissued = rig.store.policy(8)
+    assert reissued is not None and "re-issued" in reissued.reason
+    assert rig.store.desired_versions()["r2"] == 8
+    assert rig.store.request(1) is not None and rig.store.request(1).status == "pending"  # type: ignore[union-attr]
