@@ -104,7 +104,7 @@ def field_mutations(draw: st.DrawFn) -> pb.Policy:
     elif which == 4:
         del msg.routes[:]
     elif which == 5:
-        msg.routes.append(draw(st.integers(-5, 50)))
+        msg.routes.append(draw(st.integers(-5, 50)))  # type: ignore[arg-type]
     elif which == 6:
         msg.weights.wtft, msg.weights.wtpot = bad_float, bad_float
     elif which == 7:
