@@ -187,6 +187,23 @@ class Daemon:
                 self._inflight = None
             self.parts.cycle.metrics.observe_job(JOB_LABEL, self.clock.monotonic() - started)
 
+    async def _compact(self) -> None:
+        """Retention: the leader deletes windows older than ``[store] retention_days``
+        (training windows of approved policies are kept by the store)."""
+        assert self.parts is not None
+        if not self.parts.leadership.is_leader:
+            return
+        from datetime import timedelta
+
+        older_than = self.clock.utcnow() - timedelta(days=self.settings.store.retention_days)
+        try:
+            n = await asyncio.to_thread(self.parts.store.compact_windows, older_than)
+        except Exception as e:  # retention is housekeeping: never fatal
+            log.warning("compaction failed: %s", e)
+            return
+        if n:
+            log.info("compacted %d window(s) older than %s", n, older_than.isoformat())
+
     def _heartbeat_fresh(self) -> bool:
         assert self.parts is not None
         last: float | None = self.parts.cycle.last_completed_at
@@ -233,6 +250,8 @@ class Daemon:
         scheduler.add_job(self._job, "interval", seconds=interval, id=JOB_ID,
                           replace_existing=True, next_run_time=_now_dt(self.clock),
                           jitter=None)
+        scheduler.add_job(self._compact, "interval", seconds=3600, id="compact",
+                          replace_existing=True, jitter=60)
         scheduler.start()
         parts.health.ready = True
         notify("READY=1", f"STATUS=controlling {len(parts.cycle.routers)} router(s)")
