@@ -37,10 +37,11 @@ from controller.bench.report import summarize  # noqa: E402
 from controller.core.calibrate import CalibrationConfig, CalibrationResult, calibrate  # noqa: E402
 from controller.core.drift import (  # noqa: E402
     DriftState,
+    ScalingState,
     assess,
     performance_residuals,
     reference_from_windows,
-    scaling_event,
+    step_scaling,
 )
 from controller.core.window import Window  # noqa: E402
 from controller.observe.inprocess import InProcessSource, sim_cluster_provider  # noqa: E402
@@ -85,7 +86,7 @@ def detect(scenario: Scenario, policy: Policy, result: CalibrationResult, shift_
     """Windows after the shift until each detector fires (None: not within the run)."""
     windows: list[Window] = []
     state: dict[str, object] = {"source": None, "last": 0.0, "drift": DriftState(),
-                                "ref": None}
+                                "ref": None, "scaling": ScalingState()}
     fired: dict[str, int | None] = {"workload": None, "performance": None, "slo": None,
                                     "scaling": None}
 
@@ -103,6 +104,10 @@ def detect(scenario: Scenario, policy: Policy, result: CalibrationResult, shift_
         w = asyncio.run(source.window(last, now))
         state["last"] = now
         windows.append(w)
+        scaling = state["scaling"]
+        assert isinstance(scaling, ScalingState)
+        scaling, events = step_scaling(scaling, w)
+        state["scaling"] = scaling
         if w.end <= shift_at:
             return
         if state["ref"] is None:
@@ -110,7 +115,7 @@ def detect(scenario: Scenario, policy: Policy, result: CalibrationResult, shift_
             state["ref"] = reference_from_windows(base, result.model)
         ref = state["ref"]
         k = (w.end - shift_at) / scenario.interval_s  # windows since the shift
-        if len(windows) >= 2 and scaling_event(windows[-2], w) and fired["scaling"] is None:
+        if events and fired["scaling"] is None:
             fired["scaling"] = round(k)
         drift = state["drift"]
         assert isinstance(drift, DriftState)

@@ -429,3 +429,43 @@ def scaling_event(prev: Window, window: Window) -> tuple[ScalingEvent, ...]:
         if n_after != len(before):
             events.append(ScalingEvent(role, len(before), n_after, added, removed))
     return tuple(events)
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingState:
+    """Answering workers per role as last confirmed, and a pending change being confirmed."""
+
+    known: Mapping[str, int] = field(default_factory=dict)
+    pending: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # role -> (count, seen)
+
+
+def step_scaling(
+    state: ScalingState, window: Window, persist: int = 2
+) -> tuple[ScalingState, tuple[ScalingEvent, ...]]:
+    """Debounced scaling detection on the number of *answering* workers per role.
+
+    A worker that stops answering for ``persist`` consecutive windows is capacity lost, the
+    same as one scaled away (a simulator or a scrape cannot tell the two apart, and the
+    routing trade-off changes either way); a single failed scrape is not. The first window
+    only records the counts.
+    """
+    known = dict(state.known)
+    pending = dict(state.pending)
+    events = []
+    for role in ("prefill", "decode"):
+        n = sum(1 for w in window.workers if w.role == role)
+        if role not in known:
+            known[role] = n
+            continue
+        if n == known[role]:
+            pending.pop(role, None)
+            continue
+        count, seen = pending.get(role, (n, 0))
+        seen = seen + 1 if count == n else 1
+        if seen >= persist:
+            events.append(ScalingEvent(role, known[role], n, (), ()))
+            known[role] = n
+            pending.pop(role, None)
+        else:
+            pending[role] = (n, seen)
+    return ScalingState(known, pending), tuple(events)

@@ -196,3 +196,24 @@ def test_one_bad_performance_window_does_not_fire(
     calm2 = stationary(Truth(), Mix(), QPS, LOCAL, 6, seed=23, slo=SLO, start=bad[-1].end)
     flags = run(calm + bad + calm2, reference, model)
     assert first_fire(flags, "performance") is None
+
+
+def test_step_scaling_debounces_and_counts_lost_workers() -> None:
+    from controller.core.drift import ScalingState, step_scaling
+
+    ws = stationary(Truth(), Mix(), QPS, LOCAL, 6, seed=15, slo=SLO)
+    state, ev = step_scaling(ScalingState(), ws[0])
+    assert ev == () and state.known == {"prefill": 2, "decode": 2}
+    # one failed scrape: no event, and it recovers
+    state, ev = step_scaling(state, _with_workers(ws[1], drop="p1", failed="p1"))
+    assert ev == ()
+    state, ev = step_scaling(state, ws[2])
+    assert ev == () and state.pending == {}
+    # unreachable for two windows in a row: capacity lost
+    state, ev = step_scaling(state, _with_workers(ws[3], drop="p1", failed="p1"))
+    assert ev == ()
+    state, ev = step_scaling(state, _with_workers(ws[4], drop="p1", failed="p1"))
+    assert len(ev) == 1 and (ev[0].role, ev[0].before, ev[0].after) == ("prefill", 2, 1)
+    assert state.known["prefill"] == 1
+    state, ev = step_scaling(state, _with_workers(ws[5], drop="p1"))
+    assert ev == ()
