@@ -160,8 +160,8 @@ def main() -> None:
     all_p = Policy.uniform(1, Route.PREFILL_NODE, slo=slo)
     all_l = Policy.uniform(1, Route.DECODE_LOCAL, slo=slo)
     print("| shift | workload | performance | slo | scaling | goodput new regime: P0 "
-          "| P1 (recalibrated) | guardrail on P1 | all-prefill | all-local |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| P1 (recalibrated) | guardrail on P1 | deployed | all-prefill | all-local |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, event, new_regime in shifts(base):
         if args.only and args.only != name:
             continue
@@ -181,7 +181,7 @@ def main() -> None:
               f"{cell(fired['slo'])} | {cell(fired['scaling'])} | {g[0]:.4f} | {g[1]:.4f} | "
               f"{'approved' if r1.approved else 'rejected'} "
               f"({r1.predicted_goodput_candidate:.3f} vs {r1.predicted_goodput_current:.3f}) | "
-              f"{g[2]:.4f} | {g[3]:.4f} |", flush=True)
+              f"{g[1] if r1.approved else g[0]:.4f} | {g[2]:.4f} | {g[3]:.4f} |", flush=True)
 
 
 if __name__ == "__main__":
