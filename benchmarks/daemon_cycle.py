@@ -163,7 +163,7 @@ calibrate_every_s = 86400
             store.add_calibration([], {}, None, None, policy_version=1,
                                   details={"trigger": "seed"})
         log = Path(tmp) / "daemon.log"
-        daemon = subprocess.Popen([*PDCTL, "run", "--config", str(config)], cwd=REPO,
+        daemon = subprocess.Popen([*PDCTL, "run", "--config", str(config)], cwd=REPO,  # noqa: S603
                                   stdout=subprocess.DEVNULL, stderr=log.open("wb"))
         try:
             deadline = time.monotonic() + 120
