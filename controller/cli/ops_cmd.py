@@ -74,15 +74,18 @@ def _submit(
     kind: str, args: dict[str, Any], *, reason: str, who: str | None, wait: bool,
     timeout: float, as_json: bool, url: str | None, config: Path | None,
 ) -> None:
+    from controller.clock import WallClock
+
+    clock = WallClock()
     store = _open_store(url, config)
     try:
         request_id = store.add_request(kind, args, who or default_who(), reason)
         request = store.request(request_id)
-        deadline = time.monotonic() + timeout
+        deadline = clock.monotonic() + timeout
         while wait and request is not None and request.status in ("pending", "claimed"):
-            if time.monotonic() >= deadline:
+            if clock.monotonic() >= deadline:
                 break
-            time.sleep(0.25)
+            time.sleep(0.25)  # a CLI poll, not control logic
             request = store.request(request_id)
     finally:
         store.close()
