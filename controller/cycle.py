@@ -346,8 +346,10 @@ class Cycle:
         start = self._last_end if self._last_end is not None and self._last_end < end \
             else end - cfg.interval_s
         plan = _Plan()
+        t0 = self.clock.monotonic()
         try:
             plan.window = await self.source.window(start, end)
+            self.metrics.observe_job("observe", self.clock.monotonic() - t0)
         except Exception as e:
             report.result = "skipped"
             report.reason = f"observe failed: {type(e).__name__}: {e}"
@@ -362,7 +364,9 @@ class Cycle:
         window = plan.window
         complete = window is not None and not window.failures and bool(window.outcomes)
         if window is not None:
+            t0 = self.clock.monotonic()
             self._state, plan.findings = self.learner.assess(self._state, window, window.end)
+            self.metrics.observe_job("assess", self.clock.monotonic() - t0)
         recal = next((r for r in claimed if r.kind == "recalibrate"), None)
         plan.trigger = self._trigger(plan, rollout, ops, recal, now)
         if plan.trigger is not None:
@@ -455,8 +459,10 @@ class Cycle:
         def fit() -> CalibrationOutcome:
             return self.learner.calibrate(windows, current, now, reason, force)
 
+        t0 = self.clock.monotonic()
         try:
             outcome: CalibrationOutcome = await self._run_blocking(fit)
+            self.metrics.observe_job("calibrate", self.clock.monotonic() - t0)
         except LearnerError as e:
             plan.calibration_error = str(e)
             return
@@ -809,8 +815,10 @@ class Cycle:
         passes = [self.reconciler.reconcile(d, rollback=rb)
                   for d, rb in ((forward, False), (backward, True)) if d]
         statuses: dict[str, RouterStatus] = {}
+        t0 = self.clock.monotonic()
         for part in await asyncio.gather(*passes):
             statuses.update(part)
+        self.metrics.observe_job("reconcile", self.clock.monotonic() - t0)
         self._record_statuses(statuses, desired_versions, report)
 
     def _record_statuses(self, statuses: Mapping[str, RouterStatus],

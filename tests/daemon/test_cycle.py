@@ -72,6 +72,9 @@ async def test_drift_calibrate_canary_promote_all_acked(tmp_path: Path) -> None:
     # Exactly one approval per decision: the bootstrap and the drift.
     assert [p.version for p in rig.store.policies(status="approved")] == [1, 2]
     assert _metric(rig.registry, "pdctl_policy_changes_total") == 2
+    for phase in ("observe", "assess", "calibrate", "reconcile"):
+        assert (_metric(rig.registry, "pdctl_job_duration_seconds_count", {"job": phase})
+                or 0) >= 1, phase
     assert (_metric(rig.registry, "pdctl_cycles_total", {"result": "ok"}) or 0) >= 6
 
 
