@@ -14,6 +14,14 @@ Without TLS a token still works on loopback only: gRPC sends call credentials ov
 token nor client certificates authenticates nobody; :func:`check_listen` refuses to expose
 such a server beyond loopback unless the operator says so explicitly.
 
+Certificates and token files are re-read when they change, without a restart: the server's
+TLS credentials are ``dynamic_ssl_server_credentials`` whose fetcher (called by gRPC core
+for each new handshake) re-reads ``tls_cert``/``tls_key``/``tls_ca`` when one of their
+stat stamps (mtime, size, inode) moved, and a ``token_file`` is re-read the same way on both
+sides. A half-written rotation (unreadable file, a key that does not match its certificate,
+an empty token) is not taken: the previous material stays in use and a warning is logged.
+Connections already open keep the credentials they were made with.
+
 Refusals the server sees are counted in ``pdrouter_auth_refusals_total{reason}`` (reasons
 ``missing_token``, ``wrong_token``). TLS handshake failures (no client certificate, a
 certificate from another CA, plaintext to a TLS port) are refused inside gRPC core before any
@@ -24,11 +32,15 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
+import os
+import ssl
+import threading
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import grpc
 import grpc.aio
@@ -48,6 +60,9 @@ REFUSAL_REASONS = ("missing_token", "wrong_token")
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
+_T = TypeVar("_T")
+
+_log = logging.getLogger(__name__)
 
 _refusal_counters: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = (
     weakref.WeakKeyDictionary()
@@ -87,14 +102,75 @@ def _token(config: SecurityConfig) -> str | None:
     return token
 
 
+_Stamp = tuple[tuple[int, int, int] | None, ...]
+
+
+def _stamp(paths: tuple[Path, ...]) -> _Stamp:
+    out: list[tuple[int, int, int] | None] = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            out.append(None)
+        else:
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(out)
+
+
+class ReloadingFiles(Generic[_T]):
+    """A value loaded from files, loaded again when any file's stat stamp changes.
+
+    ``load`` raises :class:`ConfigError` for material that is not usable (yet); the first
+    load's error propagates (a bad start is a config error), a later one keeps the previous
+    value and is logged once per change.
+    """
+
+    def __init__(self, what: str, paths: tuple[Path, ...], load: Callable[[], _T]) -> None:
+        self._what = what
+        self._paths = paths
+        self._load = load
+        self._lock = threading.Lock()
+        self._stamp = _stamp(paths)
+        self._value = load()
+        self._refused: _Stamp | None = None
+        self.reloads = 0
+
+    def current(self) -> tuple[_T, bool]:
+        """The value now and whether it changed since the previous call."""
+        stamp = _stamp(self._paths)
+        if stamp == self._stamp:
+            return self._value, False
+        with self._lock:
+            if stamp == self._stamp:
+                return self._value, False
+            try:
+                value = self._load()
+            except ConfigError as e:
+                if stamp != self._refused:
+                    self._refused = stamp
+                    _log.warning("%s changed but cannot be used, keeping the previous one: %s",
+                                 self._what, e)
+                return self._value, False
+            self._value, self._stamp, self._refused = value, stamp, None
+            self.reloads += 1
+            _log.info("%s reloaded", self._what)
+            return value, True
+
+    @property
+    def value(self) -> _T:
+        return self.current()[0]
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every non-exempt call without the right ``authorization`` header.
 
-    The comparison is constant-time; a refused call never reaches a servicer.
+    The comparison is constant-time; a refused call never reaches a servicer. ``token`` is
+    the token, or a :class:`ReloadingFiles` over the token file (rotated without a restart).
     """
 
-    def __init__(self, token: str, refusals: Counter) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, token: str | ReloadingFiles[str], refusals: Counter) -> None:
+        self._static = f"Bearer {token}".encode() if isinstance(token, str) else None
+        self._reloading = token if isinstance(token, ReloadingFiles) else None
         self._refusals = refusals
 
         async def deny_missing(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -109,6 +185,12 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._deny_wrong: grpc.RpcMethodHandler[Any, Any] = (
             grpc.unary_unary_rpc_method_handler(deny_wrong)
         )
+
+    def _expected(self) -> bytes:
+        if self._static is not None:
+            return self._static
+        assert self._reloading is not None
+        return f"Bearer {self._reloading.value}".encode()
 
     async def intercept_service(
         self,
@@ -128,7 +210,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if presented is None:
             self._refusals.labels("missing_token").inc()
             return self._deny_missing
-        if not hmac.compare_digest(presented, self._expected):
+        if not hmac.compare_digest(presented, self._expected()):
             self._refusals.labels("wrong_token").inc()
             return self._deny_wrong
         return await continuation(handler_call_details)
@@ -155,20 +237,57 @@ class ServerSecurity:
         return " + ".join(parts)
 
 
+def token_source(config: SecurityConfig) -> str | ReloadingFiles[str] | None:
+    """The bearer token: fixed (``token``), re-read on change (``token_file``) or none."""
+    if config.token_file is not None and config.token is None:
+        return ReloadingFiles(
+            f"security.token_file {config.token_file}", (config.token_file,),
+            lambda: _token(config) or "",
+        )
+    return _token(config)
+
+
+def _certificate_configuration(
+    cert: Path, key: Path, ca: Path | None
+) -> grpc.ServerCertificateConfiguration:
+    pair = (_read(key, "tls_key"), _read(cert, "tls_cert"))
+    try:  # a rotation caught between writing the certificate and its key is not usable
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as e:
+        raise ConfigError(
+            f"security.tls_cert/tls_key: {cert} and {key} do not match: {e}"
+        ) from None
+    roots = _read(ca, "tls_ca") if ca is not None else None
+    return grpc.ssl_server_certificate_configuration([pair], root_certificates=roots)
+
+
 def server_security(
     config: SecurityConfig | None, registry: CollectorRegistry
 ) -> ServerSecurity:
     """Server credentials and interceptors for ``config`` (None or empty: plaintext)."""
     config = config or SecurityConfig()
-    token = _token(config)
+    token = token_source(config)
     interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
     if token is not None:
         interceptors = (BearerTokenInterceptor(token, auth_refusals(registry)),)
     if config.tls_cert is not None and config.tls_key is not None:
-        pair = (_read(config.tls_key, "tls_key"), _read(config.tls_cert, "tls_cert"))
-        ca = _read(config.tls_ca, "tls_ca") if config.tls_ca is not None else None
-        creds = grpc.ssl_server_credentials(
-            [pair], root_certificates=ca, require_client_auth=ca is not None
+        cert, key, ca = config.tls_cert, config.tls_key, config.tls_ca
+        files = (cert, key) if ca is None else (cert, key, ca)
+        certificates = ReloadingFiles(
+            "security.tls_cert/tls_key/tls_ca", files,
+            lambda: _certificate_configuration(cert, key, ca),
+        )
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            # Called by gRPC core before each handshake; None keeps the current one.
+            configuration, changed = certificates.current()
+            return configuration if changed else None
+
+        creds = grpc.dynamic_ssl_server_credentials(
+            certificates.value,
+            # grpc documents None as "unchanged"; the stubs do not allow for it.
+            cast(Callable[[], grpc.ServerCertificateConfiguration], fetch),
+            require_client_authentication=ca is not None,
         )
         return ServerSecurity(creds, interceptors, True, ca is not None, token is not None)
     if config.tls_ca is not None:
@@ -183,7 +302,7 @@ def server_security(
 def channel_credentials(config: SecurityConfig | None) -> grpc.ChannelCredentials | None:
     """Client credentials for ``config``; None means a plaintext channel."""
     config = config or SecurityConfig()
-    token = _token(config)
+    token = token_source(config)
     base: grpc.ChannelCredentials | None = None
     if config.tls_ca is not None or config.tls_cert is not None:
         base = grpc.ssl_channel_credentials(
@@ -195,7 +314,23 @@ def channel_credentials(config: SecurityConfig | None) -> grpc.ChannelCredential
         return base
     if base is None:
         base = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
-    return grpc.composite_channel_credentials(base, grpc.access_token_call_credentials(token))
+    if isinstance(token, str):
+        call = grpc.access_token_call_credentials(token)
+    else:
+        call = grpc.metadata_call_credentials(_TokenFilePlugin(token), name="token_file")
+    return grpc.composite_channel_credentials(base, call)
+
+
+class _TokenFilePlugin(grpc.AuthMetadataPlugin):
+    """Sends the token file's current content (re-read when the file changes)."""
+
+    def __init__(self, token: ReloadingFiles[str]) -> None:
+        self._token = token
+
+    def __call__(
+        self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback
+    ) -> None:
+        callback(((AUTHORIZATION, f"Bearer {self._token.value}"),), None)
 
 
 def channel_options(config: SecurityConfig | None) -> list[tuple[str, Any]]:
