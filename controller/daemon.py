@@ -117,19 +117,28 @@ class Daemon:
     # -- building -------------------------------------------------------------------------
 
     async def build(self) -> Parts:
+        from controller.metrics import ControllerMetrics
+        from controller.store import Store
+
+        s = self.settings
+        metrics = ControllerMetrics(self.registry)
+        store = Store.from_config(s.store, self.clock)
+        try:
+            return await self._build(store, metrics)
+        except BaseException:
+            store.close()
+            raise
+
+    async def _build(self, store: Any, metrics: Any) -> Parts:
         from controller.cycle import Cycle, CycleConfig
         from controller.health import Health, HealthServer
         from controller.leader import LeaseLeadership, PgAdvisoryLeadership, default_holder
         from controller.learning import CoreLearner
-        from controller.metrics import ControllerMetrics
         from controller.rollout.client import GrpcRouterTransport
         from controller.rollout.reconciler import Reconciler
-        from controller.store import Store
 
         s = self.settings
         c = s.controller
-        metrics = ControllerMetrics(self.registry)
-        store = Store.from_config(s.store, self.clock)
         if store.dialect == "sqlite":
             await asyncio.to_thread(store.upgrade)  # the embedded default migrates itself
         else:
