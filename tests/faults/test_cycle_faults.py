@@ -1,0 +1,165 @@
+"""Controller-side faults through the real control cycle (``Cycle.run_once``) against real
+gRPC routers on 127.0.0.1 and a real SQLite store:
+
+* the store restored from an older backup while the routers run a newer version: the
+  desired policy is re-issued above every router's version, never under a used number;
+* the controller stopped in the middle of a push (its cycle task cancelled, then a fresh
+  Cycle on the same store — a restart): every router converges, nothing recorded is lost.
+
+(The daemon-process versions — SIGKILL of ``pdctl run``, two replicas at once — are in
+``tests/daemon/``.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from controller.clock import VirtualClock
+from controller.cycle import Cycle, CycleConfig
+from controller.metrics import ControllerMetrics
+from controller.policy import Policy, Route, dumps
+from controller.rollout.client import GrpcRouterTransport
+from controller.rollout.reconciler import Reconciler
+from controller.store import Store
+from tests.daemon.fakes import PolicyAwareSource, ScriptedLearner
+from tests.faults.harness import Routers, SlowAgent
+
+P1 = Policy.uniform(1, Route.PREFILL_NODE)
+P2 = Policy.uniform(2, Route.DECODE_LOCAL, exploration=0.05)
+
+
+def make_cycle(store: Store, clock: VirtualClock, routers: Routers,
+               transport: GrpcRouterTransport) -> Cycle:
+    reconciler = Reconciler(transport, clock, deadline_s=5.0, max_attempts=3,
+                            backoff_initial_s=0.0, backoff_max_s=0.0)
+    agents = {a: routers.agent(a) for a in routers.addresses}
+    # No calibration of its own: the test approves the versions (as an operator would).
+    config = CycleConfig(interval_s=30.0, calibrate_every_s=None, min_training_windows=10_000,
+                         min_policy_interval_s=0.0)
+    return Cycle(clock=clock, source=PolicyAwareSource(agents), store=store,
+                 learner=ScriptedLearner(), reconciler=reconciler,
+                 metrics=ControllerMetrics(CollectorRegistry()), routers=routers.addresses,
+                 config=config)
+
+
+def approve(store: Store, policy: Policy, routers: list[str]) -> None:
+    with store.cycle() as tx:
+        tx.add_policy(policy.version, policy.checksum, dumps(policy), "approved", "test")
+        for r in routers:
+            tx.set_desired(r, policy.version)
+
+
+def restore(backup: Path, db: Path) -> None:
+    shutil.copyfile(backup, db)
+    for suffix in ("-wal", "-shm"):
+        Path(f"{db}{suffix}").unlink(missing_ok=True)
+
+
+def records(store: Store) -> dict[str, Any]:
+    return {
+        "policies": [(p.version, p.checksum, p.status) for p in store.policies()],
+        "windows": [sw.id for sw in store.windows()],
+        "pushes": [(p.id, p.router_id, p.version, p.result) for p in store.pushes()],
+    }
+
+
+async def test_store_restored_from_an_older_backup_reissues_above_the_routers(
+    tmp_path: Path,
+) -> None:
+    db, backup = tmp_path / "history.db", tmp_path / "backup.db"
+    clock = VirtualClock(1_800_000_000.0)
+    routers = Routers(tmp_path, 3)
+    await routers.start()
+    transport = GrpcRouterTransport(reconnect_backoff_max_s=0.2)
+    try:
+        store = Store(f"sqlite:///{db}", clock)
+        store.upgrade()
+        approve(store, P1, routers.addresses)
+        clock.advance(30)
+        assert (await make_cycle(store, clock, routers, transport).run_once()).result == "ok"
+        src, dst = sqlite3.connect(db), sqlite3.connect(backup)
+        try:
+            src.backup(dst)  # the nightly backup: v1 desired everywhere
+        finally:
+            src.close()
+            dst.close()
+
+        approve(store, P2, routers.addresses)
+        clock.advance(30)
+        assert (await make_cycle(store, clock, routers, transport).run_once()).result == "ok"
+        assert set(routers.versions().values()) == {2}
+        store.close()
+
+        restore(backup, db)  # the store never heard of v2
+        store = Store(f"sqlite:///{db}", clock)
+        before = records(store)
+        assert [p[0] for p in before["policies"]] == [1]
+
+        clock.advance(30)
+        report = await make_cycle(store, clock, routers, transport).run_once()  # a restart
+        assert report.result == "ok", report.reason
+        after = records(store)
+        # v1's content, re-issued as v3: above the v2 the routers ran, never reusing "2".
+        assert [(v, c) for v, c, _ in after["policies"]] == [(1, P1.checksum), (3, P1.checksum)]
+        assert store.desired_versions() == dict.fromkeys(routers.addresses, 3)
+        assert set(routers.versions().values()) == {3}
+        assert {routers.agent(a).checksum for a in routers.addresses} == {P1.checksum}
+        assert {(r.acked_version, r.acked_checksum) for r in store.routers()} == {
+            (3, P1.checksum)
+        }
+        assert store.next_version() == 4
+        # Nothing the restored store held was lost.
+        assert after["windows"][: len(before["windows"])] == before["windows"]
+        assert after["pushes"][: len(before["pushes"])] == before["pushes"]
+        store.close()
+    finally:
+        await transport.close()
+        await routers.close()
+
+
+async def test_controller_stopped_mid_push_and_restarted_converges(tmp_path: Path) -> None:
+    clock = VirtualClock(1_800_000_000.0)
+    routers = Routers(tmp_path, 4, agent_factory=SlowAgent)
+    await routers.start()
+    transport = GrpcRouterTransport(reconnect_backoff_max_s=0.2)
+    store = Store(f"sqlite:///{tmp_path / 'history.db'}", clock)
+    store.upgrade()
+    try:
+        approve(store, P1, routers.addresses)
+        clock.advance(30)
+        assert (await make_cycle(store, clock, routers, transport).run_once()).result == "ok"
+        before = records(store)
+
+        approve(store, P2, routers.addresses)
+        slow = routers.agent(routers.addresses[1])
+        assert isinstance(slow, SlowAgent)
+        slow.slow_applies, slow.delay_s = 1, 10.0
+        clock.advance(30)
+        doomed = asyncio.create_task(make_cycle(store, clock, routers, transport).run_once())
+        assert await asyncio.to_thread(slow.entered.wait, 10)
+        doomed.cancel()  # the controller dies with a push in flight
+        await asyncio.gather(doomed, return_exceptions=True)
+        slow.release.set()
+
+        clock.advance(30)
+        report = await make_cycle(store, clock, routers, transport).run_once()  # restarted
+        assert report.result == "ok", report.reason
+        assert set(routers.versions().values()) == {2}
+        assert {(r.acked_version, r.acked_checksum) for r in store.routers()} == {
+            (2, P2.checksum)
+        }
+        after = records(store)
+        assert [(v, c) for v, c, _ in after["policies"]] == [(1, P1.checksum), (2, P2.checksum)]
+        for key in ("windows", "pushes"):  # everything recorded before is still there
+            assert after[key][: len(before[key])] == before[key]
+        assert store.next_version() == 3  # no version skipped or reused
+    finally:
+        store.close()
+        await transport.close()
+        await routers.close()
