@@ -197,6 +197,15 @@ class Daemon:
             if task.done():
                 self._inflight = None
 
+    async def _renew_lease(self) -> None:
+        assert self.parts is not None
+        try:
+            leader = await self.parts.leadership.ensure()
+        except Exception as e:  # the next renewal or cycle tries again
+            log.warning("lease renewal failed: %s", e)
+            return
+        self.parts.cycle.metrics.set_leader(leader)
+
     async def _compact(self) -> None:
         """Retention: the leader deletes windows older than ``[store] retention_days``
         (training windows of approved policies are kept by the store)."""
@@ -260,6 +269,12 @@ class Daemon:
         scheduler.add_job(self._job, "interval", seconds=interval, id=JOB_ID,
                           replace_existing=True, next_run_time=_now_dt(self.clock),
                           jitter=None)
+        # The lease is renewed on its own clock (a third of its lifetime), not only at the
+        # start of each cycle: a control interval longer than the lease must not hand
+        # leadership around between cycles.
+        ttl = self.settings.controller.lease_ttl_s
+        scheduler.add_job(self._renew_lease, "interval", seconds=max(ttl / 3, 0.5),
+                          id="lease", replace_existing=True)
         scheduler.add_job(self._compact, "interval", seconds=3600, id="compact",
                           replace_existing=True, jitter=60)
         scheduler.start()

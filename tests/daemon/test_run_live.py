@@ -262,3 +262,47 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
     repushed = [p for p in store.pushes()[pushes_before:] if p.version <= newest_acked]
     assert repushed == [], f"re-pushed acknowledged versions: {repushed}"
     store.close()
+
+
+@pytest.mark.integration
+def test_the_lease_outlives_a_control_interval_longer_than_itself(tmp_path: Path) -> None:
+    """Two replicas on one SQLite file, a 6 s interval and a 1.5 s lease: leadership stays
+    with the first replica (renewed on its own clock), it does not alternate."""
+    listen = {name: f"127.0.0.1:{_free_port()}" for name in ("a", "b")}
+    configs = {}
+    for name in ("a", "b"):
+        configs[name] = tmp_path / f"{name}.toml"
+        configs[name].write_text(f"""
+[routers]
+targets = ["127.0.0.1:9"]
+[metrics]
+listen = "{listen[name]}"
+[store]
+url = "sqlite:///{tmp_path / 'history.db'}"
+[controller]
+replica_id = "{name}"
+interval_s = 6.0
+lease_ttl_s = 1.5
+""")
+    log = tmp_path / "run.log"
+    store = Store(f"sqlite:///{tmp_path / 'history.db'}")
+    a = _start(configs["a"], log)
+    b = None
+    try:
+        _wait("a leading", lambda: (r := _get(f"http://{listen['a']}/healthz")) is not None
+              and r.status_code == 200, 60, log)
+        b = _start(configs["b"], log)
+        _wait("b running", lambda: (r := _get(f"http://{listen['b']}/healthz")) is not None
+              and r.status_code == 200, 60, log)
+        terms = set()
+        for _ in range(16):  # 8 s: more than one interval, five lease lifetimes
+            lease = store.lease()
+            assert lease is not None
+            terms.add((lease.holder, lease.term))
+            time.sleep(0.5)
+        assert terms == {("a", 1)}, terms
+    finally:
+        assert _stop(a, 15) == 0
+        if b is not None:
+            assert _stop(b, 15) == 0
+    store.close()
