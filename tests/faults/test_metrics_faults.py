@@ -1,0 +1,165 @@
+"""Prometheus misbehaving under PrometheusSource: slow, empty, NaN and stale answers from a
+scripted Prometheus HTTP API on 127.0.0.1 (a real HTTP server speaking the query API).
+
+Expected: a slow or failing Prometheus is a TransientError (the cycle skips with a reason,
+nothing is calibrated); a target Prometheus does not know or could not scrape is a
+per-target failure saying why; empty or NaN answers become missing values, never zeros.
+(Worker-side garbage, HTML, counter resets and vanished families are covered by
+``tests/observe/test_snapshot_sources.py`` and the fuzzing in ``tests/fuzz``.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+
+import pytest
+
+from controller.errors import TransientError
+from controller.observe.prometheus import (
+    SERIES_LABEL,
+    UP_QUERY,
+    PrometheusClient,
+    PrometheusSource,
+    PrometheusUnavailable,
+)
+from controller.observe.source import Target
+
+TARGETS = [Target("127.0.0.1:9101", "prefill"), Target("127.0.0.1:9201", "decode"),
+           Target("127.0.0.1:9301", "router")]
+END = 1_800_000_000.0
+
+
+class _Prometheus(BaseHTTPRequestHandler):
+    up: ClassVar[dict[str, str]] = {}  # instance -> "1" / "0"
+    data_value: ClassVar[str | None] = None  # None: data queries answer no rows
+    last_error: ClassVar[dict[str, str]] = {}
+    delay: ClassVar[threading.Event | None] = None
+
+    def do_GET(self) -> None:
+        parsed = urllib.parse.urlparse(self.path)
+        if _Prometheus.delay is not None:
+            _Prometheus.delay.wait(5)  # slower than the client's timeout
+        if parsed.path == "/api/v1/targets":
+            active = [{"labels": {"instance": i}, "lastError": e, "health": "down"}
+                      for i, e in _Prometheus.last_error.items()]
+            self._json({"status": "success", "data": {"activeTargets": active}})
+            return
+        query = urllib.parse.parse_qs(parsed.query).get("query", [""])[0]
+        if query == UP_QUERY:
+            rows = [{"metric": {"instance": i}, "value": [END, v]}
+                    for i, v in _Prometheus.up.items()]
+        elif _Prometheus.data_value is None:
+            rows = []
+        else:
+            rows = [{"metric": {"instance": t.name, SERIES_LABEL: "vllm:num_requests_running"},
+                     "value": [END, _Prometheus.data_value]} for t in TARGETS]
+        self._json({"status": "success", "data": {"resultType": "vector", "result": rows}})
+
+    def do_POST(self) -> None:
+        self.do_GET()
+
+    def _json(self, body: Any) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+@pytest.fixture
+def prometheus() -> Iterator[str]:
+    _Prometheus.up, _Prometheus.data_value, _Prometheus.last_error = {}, None, {}
+    _Prometheus.delay = None
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Prometheus)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        if _Prometheus.delay is not None:
+            _Prometheus.delay.set()
+        server.shutdown()
+        server.server_close()
+
+
+def source(url: str, timeout_s: float = 2.0) -> PrometheusSource:
+    return PrometheusSource(PrometheusClient(url, timeout_s=timeout_s, retries=0), TARGETS)
+
+
+def numbers(value: Any) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int | float):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [n for k, v in value.items() if k not in ("start", "end", "interval_s")
+                for n in numbers(v)]
+    if isinstance(value, list | tuple):
+        return [n for v in value for n in numbers(v)]
+    return []
+
+
+async def test_slow_prometheus_is_a_transient_error_not_an_empty_window(prometheus: str) -> None:
+    _Prometheus.delay = threading.Event()
+    src = source(prometheus, timeout_s=0.3)
+    try:
+        with pytest.raises(PrometheusUnavailable) as caught:
+            await src.window(END - 30, END)
+        assert isinstance(caught.value, TransientError)
+    finally:
+        _Prometheus.delay.set()
+        await src.aclose()
+
+
+async def test_empty_answers_name_every_target_and_invent_nothing(prometheus: str) -> None:
+    src = source(prometheus)
+    try:
+        window = await src.window(END - 30, END)
+    finally:
+        await src.aclose()
+    assert {f.target: f.kind for f in window.failures} == dict.fromkeys(
+        (t.name for t in TARGETS), "unreachable")
+    assert all("not among Prometheus' scrape targets" in f.message for f in window.failures)
+    assert window.workers == () and window.outcomes == ()
+
+
+async def test_stale_target_reports_prometheus_last_scrape_error(prometheus: str) -> None:
+    _Prometheus.up = {TARGETS[0].name: "0", TARGETS[1].name: "1", TARGETS[2].name: "1"}
+    _Prometheus.last_error = {TARGETS[0].name: "context deadline exceeded"}
+    src = source(prometheus)
+    try:
+        window = await src.window(END - 30, END)
+    finally:
+        await src.aclose()
+    stale = [f for f in window.failures if f.target == TARGETS[0].name]
+    assert len(stale) == 1 and stale[0].kind == "unreachable"
+    assert "context deadline exceeded" in stale[0].message
+    assert all(w.worker != TARGETS[0].name for w in window.workers)
+
+
+@pytest.mark.parametrize("value", ["NaN", None])
+async def test_nan_or_missing_data_is_never_turned_into_zeros(
+    prometheus: str, value: str | None
+) -> None:
+    _Prometheus.up = dict.fromkeys((t.name for t in TARGETS), "1")
+    _Prometheus.data_value = value
+    src = source(prometheus)
+    try:
+        window = await src.window(END - 30, END)
+    finally:
+        await src.aclose()
+    body = window.to_dict()
+    assert all(math.isfinite(n) for n in numbers(body))
+    # Workers whose families are all missing or NaN are failures that say so, not zeros.
+    assert {f.target: f.kind for f in window.failures} == {
+        TARGETS[0].name: "missing_family", TARGETS[1].name: "missing_family"}
+    assert window.workers == () and window.outcomes == ()
