@@ -4,7 +4,9 @@ gRPC routers on 127.0.0.1 and a real SQLite store:
 * the store restored from an older backup while the routers run a newer version: the
   desired policy is re-issued above every router's version, never under a used number;
 * the controller stopped in the middle of a push (its cycle task cancelled, then a fresh
-  Cycle on the same store — a restart): every router converges, nothing recorded is lost.
+  Cycle on the same store — a restart): every router converges, nothing recorded is lost;
+* PostgreSQL dropping the cycle's connection inside its write transaction (as a server
+  restart does): the cycle fails with the reason, writes nothing, and the next one commits.
 
 (The daemon-process versions — SIGKILL of ``pdctl run``, two replicas at once — are in
 ``tests/daemon/``.)
@@ -21,14 +23,17 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from controller.clock import VirtualClock
-from controller.cycle import Cycle, CycleConfig
+from controller.cycle import AlwaysLeader, Cycle, CycleConfig
 from controller.metrics import ControllerMetrics
 from controller.policy import Policy, Route, dumps
+from controller.rollout.agent import RouterAgent
 from controller.rollout.client import GrpcRouterTransport
-from controller.rollout.reconciler import Reconciler
+from controller.rollout.reconciler import FakeRouterTransport, Reconciler
 from controller.store import Store
+from controller.store.repository import Tx
 from tests.daemon.fakes import PolicyAwareSource, ScriptedLearner
 from tests.faults.harness import Routers, SlowAgent
+from tests.store.conftest import _admin_execute
 
 P1 = Policy.uniform(1, Route.PREFILL_NODE)
 P2 = Policy.uniform(2, Route.DECODE_LOCAL, exploration=0.05)
@@ -163,3 +168,62 @@ async def test_controller_stopped_mid_push_and_restarted_converges(tmp_path: Pat
         store.close()
         await transport.close()
         await routers.close()
+
+
+class ConnectionKillingLeader(AlwaysLeader):
+    """Leads; when ``kill_next`` is set, its fence check (run inside the cycle's write
+    transaction) has PostgreSQL terminate that very connection before the writes."""
+
+    def __init__(self, app: str) -> None:
+        super().__init__()
+        self.app = app
+        self.kill_next = False
+
+    def fence(self, tx: Tx) -> bool:
+        if self.kill_next:
+            self.kill_next = False
+            tx.desired_versions()  # the transaction is open on the server now
+            _admin_execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                f"WHERE application_name = '{self.app}' AND state LIKE 'idle in transaction%'"
+            )
+        return True
+
+
+async def test_postgres_connection_lost_inside_the_cycle_writes_nothing_and_recovers(
+    pg_url: tuple[str, str],
+) -> None:
+    url, app = pg_url
+    clock = VirtualClock(1_800_000_000.0)
+    store = Store(url, clock)
+    store.upgrade()
+    agents = {f"r{i}": RouterAgent(router_id=f"r{i}", clock=clock) for i in range(3)}
+    leader = ConnectionKillingLeader(app)
+    config = CycleConfig(interval_s=30.0, calibrate_every_s=None, min_training_windows=10_000,
+                         min_policy_interval_s=0.0)
+    cycle = Cycle(clock=clock, source=PolicyAwareSource(agents), store=store,
+                  learner=ScriptedLearner(), reconciler=Reconciler(FakeRouterTransport(agents),
+                                                                   clock, max_attempts=1),
+                  metrics=ControllerMetrics(CollectorRegistry()), routers=list(agents),
+                  config=config, leadership=leader)
+    try:
+        approve(store, P1, list(agents))
+        clock.advance(30)
+        assert (await cycle.run_once()).result == "ok"
+        before = records(store)
+        assert len(before["windows"]) == 1
+
+        leader.kill_next = True
+        clock.advance(30)
+        failed = await cycle.run_once()
+        assert failed.result == "failed" and "StoreUnavailable" in failed.reason
+        assert records(store) == before  # not half a cycle: no window, no drift, no acks
+
+        clock.advance(30)
+        assert (await cycle.run_once()).result == "ok"  # a fresh connection, no restart
+        after = records(store)
+        assert len(after["windows"]) == 2
+        assert after["windows"][:1] == before["windows"]
+        assert {a.snapshot.version for a in agents.values() if a.snapshot} == {1}
+    finally:
+        store.close()

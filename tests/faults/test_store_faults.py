@@ -10,12 +10,10 @@ from __future__ import annotations
 import os
 import random
 import resource
-import secrets
 import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ from controller.rollout.client import GrpcRouterTransport
 from controller.store import Store, migrate
 from controller.store.repository import StoreUnavailable
 from tests.faults.harness import RecordingClock, reconciler
-from tests.store.conftest import PG_SERVER, _admin_execute, _pg_reachable
+from tests.store.conftest import _admin_execute
 from tests.store.factories import sample_window
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,21 +108,6 @@ def test_sqlite_locked_by_another_process_is_a_bounded_transient_error(tmp_path:
 
 
 # -- PostgreSQL connection killed mid-transaction ----------------------------------------
-
-
-@pytest.fixture
-def pg_url() -> Iterator[tuple[str, str]]:
-    from tests.conftest import require
-
-    ok, why = _pg_reachable()
-    require("PostgreSQL", ok, f"{PG_SERVER}: {why}")
-    schema = f"pdc_test_{secrets.token_hex(6)}"
-    app = f"pdc_fault_{secrets.token_hex(4)}"
-    _admin_execute(f"CREATE SCHEMA {schema}")
-    try:
-        yield f"{PG_SERVER}?options=-csearch_path%3D{schema}&application_name={app}", app
-    finally:
-        _admin_execute(f"DROP SCHEMA {schema} CASCADE")
 
 
 def test_postgres_connection_killed_mid_cycle_rolls_the_cycle_back(
