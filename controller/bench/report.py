@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -75,3 +76,114 @@ def summarize(result: RunResult) -> dict[str, Any]:
 def bench_document(scenario: str, results: dict[str, RunResult]) -> dict[str, Any]:
     return {"scenario": scenario,
             "policies": {key: summarize(res) for key, res in results.items()}}
+
+
+# --------------------------------------------------------------------------- issue 7
+# The evaluation's document: the simulator issue's schema plus, per policy,
+# ``policy_changes`` and ``adaptation_s``, an ``oracle`` entry and top-level
+# ``oracle_ratio``, ``events`` and ``oracle_picks``.
+
+
+def _phase_entry(start: float, end: float, s: dict[str, Any]) -> dict[str, Any]:
+    return {"start_s": start, "end_s": end, "goodput": s["goodput"],
+            "turn2_ttft_mean_s": s["turn2_ttft_mean_s"],
+            "turn2_ttft_p99_s": s["turn2_ttft_p99_s"], "tpot_mean_s": s["tpot_mean_s"],
+            "tpot_p99_s": s["tpot_p99_s"], "kv_bytes": s["kv_bytes"]}
+
+
+def evaluation_document(bench: Any) -> dict[str, Any]:
+    """``pdctl bench run --json`` for a :class:`controller.bench.runner.BenchRun`."""
+    from controller.bench.oracle import oracle_records
+
+    scenario = bench.scenario
+    policies: dict[str, Any] = {}
+    for key, run in bench.runs.items():
+        entry = summarize(run.result)
+        entry["policy_changes"] = run.policy_changes
+        entry["adaptation_s"] = list(run.adaptation_s)
+        if run.adaptive is not None:
+            a = run.adaptive
+            entry["controller"] = {
+                "cycles": a.cycles, "failed_cycles": len(a.failed_cycles),
+                "windows": a.windows, "calibrations": a.calibrations, "pushes": a.pushes,
+                "drift_events": [{"at_s": t, "kind": k} for t, k in a.drift_events],
+                "approved_at_s": [t for t, _ in a.approvals],
+            }
+        policies[key] = entry
+    doc: dict[str, Any] = {
+        "scenario": scenario.name,
+        "duration_s": scenario.duration_s,
+        "interval_s": scenario.interval_s,
+        "events": [{"at_s": e.at_s, "kind": e.kind} for e in scenario.events],
+        "policies": policies,
+        "oracle_ratio": None,
+        "oracle_picks": None,
+        "notes": list(bench.notes),
+    }
+    if bench.oracle is not None:
+        recs = oracle_records(bench.candidates, bench.oracle)
+        any_run = next(iter(bench.candidates.values()))
+        entry = summarize_records(recs, any_run.ttft_slo_s, any_run.tpot_slo_s)
+        entry["phases"] = [
+            _phase_entry(start, end, summarize_records(
+                (r for r in recs if r.phase == i), any_run.ttft_slo_s, any_run.tpot_slo_s))
+            for i, (start, end) in enumerate(any_run.phases)]
+        picks = [p.policy for p in bench.oracle]
+        entry["policy_changes"] = sum(1 for a, b in itertools.pairwise(picks) if a != b)
+        entry["adaptation_s"] = [None] * len(scenario.events)
+        policies["oracle"] = entry
+        doc["oracle_picks"] = [{"phase": p.phase, "policy": p.policy, "goodput": p.goodput}
+                               for p in bench.oracle]
+        adaptive = policies.get("adaptive")
+        if adaptive is not None and adaptive["goodput"] is not None and entry["goodput"]:
+            doc["oracle_ratio"] = adaptive["goodput"] / entry["goodput"]
+    return doc
+
+
+def _ms(v: Any, digits: int = 1) -> str:
+    return "-" if v is None else f"{v * 1e3:.{digits}f}"
+
+
+def _num(v: Any, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def markdown_report(doc: dict[str, Any], command: str | None = None) -> str:
+    """Per policy: the whole scenario, then each phase (goodput, Turn-2+ TTFT, TPOT, KV,
+    policy changes, adaptation time per event)."""
+    lines = [f"### Scenario `{doc['scenario']}`", ""]
+    if command:
+        lines += [f"`{command}`", ""]
+    events = doc.get("events") or []
+    if events:
+        lines += ["Events: " + ", ".join(f"{e['kind']} at {e['at_s']:g} s" for e in events), ""]
+    lines += [
+        "| policy | phase | goodput | T2+ TTFT mean ms | T2+ TTFT p99 ms | TPOT mean ms "
+        "| TPOT p99 ms | KV GiB | policy changes | adaptation s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, s in doc["policies"].items():
+        adapt = s.get("adaptation_s") or []
+        adapt_txt = ", ".join("-" if a is None else f"{a:.0f}" for a in adapt) or "-"
+        lines.append(
+            f"| {key} | all | {_num(s['goodput'])} | {_ms(s['turn2_ttft_mean_s'])} "
+            f"| {_ms(s['turn2_ttft_p99_s'])} | {_ms(s['tpot_mean_s'], 2)} "
+            f"| {_ms(s['tpot_p99_s'], 2)} | {_num(s['kv_bytes'] / 2**30, 2)} "
+            f"| {s.get('policy_changes', 0)} | {adapt_txt} |")
+        for i, p in enumerate(s["phases"]):
+            lines.append(
+                f"| {key} | {i} ({p['start_s']:g}-{p['end_s']:g} s) | {_num(p['goodput'])} "
+                f"| {_ms(p['turn2_ttft_mean_s'])} | {_ms(p['turn2_ttft_p99_s'])} "
+                f"| {_ms(p['tpot_mean_s'], 2)} | {_ms(p['tpot_p99_s'], 2)} "
+                f"| {_num(p['kv_bytes'] / 2**30, 2)} | | |")
+    lines.append("")
+    if doc.get("oracle_picks"):
+        lines.append("Oracle picks per phase: " + ", ".join(
+            f"{p['phase']}: {p['policy']} ({_num(p['goodput'])})" for p in doc["oracle_picks"]))
+        lines.append("")
+    ratio = doc.get("oracle_ratio")
+    lines.append("adaptive / oracle goodput: " + ("not run" if ratio is None else f"{ratio:.3f}"))
+    for note in doc.get("notes") or []:
+        lines.append(f"- note: {note}")
+    lines.append("")
+    return "\n".join(lines)

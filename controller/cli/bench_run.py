@@ -1,8 +1,9 @@
-"""``pdctl bench run``: replay a scenario in virtual time under static policies."""
+"""``pdctl bench run``: the closed-loop evaluation (issue 7) of a scenario in virtual time."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -15,25 +16,36 @@ if TYPE_CHECKING:
     from controller.policy import Policy
     from controller.sim.scenario import Scenario
 
+SHORT_SCALE = 0.1
+
 
 def resolve_policy(spec: str, scenario: Scenario) -> tuple[str, Policy]:
     """``pd`` (every turn to a prefill node), ``local`` (every later turn decode-local) or a
     policy JSON file (keyed by its file name without extension)."""
-    from dataclasses import replace
+    from controller.bench.baselines import static_policy
+    from controller.bench.runner import slo_of
+    from controller.policy import Route, loads, validate_policy
 
-    from controller.policy import Policy, Route, Slo, loads, validate_policy
-
-    slo = Slo(ttft_s=scenario.ttft_slo_s, tpot_s=scenario.tpot_slo_s)
     if spec == "pd":
-        return "pd", replace(Policy.uniform(1, Route.PREFILL_NODE), slo=slo)
+        return "pd", static_policy(Route.PREFILL_NODE, slo_of(scenario))
     if spec == "local":
-        return "local", replace(Policy.uniform(1, Route.DECODE_LOCAL), slo=slo)
+        return "local", static_policy(Route.DECODE_LOCAL, slo_of(scenario))
     path = Path(spec)
     if not path.is_file():
-        raise typer.BadParameter(f"{spec!r} is not pd, local or a policy JSON file")
+        raise typer.BadParameter(f"{spec!r} is not a policy name or a policy JSON file")
     policy = loads(path.read_text(encoding="utf-8"))
     validate_policy(policy)
     return path.stem, policy
+
+
+def _threshold_options(items: list[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--threshold {item!r}: expected KEY=VALUE")
+        out[key.strip()] = float(value)
+    return out
 
 
 @bench_app.command("run")
@@ -41,72 +53,114 @@ def bench_run(
     scenario_path: Annotated[Path, typer.Argument(metavar="SCENARIO.toml",
                                                   help="Scenario file (TOML).")],
     policy: Annotated[list[str] | None, typer.Option(
-        "--policy", help="pd | local | PATH.json; repeat for several (default: pd and local).")
-    ] = None,
+        "--policy", help="pd | local | ppd-static | threshold | adaptive | oracle | "
+        "PATH.json; repeat for several (default: the six policies).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON summary.")] = False,
     out: Annotated[Path | None, typer.Option(
-        "--out", help="Write summary.json and per-request records (<policy>.jsonl) here.")
-    ] = None,
+        "--out", help="Write summary.json, report.md, PNG plots and per-request records "
+        "(<policy>.jsonl) here.")] = None,
+    duration_scale: Annotated[float, typer.Option(
+        "--duration-scale", help="Multiply duration and event times (and the control "
+        "interval, not below 10 s) by this factor.")] = 1.0,
+    short: Annotated[bool, typer.Option(
+        "--short", help=f"CI-sized run: --duration-scale {SHORT_SCALE}.")] = False,
+    threshold: Annotated[list[str] | None, typer.Option(
+        "--threshold", help="Override the threshold rule: max_uncached_tokens=N, "
+        "max_uncached_ratio=R, prefill_waiting=N (0 disables busyness).")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="pdctl settings for the adaptive controller (default: pdctl's "
+        "defaults with the scenario's SLOs and control interval).")] = None,
 ) -> None:
     """Replay SCENARIO.toml in virtual time under each policy and compare them."""
     from dataclasses import asdict
 
-    from controller.bench.report import bench_document
+    from controller.bench.baselines import threshold_from_options
+    from controller.bench.plots import write_plots
+    from controller.bench.report import evaluation_document, markdown_report
+    from controller.bench.runner import POLICIES, run_bench, scale_scenario
     from controller.errors import ConfigError
-    from controller.sim.run import RunResult, run_scenario
     from controller.sim.scenario import load_scenario
 
     try:
         scenario = load_scenario(scenario_path)
-        specs = policy or ["pd", "local"]
-        policies = dict(resolve_policy(s, scenario) for s in specs)
+        scenario = scale_scenario(scenario, SHORT_SCALE if short else duration_scale)
+        names: list[str] = []
+        extra: dict[str, Any] = {}
+        for spec in policy or list(POLICIES):
+            if spec in POLICIES:
+                names.append(spec)
+            else:
+                key, pol = resolve_policy(spec, scenario)
+                extra[key] = pol
+        thr = threshold_from_options(_threshold_options(threshold or []))
+        settings = None
+        if config is not None:
+            from controller.config import load_settings
+
+            settings = load_settings(config)
     except (ConfigError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    results: dict[str, RunResult] = {}
-    show_progress = sys.stdout.isatty()
-    for key, pol in policies.items():
-        if show_progress:
-            from rich.progress import Progress
 
-            with Progress(transient=True) as bar:
-                task = bar.add_task(f"{scenario.name} / {key}", total=scenario.duration_s)
+    show_progress = sys.stdout.isatty() and not as_json
+    if show_progress:
+        from rich.progress import Progress
 
-                def advance(t: float, bar: Progress = bar, task: Any = task) -> None:
-                    bar.update(task, completed=t)
+        with Progress(transient=True) as bar:
+            tasks: dict[str, Any] = {}
 
-                results[key] = run_scenario(scenario, pol, policy_key=key, progress=advance)
-        else:
-            results[key] = run_scenario(scenario, pol, policy_key=key)
-    doc = bench_document(scenario.name, results)
+            def advance(key: str, t: float, total: float) -> None:
+                if key not in tasks:
+                    tasks[key] = bar.add_task(f"{scenario.name} / {key}", total=total)
+                bar.update(tasks[key], completed=t)
+
+            bench = run_bench(scenario, names, threshold=thr, settings=settings,
+                              progress=advance, extra=extra)
+    else:
+        bench = run_bench(scenario, names, threshold=thr, settings=settings, extra=extra)
+    doc = evaluation_document(bench)
+    command = "pdctl bench run " + " ".join(shlex.quote(a) for a in sys.argv[3:]) \
+        if len(sys.argv) > 3 and sys.argv[1:3] == ["bench", "run"] else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        for key, res in results.items():
+        (out / "report.md").write_text(markdown_report(doc, command), encoding="utf-8")
+        for key, run in bench.runs.items():
             with (out / f"{key}.jsonl").open("w", encoding="utf-8") as f:
-                for rec in res.records:
+                for rec in run.result.records:
                     f.write(json.dumps(asdict(rec)) + "\n")
+        write_plots(out, bench, doc)
     if as_json:
         typer.echo(json.dumps(doc, indent=2))
         return
-    _print_table(doc, results)
+    _print_table(doc, bench)
 
 
 def _fmt(v: Any, scale: float = 1.0, digits: int = 3) -> str:
     return "-" if v is None else f"{v * scale:.{digits}f}"
 
 
-def _print_table(doc: dict[str, Any], results: dict[str, Any]) -> None:
+def _print_table(doc: dict[str, Any], bench: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"scenario {doc['scenario']}")
-    for col in ("policy", "goodput", "requests", "rejected", "T2+ TTFT mean ms",
-                "T2+ TTFT p99 ms", "TPOT mean ms", "TPOT p99 ms", "KV GiB", "wall s"):
+    for col in ("policy", "goodput", "phases", "requests", "T2+ TTFT mean ms",
+                "T2+ TTFT p99 ms", "TPOT mean ms", "TPOT p99 ms", "KV GiB", "changes",
+                "adapt s", "wall s"):
         table.add_column(col, justify="right")
     for key, s in doc["policies"].items():
-        table.add_row(key, _fmt(s["goodput"]), str(s["requests"]), str(s["rejected"]),
+        phases = " ".join(_fmt(p["goodput"], 1.0, 2) for p in s["phases"])
+        adapt = " ".join("-" if a is None else f"{a:.0f}" for a in s.get("adaptation_s", []))
+        run = bench.runs.get(key)
+        table.add_row(key, _fmt(s["goodput"]), phases, str(s["requests"]),
                       _fmt(s["turn2_ttft_mean_s"], 1e3, 1), _fmt(s["turn2_ttft_p99_s"], 1e3, 1),
                       _fmt(s["tpot_mean_s"], 1e3, 2), _fmt(s["tpot_p99_s"], 1e3, 2),
-                      _fmt(s["kv_bytes"], 1 / 2**30, 2), f"{results[key].wall_s:.1f}")
-    Console().print(table)
+                      _fmt(s["kv_bytes"], 1 / 2**30, 2), str(s.get("policy_changes", 0)),
+                      adapt or "-", "-" if run is None else f"{run.result.wall_s:.1f}")
+    console = Console()
+    console.print(table)
+    ratio = doc.get("oracle_ratio")
+    console.print("adaptive / oracle goodput: " + ("not run" if ratio is None else f"{ratio:.3f}"))
+    for note in doc.get("notes") or []:
+        console.print(f"note: {note}")

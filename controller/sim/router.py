@@ -5,16 +5,24 @@ Features (DESIGN §2): ``context_tokens`` = prompt tokens the session's decode w
 (its prefix-cache hit for this prompt), ``append_tokens`` = prompt - that,
 ``expected_output_tokens`` = the request's ``max_tokens`` (never the true output length),
 ``qps`` = this router's arrival rate over a sliding window.
+
+``decider`` (optional, default None): a rule that replaces the table for this router's
+decisions (the bench's ``threshold`` baseline). It gets the features and the full prompt
+length and returns the :class:`Decision`; outcomes still go through the agent.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from controller.clock import Clock
 from controller.policy import Decision, Features, Policy
 from controller.rollout.agent import RouterAgent
 from controller.rollout.qps import QpsMeter
+
+# (features, prompt tokens) -> decision: a rule-based router instead of the table.
+Decider = Callable[[Features, int], Decision]
 
 
 class SimRouter:
@@ -37,6 +45,7 @@ class SimRouter:
         )
         self.qps = QpsMeter(clock, window_s=qps_window_s)
         self.decisions = 0
+        self.decider: Decider | None = None
 
     def decide(self, turn: int, context_tokens: int, prompt_tokens: int,
                max_tokens: int) -> tuple[Features, Decision]:
@@ -49,6 +58,8 @@ class SimRouter:
             qps=self.qps.rate(),
         )
         self.decisions += 1
+        if self.decider is not None:
+            return features, self.decider(features, prompt_tokens)
         return features, self.agent.decide(features)
 
     def observe(self, decision: Decision, ttft_s: float, tpot_s: float | None,

@@ -178,10 +178,12 @@ def run_scenario(
     drain_limit_s: float = 3600.0,
     max_events: int = 200_000_000,
     shared_dir: Path | None = None,
+    setup: Callable[[SimCluster], None] | None = None,
 ) -> RunResult:
     """Replay ``scenario`` under ``policy`` (one for all routers, or a factory by router
     index). ``controller(t, cluster)`` runs every ``[controller] interval_s`` of virtual time
-    (a closed-loop test swaps policies there through ``cluster.routers[i].agent.apply``)."""
+    (a closed-loop test swaps policies there through ``cluster.routers[i].agent.apply``).
+    ``setup(cluster)`` runs once before any traffic (e.g. to install a router ``decider``)."""
     wall = WallClock()  # wall time of the run itself, for speed reports only
     wall0 = wall.perf_counter_ns()
     cfg = scenario.cluster
@@ -190,6 +192,8 @@ def run_scenario(
                      "closed_form_runs": closed_form}),
         scenario.profile, policy, clock=VirtualClock(start=0.0), seed=scenario.seed,
     )
+    if setup is not None:
+        setup(cluster)
     loop = cluster.loop
     phases = scenario.phase_bounds()
     phase_starts = [a for a, _ in phases]

@@ -112,7 +112,8 @@ def test_bench_run_json_has_the_documented_schema(tmp_path: Path) -> None:
     assert doc["scenario"] == "cli"
     assert set(doc["policies"]) == {"pd", "local", "mine"}
     keys = {"goodput", "requests", "rejected", "turn2_ttft_mean_s", "turn2_ttft_p99_s",
-            "tpot_mean_s", "tpot_p99_s", "kv_bytes", "phases"}
+            "tpot_mean_s", "tpot_p99_s", "kv_bytes", "phases",
+            "policy_changes", "adaptation_s"}  # the last two: issue 7's extension
     phase_keys = {"start_s", "end_s", "goodput", "turn2_ttft_mean_s", "turn2_ttft_p99_s",
                   "tpot_mean_s", "tpot_p99_s", "kv_bytes"}
     for s in doc["policies"].values():

@@ -1,0 +1,102 @@
+"""The ``adaptive`` policy: pd-controller's own control cycle inside the simulator.
+
+Not an imitation: :class:`controller.cycle.Cycle` (the code ``pdctl run`` schedules) runs
+every control interval of virtual time with an :class:`InProcessSource` over the simulated
+workers' and routers' registries (the same parser and window builder as a scrape), the real
+learner (:class:`controller.learning.CoreLearner`: drift detectors, calibration, guardrail),
+a :class:`Reconciler` pushing through :class:`FakeRouterTransport` to the simulated routers'
+own agents, and a SQLite store in a temporary file. It starts from the ``ppd-static`` table,
+stored as approved version 1 and desired by every router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controller.policy import Policy, dumps, loads
+
+
+@dataclass
+class AdaptiveOutcome:
+    """What the cycle did over a run (read back from its store)."""
+
+    approvals: list[tuple[float, Policy]] = field(default_factory=list)  # (virtual s, policy)
+    cycles: int = 0
+    failed_cycles: list[str] = field(default_factory=list)
+    windows: int = 0
+    drift_events: list[tuple[float, str]] = field(default_factory=list)
+    calibrations: int = 0
+    pushes: int = 0
+    store_url: str = ""
+
+
+class AdaptiveController:
+    """A ``run_scenario(controller=...)`` hook running one :class:`Cycle` per interval."""
+
+    def __init__(self, initial: Policy, settings: Any, db_path: Path) -> None:
+        self.initial = initial
+        self.settings = settings
+        self.db_path = db_path
+        self._loop = asyncio.new_event_loop()
+        self._cycle: Any = None
+        self._store: Any = None
+        self.reports: list[Any] = []
+
+    def _start(self, cluster: Any) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from controller.cycle import Cycle, CycleConfig, run_inline
+        from controller.learning import CoreLearner
+        from controller.metrics import ControllerMetrics
+        from controller.observe.inprocess import InProcessSource, sim_cluster_provider
+        from controller.rollout.reconciler import FakeRouterTransport, Reconciler
+        from controller.store import Store
+
+        store = Store(f"sqlite:///{self.db_path}", cluster.clock)
+        store.upgrade()
+        agents = {r.router_id: r.agent for r in cluster.routers}
+        with store.cycle() as tx:
+            tx.add_policy(self.initial.version, self.initial.checksum, dumps(self.initial),
+                          "approved", "ppd-static: the bench's starting table")
+            for router_id in agents:
+                tx.set_desired(router_id, self.initial.version)
+        self._store = store
+        self._cycle = Cycle(
+            clock=cluster.clock,
+            source=InProcessSource.following(sim_cluster_provider(cluster), cluster.clock),
+            store=store, learner=CoreLearner(self.settings),
+            reconciler=Reconciler(FakeRouterTransport(agents), cluster.clock, max_attempts=1),
+            metrics=ControllerMetrics(CollectorRegistry()), routers=list(agents),
+            config=CycleConfig.from_settings(self.settings), run_blocking=run_inline,
+        )
+
+    def setup(self, cluster: Any) -> None:
+        """``run_scenario(setup=...)``: store and cycle exist before the first request."""
+        self._start(cluster)
+
+    def __call__(self, now: float, cluster: Any) -> None:
+        if self._cycle is None:
+            self._start(cluster)
+        self.reports.append(self._loop.run_until_complete(self._cycle.run_once()))
+
+    def finish(self) -> AdaptiveOutcome:
+        """Read the run's history back from the store, then close it."""
+        self._loop.close()
+        out = AdaptiveOutcome(cycles=len(self.reports),
+                              failed_cycles=[r.reason for r in self.reports
+                                             if r.result == "failed"])
+        store = self._store
+        if store is None:
+            return out
+        out.store_url = f"sqlite:///{self.db_path}"
+        approved = sorted(store.policies(status="approved"), key=lambda p: p.version)
+        out.approvals = [(p.created_at.timestamp(), loads(p.body_json)) for p in approved]
+        out.windows = len(store.windows())
+        out.drift_events = [(e.at.timestamp(), e.kind) for e in store.drift_events()]
+        out.calibrations = len(store.calibrations())
+        out.pushes = len(store.pushes())
+        store.close()
+        return out

@@ -1,0 +1,269 @@
+"""``pdctl bench run``: every policy on the same seeded scenario, then the oracle.
+
+Order of the runs (each a full virtual-time replay of the scenario, same seed):
+
+1. ``pd`` and ``local`` (forced all-prefill-node / all-decode-local) with windows recorded
+   every control interval through :class:`InProcessSource`; they are both baselines and the
+   forced calibration runs.
+2. ``ppd-static``: a table calibrated by the learning core on the first phase's windows of
+   both forced runs, weights pinned at (1, 1), never changed.
+3. ``threshold``: the Dynamo-style rule (:mod:`controller.bench.baselines`).
+4. ``adaptive``: the daemon's cycle (:mod:`controller.bench.adaptive`) from ``ppd-static``.
+5. Oracle candidates ``table-a:b``: per phase, a table calibrated on that phase's windows of
+   the forced runs with wtft:wtpot = a:b, pushed to the routers at the phase's start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from controller.bench.baselines import ThresholdConfig, install_threshold, static_policy
+from controller.bench.oracle import (
+    ORACLE_RATIOS,
+    OraclePick,
+    calibrated_table,
+    pick_per_phase,
+    ratio_key,
+    windows_in,
+)
+from controller.core.window import Window
+from controller.policy import Policy, Route, Slo, Weights
+from controller.sim.run import RunResult, run_scenario
+from controller.sim.scenario import Event, Scenario
+
+POLICIES: tuple[str, ...] = ("pd", "local", "ppd-static", "threshold", "adaptive", "oracle")
+STATIC = ("pd", "local", "ppd-static", "threshold")
+
+Progress = Callable[[str, float, float], None]  # (label, virtual now, virtual total)
+
+
+@dataclass
+class PolicyRun:
+    """One policy's replay and what the bench knows about its tables."""
+
+    result: RunResult
+    tables: list[tuple[float, Policy]] = field(default_factory=list)  # (from s, table)
+    policy_changes: int = 0
+    adaptation_s: list[float | None] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    adaptive: Any = None  # AdaptiveOutcome for "adaptive"
+
+
+@dataclass
+class BenchRun:
+    scenario: Scenario
+    runs: dict[str, PolicyRun]  # the requested policies (oracle excluded)
+    candidates: dict[str, RunResult]  # everything the oracle chose from
+    oracle: list[OraclePick] | None
+    notes: list[str] = field(default_factory=list)
+
+
+def scale_scenario(scenario: Scenario, factor: float, min_interval_s: float = 10.0
+                   ) -> Scenario:
+    """A shortened scenario: duration and event times x ``factor``; the control interval
+    x ``factor`` too, but not below ``min_interval_s`` (windows need requests)."""
+    if factor <= 0:
+        raise ValueError("--duration-scale must be > 0")
+    if factor == 1.0:
+        return scenario
+    events = tuple(replace(e, at_s=e.at_s * factor) for e in scenario.events)
+    return replace(scenario, duration_s=scenario.duration_s * factor, events=events,
+                   interval_s=max(min_interval_s, scenario.interval_s * factor))
+
+
+def slo_of(scenario: Scenario) -> Slo:
+    return Slo(ttft_s=scenario.ttft_slo_s, tpot_s=scenario.tpot_slo_s)
+
+
+class WindowRecorder:
+    """A controller hook that only observes: one window per control interval."""
+
+    def __init__(self) -> None:
+        self.windows: list[Window] = []
+        self._source: Any = None
+        self._last = 0.0
+        self._loop = asyncio.new_event_loop()
+
+    def setup(self, cluster: Any) -> None:
+        from controller.observe.inprocess import InProcessSource, sim_cluster_provider
+
+        self._source = InProcessSource.following(sim_cluster_provider(cluster), cluster.clock)
+        self._loop.run_until_complete(self._source.window(0.0, 0.0))  # baseline snapshot
+
+    def __call__(self, now: float, cluster: Any) -> None:
+        self.windows.append(self._loop.run_until_complete(self._source.window(self._last, now)))
+        self._last = now
+
+    def close(self) -> None:
+        self._loop.close()
+
+
+def adaptation_times(events: Sequence[Event], approvals: Sequence[float]
+                     ) -> list[float | None]:
+    """Per event: seconds from it to the first approval at or after it (None: none before
+    the next event, or ever)."""
+    times = sorted({e.at_s for e in events})
+    out: list[float | None] = []
+    for ev in sorted(events, key=lambda e: e.at_s):
+        nxt = next((t for t in times if t > ev.at_s), float("inf"))
+        first = next((a for a in sorted(approvals) if ev.at_s <= a < nxt), None)
+        out.append(None if first is None else first - ev.at_s)
+    return out
+
+
+def _phase_switcher(tables: Sequence[tuple[float, Policy]]) -> Callable[[Any], None]:
+    """``setup`` hook: push each table to every router at its start time."""
+
+    def setup(cluster: Any) -> None:
+        for start, table in tables:
+            if start <= 0:
+                continue
+
+            def push(policy: Policy = table) -> None:
+                for router in cluster.routers:
+                    router.agent.apply(policy)
+
+            cluster.loop.at(start, push)
+
+    return setup
+
+
+def quiet_logs() -> None:
+    """The simulated routers warn that a static policy is 'stale' after 15 virtual minutes
+    and the cycle logs every pass: noise on a bench's terminal."""
+    logging.getLogger("controller.rollout.agent").setLevel(logging.ERROR)
+    logging.getLogger("pdctl.cycle").setLevel(logging.WARNING)
+
+
+def run_bench(
+    scenario: Scenario,
+    policies: Sequence[str] = POLICIES,
+    *,
+    threshold: ThresholdConfig | None = None,
+    settings: Any = None,
+    progress: Progress | None = None,
+    workdir: Path | None = None,
+    extra: dict[str, Policy] | None = None,
+) -> BenchRun:
+    """Replay ``scenario`` under ``policies`` (names of :data:`POLICIES`) and policy files
+    (``extra``: key -> policy). The forced runs behind ``ppd-static`` and the oracle run even
+    when ``pd``/``local`` are not asked for (they are then left out of the report)."""
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policy {', '.join(unknown)}; expected {', '.join(POLICIES)}")
+    quiet_logs()
+    slo = slo_of(scenario)
+    phases = scenario.phase_bounds()
+    wanted = set(policies)
+    need_tables = bool(wanted & {"ppd-static", "adaptive", "oracle"})
+    notes: list[str] = []
+
+    def replay(key: str, policy: Any, *, controller: Any = None,
+               setup: Callable[[Any], None] | None = None) -> RunResult:
+        def tick(t: float) -> None:
+            if progress is not None:
+                progress(key, t, scenario.duration_s)
+
+        return run_scenario(scenario, policy, policy_key=key, controller=controller,
+                            setup=setup, progress=tick if progress is not None else None)
+
+    runs: dict[str, PolicyRun] = {}
+    windows: dict[str, list[Window]] = {}
+    for key, route in (("pd", Route.PREFILL_NODE), ("local", Route.DECODE_LOCAL)):
+        if key not in wanted and not need_tables:
+            continue
+        recorder = WindowRecorder() if need_tables else None
+        res = replay(key, static_policy(route, slo), controller=recorder,
+                     setup=recorder.setup if recorder is not None else None)
+        if recorder is not None:
+            recorder.close()
+            windows[key] = recorder.windows
+        runs[key] = PolicyRun(res, tables=[(0.0, static_policy(route, slo))],
+                              adaptation_s=[None] * len(scenario.events))
+
+    ppd_static: Policy | None = None
+    if need_tables:
+        first = [w for k in ("pd", "local") for w in windows_in(windows[k], *phases[0])]
+        ppd_static = calibrated_table(first, slo, Weights(1.0, 1.0), 1,
+                                      "ppd-static: forced runs on the first phase, weights 1:1")
+        if "ppd-static" in wanted or "oracle" in wanted:
+            runs["ppd-static"] = PolicyRun(replay("ppd-static", ppd_static),
+                                           tables=[(0.0, ppd_static)],
+                                           adaptation_s=[None] * len(scenario.events))
+    if "threshold" in wanted or "oracle" in wanted:
+        cfg = threshold or ThresholdConfig()
+        runs["threshold"] = PolicyRun(replay("threshold", static_policy(Route.PREFILL_NODE, slo),
+                                             setup=install_threshold(cfg)),
+                                      adaptation_s=[None] * len(scenario.events))
+    for key, pol in (extra or {}).items():
+        runs[key] = PolicyRun(replay(key, pol), tables=[(0.0, pol)],
+                              adaptation_s=[None] * len(scenario.events))
+    if "adaptive" in wanted:
+        assert ppd_static is not None
+        runs["adaptive"] = _run_adaptive(scenario, ppd_static, settings, replay, workdir)
+
+    candidates: dict[str, RunResult] = {k: runs[k].result for k in STATIC if k in runs}
+    oracle: list[OraclePick] | None = None
+    if "oracle" in wanted:
+        for wtft, wtpot in ORACLE_RATIOS:
+            key = ratio_key(wtft, wtpot)
+            tables: list[tuple[float, Policy]] = []
+            for i, (start, end) in enumerate(phases):
+                mine = [w for k in ("pd", "local") for w in windows_in(windows[k], start, end)]
+                try:
+                    tables.append((start, calibrated_table(
+                        mine, slo, Weights(wtft, wtpot), i + 1,
+                        f"oracle candidate: phase {i} windows, wtft:wtpot {wtft:g}:{wtpot:g}")))
+                except ValueError as e:  # CalibrationError: too few windows in the phase
+                    notes.append(f"{key}: phase {i} has no table ({e}); previous kept")
+            if not tables:
+                continue
+            if tables[0][0] > 0:
+                tables[0] = (0.0, tables[0][1])
+            res = replay(key, tables[0][1], setup=_phase_switcher(tables))
+            candidates[key] = res
+            runs.setdefault(key, PolicyRun(res, tables=tables, policy_changes=len(tables) - 1,
+                                           adaptation_s=[None] * len(scenario.events)))
+        oracle = pick_per_phase(candidates)
+    # Keep only what was asked for (plus oracle candidates, needed for the oracle's report).
+    report_runs = {k: v for k, v in runs.items()
+                   if k in wanted or k in (extra or {}) or k.startswith("table-")}
+    if "oracle" not in wanted:
+        report_runs = {k: v for k, v in report_runs.items() if not k.startswith("table-")}
+    return BenchRun(scenario, report_runs, candidates, oracle, notes)
+
+
+def _run_adaptive(scenario: Scenario, initial: Policy, settings: Any,
+                  replay: Callable[..., RunResult], workdir: Path | None) -> PolicyRun:
+    from controller.bench.adaptive import AdaptiveController
+    from controller.config import load_settings
+
+    if settings is None:
+        settings = load_settings(
+            slo={"ttft_s": scenario.ttft_slo_s, "tpot_s": scenario.tpot_slo_s},
+            controller={"interval_s": scenario.interval_s})
+    owned = None
+    if workdir is None:
+        owned = tempfile.TemporaryDirectory(prefix="pdctl-bench-")
+        workdir = Path(owned.name)
+    try:
+        hook = AdaptiveController(initial, settings, workdir / f"{scenario.name}-adaptive.db")
+        res = replay("adaptive", initial, controller=hook, setup=hook.setup)
+        outcome = hook.finish()
+    finally:
+        if owned is not None:
+            owned.cleanup()
+    approvals = [t for t, _ in outcome.approvals[1:]]
+    return PolicyRun(
+        res, tables=[(max(0.0, t), p) for t, p in outcome.approvals],
+        policy_changes=len(approvals),
+        adaptation_s=adaptation_times(scenario.events, approvals),
+        notes=[f"cycle failed: {r}" for r in outcome.failed_cycles[:5]],
+        adaptive=outcome,
+    )

@@ -1,0 +1,145 @@
+"""``pdctl bench run`` end to end on a small synthetic scenario: every policy (the adaptive
+one is the daemon's cycle on a SQLite store), the JSON schema, the Markdown table, the PNGs,
+and the store rows of the adaptive run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from controller.bench.runner import POLICIES, run_bench
+from controller.cli import app
+from controller.sim.scenario import load_scenario
+
+SCENARIO = """
+name = "bench-small"
+seed = 7
+duration_s = 160
+
+[cluster]
+prefill_workers = 1
+decode_workers = 3
+routers = 2
+
+[workload]
+source = "synthetic"
+
+[workload.params]
+qps = 4
+turns = 4
+turn1_input = 1024
+turn1_output = 64
+append_input = 256
+append_output = 64
+think_s = 1.0
+
+[[events]]
+at_s = 80
+kind = "rate_scale"
+factor = 3.0
+
+[slo]
+ttft_s = 0.4
+tpot_s = 0.03
+
+[controller]
+interval_s = 10
+"""
+
+PHASE_KEYS = {"start_s", "end_s", "goodput", "turn2_ttft_mean_s", "turn2_ttft_p99_s",
+              "tpot_mean_s", "tpot_p99_s", "kv_bytes"}
+POLICY_KEYS = {"goodput", "requests", "rejected", "turn2_ttft_mean_s", "turn2_ttft_p99_s",
+               "tpot_mean_s", "tpot_p99_s", "kv_bytes", "phases", "policy_changes",
+               "adaptation_s"}
+
+
+@pytest.fixture(scope="module")
+def scenario_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("bench") / "small.toml"
+    path.write_text(SCENARIO)
+    return path
+
+
+def test_cli_writes_json_markdown_and_plots(scenario_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["bench", "run", str(scenario_file), "--json",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc == json.loads((out / "summary.json").read_text())
+    assert doc["scenario"] == "bench-small"
+    assert set(doc["policies"]) >= set(POLICIES)
+    for key, entry in doc["policies"].items():
+        assert set(entry) >= POLICY_KEYS, key
+        assert len(entry["phases"]) == 2
+        assert all(set(p) == PHASE_KEYS for p in entry["phases"])
+        assert len(entry["adaptation_s"]) == 1
+        assert 0.0 <= entry["goodput"] <= 1.0
+    for key in ("pd", "local", "ppd-static", "threshold"):
+        assert doc["policies"][key]["policy_changes"] == 0
+        assert doc["policies"][key]["adaptation_s"] == [None]
+    ratio = doc["oracle_ratio"]
+    assert ratio == doc["policies"]["adaptive"]["goodput"] / doc["policies"]["oracle"]["goodput"]
+    # The oracle is at least every static candidate in every phase.
+    for i in range(2):
+        best = max(doc["policies"][k]["phases"][i]["goodput"]
+                   for k in doc["policies"] if k not in ("adaptive", "oracle"))
+        assert doc["policies"]["oracle"]["phases"][i]["goodput"] == pytest.approx(best)
+
+    md = (out / "report.md").read_text()
+    for key in doc["policies"]:
+        assert f"| {key} | all |" in md
+        assert f"| {key} | 0 (0-80 s) |" in md and f"| {key} | 1 (80-160 s) |" in md
+    import matplotlib.image
+
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert {"goodput.png", "ttft_cdf.png", "tpot_cdf.png", "tables-ppd-static.png",
+            "tables-adaptive.png"} <= set(pngs)
+    for name in pngs:
+        img = matplotlib.image.imread(out / name)
+        assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    lines = (out / "pd.jsonl").read_text().splitlines()
+    assert len(lines) == doc["policies"]["pd"]["requests"]
+
+
+def test_adaptive_is_the_daemons_cycle_with_its_store(scenario_file: Path,
+                                                      tmp_path: Path) -> None:
+    from controller.clock import VirtualClock
+    from controller.policy import loads
+    from controller.store import Store
+
+    scenario = load_scenario(scenario_file)
+    bench = run_bench(scenario, ["adaptive"], workdir=tmp_path)
+    run = bench.runs["adaptive"]
+    outcome = run.adaptive
+    assert outcome.cycles >= scenario.duration_s / scenario.interval_s - 1
+    assert not outcome.failed_cycles
+    store = Store(f"sqlite:///{tmp_path / 'bench-small-adaptive.db'}", VirtualClock(start=0.0))
+    try:
+        windows = store.windows()
+        assert len(windows) == outcome.windows >= outcome.cycles - 1
+        policies = sorted(store.policies(), key=lambda p: p.version)
+        first = policies[0]
+        # Version 1 is the ppd-static table the run started from, as the bench built it.
+        assert first.version == 1 and first.status == "approved"
+        assert loads(first.body_json).table == run.tables[0][1].table
+        assert "ppd-static" in first.reason
+        approved = [p for p in policies if p.status == "approved"]
+        assert run.policy_changes == len(approved) - 1
+        assert len(store.calibrations()) == outcome.calibrations
+        assert [(e.at.timestamp(), e.kind) for e in store.drift_events()] \
+            == outcome.drift_events
+        assert len(store.pushes()) == outcome.pushes
+        # Every router ended on its desired version, as the store records it.
+        acked = {r.router_id: r.acked_version for r in store.routers()}
+        assert acked == store.desired_versions()
+    finally:
+        store.close()
+
+
+def test_unknown_policy_is_an_error(scenario_file: Path) -> None:
+    result = CliRunner().invoke(app, ["bench", "run", str(scenario_file), "--policy", "nope"])
+    assert result.exit_code != 0
