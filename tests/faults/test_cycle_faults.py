@@ -5,6 +5,9 @@ gRPC routers on 127.0.0.1 and a real SQLite store:
   desired policy is re-issued above every router's version, never under a used number;
 * the controller stopped in the middle of a push (its cycle task cancelled, then a fresh
   Cycle on the same store — a restart): every router converges, nothing recorded is lost;
+* the wall clock jumping back an hour and forward a day between cycles (the monotonic
+  clock running on): every cycle completes, every window is stored, versions stay unique
+  and consecutive, and every router ends on the desired version;
 * PostgreSQL dropping the cycle's connection inside its write transaction (as a server
   restart does): the cycle fails with the reason, writes nothing, and the next one commits.
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import sqlite3
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -225,5 +229,58 @@ async def test_postgres_connection_lost_inside_the_cycle_writes_nothing_and_reco
         assert len(after["windows"]) == 2
         assert after["windows"][:1] == before["windows"]
         assert {a.snapshot.version for a in agents.values() if a.snapshot} == {1}
+    finally:
+        store.close()
+
+
+class JumpingWallClock(VirtualClock):
+    """Virtual time whose wall-clock reading (``now``/``utcnow``) can be stepped either way
+    by ``offset``, as NTP or an operator steps a real clock; ``monotonic`` never jumps."""
+
+    def __init__(self, start: float) -> None:
+        super().__init__(start)
+        self.offset = 0.0
+
+    def now(self) -> float:
+        return super().now() + self.offset
+
+    def utcnow(self) -> datetime:
+        return datetime.fromtimestamp(self.now(), tz=UTC)
+
+
+async def test_wall_clock_jumps_keep_versions_unique_and_routers_converged(
+    tmp_path: Path,
+) -> None:
+    clock = JumpingWallClock(1_800_000_000.0)
+    store = Store(f"sqlite:///{tmp_path / 'history.db'}", clock)
+    store.upgrade()
+    agents = {f"r{i}": RouterAgent(router_id=f"r{i}", clock=clock) for i in range(4)}
+    learner = ScriptedLearner()
+    config = CycleConfig(interval_s=30.0, calibrate_every_s=None, min_training_windows=2,
+                         min_policy_interval_s=0.0, bake_windows=2, bake_min_requests=100.0,
+                         max_bake_windows=6)
+    cycle = Cycle(clock=clock, source=PolicyAwareSource(agents), store=store, learner=learner,
+                  reconciler=Reconciler(FakeRouterTransport(agents), clock, max_attempts=1),
+                  metrics=ControllerMetrics(CollectorRegistry()), routers=list(agents),
+                  config=config)
+    try:
+        results = []
+        for step in range(14):
+            if step == 4:
+                clock.offset -= 3600  # back an hour
+            if step == 9:
+                clock.offset += 86_400  # forward a day
+            learner.fire = step in (1, 10)
+            clock.advance(30)
+            results.append((await cycle.run_once()).result)
+        assert results == ["ok"] * 14
+        windows = store.windows()
+        assert len(windows) == 14 and all(w.window.start < w.window.end for w in windows)
+        versions = [p.version for p in store.policies()]
+        assert versions == list(range(1, len(versions) + 1)) and len(versions) >= 2
+        desired = store.desired_versions()
+        assert set(desired.values()) == {versions[-1]}
+        assert {r: a.snapshot.version for r, a in agents.items() if a.snapshot} == desired
+        assert store.next_version() == versions[-1] + 1
     finally:
         store.close()
