@@ -37,7 +37,7 @@ from statistics import NormalDist
 from typing import Any, Protocol, TypeVar
 
 from controller.clock import Clock
-from controller.core.drift import scaling_event
+from controller.core.drift import ScalingState, step_scaling
 from controller.core.window import Window
 from controller.learning import (
     CalibrationOutcome,
@@ -59,6 +59,7 @@ log = logging.getLogger("pdctl.cycle")
 FALLBACK_PREFILL = "fallback-prefill"
 MAX_REQUESTS_PER_CYCLE = 16
 FIT_RETRY_INTERVALS = 10  # control intervals between automatic retries of a failed fit
+SETTLED_FAILURES = 2  # windows a target must have failed in a row to count as gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,9 +304,13 @@ class Cycle:
         self._state = LearnerState()
         self._state_for: int | None = None  # the policy version the learner state belongs to
         self._last_end: float | None = None
-        self._previous_window: Window | None = None
         self._policies: dict[int, Policy] = {}
         self._fit_failed_at: float | None = None  # automatic fits back off after a failure
+        self._scaling = ScalingState()
+        # Causes not yet recalibrated for (a deferred or rate-limited cycle keeps them).
+        self._pending_scaling: str | None = None
+        self._pending_drift = False
+        self._failing: dict[str, int] = {}  # target -> windows failed in a row
         self.last_report: CycleReport | None = None
         self.last_completed_at: float | None = None  # clock.now() of the last ok cycle
 
@@ -362,11 +367,18 @@ class Cycle:
             current = self._current_policy(tx, rollout)
             self._restore_learner(tx, rollout)
         window = plan.window
-        complete = window is not None and not window.failures and bool(window.outcomes)
+        if window is not None:
+            self._track_failures(window)
+            self._scaling, events = step_scaling(self._scaling, window, SETTLED_FAILURES)
+            if events:
+                self._pending_scaling = "; ".join(e.reason for e in events)
+        complete = window is not None and self.usable(window)
         if window is not None:
             t0 = self.clock.monotonic()
             self._state, plan.findings = self.learner.assess(self._state, window, window.end)
             self.metrics.observe_job("assess", self.clock.monotonic() - t0)
+            if any(f.fired for f in plan.findings):
+                self._pending_drift = True
         recal = next((r for r in claimed if r.kind == "recalibrate"), None)
         plan.trigger = self._trigger(plan, rollout, ops, recal, now)
         if plan.trigger is not None:
@@ -377,7 +389,19 @@ class Cycle:
             else:
                 await self._calibrate(plan, current, now, recal, ops, report)
         self._write(plan, claimed, rollout, ops, current, report)
-        self._previous_window = window if window is not None else self._previous_window
+
+    def _track_failures(self, window: Window) -> None:
+        failed = {f.target for f in window.failures}
+        self._failing = {t: self._failing.get(t, 0) + 1 for t in failed}
+
+    def usable(self, window: Window) -> bool:
+        """Fit to learn from: routed requests, and no target missing except those gone for
+        good (failing ``SETTLED_FAILURES`` windows in a row: lost capacity, not missing
+        data). A transient scrape failure makes the window unusable."""
+        if not window.outcomes:
+            return False
+        gone = {t for t, n in self._failing.items() if n >= SETTLED_FAILURES}
+        return all(f.target in gone for f in window.failures)
 
     def _claim_requests(self, report: CycleReport) -> list[OperatorRequest]:
         claimed: list[OperatorRequest] = []
@@ -395,7 +419,12 @@ class Cycle:
         """Why to calibrate now, or None."""
         if recal is not None:
             return "operator"
-        if ops.holding or rollout.canary_version is not None:
+        if rollout.canary_version is not None:
+            # Routers run a mix of two policies while a canary bakes: its drift says nothing
+            # about the fleet's policy. The judge decides instead.
+            self._pending_drift = False
+            return None
+        if ops.holding:
             return None
         if self._since_last_change(now) < self.config.min_policy_interval_s:
             if any(f.fired for f in plan.findings):
@@ -405,10 +434,9 @@ class Cycle:
         if self._fit_failed_at is not None \
                 and now - self._fit_failed_at < FIT_RETRY_INTERVALS * self.config.interval_s:
             return None  # a failed fit is not retried every cycle (operators can force one)
-        if any(f.fired for f in plan.findings):
+        if self._pending_drift:
             return "drift"
-        if plan.window is not None and self._previous_window is not None \
-                and scaling_event(self._previous_window, plan.window):
+        if self._pending_scaling is not None:
             return "scaling"
         due = self.next_due()
         if due is not None and now >= due:
@@ -442,10 +470,12 @@ class Cycle:
         self.metrics.recalibration(trigger)
         with self.store.read() as tx:
             stored = tx.windows(limit=self.config.training_windows)
-        usable = [s for s in stored if not s.window.failures and s.window.outcomes]
+        usable = [s for s in stored if self.usable(s.window)]
         force = bool(recal is not None and (recal.args or {}).get("force"))
         plan.recalibrate_request = recal
-        if plan.window is not None and not plan.window.failures and plan.window.outcomes:
+        self._pending_scaling = None  # this calibration sees the new capacity and mix
+        self._pending_drift = False
+        if plan.window is not None and self.usable(plan.window):
             # This cycle's window is written in the same transaction; train on it too.
             windows = [s.window for s in usable] + [plan.window]
         else:
@@ -870,7 +900,8 @@ def _why_incomplete(window: Window | None) -> str:
         return "no window (observe failed)"
     if window.failures:
         names = ", ".join(sorted(f.target for f in window.failures)[:5])
-        return f"{len(window.failures)} target(s) failed: {names}"
+        return (f"{len(window.failures)} target(s) failed: {names} (a target failing "
+                f"{SETTLED_FAILURES} windows in a row counts as gone, not missing)")
     return "the window has no routed requests"
 
 

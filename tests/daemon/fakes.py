@@ -10,7 +10,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from controller.clock import VirtualClock
-from controller.core.window import RouteOutcome, TargetFailure, Window, Workload
+from controller.core.window import RouteOutcome, TargetFailure, Window, WorkerStats, Workload
 from controller.cycle import Cycle, CycleConfig, CycleReport
 from controller.learning import CalibrationOutcome, DriftFinding, LearnerState
 from controller.metrics import ControllerMetrics
@@ -41,6 +41,7 @@ class PolicyAwareSource:
         self.fail_next = False
         self.down: set[str] = set()
         self.calls = 0
+        self.workers = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}
 
     def targets(self) -> Sequence[Target]:
         return [Target(name=r, role="router") for r in self.agents]
@@ -59,7 +60,10 @@ class PolicyAwareSource:
             outcomes.append(RouteOutcome(name, Route.PREFILL_NODE, 0, 0, self.requests,
                                          round(share * self.requests), 1.0, 1.0, 1.0, 1.0))
         failures = [TargetFailure(t, "unreachable", "scripted") for t in sorted(self.down)]
-        return Window.build(start, end, max(end - start, 1.0), outcomes=outcomes,
+        workers = [WorkerStats(name, role, "vllm")  # type: ignore[arg-type]
+                   for name, role in sorted(self.workers.items()) if name not in self.down]
+        return Window.build(start, end, max(end - start, 1.0), workers=workers,
+                            outcomes=outcomes,
                             workload=Workload(qps_by_router={n: 1.0 for n in self.agents}),
                             answered=[n for n in self.agents if n not in self.down],
                             failures=failures, source="fake")

@@ -144,6 +144,30 @@ async def test_incomplete_window_and_failed_fit_never_approve(tmp_path: Path) ->
     assert rig.learner.calibrations == calls + 1
 
 
+async def test_a_target_gone_for_good_is_lost_capacity_not_missing_data(tmp_path: Path
+                                                                         ) -> None:
+    rig = make_rig(tmp_path, routers=1)  # no canary: each approval is promoted at once
+    await _bootstrap(rig)
+    calls = rig.learner.calibrations
+    rig.source.down = {"p1"}  # a prefill worker dies and stays dead
+    first = await rig.step()
+    assert first.trigger is None and rig.learner.calibrations == calls  # one failure: wait
+    second = await rig.step()
+    # Failing two windows in a row: gone. The capacity change triggers a calibration on
+    # windows that are complete but for the dead worker.
+    assert second.trigger == "scaling", second.reason
+    assert rig.learner.calibrations == calls + 1
+    assert second.approved_version == 2
+    # A transient failure of another target still defers.
+    rig.source.down = {"p1", "d0"}
+    rig.learner.fire = True
+    report = await rig.step()
+    assert report.trigger is None and "deferred" in report.reason and "d0" in report.reason
+    rig.source.down = {"p1"}
+    report = await rig.step()  # the drift was remembered; this window is usable again
+    assert report.trigger == "drift" and report.approved_version == 3
+
+
 async def test_guardrail_rejection_is_recorded_and_pushes_nothing(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     await _bootstrap(rig)
@@ -280,13 +304,22 @@ async def test_restart_does_not_repush_an_acknowledged_version(tmp_path: Path) -
 async def test_policy_change_limit_defers_automatic_approvals(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, min_policy_interval_s=300.0)
     await _bootstrap(rig)
+    first = rig.store.policy(1)
+    assert first is not None
     rig.learner.fire = True
     report = await rig.step()
+    assert report.drift == ["workload"]
     assert report.approved_version is None and report.trigger is None
-    for _ in range(10):
-        await rig.step()
-    rig.learner.fire = True
-    assert (await rig.step()).approved_version == 2
+    # The drift is remembered, and acted on once the limit allows: no new drift needed.
+    approved_at = None
+    for _ in range(15):
+        report = await rig.step()
+        if report.approved_version is not None:
+            assert report.trigger == "drift" and report.approved_version == 2
+            approved_at = rig.clock.now()
+            break
+    assert approved_at is not None
+    assert approved_at - first.created_at.timestamp() >= 300.0
 
 
 async def test_advisory_mode_records_candidates_and_pushes_nothing(tmp_path: Path) -> None:
