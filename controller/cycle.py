@@ -19,6 +19,15 @@ network calls or a fit. Two small transactions surround it: claiming operator re
 (so that exactly one replica acts on each) and recording what the routers acknowledged
 after the reconcile pass.
 
+Leadership: only the leader observes, stores windows, calibrates and approves. In
+standalone mode the leader also reconciles every router; in sidecar mode
+(``reconcile_only``) every replica reconciles its own router.
+
+Missing data: a window with a failed target is not trained on, unless that target failed
+``SETTLED_FAILURES`` windows in a row (gone: lost capacity, which is a scaling cause in its
+own right). Drift and scaling causes found while a cycle cannot act (rate limit, deferred
+window) are remembered until a calibration runs; drift during a canary bake is ignored.
+
 Operator requests use the store's kinds: ``pause``/``resume`` with ``args.what`` in
 ``approvals`` (default), ``pin`` (``args.version``) or ``exploration``; ``rollback`` with
 ``args.version`` (None: the previous approved) or ``args.to == "fallback-prefill"``;
