@@ -130,6 +130,51 @@ def detect(scenario: Scenario, policy: Policy, result: CalibrationResult, shift_
     return fired
 
 
+def steady_false_alarms(scenario: Scenario, policy: Policy, result: CalibrationResult,
+                        duration_s: float, ref_until: float) -> dict[str, int]:
+    """Fires per detector over ``duration_s`` of the unchanged regime (no event)."""
+    counts = {"workload": 0, "performance": 0, "slo": 0, "scaling": 0}
+    windows: list[Window] = []
+    state: dict[str, object] = {"source": None, "last": 0.0, "drift": DriftState(),
+                                "ref": None, "scaling": ScalingState()}
+
+    def controller(now: float, cluster: SimCluster) -> None:
+        source = state["source"]
+        if source is None:
+            source = InProcessSource.following(sim_cluster_provider(cluster), cluster.clock)
+            state["source"] = source
+            asyncio.run(source.window(0.0, now))
+            state["last"] = now
+            return
+        assert isinstance(source, InProcessSource)
+        last = state["last"]
+        assert isinstance(last, float)
+        w = asyncio.run(source.window(last, now))
+        state["last"] = now
+        windows.append(w)
+        scaling = state["scaling"]
+        assert isinstance(scaling, ScalingState)
+        scaling, events = step_scaling(scaling, w)
+        state["scaling"] = scaling
+        if w.end <= ref_until or w.end > scenario.duration_s:
+            return  # the reference period, and the drain after the last arrivals
+        if state["ref"] is None:
+            state["ref"] = reference_from_windows(
+                [x for x in windows if x.start >= 120.0 and x.end <= ref_until], result.model)
+        counts["scaling"] += len(events)
+        drift = state["drift"]
+        assert isinstance(drift, DriftState)
+        residuals = performance_residuals(result.model, [w])[0]
+        drift, verdicts = assess(drift, state["ref"], w, w.end, residuals)  # type: ignore[arg-type]
+        state["drift"] = drift
+        for v in verdicts:
+            counts[v.kind] += int(v.fired)
+
+    run_scenario(dataclasses.replace(scenario, duration_s=ref_until + duration_s), policy,
+                 policy_key="p0", controller=controller)
+    return counts
+
+
 def measure(scenario: Scenario, policy: Policy) -> float:
     g = summarize(run_scenario(scenario, policy))["goodput"]
     assert isinstance(g, float)
@@ -145,7 +190,9 @@ def main() -> None:
     ap.add_argument("--shift-at", type=float, default=600.0)
     ap.add_argument("--after-s", type=float, default=300.0, help="run time after the shift")
     ap.add_argument("--measure-s", type=float, default=600.0)
-    ap.add_argument("--only", default=None)
+    ap.add_argument("--only", default=None, help="one shift by name ('none': no shift)")
+    ap.add_argument("--steady-s", type=float, default=7200.0,
+                    help="steady run after the reference to count false alarms (0: skip)")
     args = ap.parse_args()
 
     base = dataclasses.replace(load_scenario(args.scenario), ttft_slo_s=args.ttft_slo,
@@ -157,6 +204,10 @@ def main() -> None:
     p0 = r0.policy
     print(f"P0: weights {r0.weights.ratio:g}, decode-local share "
           f"{r0.details['decode_local_share']:.2f}, held-out MAPE {r0.heldout_mape()}")
+    if args.steady_s > 0:
+        fires = steady_false_alarms(base, p0, r0, args.steady_s, args.shift_at)
+        print(f"steady regime under P0, {args.steady_s / 3600:g} h after the reference "
+              f"({args.steady_s / base.interval_s:.0f} windows): fires {fires}", flush=True)
     all_p = Policy.uniform(1, Route.PREFILL_NODE, slo=slo)
     all_l = Policy.uniform(1, Route.DECODE_LOCAL, slo=slo)
     print("| shift | workload | performance | slo | scaling | goodput new regime: P0 "
