@@ -220,13 +220,28 @@ def test_database_password_never_appears_in_logs_errors_or_reprs(
     assert not [s for s in seen if DB_PASSWORD in s]
 
 
-def test_pdctl_history_hides_the_password(tmp_path: Path) -> None:
+def test_pdctl_history_and_status_hide_the_password(pg_url: tuple[str, str]) -> None:
+    """On a server that is down, and on the real one (which trusts loopback, so the
+    password in the URL is accepted and ignored): the output never shows it."""
     from controller.cli import app
+    from controller.store import Store
 
-    url = f"postgresql://pdc:{DB_PASSWORD}@127.0.0.1:1/pdc?connect_timeout=2"
-    result = CliRunner().invoke(app, ["history", "policies", "--url", url])
-    assert result.exit_code != 0
-    assert "127.0.0.1" in result.output and DB_PASSWORD not in result.output
+    down = f"postgresql://pdc:{DB_PASSWORD}@127.0.0.1:1/pdc?connect_timeout=2"
+    url = pg_url[0].replace("postgresql+psycopg://postgres@",
+                            f"postgresql+psycopg://postgres:{DB_PASSWORD}@")
+    assert DB_PASSWORD in url
+    with Store(url) as store:
+        store.upgrade()
+        store.add_policy(1, "aa" * 32, "{}", "approved", "seen by pdctl")
+        store.set_desired("r1", 1)
+    runner = CliRunner()
+    for command, shown in ((["history", "policies"], "seen by pdctl"), (["status"], "r1"),
+                           (["status", "--json"], '"r1"')):
+        failed = runner.invoke(app, [*command, "--url", down])
+        assert failed.exit_code != 0 and "127.0.0.1" in failed.output
+        worked = runner.invoke(app, [*command, "--url", url])
+        assert worked.exit_code == 0 and shown in worked.output, worked.output
+        assert DB_PASSWORD not in failed.output + worked.output
 
 
 async def test_tokens_never_appear_in_logs_or_errors(
