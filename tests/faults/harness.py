@@ -172,7 +172,7 @@ def reconciler(
     transport: GrpcRouterTransport,
     clock: WallClock,
     *,
-    deadline_s: float = 1.0,
+    deadline_s: float = 2.0,
     max_attempts: int = 4,
     backoff_initial_s: float = 0.05,
     backoff_max_s: float = 0.4,

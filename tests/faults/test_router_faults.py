@@ -102,8 +102,8 @@ async def test_router_slower_than_the_deadline_is_retried_and_applies_once(
         slow = routers.addresses[0]
         agent = routers.agent(slow)
         assert isinstance(agent, SlowAgent)
-        agent.slow_applies, agent.delay_s = 1, 1.0
-        rec = reconciler(transport, RecordingClock(), deadline_s=0.3, max_attempts=8)
+        agent.slow_applies, agent.delay_s = 1, 2.5
+        rec = reconciler(transport, RecordingClock(), deadline_s=1.0, max_attempts=8)
 
         statuses = await rec.reconcile(dict.fromkeys(routers.addresses, V1))
         assert statuses[slow].ok and statuses[slow].acked_version == 1
