@@ -61,12 +61,13 @@ def write_plots(out: Path, bench: Any, doc: dict[str, Any]) -> list[Path]:
     series = {k: r.records for k, r in results.items()}
     if oracle is not None:
         series["oracle"] = oracle
+    colors = _colors(list(series))
     for key, recs in series.items():
         xs, ys = goodput_series(recs, scenario.interval_s, scenario.duration_s,
                                 scenario.ttft_slo_s, scenario.tpot_slo_s)
         style = "--" if key.startswith("table-") else "-"
         ax.plot(xs, [float("nan") if y is None else y for y in ys], style, label=key,
-                linewidth=0.9 if key.startswith("table-") else 1.6)
+                color=colors[key], linewidth=0.8 if key.startswith("table-") else 1.6)
     for e in scenario.events:
         ax.axvline(e.at_s, color="black", linestyle=":", linewidth=1)
         ax.annotate(e.kind, (e.at_s, 1.01), fontsize=7, rotation=0, ha="left")
@@ -91,7 +92,7 @@ def write_plots(out: Path, bench: Any, doc: dict[str, Any]) -> list[Path]:
                 continue
             n = len(values)
             ax.step(values, [(i + 1) / n for i in range(n)], where="post", label=key,
-                    linewidth=0.9 if key.startswith("table-") else 1.5)
+                    color=colors[key], linewidth=0.8 if key.startswith("table-") else 1.5)
         ax.set_xscale("log")
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of requests")
@@ -118,6 +119,27 @@ def write_plots(out: Path, bench: Any, doc: dict[str, Any]) -> list[Path]:
         written.append(_save(fig, out / f"tables-{key}.png"))
         plt.close(fig)
     return written
+
+
+def _colors(keys: Sequence[str]) -> dict[str, Any]:
+    """Distinct colours: the six policies from tab10, oracle candidates from tab20's pale
+    half, the oracle black."""
+    import matplotlib
+
+    main = [matplotlib.colormaps["tab10"](i) for i in range(10)]
+    pale = [matplotlib.colormaps["tab20"](i) for i in range(1, 20, 2)]
+    out: dict[str, Any] = {}
+    i = j = 0
+    for k in keys:
+        if k == "oracle":
+            out[k] = "black"
+        elif k.startswith("table-"):
+            out[k] = pale[j % len(pale)]
+            j += 1
+        else:
+            out[k] = main[i % len(main)]
+            i += 1
+    return out
 
 
 def _turn2_ttft(r: RequestRecord) -> float | None:

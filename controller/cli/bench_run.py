@@ -77,7 +77,7 @@ def bench_run(
     from controller.bench.baselines import threshold_from_options
     from controller.bench.plots import write_plots
     from controller.bench.report import evaluation_document, markdown_report
-    from controller.bench.runner import POLICIES, run_bench, scale_scenario
+    from controller.bench.runner import POLICIES, scale_scenario
     from controller.errors import ConfigError
     from controller.sim.scenario import load_scenario
 
@@ -102,22 +102,11 @@ def bench_run(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
 
-    show_progress = sys.stdout.isatty() and not as_json
-    if show_progress:
-        from rich.progress import Progress
-
-        with Progress(transient=True) as bar:
-            tasks: dict[str, Any] = {}
-
-            def advance(key: str, t: float, total: float) -> None:
-                if key not in tasks:
-                    tasks[key] = bar.add_task(f"{scenario.name} / {key}", total=total)
-                bar.update(tasks[key], completed=t)
-
-            bench = run_bench(scenario, names, threshold=thr, settings=settings,
-                              progress=advance, extra=extra)
-    else:
-        bench = run_bench(scenario, names, threshold=thr, settings=settings, extra=extra)
+    try:
+        bench = _run(scenario, names, thr, settings, extra, sys.stdout.isatty() and not as_json)
+    except ValueError as e:  # e.g. the first phase too short to calibrate ppd-static on
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     doc = evaluation_document(bench)
     command = "pdctl bench run " + " ".join(shlex.quote(a) for a in sys.argv[3:]) \
         if len(sys.argv) > 3 and sys.argv[1:3] == ["bench", "run"] else None
@@ -134,6 +123,26 @@ def bench_run(
         typer.echo(json.dumps(doc, indent=2))
         return
     _print_table(doc, bench)
+
+
+def _run(scenario: Scenario, names: list[str], thr: Any, settings: Any,
+         extra: dict[str, Any], show_progress: bool) -> Any:
+    from controller.bench.runner import run_bench
+
+    if not show_progress:
+        return run_bench(scenario, names, threshold=thr, settings=settings, extra=extra)
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def advance(key: str, t: float, total: float) -> None:
+            if key not in tasks:
+                tasks[key] = bar.add_task(f"{scenario.name} / {key}", total=total)
+            bar.update(tasks[key], completed=t)
+
+        return run_bench(scenario, names, threshold=thr, settings=settings,
+                         progress=advance, extra=extra)
 
 
 def _fmt(v: Any, scale: float = 1.0, digits: int = 3) -> str:

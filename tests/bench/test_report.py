@@ -143,3 +143,13 @@ def test_adaptive_is_the_daemons_cycle_with_its_store(scenario_file: Path,
 def test_unknown_policy_is_an_error(scenario_file: Path) -> None:
     result = CliRunner().invoke(app, ["bench", "run", str(scenario_file), "--policy", "nope"])
     assert result.exit_code != 0
+
+
+def test_a_first_phase_too_short_to_calibrate_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.toml"
+    path.write_text(SCENARIO.replace("duration_s = 160", "duration_s = 30")
+                    .replace("at_s = 80", "at_s = 15")
+                    .replace("interval_s = 10", "interval_s = 20"))
+    result = CliRunner().invoke(app, ["bench", "run", str(path), "--policy", "ppd-static"])
+    assert result.exit_code == 2
+    assert "need at least 2 windows" in result.output
