@@ -614,8 +614,9 @@ class Cycle:
         report.calibration_id = tx.add_calibration(
             ids, outcome.heldout_error, outcome.predicted_goodput_new,
             outcome.predicted_goodput_current, version,
-            {"trigger": plan.trigger, "dry_run": dry_run, "approved": outcome.approved,
-             "reason": outcome.reason, **_plain(outcome.details)},
+            # The cycle's own keys last: the learner's details carry the unforced verdict.
+            {**_plain(outcome.details), "trigger": plan.trigger, "dry_run": dry_run,
+             "approved": outcome.approved, "reason": outcome.reason},
         )
 
     def _approve(self, tx: Tx, version: int, rollout: Rollout, report: CycleReport) -> None:

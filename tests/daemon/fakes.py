@@ -102,9 +102,11 @@ class ScriptedLearner:
         version = (current.version + 1) if current else 1
         policy = Policy.uniform(version, self.route, exploration=self.exploration)
         ok = self.approve or force
+        # Like the real learner, the details keep the unforced verdict.
         return CalibrationOutcome(policy, ok, "approved: scripted" if ok else "rejected: scripted",
                                   0.95, 0.9 if current else None, {"mape": 0.1},
-                                  {"scripted": True}, reference="ref")
+                                  {"scripted": True, "approved": self.approve},
+                                  reference="ref")
 
     def adopt(self, state: LearnerState, outcome: CalibrationOutcome, now: float
               ) -> LearnerState:

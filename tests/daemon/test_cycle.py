@@ -269,9 +269,12 @@ async def test_exploration_off_reissues_without_exploration(tmp_path: Path) -> N
 async def test_operator_rollback_and_recalibrate(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, canary_fraction=1.0, bake_windows=1)
     await _bootstrap(rig)
+    rig.learner.approve = False  # only a forced approval gets through
     rid = rig.store.add_request("recalibrate", {"force": True}, "erin@h", "new hardware")
     report = await rig.step()
     assert report.trigger == "operator" and report.approved_version == 2
+    forced = rig.store.calibration_for(2)
+    assert forced is not None and forced.details["approved"] is True
     req = rig.store.request(rid)
     assert req is not None and req.status == "done"
     dry = rig.store.add_request("recalibrate", {"dry_run": True}, "erin@h", "just looking")
