@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from controller.policy import Policy, Route, loads
+from controller.rollout.agent import RouterAgent
 from controller.rollout.client import GrpcRouterTransport
 from tests.faults.harness import (
     APPLY,
@@ -37,6 +38,10 @@ async def transport() -> AsyncIterator[GrpcRouterTransport]:
     t = GrpcRouterTransport(reconnect_backoff_max_s=0.2)
     yield t
     await t.close()
+
+
+def policy_version_metric(agent: RouterAgent) -> float | None:
+    return agent.registry.get_sample_value("pdrouter_policy_version")
 
 
 async def started(tmp_path: Path, n: int, **kwargs: object) -> Routers:
@@ -200,17 +205,19 @@ async def test_one_router_unreachable_for_a_long_stretch_leaves_the_others_alone
             assert not down.ok and down.outcome == "unreachable" and down.acked_version is None
             assert down.attempts == 3 and len(clock.slept) == 2  # only the missing one sleeps
             assert all(0 <= s <= 0.2 for s in clock.slept)
-            for r in others:  # statuses stay true for the rest
+            for r in others:  # statuses and the routers' own metrics stay true for the rest
                 assert statuses[r].ok and statuses[r].acked_version == 2
                 assert statuses[r].outcome == ("applied" if passes == 1 else "in_sync")
+                assert policy_version_metric(routers.agent(r)) == 2
             await asyncio.sleep(0.5)
         assert passes >= 3
 
         back = await routers.restart(gone)
         assert back.snapshot is not None and back.snapshot.version == 1  # its last good policy
+        assert policy_version_metric(back) == 1
         final = await rec.reconcile(dict.fromkeys(routers.addresses, V2))
         assert final[gone].ok and final[gone].outcome == "applied"
-        assert applied_count(back) == 1
+        assert applied_count(back) == 1 and policy_version_metric(back) == 2
         assert all(final[r].outcome == "in_sync" for r in others)
         assert set(routers.versions().values()) == {2}
     finally:
