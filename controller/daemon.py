@@ -134,6 +134,7 @@ class Daemon:
         from controller.health import Health, HealthServer
         from controller.leader import LeaseLeadership, PgAdvisoryLeadership, default_holder
         from controller.learning import CoreLearner
+        from controller.observe.factory import source_from_settings
         from controller.rollout.client import GrpcRouterTransport
         from controller.rollout.reconciler import Reconciler
 
@@ -152,7 +153,7 @@ class Daemon:
         names: dict[str, str] = {}
         if len(s.routers.metrics_targets) == len(routers):
             names = dict(zip(routers, s.routers.metrics_targets, strict=True))
-        source = await _build_source(s)
+        source = await source_from_settings(s, clock=self.clock)
         transport = GrpcRouterTransport(s.security)
         reconciler = Reconciler.from_config(transport, self.clock, s.rollout)
         holder = c.replica_id or default_holder()
@@ -329,30 +330,6 @@ class Daemon:
 
 def _now_dt(clock: Clock) -> Any:
     return clock.utcnow()
-
-
-async def _build_source(settings: Settings) -> Any:
-    from controller.observe.discovery import static_targets_async, targets_from_prometheus
-
-    if settings.observe.source == "prometheus":
-        from controller.observe.prometheus import PrometheusClient, PrometheusSource
-
-        p = settings.prometheus
-        client = PrometheusClient(p.url, timeout_s=p.timeout_s, retries=p.retries)
-        if p.discover_targets:
-            targets = targets_from_prometheus(await client.targets(), p.role_label)
-        else:
-            targets = await static_targets_async(
-                settings.prefill_pool.nodes, settings.decode_pool.nodes,
-                settings.routers.metrics_targets)
-        return PrometheusSource(client, targets, mode=p.window_mode,
-                                escaped_names=p.escaped_names)
-    from controller.observe.scrape import ScrapeSource
-
-    targets = await static_targets_async(settings.prefill_pool.nodes, settings.decode_pool.nodes,
-                                         settings.routers.metrics_targets)
-    return ScrapeSource(targets, timeout_s=settings.observe.scrape_timeout_s,
-                        concurrency=settings.observe.scrape_concurrency)
 
 
 def run_daemon(settings: Settings, *, advisory: bool = False) -> int:
