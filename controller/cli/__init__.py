@@ -23,6 +23,7 @@ _COMMAND_MODULES = (
     "history_cmd",
     "run_cmd",
     "ops_cmd",
+    "explain_cmd",
 )
 
 for _name in _COMMAND_MODULES:

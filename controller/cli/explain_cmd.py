@@ -1,0 +1,335 @@
+"""``pdctl explain`` and ``pdctl drift``: what the learned model says, read from the store.
+
+Both start from the calibration the routers run: the calibration stored for the fleet's (or
+the baking canary's) policy version, else the newest calibration in the store. The latency
+model itself is not stored, so it is refitted here on that calibration's stored training
+windows with the same settings the daemon's learner uses (the fit is deterministic: same
+windows, same seed, same model). ``explain`` then predicts under the load the stored policy
+creates; ``drift`` replays the three detectors from the calibration's stored drift reference
+over the windows stored since.
+
+Exit codes: 0 done, 2 bad input or no calibration stored yet, 3 store unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from controller.cli._app import app
+
+if TYPE_CHECKING:
+    from controller.config import Settings
+    from controller.core.calibrate import CalibrationConfig, CalibrationResult
+    from controller.core.drift import DriftConfig
+    from controller.core.window import Window
+    from controller.policy import Policy
+    from controller.store import Store
+    from controller.store.records import CalibrationRecord, StoredWindow
+
+_EXIT_BAD_INPUT = 2
+
+ConfigOption = Annotated[
+    Path | None, typer.Option("--config", "-c", help="Config file ([store], [slo], [ppd]).")
+]
+UrlOption = Annotated[str | None, typer.Option("--url", help="Database URL (overrides config).")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
+
+class NoCalibration(Exception):
+    """The store holds no calibration (or none with usable training windows)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Learned:
+    """A stored calibration with its model refitted."""
+
+    record: CalibrationRecord
+    policy: Policy | None  # the stored policy of that calibration (None: a dry run)
+    windows: list[Window]  # its training windows, oldest first
+    result: CalibrationResult  # refit; ``policy``/``predictions`` are the stored policy's
+
+
+def calibration_config(settings: Settings) -> CalibrationConfig:
+    """The calibration settings :class:`controller.learning.CoreLearner` uses."""
+    from controller.core.calibrate import CalibrationConfig
+    from controller.policy import Slo, Weights
+
+    ppd = settings.ppd
+    return CalibrationConfig(
+        slo=Slo(settings.slo.ttft_s, settings.slo.tpot_s),
+        pinned_weights=Weights(ppd.wtft, ppd.wtpot) if ppd.pin_weights else None,
+        guardrail_margin=settings.controller.guardrail_margin,
+    )
+
+
+def drift_config(settings: Settings) -> DriftConfig:
+    """The detector settings :class:`controller.learning.CoreLearner` uses."""
+    from controller.core.drift import DetectorConfig, DriftConfig
+
+    d = settings.drift
+    base = DriftConfig()
+    return DriftConfig(
+        workload=DetectorConfig(base.workload.threshold, d.min_requests, d.hysteresis,
+                                d.cooldown_s),
+        performance=DetectorConfig(base.performance.threshold, base.performance.min_samples,
+                                   base.performance.hysteresis, d.cooldown_s),
+        slo=DetectorConfig(base.slo.threshold, d.min_requests, d.hysteresis, d.cooldown_s),
+    )
+
+
+def current_calibration(store: Store) -> tuple[CalibrationRecord, Policy | None,
+                                               list[StoredWindow]]:
+    """The calibration of the version the routers should run, else the newest one."""
+    from controller.cycle import read_rollout
+    from controller.policy import loads
+
+    with store.read() as tx:
+        rollout = read_rollout(tx)
+        version = rollout.canary_version or rollout.fleet_version
+        record = tx.calibration_for(version) if version is not None else None
+        if record is None:
+            newest = tx.calibrations(limit=1)
+            record = newest[-1] if newest else None
+        if record is None:
+            raise NoCalibration("the store holds no calibration yet (run the daemon, "
+                                "`pdctl recalibrate` or `pdctl calibrate-active` first)")
+        rec = tx.policy(record.policy_version) if record.policy_version is not None else None
+        stored = tx.windows_by_ids(record.training_window_ids)
+    return record, (loads(rec.body_json) if rec is not None else None), stored
+
+
+def refit(store: Store, settings: Settings) -> Learned:
+    """The current calibration with its model refitted on its stored training windows."""
+    from controller.core.calibrate import (
+        CalibrationError,
+        calibrate,
+        policy_routes_on,
+        predicted_goodput,
+    )
+
+    record, policy, stored = current_calibration(store)
+    windows = [s.window for s in stored]
+    cfg = calibration_config(settings)
+    try:
+        result = calibrate(windows, record.created_at.timestamp(), None, cfg)
+    except CalibrationError as e:
+        raise NoCalibration(f"calibration #{record.id}: its stored training windows "
+                            f"({len(windows)}) cannot be refitted: {e}") from None
+    if policy is not None and policy.table.axes == cfg.axes:
+        # Predict under the load the stored policy creates, not the refit's own candidate.
+        routes, exploration = policy_routes_on(policy, result.grid)
+        _, pred = predicted_goodput(result.model, result.grid, routes, exploration, cfg.slo)
+        result = replace(result, policy=policy, predictions=pred)
+    return Learned(record, policy, windows, result)
+
+
+def _settings_and_store(config: Path | None, url: str | None) -> tuple[Settings, Store]:
+    from controller.cli.ops_cmd import _open_store
+    from controller.config import load_settings
+    from controller.errors import ConfigError
+
+    try:
+        settings = load_settings(config)
+    except ConfigError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT) from None
+    return settings, _open_store(url, config)
+
+
+def _learned_or_exit(store: Store, settings: Settings) -> Learned:
+    try:
+        return refit(store, settings)
+    except NoCalibration as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT) from None
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+# -- explain ----------------------------------------------------------------------------
+
+
+def explain_doc(learned: Learned, turn: int, context: float, append: float, output: float,
+                qps: float) -> dict[str, Any]:
+    """``controller.core.calibrate.explain`` plus the samples behind the cell."""
+    from controller.core.calibrate import _cell_uncertainty, explain
+    from controller.core.features import build_training_set
+    from controller.policy import Features
+
+    result = learned.result
+    features = Features(turn, context, append, output, qps)
+    doc = explain(result, features)
+    if "cell" in doc:
+        axes = result.policy.table.axes
+        c = doc["cell"]
+        idx = axes.cell_index(c["context_bin"], c["io_bin"], c["qps_bin"])
+        samples, spread, _ = _cell_uncertainty(build_training_set(learned.windows),
+                                               result.model, axes)
+        doc["samples"] = {
+            # Requests of the cell's less-measured route: what bounds the estimate.
+            "rarer_route_requests": float(samples[idx]),
+            # Spread (sd of log observed/predicted TTFT) of the cell's windows.
+            "residual_spread": float(spread[idx]),
+        }
+    out: dict[str, Any] = _finite({
+        "features": {"turn": turn, "context_tokens": context, "append_tokens": append,
+                     "expected_output_tokens": output, "qps": qps},
+        "calibration_id": learned.record.id,
+        "policy_version": learned.record.policy_version,
+        "training_windows": len(learned.windows),
+        **doc,
+    })
+    return out
+
+
+@app.command("explain")
+def explain_command(
+    turn: Annotated[int, typer.Option("--turn", min=1, help="Turn number (1 = first).")],
+    context: Annotated[float, typer.Option("--context", min=0, help="Context tokens.")],
+    append: Annotated[float, typer.Option("--append", min=0, help="Append (new) tokens.")],
+    output: Annotated[float, typer.Option("--output", min=1,
+                                          help="Expected output tokens.")],
+    qps: Annotated[float, typer.Option("--qps", min=0, help="Router QPS.")],
+    as_json: JsonOption = False, url: UrlOption = None, config: ConfigOption = None,
+) -> None:
+    """Predicted TTFT/TPOT per route, score, weights, decision and confidence for a request."""
+    settings, store = _settings_and_store(config, url)
+    try:
+        learned = _learned_or_exit(store, settings)
+    finally:
+        store.close()
+    doc = explain_doc(learned, turn, context, append, output, qps)
+    if as_json:
+        typer.echo(json.dumps(doc))
+        return
+    typer.echo(f"calibration #{doc['calibration_id']} (policy v{doc['policy_version']}, "
+               f"model refitted on {doc['training_windows']} stored windows)")
+    w = doc["weights"]
+    typer.echo(f"decision  {doc['decision']} ({doc['reason']}); weights wtft={w['wtft']:.3g} "
+               f"wtpot={w['wtpot']:.3g}")
+    if "cell" not in doc:
+        return
+    c = doc["cell"]
+    typer.echo(f"cell      context bin {c['context_bin']}, io bin {c['io_bin']}, "
+               f"qps bin {c['qps_bin']}")
+    for route, p in doc["predicted"].items():
+        typer.echo(f"{route:<13} TTFT {p['ttft_s'] * 1e3:8.1f} ms   "
+                   f"TPOT {p['tpot_s'] * 1e3:7.2f} ms")
+    s = doc["samples"]
+    spread = "n/a" if s["residual_spread"] is None else f"{s['residual_spread']:.3f}"
+    typer.echo(f"score     {doc['score']:+.4f} (> 0: decode-local); exploration "
+               f"{doc['exploration']:.3f}")
+    typer.echo(f"confidence {doc['confidence']}: {s['rarer_route_requests']:.0f} requests on "
+               f"the rarer route, residual spread {spread}")
+
+
+# -- drift ------------------------------------------------------------------------------
+
+
+def _utc(epoch: float) -> datetime:
+    return datetime.fromtimestamp(epoch, tz=UTC)
+
+
+def drift_doc(store: Store, settings: Settings, last: int, replay: int = 512
+              ) -> dict[str, Any]:
+    """Replay the detectors over the windows stored after the current calibration (at most
+    ``replay``, oldest first) from its drift reference; the last ``last`` are reported."""
+    from controller.core import drift
+
+    learned = refit(store, settings)
+    details = learned.record.details or {}
+    if "drift_reference" not in details:
+        raise NoCalibration(f"calibration #{learned.record.id} stored no drift reference")
+    reference = drift.DriftReference.from_dict(details["drift_reference"])
+    cfg = drift_config(settings)
+    with store.read() as tx:
+        after = tx.windows(since=_utc(reference.window_range[1]), limit=replay)
+    usable = [s for s in after if s.window.outcomes and not s.window.failures]
+    state = drift.after_recalibration(drift.DriftState(), learned.record.created_at.timestamp(),
+                                      cfg)
+    residuals = drift.performance_residuals(learned.result.model, [s.window for s in usable])
+    history: list[dict[str, Any]] = []
+    for stored, res in zip(usable, residuals, strict=True):
+        state, verdicts = drift.assess(state, reference, stored.window, stored.window.end, res,
+                                       cfg)
+        history.append({
+            "window_id": stored.id, "start": stored.window.start, "end": stored.window.end,
+            "detectors": {v.kind: {"statistic": v.statistic, "threshold": v.threshold,
+                                   "fired": v.fired, "samples": v.samples,
+                                   "in_cooldown": v.in_cooldown, "reason": v.reason}
+                          for v in verdicts},
+        })
+    out: dict[str, Any] = _finite({
+        "calibration_id": learned.record.id, "policy_version": learned.record.policy_version,
+        "reference_window_range": list(reference.window_range),
+        "windows_after_calibration": len(after), "windows_replayed": len(usable),
+        "now": history[-1] if history else None,
+        "history": history[-last:] if last > 0 else [],
+    })
+    return out
+
+
+@app.command("drift")
+def drift_command(
+    last: Annotated[int, typer.Option("--last", min=0,
+                                      help="Windows of history to show.")] = 10,
+    as_json: JsonOption = False, url: UrlOption = None, config: ConfigOption = None,
+) -> None:
+    """Each drift detector's statistic against its threshold, now and over the last windows."""
+    settings, store = _settings_and_store(config, url)
+    try:
+        doc = drift_doc(store, settings, last)
+    except NoCalibration as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT) from None
+    finally:
+        store.close()
+    if as_json:
+        typer.echo(json.dumps(doc))
+        return
+    _print_drift(doc)
+
+
+def _print_drift(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"calibration #{doc['calibration_id']} (policy v{doc['policy_version']}); "
+                  f"{doc['windows_replayed']} window(s) replayed since")
+    if doc["now"] is None:
+        console.print("no usable window stored since the calibration")
+        return
+    now = Table("detector", "statistic", "threshold", "fired", "samples", "why",
+                title=f"now (window #{doc['now']['window_id']})")
+    for kind, d in doc["now"]["detectors"].items():
+        now.add_row(kind, _num(d["statistic"]), _num(d["threshold"]),
+                    "FIRED" if d["fired"] else "-", _num(d["samples"]), d["reason"][:60])
+    console.print(now)
+    kinds = list(doc["now"]["detectors"])
+    hist = Table("window", *(f"{k} stat/thr" for k in kinds), title="last windows")
+    for h in doc["history"]:
+        hist.add_row(f"#{h['window_id']}", *(
+            f"{_num(h['detectors'][k]['statistic'])}/{_num(h['detectors'][k]['threshold'])}"
+            + (" FIRED" if h["detectors"][k]["fired"] else "")
+            if k in h["detectors"] else "—" for k in kinds))
+    console.print(hist)
+
+
+def _num(x: Any) -> str:
+    return "n/a" if x is None else f"{x:.3g}"

@@ -1,0 +1,158 @@
+"""`pdctl explain` and `pdctl drift` against a store holding a calibration the way the daemon
+records it (synthetic windows from a known cluster, tests/core/synth.py)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from controller.cli import app
+from controller.config import load_settings
+from controller.learning import CoreLearner
+from controller.policy import Features, Route, decide, dumps, loads
+from controller.store import Store
+from tests.core.synth import Mix, Truth, stationary, training_windows
+
+runner = CliRunner()
+ROUTER = "127.0.0.1:1"
+
+
+def _config(tmp_path: Path) -> Path:
+    path = tmp_path / "pd.toml"
+    path.write_text(f"""
+[store]
+url = "sqlite:///{tmp_path / 'history.db'}"
+[slo]
+ttft_s = 1.0
+tpot_s = 0.05
+[drift]
+cooldown_s = 60
+""")
+    return path
+
+
+def _store(config: Path) -> Store:
+    settings = load_settings(config)
+    store = Store(settings.store.url)
+    store.upgrade()
+    return store
+
+
+def _calibrated(config: Path) -> int:
+    """Training windows, a calibration and its approved policy, recorded like the cycle."""
+    windows = training_windows(Truth(), Mix(), 60, seed=1)
+    store = _store(config)
+    try:
+        with store.cycle() as tx:
+            ids = [tx.add_window(w) for w in windows]
+        outcome = CoreLearner(load_settings(config)).calibrate(windows, None, windows[-1].end,
+                                                               "test")
+        assert outcome.approved
+        with store.cycle() as tx:
+            version = tx.next_version()
+            policy = outcome.policy.with_version(version)
+            tx.add_policy(version, policy.checksum, dumps(policy), "approved", outcome.reason)
+            tx.set_desired(ROUTER, version)
+            tx.add_calibration(ids, outcome.heldout_error, outcome.predicted_goodput_new,
+                               None, version, {**outcome.details, "approved": True},
+                               at=datetime.fromtimestamp(windows[-1].end, tz=UTC))
+    finally:
+        store.close()
+    return version
+
+
+def test_no_calibration_is_a_clear_error(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    _store(config).close()
+    for args in (["explain", "--turn", "2", "--context", "1000", "--append", "100",
+                  "--output", "100", "--qps", "1"], ["drift"]):
+        r = runner.invoke(app, [*args, "--config", str(config)])
+        assert r.exit_code == 2, r.output
+        assert "no calibration" in r.output
+
+
+def test_explain_shows_the_stored_policy_decision_with_refitted_predictions(
+    tmp_path: Path,
+) -> None:
+    config = _config(tmp_path)
+    version = _calibrated(config)
+    store = _store(config)
+    try:
+        with store.read() as tx:
+            rec = tx.policy(version)
+        assert rec is not None
+        policy = loads(rec.body_json)
+    finally:
+        store.close()
+
+    docs = {}
+    # Two cells of the synthetic mix (router bins (1, 2) and (7, 3)), so both were measured.
+    for context, append in ((384, 70), (24576, 141)):
+        r = runner.invoke(app, ["explain", "--turn", "3", "--context", str(context),
+                                "--append", str(append), "--output", "200", "--qps", "2",
+                                "--json", "--config", str(config)])
+        assert r.exit_code == 0, r.output
+        doc = json.loads(r.output)
+        docs[context] = doc
+        expected = decide(policy, Features(3, context, append, 200, 2.0), lambda: 1.0)
+        assert doc["policy_version"] == version
+        assert doc["decision"] == expected.route.name
+        assert expected.cell is not None
+        assert tuple(doc["cell"].values()) == expected.cell
+        idx = policy.table.axes.cell_index(*expected.cell)
+        assert doc["score"] == pytest.approx(policy.table.scores[idx])
+        assert doc["weights"] == {"wtft": policy.weights.wtft, "wtpot": policy.weights.wtpot}
+        # the score's sign is the decision (DESIGN §2)
+        assert (doc["score"] > 0) == (policy.table.routes[idx] == Route.DECODE_LOCAL)
+        for route in ("PREFILL_NODE", "DECODE_LOCAL"):
+            assert doc["predicted"][route]["ttft_s"] > 0
+            assert doc["predicted"][route]["tpot_s"] > 0
+        assert doc["samples"]["rarer_route_requests"] > 0  # the mix covers these cells
+    # A 64x longer context costs the prefill-node route more time to first token.
+    assert (docs[24576]["predicted"]["PREFILL_NODE"]["ttft_s"]
+            > docs[384]["predicted"]["PREFILL_NODE"]["ttft_s"])
+
+    human = runner.invoke(app, ["explain", "--turn", "3", "--context", "300", "--append",
+                                "200", "--output", "200", "--qps", "2", "--config",
+                                str(config)])
+    assert human.exit_code == 0, human.output
+    assert f"policy v{version}" in human.output and "confidence" in human.output
+
+
+def test_drift_replays_the_detectors_over_the_windows_stored_since(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    _calibrated(config)
+    base = training_windows(Truth(), Mix(), 60, seed=1)[-1].end
+    calm = stationary(Truth(), Mix(), 2.0, 0.5, 6, seed=7, start=base)
+    shifted = stationary(Truth(), Mix().scaled_context(3.0), 2.0, 0.5, 6, seed=8,
+                         start=calm[-1].end)
+    store = _store(config)
+    try:
+        with store.cycle() as tx:
+            for w in calm + shifted:
+                tx.add_window(w)
+    finally:
+        store.close()
+
+    r = runner.invoke(app, ["drift", "--json", "--last", "8", "--config", str(config)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["windows_replayed"] == 12
+    assert len(doc["history"]) == 8
+    assert doc["now"] == doc["history"][-1]
+    workload = [h["detectors"]["workload"] for h in doc["history"]]
+    # history = the last 2 calm windows, then the 6 shifted ones; the 60 s cooldown after
+    # the calibration (30 s windows) is over by then
+    assert not any(w["in_cooldown"] for w in workload[:3])
+    assert not any(w["fired"] for w in workload[:2])
+    assert any(w["fired"] for w in workload[2:5])  # within 3 windows of the shift
+    assert all(w["statistic"] > w["threshold"] for w in workload[2:])
+    assert set(doc["now"]["detectors"]) == {"workload", "performance", "slo"}
+
+    human = runner.invoke(app, ["drift", "--last", "3", "--config", str(config)])
+    assert human.exit_code == 0, human.output
+    assert "FIRED" in human.output and "workload" in human.output
