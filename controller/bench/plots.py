@@ -68,6 +68,10 @@ def write_plots(out: Path, bench: Any, doc: dict[str, Any]) -> list[Path]:
         style = "--" if key.startswith("table-") else "-"
         ax.plot(xs, [float("nan") if y is None else y for y in ys], style, label=key,
                 color=colors[key], linewidth=0.8 if key.startswith("table-") else 1.6)
+    adaptive = bench.runs.get("adaptive")
+    if adaptive is not None and len(adaptive.tables) > 1:
+        ax.plot([t for t, _ in adaptive.tables[1:]], [0.02] * (len(adaptive.tables) - 1), "^",
+                color=colors["adaptive"], markersize=8, label="adaptive: new policy")
     for e in scenario.events:
         ax.axvline(e.at_s, color="black", linestyle=":", linewidth=1)
         ax.annotate(e.kind, (e.at_s, 1.01), fontsize=7, rotation=0, ha="left")
