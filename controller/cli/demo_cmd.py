@@ -1,17 +1,13 @@
 """``pdctl demo``: the embedded default, runnable on any laptop with no GPU or services.
 
-Until the simulator and the daemon are wired in, the demo shows the rollout path end to
-end: three router agents on 127.0.0.1 (real gRPC servers, persistence on), an all-prefill
-policy v1 pushed through the reconciler, then a PPD table v2 (decode-local for short
-contexts and low io ratios, prefill-node otherwise), each router's acknowledgement, the
-decisions each router makes for a handful of sample requests (over its ``RouterAgentService``),
-and a second reconcile that finds nothing to push.
+A live simulated cluster and the real daemon (``controller.demo``), the story on one live
+screen (rich Live on a terminal, one line per event otherwise), then a summary.
+``ppd_policy`` (a hand-written PPD-style table) serves ``pdctl bench fanout``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -20,11 +16,10 @@ import typer
 from controller.cli._app import app
 
 if TYPE_CHECKING:
-    from controller.policy import Features, Policy
-    from controller.rollout.reconciler import RouterStatus
+    from controller.demo import DemoState
+    from controller.policy import Policy
 
-DEMO_ROUTERS = 3
-DEMO_TIMEOUT_S = 20.0
+DEMO_TIMEOUT_S = 170.0
 
 
 def ppd_policy(version: int, *, reason: str = "pdctl demo") -> Policy:
@@ -60,148 +55,85 @@ def ppd_policy(version: int, *, reason: str = "pdctl demo") -> Policy:
     )
 
 
-def sample_requests() -> list[tuple[str, Features]]:
-    from controller.policy import Features
-
-    return [
-        ("first turn", Features(1, 0, 1200, 300, 4.0)),
-        ("short follow-up", Features(2, 900, 60, 200, 4.0)),
-        ("long context, small append", Features(5, 12000, 150, 400, 8.0)),
-        ("huge context", Features(3, 100000, 200, 200, 2.0)),
-        ("paste a document", Features(2, 2000, 6000, 200, 4.0)),
-        ("busy router", Features(4, 3000, 100, 300, 200.0)),
-    ]
-
-
-@dataclass
-class DemoResult:
-    routers: list[str]
-    pushes: list[tuple[str, dict[str, RouterStatus]]]
-    decisions: list[tuple[str, str, Features, Any, int]]
-    noop: dict[str, RouterStatus]
-
-
-async def run_demo(state_dir: Path) -> DemoResult:
-    from controller.clock import WallClock
-    from controller.policy import Policy, Route
-    from controller.rollout.agent import RouterAgent
-    from controller.rollout.client import GrpcRouterTransport
-    from controller.rollout.reconciler import Reconciler
-    from controller.rollout.server import RouterServer
-
-    clock = WallClock()
-    servers = []
-    transport = GrpcRouterTransport()
-    try:
-        for i in range(DEMO_ROUTERS):
-            agent = RouterAgent(
-                router_id=f"router-{i}", clock=clock, state_file=state_dir / f"router-{i}.json"
-            )
-            server = RouterServer(agent)
-            await server.start()
-            servers.append(server)
-        routers = [s.address for s in servers]
-        reconciler = Reconciler(transport, clock, deadline_s=5.0, max_attempts=3)
-
-        pushes = []
-        v1 = Policy.uniform(1, Route.PREFILL_NODE)
-        pushes.append(
-            ("v1: all prefill-node", await reconciler.reconcile(dict.fromkeys(routers, v1)))
-        )
-        v2 = ppd_policy(2)
-        pushes.append(("v2: PPD table", await reconciler.reconcile(dict.fromkeys(routers, v2))))
-
-        decisions = []
-        for router in routers:
-            for label, features in sample_requests():
-                decision, version = await transport.decide(router, features, 5.0)
-                decisions.append((router, label, features, decision, version))
-        noop = await reconciler.reconcile(dict.fromkeys(routers, v2))
-        return DemoResult(routers, pushes, decisions, noop)
-    finally:
-        await transport.close()
-        for server in servers:
-            await server.stop(grace=1.0)
-
-
-def _print(result: DemoResult) -> None:
-    from rich.console import Console
+def _screen(state: DemoState) -> Any:
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
-    from controller.policy import Route
-
-    console = Console()
-    console.print(
-        f"[bold]pdctl demo[/bold]: {len(result.routers)} router agents on loopback "
-        "(gRPC, persistence on)"
-    )
-    for title, statuses in result.pushes:
-        table = Table(title=f"push {title}")
-        for col in ("router", "outcome", "acked", "checksum", "attempts", "ms"):
-            table.add_column(col)
-        for router, s in statuses.items():
-            table.add_row(
-                router, s.outcome, f"v{s.acked_version}", (s.acked_checksum or "")[:12],
-                str(s.attempts), f"{s.latency_s * 1000:.1f}",
-            )
-        console.print(table)
-
-    table = Table(title="decisions (RouterAgentService.Decide)")
-    for col in ("router", "request", "turn", "ctx", "append", "out", "qps", "route", "cell",
-                "reason", "policy"):
-        table.add_column(col)
-    for router, label, f, d, version in result.decisions:
-        table.add_row(
-            router, label, str(f.turn), f"{f.context_tokens:g}", f"{f.append_tokens:g}",
-            f"{f.expected_output_tokens:g}", f"{f.qps:g}", d.route.name,
-            "-" if d.cell is None else ",".join(map(str, d.cell)), d.reason.value, f"v{version}",
-        )
-    console.print(table)
-
-    noop_pushes = sum(1 for s in result.noop.values() if s.pushed)
-    console.print(
-        "re-run reconcile: "
-        + ", ".join(f"{r} {s.outcome}" for r, s in result.noop.items())
-        + f" ({noop_pushes} pushes)"
-    )
-    acked = [
-        "v" + "/".join(sorted({str(s.acked_version) for s in statuses.values()}))
-        for _, statuses in result.pushes
-    ]
-    routes = [d.route for *_, d, _ in result.decisions]
-    console.print(
-        f"demo: {len(result.routers)} routers acked {' then '.join(acked)}; decisions: "
-        f"{routes.count(Route.DECODE_LOCAL)} DECODE_LOCAL, {routes.count(Route.PREFILL_NODE)} "
-        f"PREFILL_NODE; re-run: {'no-op' if noop_pushes == 0 else 'pushed'} "
-        f"({noop_pushes} pushes)",
-        soft_wrap=True,
-    )
-
-
-def _ok(result: DemoResult) -> bool:
-    pushes_ok = all(s.ok for _, st in result.pushes for s in st.values())
-    return pushes_ok and all(s.ok and not s.pushed for s in result.noop.values())
+    head = Text.assemble(
+        ("pdctl demo", "bold"), f"  t = {state.now:5.1f} s   ", (state.stage, "cyan"))
+    events = Table(title="events", expand=True, show_lines=False)
+    events.add_column("t (s)", justify="right", width=6)
+    events.add_column("what")
+    for e in state.events[-14:]:
+        style = {"drift": "yellow", "shift": "red", "promotion": "green",
+                 "operator": "magenta", "rollback": "red"}.get(e.kind, "")
+        events.add_row(f"{e.at:.1f}", Text(e.text, style=style))
+    recent = Table(title="goodput per window (routers' measurements)", expand=True)
+    recent.add_column("window (s)")
+    recent.add_column("requests", justify="right")
+    recent.add_column("goodput", justify="right")
+    recent.add_column("", ratio=1)
+    for start, end, goodput, n in state.windows[-8:]:
+        bar = "█" * round(30 * goodput) if goodput is not None else ""
+        recent.add_row(f"{start:5.1f}–{end:5.1f}", f"{n:.0f}",
+                       "n/a" if goodput is None else f"{100 * goodput:.0f}%",
+                       Text(bar, style="green" if (goodput or 0) >= 0.8 else "red"))
+    routers = Table(title="routers", expand=True)
+    routers.add_column("router")
+    routers.add_column("desired")
+    routers.add_column("acknowledged")
+    for r in state.routers:
+        routers.add_row(r, f"v{state.desired.get(r)}", f"v{state.acked.get(r)}")
+    return Group(head, events, recent, routers)
 
 
 @app.command("demo")
 def demo(
-    timeout_s: Annotated[
-        float, typer.Option(min=1.0, help="Give up (exit 1) after this many seconds.")
-    ] = DEMO_TIMEOUT_S,
+    timeout_s: Annotated[float, typer.Option(
+        min=30.0, help="Give up (exit 1) after this many seconds.")] = DEMO_TIMEOUT_S,
+    force_after_s: Annotated[float, typer.Option(
+        min=1.0, help="Ask for an operator recalibration --force when nothing was approved "
+        "this long after the shift.")] = 60.0,
+    scenario: Annotated[Path | None, typer.Option(
+        help="Scenario file (default: scenarios/demo.toml).")] = None,
 ) -> None:
-    """Start 3 router agents on loopback, push policies through the reconciler, show decisions."""
+    """A live simulated cluster and the daemon: baseline, a scripted shift, drift detection,
+    recalibration, guardrail, canary, promotion and recovery on one screen, then a summary."""
     import asyncio
-    import tempfile
+    import sys
 
-    async def bounded(state_dir: Path) -> DemoResult:
-        return await asyncio.wait_for(run_demo(state_dir), timeout_s)
+    from rich.console import Console
+    from rich.live import Live
 
-    with tempfile.TemporaryDirectory(prefix="pdctl-demo-") as tmp:
-        try:
-            result = asyncio.run(bounded(Path(tmp)))
-        except TimeoutError:
-            typer.echo(f"demo did not finish within {timeout_s:g} s", err=True)
-            raise typer.Exit(1) from None
-    _print(result)
-    if not _ok(result):
+    from controller.demo import SCENARIO, quiet_daemon_logs, run_demo, summary_lines
+
+    quiet_daemon_logs()
+    console = Console()
+    path = scenario or SCENARIO
+    if not path.is_file():
+        typer.echo(f"error: scenario file not found: {path}", err=True)
+        raise typer.Exit(2)
+
+    if sys.stdout.isatty():
+        with Live(console=console, refresh_per_second=4, transient=False) as live:
+            def show(state: DemoState) -> None:
+                live.update(_screen(state))
+
+            state = asyncio.run(run_demo(scenario_path=path, timeout_s=timeout_s,
+                                         force_after_s=force_after_s, on_update=show))
+    else:
+        printed = 0
+
+        def lines(state: DemoState) -> None:
+            nonlocal printed
+            for e in state.events[printed:]:
+                typer.echo(f"{e.at:6.1f} s  {e.text}")
+            printed = len(state.events)
+
+        state = asyncio.run(run_demo(scenario_path=path, timeout_s=timeout_s,
+                                     force_after_s=force_after_s, on_update=lines))
+    for line in summary_lines(state):
+        typer.echo(line)
+    if state.failure or not state.done:
         raise typer.Exit(1)

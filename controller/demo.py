@@ -1,0 +1,398 @@
+"""``pdctl demo``: the embedded default closed loop.
+
+A live simulated cluster (:class:`controller.sim.live.LiveSim`, ``scenarios/demo.toml``:
+real /metrics endpoints and real gRPC router agents on loopback) and the real daemon
+(:class:`controller.daemon.Daemon`, the composition ``pdctl run`` uses: scrape source,
+SQLite store in a temporary directory, APScheduler job, gRPC pushes) with short intervals.
+The demo itself only watches: it reads the daemon's store (windows, drift events,
+calibrations, policies, pushes, acknowledgements) and tells the story as it happens:
+
+baseline (classic P/D, v1) → first calibration → canary → promotion → the scenario's shift
+(every KV link to a quarter of its bandwidth) → drift → recalibration → guardrail → canary
+→ promotion → recovery, then a summary.
+
+If no policy is approved after the shift within ``force_after_s``, the demo records an
+operator request (``recalibrate --force``, as ``pdctl recalibrate --force`` would) and says
+so in the summary. Every run is bounded by ``timeout_s``; whatever happens, the daemon and
+the simulator are stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controller.clock import Clock, WallClock
+
+SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "demo.toml"
+RECOVERY_WINDOWS = 3  # windows measured after the promotion before the demo ends
+DEMO_WHO = "pdctl demo (operator)"
+BASELINE_EXPLORATION = 0.2
+
+
+def demo_settings(addresses: dict[str, Any], store_url: str, ttft_s: float, tpot_s: float,
+                  interval_s: float) -> Any:
+    """The daemon's settings for the demo: the live cluster's addresses and short intervals
+    (everything here is an ordinary ``pdctl run`` config key)."""
+    from controller.config import load_settings
+
+    def hostport(url: str) -> str:
+        return url.split("//", 1)[1].split("/", 1)[0]
+
+    workers = addresses["workers"]
+    return load_settings(
+        prefill_pool={"nodes": [hostport(w["metrics"]) for w in workers
+                                if w["role"] == "prefill"]},
+        decode_pool={"nodes": [hostport(w["metrics"]) for w in workers
+                               if w["role"] == "decode"]},
+        routers={"targets": [r["grpc"] for r in addresses["routers"]],
+                 "metrics_targets": [hostport(r["metrics"]) for r in addresses["routers"]]},
+        store={"url": store_url},
+        metrics={"enable": False},
+        slo={"ttft_s": ttft_s, "tpot_s": tpot_s},
+        controller={
+            "interval_s": interval_s, "min_training_windows": 3, "training_windows": 5,
+            "min_policy_interval_s": 0, "calibrate_every_s": 3600, "bake_windows": 2,
+            "bake_min_requests": 10, "max_bake_windows": 8, "promote_margin": 0.05,
+            "lease_ttl_s": 10, "shutdown_timeout_s": 5,
+        },
+        drift={"min_requests": 10, "cooldown_s": 2 * interval_s},
+        rollout={"push_deadline_s": 2.0, "max_attempts": 2},
+    )
+
+
+@dataclass
+class Event:
+    at: float  # seconds since the demo's start
+    kind: str
+    text: str
+
+
+@dataclass
+class Phase:
+    label: str
+    windows: int = 0
+    requests: float = 0.0
+    met: float = 0.0
+    ttft_sum: float = 0.0
+    ttft_count: float = 0.0
+
+    @property
+    def goodput(self) -> float | None:
+        return self.met / self.requests if self.requests else None
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return 1000 * self.ttft_sum / self.ttft_count if self.ttft_count else None
+
+
+@dataclass
+class DemoState:
+    """What the demo has seen so far (rebuilt from the store at every poll)."""
+
+    scenario: str
+    shift_at: float
+    shift_text: str
+    routers: list[str]
+    now: float = 0.0
+    events: list[Event] = field(default_factory=list)
+    windows: list[tuple[float, float, float | None, float]] = field(default_factory=list)
+    desired: dict[str, int] = field(default_factory=dict)
+    acked: dict[str, int | None] = field(default_factory=dict)
+    baseline_version: int = 1
+    learned_version: int | None = None  # promoted before the shift
+    final_version: int | None = None  # approved after the shift
+    final_promoted_at: float | None = None
+    forced: bool = False
+    force_requested_at: float | None = None
+    phases: list[Phase] = field(default_factory=list)
+    done: bool = False
+    failure: str | None = None
+
+    @property
+    def stage(self) -> str:
+        if self.failure:
+            return f"failed: {self.failure}"
+        if self.done:
+            return "done"
+        if self.final_promoted_at is not None:
+            return "recovery: measuring goodput under the promoted policy"
+        if self.final_version is not None:
+            return f"canary: v{self.final_version} baking on part of the routers"
+        if self.now >= self.shift_at:
+            return "shift: waiting for drift detection and recalibration"
+        if self.learned_version is not None:
+            return f"steady: v{self.learned_version} everywhere, shift at {self.shift_at:.0f} s"
+        return "baseline: classic P/D (v1), collecting windows for the first calibration"
+
+
+class DemoWatcher:
+    """Turns the store's rows into the demo's story; ``poll`` is idempotent."""
+
+    def __init__(self, store: Any, state: DemoState, t0: float) -> None:
+        self.store = store
+        self.state = state
+        self.t0 = t0
+        self._seen: set[tuple[str, Any]] = set()
+
+    def _rel(self, dt: Any) -> float:
+        return float(dt.timestamp()) - self.t0
+
+    def _add(self, key: tuple[str, Any], at: float, kind: str, text: str) -> None:
+        if key not in self._seen:
+            self._seen.add(key)
+            self.state.events.append(Event(at, kind, text))
+
+    def poll(self, now: float) -> None:
+        s = self.state
+        s.now = now - self.t0
+        store = self.store
+        if s.now >= s.shift_at:
+            self._add(("shift", 0), s.shift_at, "shift", s.shift_text)
+        stored = store.windows()
+        s.windows = []
+        for w in stored:
+            win = w.window
+            n = sum(o.requests for o in win.outcomes)
+            met = sum(o.met for o in win.outcomes)
+            s.windows.append((win.start - self.t0, win.end - self.t0,
+                              met / n if n else None, n))
+        for e in store.drift_events():
+            self._add(("drift", e.id), self._rel(e.at), "drift",
+                      f"drift: {e.kind} detector fired (statistic {e.statistic:.2f} > "
+                      f"threshold {e.threshold:.2f})")
+        policies = {p.version: p for p in store.policies()}
+        for c in store.calibrations():
+            d = c.details or {}
+            changed = d.get("changed_cells")
+            n_changed = len(changed) if isinstance(changed, list) else changed
+            verdict = "approved" if d.get("approved") else "refused"
+            version = c.policy_version
+            status = policies[version].status if version in policies else "-"
+            self._add(("cal", c.id), self._rel(c.created_at), "calibration",
+                      f"recalibration ({d.get('trigger')}): candidate v{version} predicted "
+                      f"goodput {_fmt(c.predicted_goodput_new)} vs current "
+                      f"{_fmt(c.predicted_goodput_current)}, {n_changed} cell(s) changed; "
+                      f"guardrail {verdict} → {status}")
+        for r in store.requests():
+            self._add(("req", r.id), self._rel(r.created_at), "operator",
+                      f"operator request: {r.kind} {r.args} by {r.who} ({r.reason})")
+        first_ok: dict[int, dict[str, float]] = {}
+        for p in store.pushes():
+            if p.result == "ok":
+                first_ok.setdefault(p.version, {}).setdefault(p.router_id, self._rel(p.at))
+        s.desired = store.desired_versions()
+        s.acked = {r.router_id: r.acked_version for r in store.routers()}
+        s.learned_version = None
+        s.final_version = None
+        s.final_promoted_at = None
+        for version, rec in sorted(policies.items()):
+            if version == s.baseline_version or rec.status not in ("approved", "rolled_back"):
+                continue
+            after_shift = self._rel(rec.created_at) >= s.shift_at
+            pushed = first_ok.get(version, {})
+            if pushed:
+                first = min(pushed.values())
+                canary = sorted(r for r, t in pushed.items() if t == first)
+                self._add(("canary", version), first, "canary",
+                          f"canary: v{version} pushed to {', '.join(canary)} "
+                          f"({len(canary)} of {len(s.routers)} routers)")
+            if rec.status == "rolled_back":
+                self._add(("rollback", version), self._rel(rec.updated_at), "rollback",
+                          f"rolled back v{version}: {rec.reason}")
+                continue
+            promoted_at = max(pushed.values()) if len(pushed) == len(s.routers) else None
+            if promoted_at is not None:
+                self._add(("promoted", version), promoted_at, "promotion",
+                          f"promotion: v{version} acknowledged by every router")
+            # The newest approved version wins: after the shift it is the one whose
+            # recovery the demo measures (a newer approval restarts the measurement).
+            if after_shift:
+                s.final_version, s.final_promoted_at = version, promoted_at
+            elif promoted_at is not None:
+                s.learned_version = version
+        s.events.sort(key=lambda e: e.at)
+        s.phases = self.phases()
+
+    def phases(self) -> list[Phase]:
+        s = self.state
+        final = f"v{s.final_version}" if s.final_version is not None else "the new policy"
+        before = Phase("before the shift")
+        after = Phase(f"after the shift, until {final} is promoted")
+        recovered = Phase(f"after {final} is promoted (recovery)")
+        for w in self.store.windows():
+            win = w.window
+            start, end = win.start - self.t0, win.end - self.t0
+            if end <= s.shift_at:
+                phase = before
+            elif start < s.shift_at:
+                continue  # straddles the shift
+            elif s.final_promoted_at is not None and start >= s.final_promoted_at:
+                phase = recovered
+            else:
+                phase = after
+            phase.windows += 1
+            for o in win.outcomes:
+                phase.requests += o.requests
+                phase.met += o.met
+                phase.ttft_sum += o.ttft_sum
+                phase.ttft_count += o.ttft_count
+        return [before, after, recovered]
+
+    def all_acked(self, version: int) -> bool:
+        s = self.state
+        return all(s.desired.get(r) == version and s.acked.get(r) == version
+                   for r in s.routers)
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0f} ms"
+
+
+async def run_demo(*, scenario_path: Path = SCENARIO, timeout_s: float = 170.0,
+                   force_after_s: float = 60.0,
+                   on_update: Callable[[DemoState], None] | None = None,
+                   clock: Clock | None = None) -> DemoState:
+    """Run the demo to the end (or ``timeout_s``) and return what it saw."""
+    from controller.bench.runner import slo_of
+    from controller.daemon import Daemon
+    from controller.policy import Policy, Route, dumps
+    from controller.sim.live import LiveSim
+    from controller.sim.scenario import load_scenario
+    from controller.store import Store
+
+    clock = clock or WallClock()
+    scenario = load_scenario(scenario_path)
+    shift = scenario.events[0]
+    shift_text = (f"shift: {shift.kind} ×{getattr(shift, 'factor', '')} "
+                  f"(scenario event at {shift.at_s:g} s)")
+    # Classic P/D with exploration: a few requests take the other route, so the first
+    # calibration has measurements of both routes (DESIGN: exploration is how the
+    # controller keeps learning the route it does not take).
+    baseline = Policy.uniform(1, Route.PREFILL_NODE, exploration=BASELINE_EXPLORATION,
+                              slo=slo_of(scenario))
+    with tempfile.TemporaryDirectory(prefix="pdctl-demo-") as tmp:
+        store_url = f"sqlite:///{Path(tmp) / 'history.db'}"
+        sim = LiveSim(scenario, baseline)
+        t0 = clock.now()
+        addresses = await sim.start()
+        daemon_task: asyncio.Task[int] | None = None
+        daemon: Daemon | None = None
+        store = Store(store_url, clock)
+        try:
+            store.upgrade()
+            routers = [r["grpc"] for r in addresses["routers"]]
+            # The routers start on classic P/D (v1, what the simulator's agents hold): the
+            # store knows it as the approved baseline, desired everywhere.
+            with store.cycle() as tx:
+                tx.add_policy(baseline.version, baseline.checksum, dumps(baseline), "approved",
+                              f"baseline: classic P/D (every later turn to a prefill node), "
+                              f"exploration {BASELINE_EXPLORATION:g}")
+                for r in routers:
+                    tx.set_desired(r, baseline.version)
+            settings = demo_settings(addresses, store_url, scenario.ttft_slo_s,
+                                     scenario.tpot_slo_s, scenario.interval_s)
+            state = DemoState(scenario.name, shift.at_s, shift_text, routers)
+            state.events.append(Event(0.0, "start", (
+                f"start: live cluster '{scenario.name}' ({len(addresses['workers'])} workers, "
+                f"{len(routers)} routers), daemon every {scenario.interval_s:g} s, "
+                f"SLO TTFT {scenario.ttft_slo_s:g} s / TPOT {1000 * scenario.tpot_slo_s:g} ms; "
+                f"baseline v1 = classic P/D")))
+            daemon = Daemon(settings, clock=clock)
+            daemon_task = asyncio.create_task(daemon.run())
+            watcher = DemoWatcher(store, state, t0)
+            deadline = t0 + timeout_s
+            while True:
+                await clock.sleep(0.5)
+                if daemon_task.done():
+                    state.failure = f"the daemon stopped (exit {daemon_task.result()})"
+                    break
+                watcher.poll(clock.now())
+                if state.final_version is None and not state.forced \
+                        and state.now >= state.shift_at + force_after_s:
+                    # Honest fallback: an operator asks for a forced recalibration.
+                    with store.cycle() as tx:
+                        tx.add_request("recalibrate", {"force": True}, DEMO_WHO,
+                                       f"no approval {force_after_s:g} s after the shift")
+                    state.forced = True
+                    state.force_requested_at = state.now
+                if state.final_promoted_at is not None and state.final_version is not None \
+                        and watcher.all_acked(state.final_version) \
+                        and state.phases[2].windows >= RECOVERY_WINDOWS:
+                    state.done = True
+                if on_update is not None:
+                    on_update(state)
+                if state.done:
+                    break
+                if clock.now() >= deadline:
+                    state.failure = f"not finished within {timeout_s:g} s"
+                    break
+            if on_update is not None:
+                on_update(state)
+            return state
+        finally:
+            if daemon is not None:
+                daemon.request_stop()
+            if daemon_task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(daemon_task, 15.0)
+            await sim.stop()
+            store.close()
+
+
+def summary_lines(state: DemoState) -> list[str]:
+    """The printed summary (the test reads these lines)."""
+    lines = ["", "summary:"]
+    lines.append(f"  scenario {state.scenario}: {state.shift_text}")
+    lines.append(f"  versions: baseline v{state.baseline_version} (classic P/D)"
+                 + (f", learned v{state.learned_version} before the shift"
+                    if state.learned_version else "")
+                 + (f", v{state.final_version} approved after the shift"
+                    if state.final_version else ", no version approved after the shift"))
+    lines.append("  events:")
+    for e in state.events:
+        lines.append(f"    {e.at:6.1f} s  {e.text}")
+    lines.append("  goodput (measured by the routers, share of requests meeting both SLOs):")
+    for p in state.phases:
+        lines.append(f"    {p.label:<44} {_pct(p.goodput):>7}  TTFT mean {_ms(p.ttft_ms):>8}"
+                     f"  ({p.windows} windows, {p.requests:.0f} requests)")
+    acked = ", ".join(f"{r} v{state.acked.get(r)}" for r in state.routers)
+    lines.append(f"  routers acknowledged: {acked}")
+    if state.forced:
+        lines.append(f"  NOTE: the guardrail approved nothing within the wait; the demo asked "
+                     f"for an operator recalibration --force at {state.force_requested_at:.0f} s")
+    if state.failure:
+        lines.append(f"demo FAILED: {state.failure}")
+    else:
+        final = state.final_version
+        how = "forced by an operator request" if state.forced else "drift → guardrail approval"
+        lines.append(f"demo: shift at {state.shift_at:g} s, v{final} ({how}) promoted at "
+                     f"{state.final_promoted_at:.1f} s, every router acked v{final}; goodput "
+                     f"{_pct(state.phases[0].goodput)} → {_pct(state.phases[1].goodput)} → "
+                     f"{_pct(state.phases[2].goodput)} in {state.now:.0f} s")
+    return lines
+
+
+def quiet_daemon_logs() -> None:
+    """The story is on the screen; the daemon's own logs only when something breaks."""
+    logging.getLogger().setLevel(logging.ERROR)
+    for name in ("pdctl", "apscheduler", "httpx", "alembic"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+__all__ = ["DemoState", "DemoWatcher", "Event", "Phase", "demo_settings", "run_demo",
+           "summary_lines"]
