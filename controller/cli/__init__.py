@@ -24,6 +24,7 @@ _COMMAND_MODULES = (
     "run_cmd",
     "ops_cmd",
     "explain_cmd",
+    "active_cmd",
 )
 
 for _name in _COMMAND_MODULES:

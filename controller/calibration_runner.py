@@ -1,0 +1,433 @@
+"""The active cold-start calibration, executed: the PPD paper's offline method, done live.
+
+:func:`controller.core.active.plan_active_calibration` plans (pure); this module does the
+I/O. For each phase of the plan (forced all-prefill-node, then forced all-decode-local):
+
+1. the forced policy is stored as a normal approved, versioned policy (reason "active
+   calibration: forced prefill" / "... decode-local"), made every router's desired version
+   and pushed through the :class:`~controller.rollout.reconciler.Reconciler`; every router
+   must acknowledge it, else the run stops and the routers go back to what they ran;
+2. the phase's synthetic two-turn conversations go through the OpenAI-compatible endpoints
+   (``POST {base}/chat/completions``, ``X-Session-Id`` per conversation) with ``httpx``,
+   paced at each load point's QPS, under a concurrency bound, a request budget and a
+   deadline (progress shown with rich on a TTY);
+3. meanwhile the configured :class:`~controller.observe.source.MetricsSource` is read every
+   ``window_s`` and every window is stored.
+
+Then the learner calibrates on the usable windows of both phases, the candidate is recorded
+like the daemon records one (policy + calibration with its drift reference, trigger
+``active``) and, approved (always, with no current policy) or not, the routers are brought
+to the outcome: the first table, or back to the policy they ran before.
+
+Run it with the daemon stopped: a live leader lease held by someone else refuses the run
+(the leader would push its own policy over the forced ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from controller.clock import Clock
+from controller.core.active import ActivePlan, LoadPoint, Phase
+from controller.core.window import Window
+from controller.cycle import read_rollout
+from controller.learning import CalibrationOutcome, Learner, LearnerError
+from controller.observe.source import MetricsSource
+from controller.policy import Policy, Route, dumps, loads
+from controller.rollout.reconciler import Reconciler, RouterStatus
+from controller.store import Store
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+PHASE_REASON = {Route.PREFILL_NODE: "active calibration: forced prefill",
+                Route.DECODE_LOCAL: "active calibration: forced decode-local"}
+
+
+class ActiveCalibrationError(Exception):
+    """The active calibration could not run or finish (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerLimits:
+    max_requests: int = 4000  # requests sent, both phases together
+    max_duration_s: float = 1800.0  # wall time of the load, both phases together
+    concurrency: int = 32  # requests in flight at once
+    window_s: float = 10.0  # metrics window length while the load runs
+    request_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.max_requests < 1 or self.concurrency < 1:
+            raise ValueError("max_requests and concurrency must be >= 1")
+        if self.max_duration_s <= 0 or self.window_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("durations must be > 0")
+
+
+@dataclass(slots=True)
+class PhaseReport:
+    name: str
+    version: int
+    reason: str
+    acked: dict[str, int | None] = field(default_factory=dict)
+    window_ids: list[int] = field(default_factory=list)
+    usable_window_ids: list[int] = field(default_factory=list)
+    requests_sent: int = 0
+    requests_ok: int = 0
+    requests_failed: int = 0
+    points_run: int = 0
+    stopped: str | None = None  # why the load stopped before the plan's end
+
+
+@dataclass(slots=True)
+class ActiveReport:
+    phases: list[PhaseReport] = field(default_factory=list)
+    calibration_id: int | None = None
+    policy_version: int | None = None  # the first table
+    approved: bool = False
+    reason: str = ""
+    predicted_goodput: dict[str, float | None] = field(default_factory=dict)
+    heldout_error: Mapping[str, Any] = field(default_factory=dict)
+    final_version: int | None = None  # what the routers run at the end
+    final_acked: dict[str, int | None] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ActiveCalibrationRunner:
+    def __init__(
+        self,
+        *,
+        plan: ActivePlan,
+        store: Store,
+        reconciler: Reconciler,
+        routers: Sequence[str],
+        endpoints: Sequence[str],
+        source: MetricsSource,
+        learner: Learner,
+        clock: Clock,
+        limits: RunnerLimits | None = None,
+        model: str | None = None,
+        progress: Progress | None = None,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        if not routers:
+            raise ValueError("an active calibration needs routers to force policies on")
+        if not endpoints:
+            raise ValueError("an active calibration needs an OpenAI-compatible endpoint")
+        self.plan = plan
+        self.store = store
+        self.reconciler = reconciler
+        self.routers = list(routers)
+        self.endpoints = [e.rstrip("/") for e in endpoints]
+        self.source = source
+        self.learner = learner
+        self.clock = clock
+        self.limits = limits or RunnerLimits()
+        self.model = model
+        self.progress = progress
+        self._http = http
+        self._budget = self.limits.max_requests
+        self._sessions = 0
+        self._run_id = f"{int(clock.now() * 1000):x}"
+
+    # -- the run ------------------------------------------------------------------------
+
+    async def run(self) -> ActiveReport:
+        previous = self._preflight()
+        report = ActiveReport()
+        deadline = self.clock.monotonic() + self.limits.max_duration_s
+        own_http = self._http is None
+        http = self._http or httpx.AsyncClient(
+            timeout=self.limits.request_timeout_s,
+            limits=httpx.Limits(max_connections=self.limits.concurrency))
+        windows: list[tuple[int, Window]] = []
+        try:
+            for phase in self.plan.phases:
+                if self._budget <= 0 or self.clock.monotonic() >= deadline:
+                    break
+                ph, got = await self._phase(phase, http, deadline, previous)
+                report.phases.append(ph)
+                windows += got
+        finally:
+            if own_http:
+                await http.aclose()
+        if len(report.phases) < len(self.plan.phases):
+            await self._restore(previous)
+            raise ActiveCalibrationError(
+                f"the bounds ({self.limits.max_requests} requests, "
+                f"{self.limits.max_duration_s:g} s) ran out before the "
+                f"{self.plan.phases[len(report.phases)].route.name} phase")
+        outcome = await self._calibrate(windows, previous)
+        first_table = self._record(outcome, windows, previous, report)
+        if outcome.approved:
+            final, statuses = await self._push(first_table, report.reason)
+            report.final_version, report.final_acked = final.version, _acked(statuses)
+        elif previous is not None:
+            final, statuses = await self._push(previous, "", rollback=True)
+            report.final_version, report.final_acked = final.version, _acked(statuses)
+        return report
+
+    def _preflight(self) -> Policy | None:
+        """Refuse while another leader holds a live lease; the policy the routers run now."""
+        now = self.clock.utcnow()
+        with self.store.read() as tx:
+            lease = tx.lease()
+            if (lease is not None and lease.holder is not None
+                    and lease.expires_at is not None and lease.expires_at > now):
+                raise ActiveCalibrationError(
+                    f"{lease.holder} holds the leader lease: stop the daemon first (it "
+                    f"would push its own policy over the forced ones)")
+            rollout = read_rollout(tx, self.routers)
+            rec = tx.policy(rollout.fleet_version) if rollout.fleet_version else None
+        return loads(rec.body_json) if rec is not None else None
+
+    # -- one phase ----------------------------------------------------------------------
+
+    async def _phase(self, phase: Phase, http: httpx.AsyncClient, deadline: float,
+                     previous: Policy | None) -> tuple[PhaseReport, list[tuple[int, Window]]]:
+        reason = PHASE_REASON[phase.route]
+        with self.store.cycle() as tx:
+            version = tx.next_version()
+            policy = phase.policy.with_version(version)
+            tx.add_policy(version, policy.checksum, dumps(policy), "approved", reason)
+            for r in self.routers:
+                tx.set_desired(r, version)
+        name = "all-prefill-node" if phase.route == Route.PREFILL_NODE else "all-decode-local"
+        policy, statuses = await self._push(policy, reason)
+        ph = PhaseReport(name, policy.version, reason, _acked(statuses))
+        missing = [r for r, s in statuses.items() if not s.ok]
+        if missing:
+            await self._restore(previous)
+            raise ActiveCalibrationError(
+                f"v{policy.version} ({name}) was not acknowledged by {', '.join(missing)}: "
+                + "; ".join(f"{s.outcome}: {s.last_error}" for s in statuses.values()
+                            if not s.ok))
+
+        # The first read sets the baseline (scrape sources diff snapshots); what it covers
+        # ran under the previous policy and is not this phase's.
+        start = self.clock.now()
+        await self.source.window(start - self.limits.window_s, start)
+        done = asyncio.Event()
+        collector = asyncio.create_task(self._collect(done, start))
+        try:
+            await self._drive(phase, ph, http, deadline)
+        finally:
+            done.set()
+            got = await collector
+        for wid, w in got:
+            ph.window_ids.append(wid)
+            if _usable(w):
+                ph.usable_window_ids.append(wid)
+        return ph, [(i, w) for i, w in got if _usable(w)]
+
+    async def _collect(self, done: asyncio.Event, start: float) -> list[tuple[int, Window]]:
+        """One window every ``window_s`` until the load is done, then the last partial one."""
+        out: list[tuple[int, Window]] = []
+        while True:
+            finished = await self._sleep_or(done, start + self.limits.window_s
+                                            - self.clock.now())
+            end = self.clock.now()
+            if end - start > 1e-3:
+                w = await self.source.window(start, end)
+                with self.store.cycle() as tx:
+                    out.append((tx.add_window(w), w))
+                start = end
+            if finished:
+                return out
+
+    async def _sleep_or(self, event: asyncio.Event, seconds: float) -> bool:
+        """Sleep ``seconds`` on the clock or until ``event``; True when the event is set."""
+        if event.is_set():
+            return True
+        sleeper = asyncio.ensure_future(self.clock.sleep(max(seconds, 0.0)))
+        waiter = asyncio.ensure_future(event.wait())
+        await asyncio.wait({sleeper, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (sleeper, waiter):
+            t.cancel()
+        return event.is_set()
+
+    async def _drive(self, phase: Phase, ph: PhaseReport, http: httpx.AsyncClient,
+                     deadline: float) -> None:
+        task: TaskID | None = None
+        if self.progress is not None:
+            task = self.progress.add_task(ph.name, total=min(phase.requests, self._budget))
+        gate = asyncio.Semaphore(self.limits.concurrency)
+        for i, point in enumerate(phase.points):
+            if self._budget <= 0:
+                ph.stopped = f"request budget spent after {i} of {len(phase.points)} points"
+                break
+            if self.clock.monotonic() >= deadline:
+                ph.stopped = f"deadline reached after {i} of {len(phase.points)} points"
+                break
+            await self._drive_point(point, f"{ph.name}-{i}", ph, gate, http, deadline, task)
+            ph.points_run += 1
+
+    async def _drive_point(self, point: LoadPoint, tag: str, ph: PhaseReport,
+                           gate: asyncio.Semaphore, http: httpx.AsyncClient, deadline: float,
+                           task: TaskID | None) -> None:
+        """``point.sessions`` two-turn conversations, turns at ``point.qps`` per second:
+        conversation j starts at ``2j / qps``, its second turn ``1 / qps`` later (or when
+        the first answered, if later)."""
+        t0 = self.clock.monotonic()
+        gap = 1.0 / point.qps
+
+        async def conversation(j: int) -> None:
+            endpoint = self.endpoints[self._sessions % len(self.endpoints)]
+            self._sessions += 1
+            session = f"pdctl-active-{self._run_id}-{tag}-{j}"
+            first = [{"role": "user", "content": _text(point.context_tokens - 7)}]
+            await self._sleep_until(t0 + 2 * j * gap)
+            reply = await self._turn(http, gate, endpoint, session, first,
+                                     point.output_tokens, ph, deadline, task)
+            if reply is None:
+                return
+            second = [*first, {"role": "assistant", "content": reply},
+                      {"role": "user", "content": _text(point.append_tokens)}]
+            await self._sleep_until(t0 + (2 * j + 1) * gap)
+            await self._turn(http, gate, endpoint, session, second, point.output_tokens, ph,
+                             deadline, task)
+
+        await asyncio.gather(*(conversation(j) for j in range(point.sessions)))
+
+    async def _sleep_until(self, at_monotonic: float) -> None:
+        delay = at_monotonic - self.clock.monotonic()
+        if delay > 0:
+            await self.clock.sleep(delay)
+
+    async def _turn(self, http: httpx.AsyncClient, gate: asyncio.Semaphore, endpoint: str,
+                    session: str, messages: list[dict[str, str]], max_tokens: int,
+                    ph: PhaseReport, deadline: float, task: TaskID | None) -> str | None:
+        """One request; the assistant's text, or None (failed, or out of budget or time)."""
+        if self._budget <= 0 or self.clock.monotonic() >= deadline:
+            return None
+        self._budget -= 1
+        body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens,
+                                "stream": False}
+        if self.model is not None:
+            body["model"] = self.model
+        ph.requests_sent += 1
+        try:
+            async with gate:
+                resp = await http.post(f"{endpoint}/chat/completions", json=body,
+                                       headers={"X-Session-Id": session})
+            resp.raise_for_status()
+            text = str(resp.json()["choices"][0]["message"]["content"])
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            ph.requests_failed += 1
+            return None
+        finally:
+            if self.progress is not None and task is not None:
+                self.progress.advance(task)
+        ph.requests_ok += 1
+        return text
+
+    # -- calibrate, record, push --------------------------------------------------------
+
+    async def _calibrate(self, windows: list[tuple[int, Window]], previous: Policy | None
+                         ) -> CalibrationOutcome:
+        now = self.clock.now()
+
+        def fit() -> CalibrationOutcome:
+            return self.learner.calibrate([w for _, w in windows], previous, now,
+                                          "active calibration")
+
+        try:
+            return await asyncio.to_thread(fit)
+        except LearnerError as e:
+            await self._restore(previous)
+            raise ActiveCalibrationError(
+                f"cannot calibrate from the {len(windows)} usable window(s): {e}") from None
+
+    def _record(self, outcome: CalibrationOutcome, windows: list[tuple[int, Window]],
+                previous: Policy | None, report: ActiveReport) -> Policy:
+        """Store the first table and its calibration as the daemon's cycle does; the table
+        (renumbered by the store)."""
+        with self.store.cycle() as tx:
+            version = tx.next_version()
+            policy = outcome.policy.with_version(version)
+            status = "approved" if outcome.approved else "rejected"
+            tx.add_policy(version, policy.checksum, dumps(policy), status,
+                          f"active calibration: {outcome.reason}")
+            # Approved: the first table; refused: back to what ran before (with no policy
+            # before there is nothing to refuse against: the guardrail approves).
+            keep = version if outcome.approved else previous.version if previous else None
+            if keep is not None:
+                for r in self.routers:
+                    tx.set_desired(r, keep)
+            report.calibration_id = tx.add_calibration(
+                [i for i, _ in windows], outcome.heldout_error, outcome.predicted_goodput_new,
+                outcome.predicted_goodput_current, version,
+                {**outcome.details, "trigger": "active", "dry_run": False,
+                 "approved": outcome.approved, "reason": outcome.reason,
+                 "forced_versions": [p.version for p in report.phases]},
+            )
+        report.policy_version = version
+        report.approved = outcome.approved
+        report.reason = outcome.reason
+        report.predicted_goodput = {"current": outcome.predicted_goodput_current,
+                                    "candidate": outcome.predicted_goodput_new}
+        report.heldout_error = outcome.heldout_error
+        return policy
+
+    async def _push(self, policy: Policy, reason: str, rollback: bool = False
+                    ) -> tuple[Policy, dict[str, RouterStatus]]:
+        """Bring every router to ``policy`` and record the outcome. A router found at the
+        same version with other content (or ahead) gets it re-issued above (the reconciler's
+        rule); the re-issued version is stored and made desired, as the daemon does."""
+        statuses = await self.reconciler.reconcile(dict.fromkeys(self.routers, policy),
+                                                   rollback=rollback)
+        reissued = sorted({s.reissued_as for s in statuses.values() if s.reissued_as})
+        if reissued:
+            old, policy = policy.version, policy.with_version(reissued[-1])
+            with self.store.cycle() as tx:
+                if tx.policy(policy.version) is None:
+                    tx.add_policy(policy.version, policy.checksum, dumps(policy), "approved",
+                                  f"{reason} (v{old} re-issued above a router that was "
+                                  f"ahead)".lstrip())
+                for r in self.routers:
+                    tx.set_desired(r, policy.version)
+        self._record_statuses(statuses, policy.version)
+        return policy, dict(statuses)
+
+    async def _restore(self, previous: Policy | None) -> None:
+        """After a failed run: every router back to what it ran (when it ran something)."""
+        if previous is None:
+            return
+        with self.store.cycle() as tx:
+            for r in self.routers:
+                tx.set_desired(r, previous.version)
+        await self._push(previous, "", rollback=True)
+
+    def _record_statuses(self, statuses: Mapping[str, RouterStatus], version: int) -> None:
+        at = self.clock.utcnow()
+        with self.store.cycle() as tx:
+            for router, s in statuses.items():
+                if s.ok and s.acked_version is not None and s.acked_checksum is not None:
+                    tx.record_ack(router, s.acked_version, s.acked_checksum, at=at)
+                elif not s.ok:
+                    tx.record_router_error(router, f"{s.outcome}: {s.last_error}", at=at)
+                if s.pushed:
+                    tx.add_push(router, s.reissued_as or version,
+                                "ok" if s.ok else s.outcome, s.latency_s,
+                                None if s.ok else s.last_error, at=at)
+
+
+def _acked(statuses: Mapping[str, RouterStatus]) -> dict[str, int | None]:
+    return {r: s.acked_version for r, s in statuses.items()}
+
+
+def _usable(w: Window) -> bool:
+    """Fit to learn from: routed requests and every target read."""
+    return bool(w.outcomes) and not w.failures
+
+
+def _text(tokens: int) -> str:
+    """A text the OpenAI endpoint counts as about ``tokens`` tokens (4 bytes a token)."""
+    return "word " * max(math.ceil(tokens * 4 / 5), 1)

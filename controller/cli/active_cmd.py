@@ -1,0 +1,155 @@
+"""``pdctl calibrate-active``: the cold-start active calibration (``recalibrate --active
+--local`` of issue 5), run in this process against the configured store, routers and
+metrics source, with load sent through OpenAI-compatible endpoints (``--openai``).
+
+Exit codes: 0 first table recorded (approved or refused: see the output), 1 the run could
+not finish (a router did not acknowledge, too few windows, a leader is running), 2 bad
+input, 3 store unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from controller.cli._app import app
+
+_EXIT_FAILED = 1
+_EXIT_BAD_INPUT = 2
+
+
+def _floats(text: str, what: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{what}: comma-separated numbers") from None
+    if not values:
+        raise typer.BadParameter(f"{what}: at least one value")
+    return values
+
+
+def _turns(text: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for part in text.split(","):
+        a, sep, o = part.strip().partition(":")
+        if not sep or not a.isdigit() or not o.isdigit() or int(o) < 1:
+            raise typer.BadParameter("--turns: APPEND:OUTPUT pairs, e.g. 32:256,512:64")
+        out.append((int(a), int(o)))
+    return tuple(out)
+
+
+@app.command("calibrate-active")
+def calibrate_active(
+    config: Annotated[Path, typer.Option("--config", "-c", help="Config file ([store], "
+                                         "[routers], pools, [slo], [rollout]).")],
+    openai: Annotated[list[str], typer.Option(
+        "--openai", help="OpenAI-compatible base URL (…/v1); repeat to spread the "
+        "conversations over several.")],
+    model: Annotated[str | None, typer.Option(
+        "--model", help="`model` field of the requests (omitted when not given).")] = None,
+    contexts: Annotated[str, typer.Option(help="Context classes (turn-1 prompt tokens).")
+                        ] = "128,1024,4096,16384",
+    turns: Annotated[str, typer.Option(help="Turn-2 APPEND:OUTPUT token pairs.")
+                     ] = "16:32,32:256,64:64,128:128,256:64,512:64,1024:32",
+    qps: Annotated[str, typer.Option(help="QPS points (turns per second).")] = "0.5,2,8",
+    sessions: Annotated[int, typer.Option(min=1, help="Conversations per load point.")] = 20,
+    min_sessions: Annotated[int, typer.Option(
+        min=1, help="Fewest conversations per point when shrinking to the bounds.")] = 4,
+    max_requests: Annotated[int, typer.Option(min=1, help="Request budget (both phases).")
+                            ] = 4000,
+    max_duration: Annotated[float, typer.Option(
+        min=1, help="Seconds of load at most (both phases).")] = 1800.0,
+    window: Annotated[float, typer.Option(min=0.1, help="Metrics window length (s).")] = 10.0,
+    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight at most.")] = 32,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Cold start: force all-prefill-node, then all-decode-local, on every router while a
+    bounded synthetic two-turn load covers the table's cells; build the first table from the
+    windows observed. Run it with the daemon stopped."""
+    import asyncio
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from controller.calibration_runner import (
+        ActiveCalibrationError,
+        ActiveCalibrationRunner,
+        RunnerLimits,
+    )
+    from controller.cli.ops_cmd import _open_store
+    from controller.clock import WallClock
+    from controller.config import load_settings
+    from controller.core.active import plan_active_calibration
+    from controller.errors import ConfigError
+    from controller.learning import CoreLearner
+    from controller.observe.factory import source_from_settings
+    from controller.policy import Axes, Slo
+    from controller.rollout.client import GrpcRouterTransport
+    from controller.rollout.reconciler import Reconciler
+
+    try:
+        settings = load_settings(config)
+        plan = plan_active_calibration(
+            Axes(), Slo(settings.slo.ttft_s, settings.slo.tpot_s), 1,
+            contexts=[int(c) for c in _floats(contexts, "--contexts")], turns=_turns(turns),
+            qps_points=_floats(qps, "--qps"), sessions_per_point=max(sessions, min_sessions),
+            min_sessions_per_point=min_sessions, max_requests=max_requests,
+            max_duration_s=max_duration)
+        limits = RunnerLimits(max_requests=max_requests, max_duration_s=max_duration,
+                              concurrency=concurrency, window_s=window)
+    except (ConfigError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT) from None
+    routers = list(settings.routers.targets)
+    if not routers:
+        typer.echo("error: [routers] targets is empty", err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT)
+    console = Console(stderr=True)
+    console.print(f"plan: {plan.requests} requests over {len(plan.cells())} cells, about "
+                  f"{plan.duration_s:.0f} s of load ({plan.dropped_points} load points "
+                  f"left out to fit the bounds)")
+    store = _open_store(None, config)
+    clock = WallClock()
+
+    async def main() -> dict[str, Any]:
+        source = await source_from_settings(settings, clock=clock)
+        transport = GrpcRouterTransport(settings.security)
+        progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                            MofNCompleteColumn(), console=console,
+                            disable=not console.is_terminal)
+        try:
+            runner = ActiveCalibrationRunner(
+                plan=plan, store=store,
+                reconciler=Reconciler.from_config(transport, clock, settings.rollout),
+                routers=routers, endpoints=openai, source=source,
+                learner=CoreLearner(settings), clock=clock, limits=limits, model=model,
+                progress=progress)
+            with progress:
+                return (await runner.run()).to_dict()
+        finally:
+            await transport.close()
+            await source.aclose()
+
+    try:
+        doc = asyncio.run(main())
+    except ActiveCalibrationError as e:
+        typer.echo(f"active calibration failed: {e}", err=True)
+        raise typer.Exit(_EXIT_FAILED) from None
+    finally:
+        store.close()
+    if as_json:
+        typer.echo(json.dumps(doc, default=str))
+        return
+    for ph in doc["phases"]:
+        typer.echo(f"v{ph['version']} {ph['name']}: acked by {len(ph['acked'])} router(s); "
+                   f"{ph['requests_ok']}/{ph['requests_sent']} requests ok; "
+                   f"{len(ph['usable_window_ids'])}/{len(ph['window_ids'])} windows usable"
+                   + (f"; stopped: {ph['stopped']}" if ph["stopped"] else ""))
+    g = doc["predicted_goodput"]
+    typer.echo(f"first table v{doc['policy_version']} "
+               f"{'approved' if doc['approved'] else 'REFUSED'} ({doc['reason']}); "
+               f"predicted goodput {g['candidate']}; calibration #{doc['calibration_id']}; "
+               f"routers now run v{doc['final_version']}")

@@ -1,0 +1,186 @@
+"""The active cold-start calibration against the live simulated cluster (`pdctl sim serve` as
+a real process): forced policies pushed over gRPC, synthetic conversations through its
+OpenAI-compatible endpoints, windows scraped from its /metrics, the first table recorded.
+Bounded: a small plan (about 6 s of load per phase), 1 s windows, every wait capped."""
+
+from __future__ import annotations
+
+import json
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from controller.cli import app
+from controller.policy import Route, loads
+from controller.store import Store
+from tests.conftest import require
+
+REPO = Path(__file__).resolve().parents[1]
+PDCTL = [sys.executable, "-c", "from controller.cli import main; main()"]
+
+# The scenario's own traffic is off (--no-traffic): the only load is the calibration's. The
+# routers start all-decode-local (--policy local), so the first forced policy is a change.
+SCENARIO = """
+name = "active-calibration"
+seed = 5
+duration_s = 600
+
+[cluster]
+prefill_workers = 1
+decode_workers = 2
+profile = "llama-3.1-8b-h100"
+kv_link_gbps = 100
+routers = 2
+prefill_prefix_cache = true
+transfer_missing_only = true
+
+[workload]
+source = "synthetic"
+
+[workload.params]
+qps = 0.1
+turns = 2
+turn1_input = 512
+turn1_output = 32
+append_input = 64
+append_output = 32
+think_s = 1.0
+
+[slo]
+ttft_s = 0.5
+tpot_s = 0.05
+"""
+
+
+def _hostport(url: str) -> str:
+    return url.split("//", 1)[1].split("/", 1)[0]
+
+
+@pytest.fixture
+def live_sim(tmp_path: Path) -> Iterator[dict[str, Any] | None]:
+    scenario = tmp_path / "scenario.toml"
+    scenario.write_text(SCENARIO)
+    try:
+        proc = subprocess.Popen([*PDCTL, "sim", "serve", str(scenario), "--json",
+                                 "--no-traffic", "--policy", "local"], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+    except OSError:
+        yield None
+        return
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        line = proc.stdout.readline() if ready else ""
+        yield json.loads(line) if line else None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def _config(tmp_path: Path, sim: dict[str, Any]) -> Path:
+    prefill = [_hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "prefill"]
+    decode = [_hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "decode"]
+    path = tmp_path / "pd-controller.toml"
+    path.write_text(f"""
+[prefill_pool]
+nodes = {json.dumps(prefill)}
+[decode_pool]
+nodes = {json.dumps(decode)}
+[routers]
+targets = {json.dumps([r["grpc"] for r in sim["routers"]])}
+metrics_targets = {json.dumps([_hostport(r["metrics"]) for r in sim["routers"]])}
+[store]
+url = "sqlite:///{tmp_path / 'history.db'}"
+[slo]
+ttft_s = 0.5
+tpot_s = 0.05
+[rollout]
+push_deadline_s = 2.0
+max_attempts = 3
+""")
+    return path
+
+
+def test_active_calibration_builds_the_first_table_on_the_live_sim(
+    tmp_path: Path, live_sim: dict[str, Any] | None
+) -> None:
+    require("pdctl sim serve (the live simulated cluster)", live_sim is not None)
+    assert live_sim is not None
+    config = _config(tmp_path, live_sim)
+    store = Store(f"sqlite:///{tmp_path / 'history.db'}")
+    store.upgrade()
+    store.close()
+    routers = [r["grpc"] for r in live_sim["routers"]]
+
+    result = CliRunner().invoke(app, [
+        "calibrate-active", "--config", str(config),
+        *(a for r in live_sim["routers"] for a in ("--openai", r["openai"])),
+        "--contexts", "256,4096", "--turns", "32:32,512:32", "--qps", "4",
+        "--sessions", "3", "--min-sessions", "1", "--max-requests", "200",
+        "--max-duration", "40", "--window", "1.0", "--concurrency", "8", "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+
+    store = Store(f"sqlite:///{tmp_path / 'history.db'}")
+    try:
+        with store.read() as tx:
+            policies = {p.version: p for p in tx.policies()}
+            pushes = tx.pushes()
+            calibrations = tx.calibrations()
+            desired = tx.desired_versions()
+            acked = {r.router_id: r.acked_version for r in tx.routers()}
+            phase_windows = [tx.windows_by_ids(ph["window_ids"]) for ph in report["phases"]]
+    finally:
+        store.close()
+
+    # Both forced policies: stored approved with their reason, acknowledged by every router.
+    assert [ph["name"] for ph in report["phases"]] == ["all-prefill-node", "all-decode-local"]
+    for ph, route, reason in zip(report["phases"], (Route.PREFILL_NODE, Route.DECODE_LOCAL),
+                                 ("active calibration: forced prefill",
+                                  "active calibration: forced decode-local"), strict=True):
+        rec = policies[ph["version"]]
+        assert rec.reason.startswith(reason) and rec.status == "approved"
+        assert set(loads(rec.body_json).table.routes) == {route}
+        assert ph["acked"] == dict.fromkeys(routers, ph["version"])
+        assert {p.router_id for p in pushes if p.version == ph["version"]
+                and p.result == "ok"} == set(routers)
+        assert ph["requests_ok"] > 0 and ph["requests_failed"] == 0
+        assert ph["usable_window_ids"]
+
+    # Windows were stored under each policy, and the routers really routed by it: later
+    # turns only to a prefill node in the first phase, decode-local ones in the second.
+    def later_turn_requests(windows: list[Any], route: Route) -> float:
+        return sum(o.requests for s in windows for o in s.window.outcomes if o.route == route)
+
+    prefill_phase, local_phase = phase_windows
+    assert len(prefill_phase) == len(report["phases"][0]["window_ids"]) >= 2
+    assert later_turn_requests(prefill_phase, Route.DECODE_LOCAL) == 0
+    assert later_turn_requests(prefill_phase, Route.PREFILL_NODE) > 0
+    assert later_turn_requests(local_phase, Route.DECODE_LOCAL) > 0
+
+    # The first table: calibrated from those windows, recorded, approved (no current
+    # policy), desired everywhere and acknowledged.
+    version = report["policy_version"]
+    assert report["approved"] is True
+    assert policies[version].status == "approved"
+    assert version > report["phases"][1]["version"]
+    [cal] = calibrations
+    assert cal.id == report["calibration_id"] and cal.policy_version == version
+    used = {i for ph in report["phases"] for i in ph["usable_window_ids"]}
+    assert set(cal.training_window_ids) == used
+    assert cal.details["trigger"] == "active" and "drift_reference" in cal.details
+    assert desired == dict.fromkeys(routers, version)
+    assert acked == dict.fromkeys(routers, version)
+    assert report["final_acked"] == dict.fromkeys(routers, version)
