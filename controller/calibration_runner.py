@@ -51,7 +51,12 @@ PHASE_REASON = {Route.PREFILL_NODE: "active calibration: forced prefill",
 
 
 class ActiveCalibrationError(Exception):
-    """The active calibration could not run or finish (the message says why)."""
+    """The active calibration could not run or finish (the message says why; ``report``
+    holds what was done until then)."""
+
+    def __init__(self, message: str, report: ActiveReport | None = None) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +168,7 @@ class ActiveCalibrationRunner:
             raise ActiveCalibrationError(
                 f"the bounds ({self.limits.max_requests} requests, "
                 f"{self.limits.max_duration_s:g} s) ran out before the "
-                f"{self.plan.phases[len(report.phases)].route.name} phase")
+                f"{self.plan.phases[len(report.phases)].route.name} phase", report)
         outcome = await self._calibrate(windows, previous)
         first_table = self._record(outcome, windows, previous, report)
         if outcome.approved:
@@ -306,6 +311,8 @@ class ActiveCalibrationRunner:
                     ph: PhaseReport, deadline: float, task: TaskID | None) -> str | None:
         """One request; the assistant's text, or None (failed, or out of budget or time)."""
         if self._budget <= 0 or self.clock.monotonic() >= deadline:
+            ph.stopped = ph.stopped or ("request budget spent" if self._budget <= 0
+                                        else "deadline reached")
             return None
         self._budget -= 1
         body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens,

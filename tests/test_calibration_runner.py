@@ -69,8 +69,8 @@ def live_sim(tmp_path: Path) -> Iterator[dict[str, Any] | None]:
     scenario.write_text(SCENARIO)
     try:
         proc = subprocess.Popen([*PDCTL, "sim", "serve", str(scenario), "--json",
-                                 "--no-traffic", "--policy", "local"], cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
+                                 "--no-traffic", "--policy", "local"], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     except OSError:
         yield None
         return
@@ -184,3 +184,77 @@ def test_active_calibration_builds_the_first_table_on_the_live_sim(
     assert desired == dict.fromkeys(routers, version)
     assert acked == dict.fromkeys(routers, version)
     assert report["final_acked"] == dict.fromkeys(routers, version)
+
+
+async def test_out_of_bounds_the_run_stops_and_the_routers_return_to_their_policy(
+    tmp_path: Path, live_sim: dict[str, Any] | None
+) -> None:
+    """The runner's own request budget (below what the plan asks) stops the first phase; the
+    second never starts, nothing is calibrated and every router is rolled back to the
+    policy it ran before."""
+    require("pdctl sim serve (the live simulated cluster)", live_sim is not None)
+    assert live_sim is not None
+    from controller.calibration_runner import (
+        ActiveCalibrationError,
+        ActiveCalibrationRunner,
+        RunnerLimits,
+    )
+    from controller.clock import WallClock
+    from controller.config import load_settings
+    from controller.core.active import plan_active_calibration
+    from controller.learning import CoreLearner
+    from controller.observe.factory import source_from_settings
+    from controller.policy import Axes, Policy, Slo, dumps
+    from controller.rollout.client import GrpcRouterTransport
+    from controller.rollout.reconciler import Reconciler
+
+    config = _config(tmp_path, live_sim)
+    settings = load_settings(config)
+    routers = [r["grpc"] for r in live_sim["routers"]]
+    clock = WallClock()
+    store = Store(settings.store.url)
+    store.upgrade()
+    previous = Policy.uniform(1, Route.DECODE_LOCAL)
+    with store.cycle() as tx:
+        tx.add_policy(1, previous.checksum, dumps(previous), "approved", "before")
+        for r in routers:
+            tx.set_desired(r, 1)
+    plan = plan_active_calibration(Axes(), Slo(0.5, 0.05), 1, contexts=(256,),
+                                   turns=((32, 32),), qps_points=(8.0,), sessions_per_point=8)
+    assert plan.requests == 32
+    source = await source_from_settings(settings, clock=clock)
+    transport = GrpcRouterTransport()
+    runner = ActiveCalibrationRunner(
+        plan=plan, store=store,
+        reconciler=Reconciler.from_config(transport, clock, settings.rollout),
+        routers=routers, endpoints=[live_sim["routers"][0]["openai"]], source=source,
+        learner=CoreLearner(settings), clock=clock,
+        limits=RunnerLimits(max_requests=10, max_duration_s=30, window_s=1.0))
+    try:
+        with pytest.raises(ActiveCalibrationError, match="bounds") as failed:
+            await runner.run()
+    finally:
+        await transport.close()
+        await source.aclose()
+    try:
+        with store.read() as tx:
+            forced = [p for p in tx.policies() if p.reason.startswith("active calibration")]
+            desired = tx.desired_versions()
+            acked = {r.router_id: r.acked_version for r in tx.routers()}
+            calibrations = tx.calibrations()
+            pushes = tx.pushes()
+            policies = {p.version: p for p in tx.policies()}
+    finally:
+        store.close()
+    report = failed.value.report
+    assert report is not None and len(report.phases) == 1
+    assert report.phases[0].requests_sent == 10  # the budget, not the plan's 32
+    assert report.phases[0].stopped == "request budget spent"
+    assert report.phases[0].window_ids
+    assert [loads(p.body_json).table.routes[0] for p in forced] == [Route.PREFILL_NODE]
+    assert {p.version for p in pushes if p.result == "ok"} >= {forced[0].version}
+    assert calibrations == []
+    back = max(desired.values())
+    assert set(desired.values()) == {back} and set(acked.values()) == {back}
+    # the policy they ran before (re-issued if the simulator's own v1 differed)
+    assert loads(policies[back].body_json).table == previous.table
