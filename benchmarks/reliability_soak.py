@@ -31,6 +31,7 @@ import multiprocessing
 import os
 import random
 import tempfile
+import tracemalloc
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -173,6 +174,10 @@ async def soak(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     compact_every = max(1, int(3600 / args.interval_s))
     results: Counter[str] = Counter()
     samples: list[dict[str, Any]] = []
+    warm_snapshot: tracemalloc.Snapshot | None = None
+    growth: list[str] = []
+    if args.tracemalloc:
+        tracemalloc.start(6)
     started = wall.monotonic()
     try:
         for i in range(cycles):
@@ -185,6 +190,15 @@ async def soak(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 samples.append({"cycle": i, "sim_h": round(i * args.interval_s / 3600, 2),
                                 "rss_mb": round(rss_mb(), 1), "fds": open_fds(),
                                 "tasks": len(asyncio.all_tasks()), **row_counts(store)})
+                if args.tracemalloc and len(samples) == 2:
+                    warm_snapshot = tracemalloc.take_snapshot()
+        if warm_snapshot is not None:
+            diff = tracemalloc.take_snapshot().compare_to(warm_snapshot, "traceback")
+            growth = [f"{d.size_diff / 1e6:+.2f} MB {d.count_diff:+d} blocks: "
+                      + " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}"
+                                    for f in reversed(list(d.traceback)[-4:]))
+                      for d in diff[:12]]
+            tracemalloc.stop()
         elapsed = wall.monotonic() - started
         policies = store.policies()
     finally:
@@ -210,6 +224,7 @@ async def soak(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "windows_max": max(s["windows"] for s in samples),
         "retention_days": args.retention_days,
         "samples": samples,
+        "python_heap_growth_top": growth,
     }
 
 
@@ -222,6 +237,8 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--retention-days", type=float, default=1.0)
     parser.add_argument("--sample-h", type=float, default=1.0)
+    parser.add_argument("--tracemalloc", action="store_true",
+                        help="Also list the Python allocations that grew most after warm-up.")
     args = parser.parse_args()
     if not 0 < args.days <= 14 or not 1 <= args.routers <= 4096 or args.interval_s < 1:
         parser.error("--days in (0, 14], --routers 1..4096, --interval-s >= 1")
