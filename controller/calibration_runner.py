@@ -154,10 +154,14 @@ class ActiveCalibrationRunner:
             limits=httpx.Limits(max_connections=self.limits.concurrency))
         windows: list[tuple[int, Window]] = []
         try:
-            for phase in self.plan.phases:
-                if self._budget <= 0 or self.clock.monotonic() >= deadline:
+            for i, phase in enumerate(self.plan.phases):
+                now = self.clock.monotonic()
+                if self._budget <= 0 or now >= deadline:
                     break
-                ph, got = await self._phase(phase, http, deadline, previous)
+                # Each phase gets its share of the time left: the first cannot starve the
+                # second (the plan's durations ignore answer latency).
+                share = now + (deadline - now) / (len(self.plan.phases) - i)
+                ph, got = await self._phase(phase, http, share, previous)
                 report.phases.append(ph)
                 windows += got
         finally:
@@ -260,34 +264,45 @@ class ActiveCalibrationRunner:
 
     async def _drive(self, phase: Phase, ph: PhaseReport, http: httpx.AsyncClient,
                      deadline: float) -> None:
+        """Every load point starts at its planned offset (the sum of the planned durations
+        before it), not after the previous point's slowest answer: the phase takes about its
+        planned time, and a point's tail overlaps the next point's start."""
         task: TaskID | None = None
         if self.progress is not None:
             task = self.progress.add_task(ph.name, total=min(phase.requests, self._budget))
         gate = asyncio.Semaphore(self.limits.concurrency)
-        for i, point in enumerate(phase.points):
-            if self._budget <= 0:
-                ph.stopped = f"request budget spent after {i} of {len(phase.points)} points"
-                break
-            if self.clock.monotonic() >= deadline:
-                ph.stopped = f"deadline reached after {i} of {len(phase.points)} points"
-                break
-            await self._drive_point(point, f"{ph.name}-{i}", ph, gate, http, deadline, task)
-            ph.points_run += 1
+        t0 = self.clock.monotonic()
+        starts = [t0 + math.fsum(p.duration_s for p in phase.points[:i])
+                  for i in range(len(phase.points))]
+        await asyncio.gather(*(
+            self._drive_point(point, f"{ph.name}-{i}", ph, gate, http, deadline, task, start)
+            for i, (point, start) in enumerate(zip(phase.points, starts, strict=True))))
 
     async def _drive_point(self, point: LoadPoint, tag: str, ph: PhaseReport,
                            gate: asyncio.Semaphore, http: httpx.AsyncClient, deadline: float,
-                           task: TaskID | None) -> None:
-        """``point.sessions`` two-turn conversations, turns at ``point.qps`` per second:
-        conversation j starts at ``2j / qps``, its second turn ``1 / qps`` later (or when
-        the first answered, if later)."""
-        t0 = self.clock.monotonic()
-        gap = 1.0 / point.qps
+                           task: TaskID | None, t0: float) -> None:
+        """``point.sessions`` two-turn conversations from ``t0``. The point's QPS is per
+        router (the table's axis) and conversations are spread over the endpoints round
+        robin, so turns go out at ``qps × endpoints`` per second: conversation j starts at
+        ``2j·gap``, its second turn one ``gap`` later (or when the first answered, if later).
+
+        Turn 1's prompt is ``context - output`` tokens so that turn 2's reusable context
+        (turn 1's prompt and answer) is the point's ``context_tokens``: its planned cell.
+        """
+        gap = 1.0 / (point.qps * len(self.endpoints))
+        await self._sleep_until(t0)
+        if self._budget <= 0 or self.clock.monotonic() >= deadline:
+            ph.stopped = ph.stopped or ("request budget spent" if self._budget <= 0
+                                        else "deadline reached")
+            return
+        ph.points_run += 1
+        turn1_tokens = max(point.context_tokens - point.output_tokens, 8)
 
         async def conversation(j: int) -> None:
             endpoint = self.endpoints[self._sessions % len(self.endpoints)]
             self._sessions += 1
             session = f"pdctl-active-{self._run_id}-{tag}-{j}"
-            first = [{"role": "user", "content": _text(point.context_tokens - 7)}]
+            first = [{"role": "user", "content": _text(turn1_tokens - 7)}]
             await self._sleep_until(t0 + 2 * j * gap)
             reply = await self._turn(http, gate, endpoint, session, first,
                                      point.output_tokens, ph, deadline, task)
