@@ -32,6 +32,9 @@ from controller.clock import Clock, WallClock
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "demo.toml"
 RECOVERY_WINDOWS = 3  # windows measured after the promotion before the demo ends
+# Recovered: goodput after the promotion within this much of the goodput before the shift.
+# Until then the daemon keeps going (drift and scheduled recalibrations) and the demo waits.
+RECOVERY_TOLERANCE = 0.10
 DEMO_WHO = "pdctl demo (operator)"
 BASELINE_EXPLORATION = 0.2
 
@@ -58,7 +61,7 @@ def demo_settings(addresses: dict[str, Any], store_url: str, ttft_s: float, tpot
         slo={"ttft_s": ttft_s, "tpot_s": tpot_s},
         controller={
             "interval_s": interval_s, "min_training_windows": 3, "training_windows": 5,
-            "min_policy_interval_s": 0, "calibrate_every_s": 3600, "bake_windows": 2,
+            "min_policy_interval_s": 0, "calibrate_every_s": 20, "bake_windows": 2,
             "bake_min_requests": 10, "max_bake_windows": 8, "promote_margin": 0.05,
             "lease_ttl_s": 10, "shutdown_timeout_s": 5,
         },
@@ -109,6 +112,7 @@ class DemoState:
     learned_version: int | None = None  # promoted before the shift
     final_version: int | None = None  # approved after the shift
     final_promoted_at: float | None = None
+    final_trigger: str | None = None  # what triggered the calibration behind final_version
     forced: bool = False
     force_requested_at: float | None = None
     phases: list[Phase] = field(default_factory=list)
@@ -168,18 +172,29 @@ class DemoWatcher:
                       f"drift: {e.kind} detector fired (statistic {e.statistic:.2f} > "
                       f"threshold {e.threshold:.2f})")
         policies = {p.version: p for p in store.policies()}
+        triggers: dict[int, str] = {}
         for c in store.calibrations():
             d = c.details or {}
+            if c.policy_version is not None:
+                triggers[c.policy_version] = str(d.get("trigger"))
             changed = d.get("changed_cells")
             n_changed = len(changed) if isinstance(changed, list) else changed
             verdict = "approved" if d.get("approved") else "refused"
             version = c.policy_version
             status = policies[version].status if version in policies else "-"
-            self._add(("cal", c.id), self._rel(c.created_at), "calibration",
+            key = ("cal", c.id)
+            if key in self._seen:
+                continue
+            trained = [w.window for w in store.windows_by_ids(list(c.training_window_ids))]
+            pre = sum(1 for w in trained if w.end - self.t0 <= s.shift_at)
+            mix = (f"trained on {len(trained)} window(s), {pre} from before the shift"
+                   if self._rel(c.created_at) >= s.shift_at
+                   else f"trained on {len(trained)} window(s)")
+            self._add(key, self._rel(c.created_at), "calibration",
                       f"recalibration ({d.get('trigger')}): candidate v{version} predicted "
                       f"goodput {_fmt(c.predicted_goodput_new)} vs current "
-                      f"{_fmt(c.predicted_goodput_current)}, {n_changed} cell(s) changed; "
-                      f"guardrail {verdict} → {status}")
+                      f"{_fmt(c.predicted_goodput_current)}, {n_changed} cell(s) changed, "
+                      f"{mix}; guardrail {verdict} → {status}")
         for r in store.requests():
             self._add(("req", r.id), self._rel(r.created_at), "operator",
                       f"operator request: {r.kind} {r.args} by {r.who} ({r.reason})")
@@ -217,6 +232,7 @@ class DemoWatcher:
                 s.final_version, s.final_promoted_at = version, promoted_at
             elif promoted_at is not None:
                 s.learned_version = version
+        s.final_trigger = triggers.get(s.final_version) if s.final_version else None
         s.events.sort(key=lambda e: e.at)
         s.phases = self.phases()
 
@@ -332,14 +348,16 @@ async def run_demo(*, scenario_path: Path = SCENARIO, timeout_s: float = 170.0,
                     state.force_requested_at = state.now
                 if state.final_promoted_at is not None and state.final_version is not None \
                         and watcher.all_acked(state.final_version) \
-                        and state.phases[2].windows >= RECOVERY_WINDOWS:
+                        and state.phases[2].windows >= RECOVERY_WINDOWS and recovered(state):
                     state.done = True
                 if on_update is not None:
                     on_update(state)
                 if state.done:
                     break
                 if clock.now() >= deadline:
-                    state.failure = f"not finished within {timeout_s:g} s"
+                    state.failure = f"not finished within {timeout_s:g} s" + (
+                        " (the promoted policy has not brought goodput back)"
+                        if state.final_promoted_at is not None else "")
                     break
             if on_update is not None:
                 on_update(state)
@@ -352,6 +370,14 @@ async def run_demo(*, scenario_path: Path = SCENARIO, timeout_s: float = 170.0,
                     await asyncio.wait_for(daemon_task, 15.0)
             await sim.stop()
             store.close()
+
+
+def recovered(state: DemoState) -> bool:
+    """Goodput after the final promotion is back within ``RECOVERY_TOLERANCE`` of before."""
+    before, _, after = state.phases
+    if before.goodput is None or after.goodput is None:
+        return False
+    return after.goodput >= before.goodput - RECOVERY_TOLERANCE
 
 
 def summary_lines(state: DemoState) -> list[str]:
@@ -370,6 +396,10 @@ def summary_lines(state: DemoState) -> list[str]:
     for p in state.phases:
         lines.append(f"    {p.label:<44} {_pct(p.goodput):>7}  TTFT mean {_ms(p.ttft_ms):>8}"
                      f"  ({p.windows} windows, {p.requests:.0f} requests)")
+    if state.phases and state.phases[2].windows:
+        lines.append(f"  recovered: {'yes' if recovered(state) else 'no'} (goodput after the "
+                     f"promotion within {100 * RECOVERY_TOLERANCE:.0f} points of before the "
+                     f"shift)")
     acked = ", ".join(f"{r} v{state.acked.get(r)}" for r in state.routers)
     lines.append(f"  routers acknowledged: {acked}")
     if state.forced:
@@ -379,7 +409,8 @@ def summary_lines(state: DemoState) -> list[str]:
         lines.append(f"demo FAILED: {state.failure}")
     else:
         final = state.final_version
-        how = "forced by an operator request" if state.forced else "drift → guardrail approval"
+        how = ("forced by an operator request" if state.final_trigger == "operator"
+               else f"{state.final_trigger} → guardrail approval")
         lines.append(f"demo: shift at {state.shift_at:g} s, v{final} ({how}) promoted at "
                      f"{state.final_promoted_at:.1f} s, every router acked v{final}; goodput "
                      f"{_pct(state.phases[0].goodput)} → {_pct(state.phases[1].goodput)} → "

@@ -65,7 +65,7 @@ def _screen(state: DemoState) -> Any:
     events = Table(title="events", expand=True, show_lines=False)
     events.add_column("t (s)", justify="right", width=6)
     events.add_column("what")
-    for e in state.events[-14:]:
+    for e in state.events[-12:]:
         style = {"drift": "yellow", "shift": "red", "promotion": "green",
                  "operator": "magenta", "rollback": "red"}.get(e.kind, "")
         events.add_row(f"{e.at:.1f}", Text(e.text, style=style))
