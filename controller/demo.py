@@ -7,9 +7,13 @@ SQLite store in a temporary directory, APScheduler job, gRPC pushes) with short 
 The demo itself only watches: it reads the daemon's store (windows, drift events,
 calibrations, policies, pushes, acknowledgements) and tells the story as it happens:
 
-baseline (classic P/D, v1) → first calibration → canary → promotion → the scenario's shift
-(every KV link to a quarter of its bandwidth) → drift → recalibration → guardrail → canary
-→ promotion → recovery, then a summary.
+baseline (classic P/D with exploration, v1) → first calibration → canary → promotion → the
+scenario's shift (every KV link to a quarter of its bandwidth) → drift → recalibration →
+guardrail → canary → promotion → recovery, then a summary. A recalibration right after the
+shift trains partly on windows from before it and the guardrail may refuse its candidate;
+the demo's config then recalibrates on schedule (every 20 s) on post-shift windows. The
+demo ends once goodput after the promotion is back within ``RECOVERY_TOLERANCE`` of before
+the shift (measured over ``RECOVERY_WINDOWS`` windows).
 
 If no policy is approved after the shift within ``force_after_s``, the demo records an
 operator request (``recalibrate --force``, as ``pdctl recalibrate --force`` would) and says
@@ -335,7 +339,8 @@ async def run_demo(*, scenario_path: Path = SCENARIO, timeout_s: float = 170.0,
             while True:
                 await clock.sleep(0.5)
                 if daemon_task.done():
-                    state.failure = f"the daemon stopped (exit {daemon_task.result()})"
+                    state.failure = (f"the daemon stopped (exit {daemon_task.result()}): "
+                                     "interrupted")
                     break
                 watcher.poll(clock.now())
                 if state.final_version is None and not state.forced \
