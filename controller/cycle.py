@@ -470,7 +470,10 @@ class Cycle:
             latest = tx.policies(limit=1, status="approved")
         if not latest:
             return math.inf
-        return now - latest[-1].created_at.timestamp()
+        elapsed = now - latest[-1].created_at.timestamp()
+        # Negative: the wall clock was stepped back since that approval. Waiting until it
+        # catches up could block recalibration for hours, so the rate limit does not apply.
+        return elapsed if elapsed >= 0 else math.inf
 
     async def _calibrate(self, plan: _Plan, current: Policy | None, now: float,
                          recal: OperatorRequest | None, ops: OperatorState,

@@ -284,3 +284,33 @@ async def test_wall_clock_jumps_keep_versions_unique_and_routers_converged(
         assert store.next_version() == versions[-1] + 1
     finally:
         store.close()
+
+
+async def test_drift_after_the_wall_clock_stepped_back_still_recalibrates(
+    tmp_path: Path,
+) -> None:
+    """A policy approved 'in the future' (the clock was then stepped back) must not block
+    the rate limit on policy changes until the wall clock catches up."""
+    clock = JumpingWallClock(1_800_000_000.0)
+    store = Store(f"sqlite:///{tmp_path / 'history.db'}", clock)
+    store.upgrade()
+    agents = {f"r{i}": RouterAgent(router_id=f"r{i}", clock=clock) for i in range(2)}
+    learner = ScriptedLearner()
+    config = CycleConfig(interval_s=30.0, calibrate_every_s=None, min_training_windows=2,
+                         min_policy_interval_s=600.0, bake_windows=2, bake_min_requests=100.0,
+                         max_bake_windows=6)
+    cycle = Cycle(clock=clock, source=PolicyAwareSource(agents), store=store, learner=learner,
+                  reconciler=Reconciler(FakeRouterTransport(agents), clock, max_attempts=1),
+                  metrics=ControllerMetrics(CollectorRegistry()), routers=list(agents),
+                  config=config)
+    try:
+        for step in range(30):
+            if step == 8:
+                clock.offset -= 3600  # back an hour, long after the first approval
+            learner.fire = step == 1 or step >= 30 - 8
+            clock.advance(30)
+            await cycle.run_once()
+        approved = [p for p in store.policies() if p.status == "approved"]
+        assert len(approved) >= 2, [(p.version, p.status) for p in store.policies()]
+    finally:
+        store.close()
