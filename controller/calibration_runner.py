@@ -308,8 +308,9 @@ class ActiveCalibrationRunner:
                                      point.output_tokens, ph, deadline, task)
             if reply is None:
                 return
+            # Turn 2 adds the answer's and the new message's overheads (4 tokens each).
             second = [*first, {"role": "assistant", "content": reply},
-                      {"role": "user", "content": _text(point.append_tokens)}]
+                      {"role": "user", "content": _text(point.append_tokens - 8)}]
             await self._sleep_until(t0 + (2 * j + 1) * gap)
             await self._turn(http, gate, endpoint, session, second, point.output_tokens, ph,
                              deadline, task)
@@ -451,5 +452,7 @@ def _usable(w: Window) -> bool:
 
 
 def _text(tokens: int) -> str:
-    """A text the OpenAI endpoint counts as about ``tokens`` tokens (4 bytes a token)."""
-    return "word " * max(math.ceil(tokens * 4 / 5), 1)
+    """A text of ``4 × tokens`` bytes: exactly ``tokens`` tokens by the simulator's rule
+    (``ceil(bytes / 4)``), about as many for a real tokenizer (one per short word)."""
+    n = max(tokens, 1)
+    return ("word " * n)[: 4 * n]

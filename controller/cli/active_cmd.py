@@ -97,7 +97,9 @@ def calibrate_active(
             contexts=[int(c) for c in _floats(contexts, "--contexts")], turns=_turns(turns),
             qps_points=_floats(qps, "--qps"), sessions_per_point=max(sessions, min_sessions),
             min_sessions_per_point=min_sessions, max_requests=max_requests,
-            max_duration_s=max_duration)
+            # The plan's durations are send schedules; a fifth of the time is kept for the
+            # answers (the runner's deadline is --max-duration).
+            max_duration_s=0.8 * max_duration)
         limits = RunnerLimits(max_requests=max_requests, max_duration_s=max_duration,
                               concurrency=concurrency, window_s=window)
     except (ConfigError, ValueError) as e:
