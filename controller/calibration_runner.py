@@ -271,12 +271,14 @@ class ActiveCalibrationRunner:
         if self.progress is not None:
             task = self.progress.add_task(ph.name, total=min(phase.requests, self._budget))
         gate = asyncio.Semaphore(self.limits.concurrency)
+        # Lowest QPS first, each level held for all its points: a window then measures one
+        # QPS level (the table's QPS axis) instead of an average over alternating levels.
+        points = sorted(phase.points, key=lambda p: p.qps)
         t0 = self.clock.monotonic()
-        starts = [t0 + math.fsum(p.duration_s for p in phase.points[:i])
-                  for i in range(len(phase.points))]
+        starts = [t0 + math.fsum(p.duration_s for p in points[:i]) for i in range(len(points))]
         await asyncio.gather(*(
             self._drive_point(point, f"{ph.name}-{i}", ph, gate, http, deadline, task, start)
-            for i, (point, start) in enumerate(zip(phase.points, starts, strict=True))))
+            for i, (point, start) in enumerate(zip(points, starts, strict=True))))
 
     async def _drive_point(self, point: LoadPoint, tag: str, ph: PhaseReport,
                            gate: asyncio.Semaphore, http: httpx.AsyncClient, deadline: float,
