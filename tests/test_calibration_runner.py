@@ -258,3 +258,12 @@ async def test_out_of_bounds_the_run_stops_and_the_routers_return_to_their_polic
     assert set(desired.values()) == {back} and set(acked.values()) == {back}
     # the policy they ran before (re-issued if the simulator's own v1 differed)
     assert loads(policies[back].body_json).table == previous.table
+
+
+def test_recalibrate_active_runs_here_only(tmp_path: Path) -> None:
+    """`recalibrate --active` is the same run: it needs --local, a config and an endpoint."""
+    for args in (["--active"], ["--active", "--local"],
+                 ["--active", "--local", "--config", str(tmp_path / "x.toml")]):
+        r = CliRunner().invoke(app, ["recalibrate", *args])
+        assert r.exit_code == 2, r.output
+        assert "--openai" in r.output

@@ -196,11 +196,25 @@ def recalibrate(
         "--force", help="Approve even if the guardrail would refuse.")] = False,
     local: Annotated[bool, typer.Option(
         "--local", help="Fit here on the stored windows and print; writes nothing.")] = False,
+    active: Annotated[bool, typer.Option(
+        "--active", help="With --local and --openai: the cold-start active calibration "
+        "(`pdctl calibrate-active` with its defaults).")] = False,
+    openai: Annotated[list[str] | None, typer.Option(
+        "--openai", help="OpenAI-compatible base URL for --active (repeatable).")] = None,
     reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
     timeout: TimeoutOption = 300.0, as_json: JsonOption = False, url: UrlOption = None,
     config: ConfigOption = None,
 ) -> None:
     """Ask the leader to recalibrate now, or fit locally (--local)."""
+    if active:
+        if not local or config is None or not openai:
+            typer.echo("--active runs here: it needs --local, --config and --openai URL",
+                       err=True)
+            raise typer.Exit(_EXIT_BAD_INPUT)
+        from controller.cli.active_cmd import calibrate_active
+
+        calibrate_active(config=config, openai=openai, as_json=as_json)
+        return
     if local:
         _recalibrate_local(url, config, as_json, force)
         return
