@@ -16,7 +16,6 @@ import pytest
 from controller.observe.source import Target
 from controller.store import Store
 from tests.conftest import require
-from tests.daemon.test_failover_pg import pg_url
 from tests.daemon.test_run_live import (
     PDCTL,
     REPO,
@@ -28,11 +27,8 @@ from tests.daemon.test_run_live import (
     _start,
     _stop,
     _wait,
-    live_sim,
 )
 from tests.observe.promserver import HOW_TO_INSTALL, PROMETHEUS, PromServer
-
-__all__ = ["live_sim", "pg_url"]  # fixtures, re-exported for pytest
 
 
 @pytest.mark.integration

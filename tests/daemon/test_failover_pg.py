@@ -4,19 +4,15 @@ time, and every decision is approved exactly once."""
 
 from __future__ import annotations
 
-import os
-import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from controller.store import Store
-from tests.conftest import require
 from tests.daemon.test_run_live import (
     PDCTL,
     REPO,
@@ -27,34 +23,7 @@ from tests.daemon.test_run_live import (
     _start,
     _stop,
     _wait,
-    live_sim,
 )
-
-PG_SERVER = os.environ.get("PDC_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-__all__ = ["live_sim"]  # the fixture, re-exported for pytest
-
-
-def _admin(sql: str) -> tuple[bool, str]:
-    import psycopg
-
-    try:
-        conninfo = PG_SERVER.replace("postgresql+psycopg://", "postgresql://")
-        with psycopg.connect(conninfo, connect_timeout=3, autocommit=True) as conn:
-            conn.execute(sql)
-        return True, ""
-    except psycopg.Error as e:
-        return False, str(e).strip()
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    schema = f"pdc_test_{secrets.token_hex(6)}"
-    ok, why = _admin(f"CREATE SCHEMA {schema}")
-    require("PostgreSQL", ok, f"{PG_SERVER}: {why}")
-    try:
-        yield f"{PG_SERVER}?options=-csearch_path%3D{schema}"
-    finally:
-        _admin(f"DROP SCHEMA {schema} CASCADE")
 
 
 def _holder(store: Store) -> str | None:

@@ -3,42 +3,12 @@ lock on the real server at 127.0.0.1:5432 (skipped locally without it, failing i
 
 from __future__ import annotations
 
-import os
 import secrets
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from controller.clock import VirtualClock
 from controller.leader import LeaseLeadership, PgAdvisoryLeadership, advisory_key
 from controller.store import Store
-from tests.conftest import require
-
-PG_SERVER = os.environ.get("PDC_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-
-
-def _pg(sql: str) -> tuple[bool, str]:
-    import psycopg
-
-    try:
-        conninfo = PG_SERVER.replace("postgresql+psycopg://", "postgresql://")
-        with psycopg.connect(conninfo, connect_timeout=3, autocommit=True) as conn:
-            conn.execute(sql)
-        return True, ""
-    except psycopg.Error as e:
-        return False, str(e).strip()
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    schema = f"pdc_test_{secrets.token_hex(6)}"
-    ok, why = _pg(f"CREATE SCHEMA {schema}")
-    require("PostgreSQL", ok, f"{PG_SERVER}: {why}")
-    try:
-        yield f"{PG_SERVER}?options=-csearch_path%3D{schema}"
-    finally:
-        _pg(f"DROP SCHEMA {schema} CASCADE")
 
 
 async def test_sqlite_lease_one_leader_then_takeover_after_expiry(tmp_path: Path) -> None:
