@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from controller.bench.report import evaluation_document, markdown_report  # noqa: E402
-from controller.bench.runner import STATIC, run_bench, scale_scenario  # noqa: E402
+from controller.bench.runner import STATIC, quiet_logs, run_bench, scale_scenario  # noqa: E402
 from controller.clock import WallClock  # noqa: E402
 from controller.sim.scenario import load_scenario  # noqa: E402
 
@@ -57,6 +57,7 @@ def main() -> None:
     for f in files:
         scenario = scale_scenario(load_scenario(f), args.scale)
         t0 = wall.perf_counter_ns()
+        quiet_logs()
         bench = run_bench(scenario)
         seconds = (wall.perf_counter_ns() - t0) / 1e9
         doc = evaluation_document(bench)

@@ -136,7 +136,8 @@ def _phase_switcher(tables: Sequence[tuple[float, Policy]]) -> Callable[[Any], N
 
 def quiet_logs() -> None:
     """The simulated routers warn that a static policy is 'stale' after 15 virtual minutes
-    and the cycle logs every pass: noise on a bench's terminal."""
+    and the cycle logs every pass: noise on a bench's terminal. Called by the commands, not by
+    run_bench(): a library call must not change the process's logging."""
     logging.getLogger("controller.rollout.agent").setLevel(logging.ERROR)
     logging.getLogger("pdctl.cycle").setLevel(logging.WARNING)
 
@@ -157,7 +158,6 @@ def run_bench(
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policy {', '.join(unknown)}; expected {', '.join(POLICIES)}")
-    quiet_logs()
     slo = slo_of(scenario)
     phases = scenario.phase_bounds()
     wanted = set(policies)

@@ -127,7 +127,9 @@ def bench_run(
 
 def _run(scenario: Scenario, names: list[str], thr: Any, settings: Any,
          extra: dict[str, Any], show_progress: bool) -> Any:
-    from controller.bench.runner import run_bench
+    from controller.bench.runner import quiet_logs, run_bench
+
+    quiet_logs()
 
     if not show_progress:
         return run_bench(scenario, names, threshold=thr, settings=settings, extra=extra)

@@ -33,6 +33,10 @@ from controller.rollout.agent import ApplyOutcome, RouterAgent, atomic_write_byt
 
 SMALL_AXES = Axes(context_tokens=(1000.0, 8000.0), io_ratio=(1.0, 4.0), qps=(2.0, 8.0))
 
+# Assert on this logger explicitly: a command run in-process elsewhere in the suite may have
+# raised its level (e.g. the bench quiets the agent), and caplog only lowers what it is told to.
+AGENT_LOGGER = "controller.rollout.agent"
+
 
 def checkerboard(version: int, *, shift: int = 0, exploration: float = 0.0) -> Policy:
     """A policy whose routes alternate by cell index, so a wrong cell gives a wrong route."""
@@ -112,7 +116,7 @@ def test_invalid_update_is_refused_with_every_problem_and_last_good_kept(
         table=dataclasses.replace(good.table, exploration=(0.9,) * SMALL_AXES.n_cells),
         slo=Slo(ttft_s=-1.0, tpot_s=0.1),
     )
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger=AGENT_LOGGER):
         result = agent.apply(bad)
     assert result.outcome is ApplyOutcome.INVALID
     assert "exploration[0]" in result.message and "slo.ttft_s" in result.message
@@ -178,7 +182,7 @@ def test_corrupt_state_file_is_set_aside_and_the_initial_policy_used(
     text = json.loads(dumps(checkerboard(9)))
     text["scores"][0] = 123.0  # the checksum no longer matches: tampered or bit-rotted
     state.write_text(json.dumps(text))
-    with caplog.at_level(logging.ERROR):
+    with caplog.at_level(logging.ERROR, logger=AGENT_LOGGER):
         agent = RouterAgent(clock=VirtualClock(), state_file=state,
                             initial_policy=checkerboard(1))
     assert agent.policy == checkerboard(1)
@@ -334,7 +338,7 @@ def test_decide_never_raises_and_logs_unexpected_errors_once_a_minute(
 
     agent = RouterAgent(clock=clock, initial_policy=checkerboard(1, exploration=0.2),
                         draw=broken_draw)
-    with caplog.at_level(logging.ERROR):
+    with caplog.at_level(logging.ERROR, logger=AGENT_LOGGER):
         first = agent.decide(later_turn())
         agent.decide(later_turn())
         clock.advance(61.0)
@@ -441,7 +445,7 @@ def test_policy_age_and_staleness_follow_the_clock(caplog: pytest.LogCaptureFixt
     clock.advance(60.0)
     assert agent.policy_age_s() == 60.0
     assert sample(agent, "pdrouter_policy_stale") == 0
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger=AGENT_LOGGER):
         clock.advance(41.0)
         assert agent.is_stale()
         assert sample(agent, "pdrouter_policy_stale") == 1
@@ -452,7 +456,7 @@ def test_policy_age_and_staleness_follow_the_clock(caplog: pytest.LogCaptureFixt
     agent.apply(checkerboard(2))
     assert not agent.is_stale()
     assert sample(agent, "pdrouter_policy_age_seconds") == 0
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger=AGENT_LOGGER):
         clock.advance(150.0)
         agent.observe(agent.decide(later_turn()), 0.1, 0.01)  # observe() notices it too
     stale_lines = [r for r in caplog.records if "stale" in r.getMessage()]
