@@ -235,6 +235,26 @@ class DriftSettings(_Section):
     )
 
 
+class CapacityConfig(_Section):
+    """Capacity planning: how many prefill and decode workers the load and SLOs need."""
+
+    enabled: bool = Field(
+        True, description="The daemon computes, stores and exports a recommendation "
+        "(pdctl_recommended_workers{role})."
+    )
+    headroom: float = Field(
+        0.2, ge=0, le=10, description="Spare capacity on top of the demand (0.2 = plan for "
+        "120% of the observed load).",
+    )
+    interval_s: float = Field(
+        300.0, gt=0, description="Seconds between two recommendations (the planner runs on "
+        "the control cycle that follows)."
+    )
+    min_windows: int = Field(
+        2, ge=1, description="Stored windows needed before the first recommendation."
+    )
+
+
 class PrometheusConfig(_Section):
     """The Prometheus (or Thanos/Mimir) HTTP API the prometheus source queries."""
 
@@ -328,6 +348,7 @@ class Settings(BaseSettings):
     store: StoreConfig = Field(default_factory=StoreConfig)
     prometheus: PrometheusConfig = Field(default_factory=PrometheusConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
+    capacity: CapacityConfig = Field(default_factory=CapacityConfig)
 
     _toml_file: ClassVar[Path | None] = None
 
