@@ -37,7 +37,7 @@ from controller.store import Store
 from controller.store.repository import Tx
 from tests.daemon.fakes import PolicyAwareSource, ScriptedLearner
 from tests.faults.harness import Routers, SlowAgent
-from tests.store.conftest import _admin_execute
+from tests.support.postgres import admin_execute
 
 P1 = Policy.uniform(1, Route.PREFILL_NODE)
 P2 = Policy.uniform(2, Route.DECODE_LOCAL, exploration=0.05)
@@ -187,7 +187,7 @@ class ConnectionKillingLeader(AlwaysLeader):
         if self.kill_next:
             self.kill_next = False
             tx.desired_versions()  # the transaction is open on the server now
-            _admin_execute(
+            admin_execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                 f"WHERE application_name = '{self.app}' AND state LIKE 'idle in transaction%'"
             )

@@ -27,8 +27,8 @@ from controller.rollout.client import GrpcRouterTransport
 from controller.store import Store, migrate
 from controller.store.repository import StoreUnavailable
 from tests.faults.harness import RecordingClock, reconciler
-from tests.store.conftest import _admin_execute
 from tests.store.factories import sample_window
+from tests.support.postgres import admin_execute
 
 REPO = Path(__file__).resolve().parents[2]
 AT = datetime(2027, 1, 1, tzinfo=UTC)
@@ -121,7 +121,7 @@ def test_postgres_connection_killed_mid_cycle_rolls_the_cycle_back(
         with pytest.raises(StoreUnavailable) as caught, store.cycle() as tx:
             half_a_cycle(tx)
             tx.flush()  # the rows are on the server, uncommitted
-            _admin_execute(
+            admin_execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                 f"WHERE application_name = '{app}' AND state LIKE 'idle in transaction%'"
             )

@@ -1,0 +1,1 @@
+"""Helpers shared by several test packages (real components the tests start or reach)."""
