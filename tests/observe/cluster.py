@@ -21,6 +21,9 @@ from controller.rollout.agent_metrics import (
     slo_label,
 )
 
+# vLLM's bucket edges, restated from reference/worker-metrics.md §2 on purpose rather than
+# imported from controller/sim/vllm_metrics.py: these tests then cross-check the simulator's
+# exposition against the reference instead of against itself.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
