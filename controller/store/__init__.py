@@ -9,6 +9,7 @@ from controller.store.records import (
     OperatorRequest,
     PolicyRecord,
     PushRecord,
+    RecommendationRecord,
     RouterRecord,
     StoredWindow,
 )
@@ -23,6 +24,7 @@ from controller.store.repository import (
 
 __all__ = [
     "LEADER", "POLICY_TRANSITIONS", "CalibrationRecord", "DriftEventRecord", "Lease",
-    "OperatorRequest", "PolicyRecord", "PushRecord", "RouterRecord", "Store", "StoreError",
-    "StoreUnavailable", "StoredWindow", "Tx", "make_engine", "normalize_url",
+    "OperatorRequest", "PolicyRecord", "PushRecord", "RecommendationRecord", "RouterRecord",
+    "Store", "StoreError", "StoreUnavailable", "StoredWindow", "Tx", "make_engine",
+    "normalize_url",
 ]

@@ -176,3 +176,29 @@ class LeaderLeaseRow(Base):
     term: Mapped[int] = mapped_column(BigInteger)
     acquired_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+
+
+class RecommendationRow(Base):
+    """One capacity recommendation; ``body`` is ``CapacityPlan.to_dict()`` (inputs, per-role
+    numbers, explanation). No foreign key to ``windows``: retention compacts windows, and the
+    ids stay as a record of what the plan was computed from."""
+
+    __tablename__ = "recommendations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)
+    first_window_id: Mapped[int | None] = mapped_column(Integer)
+    last_window_id: Mapped[int | None] = mapped_column(Integer)
+    window_ids: Mapped[Any] = mapped_column(JsonText)
+    prefill_workers: Mapped[int] = mapped_column(Integer)
+    decode_workers: Mapped[int] = mapped_column(Integer)
+    current_prefill: Mapped[int | None] = mapped_column(Integer)
+    current_decode: Mapped[int | None] = mapped_column(Integer)
+    prefill_binding: Mapped[str] = mapped_column(String(64))
+    decode_binding: Mapped[str] = mapped_column(String(64))
+    prefill_utilisation: Mapped[float] = mapped_column(Float)
+    decode_utilisation: Mapped[float] = mapped_column(Float)
+    body: Mapped[Any] = mapped_column(JsonText)
+    # Set when the observed worker counts reached this recommendation (the operator or an
+    # autoscaler applied it): the scaling event that followed was expected, not drift.
+    applied_at: Mapped[datetime | None] = mapped_column(UtcDateTime)

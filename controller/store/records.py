@@ -94,3 +94,33 @@ class Lease:
     term: int  # grows with every change of holder: a fencing token
     acquired_at: datetime | None
     expires_at: datetime | None
+
+
+
+@dataclass(frozen=True, slots=True)
+class RecommendationRecord:
+    """A stored capacity recommendation; per-role numbers as columns, the rest in ``body``."""
+
+    id: int
+    created_at: datetime
+    window_ids: tuple[int, ...]
+    first_window_id: int | None
+    last_window_id: int | None
+    prefill_workers: int
+    decode_workers: int
+    current_prefill: int | None  # answering workers when it was computed
+    current_decode: int | None
+    prefill_binding: str  # the constraint that limits each side
+    decode_binding: str
+    prefill_utilisation: float  # demand / capacity at the recommended counts
+    decode_utilisation: float
+    body: Any  # CapacityPlan.to_dict(): inputs, per-role numbers and explanation
+    applied_at: datetime | None
+
+    def workers(self, role: str) -> int:
+        """The recommended count of ``role`` ("prefill" or "decode")."""
+        if role == "prefill":
+            return self.prefill_workers
+        if role == "decode":
+            return self.decode_workers
+        raise ValueError(f"unknown role {role!r}; expected prefill or decode")

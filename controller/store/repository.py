@@ -53,6 +53,7 @@ from controller.store.models import (
     OperatorRequestRow,
     PolicyRow,
     PushRow,
+    RecommendationRow,
     RouterDesiredRow,
     RouterRow,
     WindowRow,
@@ -64,6 +65,7 @@ from controller.store.records import (
     OperatorRequest,
     PolicyRecord,
     PushRecord,
+    RecommendationRecord,
     RouterRecord,
     StoredWindow,
 )
@@ -391,6 +393,64 @@ class Tx:
         )
         return None if row is None else _calibration(row)
 
+    # -- capacity recommendations -----------------------------------------------------
+
+    def add_recommendation(
+        self,
+        *,
+        window_ids: Sequence[int],
+        workers: tuple[int, int],
+        current: tuple[int | None, int | None],
+        binding: tuple[str, str],
+        utilisation: tuple[float, float],
+        body: Mapping[str, Any],
+        at: datetime | None = None,
+    ) -> int:
+        """Store one recommendation; the pairs are (prefill, decode)."""
+        if min(workers) < 1:
+            raise StoreError(f"recommended workers must be >= 1, got {workers}")
+        if not all(math.isfinite(u) for u in utilisation):
+            raise StoreError(f"utilisation must be finite, got {utilisation}")
+        try:
+            dumps_json(body)
+        except (TypeError, ValueError) as e:
+            raise StoreError(f"recommendation body is not storable JSON: {e}") from None
+        ids = [int(i) for i in window_ids]
+        row = RecommendationRow(
+            created_at=self._at(at), window_ids=ids,
+            first_window_id=min(ids) if ids else None, last_window_id=max(ids) if ids else None,
+            prefill_workers=workers[0], decode_workers=workers[1],
+            current_prefill=current[0], current_decode=current[1],
+            prefill_binding=binding[0][:64], decode_binding=binding[1][:64],
+            prefill_utilisation=utilisation[0], decode_utilisation=utilisation[1],
+            body=dict(body),
+        )
+        self._s.add(row)
+        self._s.flush()
+        return row.id
+
+    def recommendations(
+        self, since: datetime | None = None, limit: int | None = None
+    ) -> list[RecommendationRecord]:
+        q = select(RecommendationRow)
+        if since is not None:
+            q = q.where(RecommendationRow.created_at >= since)
+        rows = self._newest(q, RecommendationRow.created_at, RecommendationRow.id, limit)
+        return [_recommendation(r) for (r,) in rows]
+
+    def mark_recommendation_applied(
+        self, recommendation_id: int, at: datetime | None = None
+    ) -> RecommendationRecord:
+        """Record that the observed worker counts reached this recommendation (the first
+        time counts; marking it again keeps the first time)."""
+        row = self._s.get(RecommendationRow, recommendation_id, with_for_update=True)
+        if row is None:
+            raise StoreError(f"no recommendation {recommendation_id}")
+        if row.applied_at is None:
+            row.applied_at = self._at(at)
+            self._s.flush()
+        return _recommendation(row)
+
     # -- operator requests ------------------------------------------------------------
 
     def add_request(
@@ -683,6 +743,9 @@ class Store:
     add_calibration = _in_own_transaction(Tx.add_calibration)
     calibrations = _in_own_transaction(Tx.calibrations)
     calibration_for = _in_own_transaction(Tx.calibration_for)
+    add_recommendation = _in_own_transaction(Tx.add_recommendation)
+    recommendations = _in_own_transaction(Tx.recommendations)
+    mark_recommendation_applied = _in_own_transaction(Tx.mark_recommendation_applied)
     add_request = _in_own_transaction(Tx.add_request)
     claim_next_request = _in_own_transaction(Tx.claim_next_request)
     finish_request = _in_own_transaction(Tx.finish_request)
@@ -728,6 +791,18 @@ def _calibration(r: CalibrationRow) -> CalibrationRecord:
         predicted_goodput_current=r.predicted_goodput_current,
         policy_version=None if r.policy_version is None else int(r.policy_version),
         details=r.details,
+    )
+
+
+def _recommendation(r: RecommendationRow) -> RecommendationRecord:
+    return RecommendationRecord(
+        id=r.id, created_at=r.created_at, window_ids=tuple(r.window_ids),
+        first_window_id=r.first_window_id, last_window_id=r.last_window_id,
+        prefill_workers=r.prefill_workers, decode_workers=r.decode_workers,
+        current_prefill=r.current_prefill, current_decode=r.current_decode,
+        prefill_binding=r.prefill_binding, decode_binding=r.decode_binding,
+        prefill_utilisation=r.prefill_utilisation, decode_utilisation=r.decode_utilisation,
+        body=r.body, applied_at=r.applied_at,
     )
 
 

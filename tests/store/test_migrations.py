@@ -75,8 +75,8 @@ BATCH_REVISION = '''
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0002"
-down_revision = "0001"
+revision = "9001"
+down_revision = "0002"
 branch_labels = None
 depends_on = None
 
@@ -101,18 +101,18 @@ def test_batch_migration_of_a_parent_table_keeps_its_children(
 
     scripts = tmp_path / "migrations"
     shutil.copytree(migrate.MIGRATIONS_DIR, scripts, ignore=shutil.ignore_patterns("__pycache__"))
-    (scripts / "versions" / "0002_batch_parent.py").write_text(BATCH_REVISION)
+    (scripts / "versions" / "9001_batch_parent.py").write_text(BATCH_REVISION)
     cfg = migrate.alembic_config(db_url)
     cfg.set_main_option("script_location", str(scripts))
 
-    command.upgrade(cfg, "0001")
+    command.upgrade(cfg, "0002")
     with Store(db_url) as store:
         store.add_policy(1, "aa" * 32, "{}", "approved", "seed")
         store.set_desired("r1", 1)
         store.add_calibration([1], {"mape": 0.1}, 0.9, None, policy_version=1)
 
-    command.upgrade(cfg, "0002")
-    command.downgrade(cfg, "0001")
+    command.upgrade(cfg, "9001")
+    command.downgrade(cfg, "0002")
 
     with Store(db_url) as store:
         assert store.desired_versions() == {"r1": 1}
@@ -146,3 +146,55 @@ def test_store_from_config_applies_the_sqlite_settings(tmp_path: Path) -> None:
     with Store.from_config(cfg) as store, store.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 1234
+
+
+def _seed_0001(url: str) -> None:
+    """History written by a 0001 build: a policy, its calibration, a desired version."""
+    with Store(url) as store:
+        store.add_policy(1, "aa" * 32, "{}", "approved", "seed")
+        store.set_desired("r1", 1)
+        store.add_calibration([1], {"mape": 0.1}, 0.9, None, policy_version=1)
+
+
+def _recommend(store: Store) -> int:
+    return store.add_recommendation(
+        window_ids=[3, 4], workers=(2, 5), current=(2, 4), binding=("p99 TTFT", "p99 TPOT"),
+        utilisation=(0.61, 0.74), body={"headroom": 0.2},
+    )
+
+
+def test_upgrade_from_0001_adds_recommendations_and_downgrade_removes_only_them(
+    db_url: str,
+) -> None:
+    migrate.upgrade(db_url, "0001")
+    assert "recommendations" not in _tables(db_url)
+    _seed_0001(db_url)
+
+    migrate.upgrade(db_url, "0002")
+    assert migrate.current_revision(db_url) == "0002"
+    migrate.check(db_url)
+    with Store(db_url) as store:
+        store.require_schema()
+        rid = _recommend(store)
+        assert [r.id for r in store.recommendations()] == [rid]
+        assert store.desired_versions() == {"r1": 1}  # 0001's rows are untouched
+
+    migrate.downgrade(db_url, "0001")
+    assert _tables(db_url) == TABLES - {"recommendations"} | {"alembic_version"}
+    with Store(db_url) as store:
+        assert store.desired_versions() == {"r1": 1}
+        assert [c.policy_version for c in store.calibrations()] == [1]
+        with pytest.raises(StoreError, match="needs 0002"):
+            store.require_schema()
+
+    migrate.upgrade(db_url)  # and up again: the table comes back empty
+    with Store(db_url) as store:
+        assert store.recommendations() == []
+        assert store.desired_versions() == {"r1": 1}
+    if db_url.startswith("sqlite"):
+        engine = make_engine(db_url)
+        try:
+            with engine.connect() as conn:
+                assert conn.exec_driver_sql("PRAGMA foreign_key_check").all() == []
+        finally:
+            engine.dispose()

@@ -307,6 +307,90 @@ def test_retention_compacts_windows_only(store: Store) -> None:
     assert store.compact_windows(older_than=cutoff) == 0
 
 
+# -- capacity recommendations ----------------------------------------------------------
+
+
+def _plan_body(prefill: int, decode: int) -> dict[str, object]:
+    """A body shaped like ``CapacityPlan.to_dict()``, with awkward floats."""
+    return {
+        "prefill": {"workers": prefill, "utilisation": 0.1 + 0.2, "binding": "p99 TTFT",
+                    "explanation": ["demand 12.5 req/s", "ä unicode line"]},
+        "decode": {"workers": decode, "utilisation": 2 / 3, "binding": "p99 TPOT"},
+        "demand": {"qps": 12.5, "input_tokens": 1e-9}, "headroom": 0.2,
+    }
+
+
+def test_recommendation_round_trip(store: Store) -> None:
+    body = _plan_body(3, 7)
+    rid = store.add_recommendation(
+        window_ids=[12, 10, 11], workers=(3, 7), current=(2, None),
+        binding=("p99 TTFT", "KV cache"), utilisation=(0.1 + 0.2, 2 / 3), body=body, at=T0,
+    )
+    (rec,) = store.recommendations()
+    assert rec.id == rid and rec.created_at == T0
+    assert rec.window_ids == (12, 10, 11)
+    assert (rec.first_window_id, rec.last_window_id) == (10, 12)
+    assert (rec.prefill_workers, rec.decode_workers) == (3, 7)
+    assert (rec.workers("prefill"), rec.workers("decode")) == (3, 7)
+    assert (rec.current_prefill, rec.current_decode) == (2, None)
+    assert (rec.prefill_binding, rec.decode_binding) == ("p99 TTFT", "KV cache")
+    assert rec.prefill_utilisation == 0.1 + 0.2 and rec.decode_utilisation == 2 / 3
+    assert rec.body == body  # JSON text keeps every float exactly
+    assert rec.applied_at is None
+    with pytest.raises(ValueError, match="unknown role"):
+        rec.workers("router")
+
+
+def test_recommendations_since_limit_and_applied(store: Store, clock: VirtualClock) -> None:
+    ids = [
+        store.add_recommendation(
+            window_ids=[i], workers=(1 + i, 2 + i), current=(1, 2), binding=("a", "b"),
+            utilisation=(0.5, 0.5), body=_plan_body(1 + i, 2 + i),
+            at=T0 + timedelta(minutes=5 * i),
+        )
+        for i in range(4)
+    ]
+    assert [r.id for r in store.recommendations(limit=2)] == ids[-2:]  # oldest first
+    assert [r.id for r in store.recommendations(since=T0 + timedelta(minutes=10))] == ids[2:]
+
+    clock.advance(60)
+    first = store.mark_recommendation_applied(ids[1])
+    assert first.applied_at == clock.utcnow()
+    clock.advance(60)
+    again = store.mark_recommendation_applied(ids[1])
+    assert again.applied_at == first.applied_at  # the first time it was reached counts
+    assert [r.applied_at is not None for r in store.recommendations()] == [
+        False, True, False, False]
+    with pytest.raises(StoreError, match="no recommendation 999"):
+        store.mark_recommendation_applied(999)
+
+
+def test_bad_recommendations_are_refused_and_nothing_is_half_written(store: Store) -> None:
+    with pytest.raises(StoreError, match=">= 1"):
+        store.add_recommendation(window_ids=[], workers=(0, 2), current=(None, None),
+                                 binding=("a", "b"), utilisation=(0.0, 0.0), body={})
+    with pytest.raises(StoreError, match="utilisation must be finite"):
+        store.add_recommendation(window_ids=[], workers=(1, 1), current=(None, None),
+                                 binding=("a", "b"), utilisation=(float("inf"), 0.0), body={})
+    with pytest.raises(StoreError, match="not storable JSON"), store.cycle() as tx:
+        tx.add_window(sample_window(random.Random(3), _epoch(T0)))
+        tx.add_recommendation(window_ids=[], workers=(1, 1), current=(None, None),
+                              binding=("a", "b"), utilisation=(0.5, 0.5),
+                              body={"demand": {"qps": float("nan")}})
+        tx.flush()
+    assert store.recommendations() == [] and store.windows() == []
+
+
+def test_retention_keeps_recommendations(store: Store) -> None:
+    rng = random.Random(12)
+    wid = store.add_window(sample_window(rng, _epoch(T0), n_routers=1, cells=2))
+    store.add_recommendation(window_ids=[wid], workers=(1, 2), current=(1, 2),
+                             binding=("a", "b"), utilisation=(0.4, 0.6), body={}, at=T0)
+    assert store.compact_windows(older_than=T0 + timedelta(days=1)) == 1
+    (rec,) = store.recommendations()
+    assert rec.window_ids == (wid,)  # the record of what it was computed from stays
+
+
 def _race(calls: list[Callable[[], T]]) -> list[T | None]:
     """Run the calls at once on threads (bounded by a join timeout); return their results."""
     barrier = threading.Barrier(len(calls))
