@@ -1,6 +1,9 @@
-"""``pdctl history windows|policies|calibrations|drift|pushes|requests``: what the store holds.
+"""``pdctl history windows|policies|calibrations|drift|pushes|requests|recommendations``:
+what the store holds.
 
-Rows come oldest first (the newest ``--limit`` of them); ``--json`` prints a JSON list.
+Rows come oldest first (the newest ``--limit`` of them); ``--json`` prints a JSON list. Each
+family is one :class:`Family`: how to fetch its records, how to turn one into JSON, and its
+table columns; one renderer and one command factory serve them all.
 """
 
 from __future__ import annotations
@@ -8,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -52,17 +55,26 @@ def parse_since(text: str, now: datetime) -> datetime:
     return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
-def _run(
-    url: str | None,
-    config: Any,
-    since: str | None,
-    as_json: bool,
-    fetch: Callable[[Tx, datetime | None], Sequence[Any]],
-    to_json: Callable[[Any], dict[str, Any]],
-    columns: Sequence[str],
-    to_row: Callable[[Any], Sequence[str]],
-    title: str,
-) -> None:
+@dataclass(frozen=True, slots=True)
+class Column:
+    header: str
+    cell: Callable[[Any], str]
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One ``pdctl history NAME`` command."""
+
+    name: str
+    help: str
+    title: str  # the table's title; the row count is appended
+    fetch: Callable[[Tx, datetime | None, int], Sequence[Any]]  # (tx, since, limit)
+    columns: tuple[Column, ...]
+    to_json: Callable[[Any], dict[str, Any]] = lambda record: asdict(record)
+
+
+def _run(family: Family, url: str | None, config: Any, since: str | None, limit: int,
+         as_json: bool) -> None:
     from controller.clock import WallClock
     from controller.errors import ControllerError
     from controller.store import Store
@@ -79,22 +91,35 @@ def _run(
         with Store(target, clock) as store:
             store.require_schema()
             with store.read() as tx:
-                items = fetch(tx, start)
+                items = family.fetch(tx, start, limit)
     except ControllerError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(_EXIT_UNAVAILABLE) from None
     if as_json:
-        typer.echo(json.dumps([to_json(i) for i in items], indent=2, default=_json_default))
+        typer.echo(json.dumps([family.to_json(i) for i in items], indent=2,
+                              default=_json_default))
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{title} ({len(items)})")
-    for c in columns:
-        table.add_column(c)
+    table = Table(title=f"{family.title} ({len(items)})")
+    for c in family.columns:
+        table.add_column(c.header)
     for item in items:
-        table.add_row(*to_row(item))
+        table.add_row(*(c.cell(item) for c in family.columns))
     Console(width=200).print(table)
+
+
+def _register(family: Family) -> None:
+    def command(
+        url: UrlOption = None, config: ConfigOption = None, since: SinceOption = None,
+        limit: LimitOption = 20, as_json: JsonOption = False,
+    ) -> None:
+        _run(family, url, config, since, limit, as_json)
+
+    command.__name__ = family.name
+    command.__doc__ = family.help
+    history_app.command(family.name)(command)
 
 
 def _json_default(value: Any) -> Any:
@@ -123,129 +148,158 @@ def _text(value: str | None, width: int = 60) -> str:
     return value if len(value) <= width else value[: width - 1] + "…"
 
 
-@history_app.command("windows")
-def windows(
-    url: UrlOption = None, config: ConfigOption = None, since: SinceOption = None,
-    limit: LimitOption = 20, as_json: JsonOption = False,
-) -> None:
-    """Observed windows: load, outcomes, failed targets."""
-
-    def to_json(sw: Any) -> dict[str, Any]:
-        return {"id": sw.id, **sw.window.to_dict()}
-
-    def to_row(sw: Any) -> list[str]:
-        w = sw.window
-        requests = sum(o.requests for o in w.outcomes)
-        met = sum(o.met for o in w.outcomes)
-        prefill, decode = w.roles.get("prefill"), w.roles.get("decode")
-        return [
-            str(sw.id), _t(datetime.fromtimestamp(w.start, tz=UTC)), _n(w.end - w.start, ".0f"),
-            w.source or "-", str(len(w.workers)), str(len(w.failures)), _n(requests, ".0f"),
-            _n(met / requests if requests else None, ".3f"),
-            _n(prefill.ttft_s if prefill else None), _n(decode.tpot_s if decode else None),
-        ]
-
-    _run(
-        url, config, since, as_json, lambda tx, s: tx.windows(since=s, limit=limit), to_json,
-        ["id", "start (UTC)", "len s", "source", "workers", "failed", "requests", "goodput",
-         "P ttft s", "D tpot s"],
-        to_row, "windows",
-    )
+# -- the families ------------------------------------------------------------------------
 
 
-@history_app.command("policies")
-def policies(
-    url: UrlOption = None, config: ConfigOption = None, since: SinceOption = None,
-    limit: LimitOption = 20, as_json: JsonOption = False,
-) -> None:
-    """Policy versions with status and reason."""
-
-    def to_json(p: Any) -> dict[str, Any]:
-        d = asdict(p)
-        d["body"] = json.loads(d.pop("body_json"))
-        return d
-
-    _run(
-        url, config, since, as_json, lambda tx, s: tx.policies(since=s, limit=limit), to_json,
-        ["version", "status", "checksum", "created (UTC)", "updated (UTC)", "reason"],
-        lambda p: [str(p.version), p.status, p.checksum[:12], _t(p.created_at),
-                   _t(p.updated_at), _text(p.reason)],
-        "policies",
-    )
+def _window_json(sw: Any) -> dict[str, Any]:
+    return {"id": sw.id, **sw.window.to_dict()}
 
 
-@history_app.command("calibrations")
-def calibrations(
-    url: UrlOption = None, config: ConfigOption = None, since: SinceOption = None,
-    limit: LimitOption = 20, as_json: JsonOption = False,
-) -> None:
-    """Recalibrations: training windows, held-out error, predicted goodput."""
-    _run(
-        url, config, since, as_json, lambda tx, s: tx.calibrations(since=s, limit=limit),
-        _record_json,
-        ["id", "at (UTC)", "windows", "held-out error", "goodput new", "goodput current",
-         "policy"],
-        lambda c: [
-            str(c.id), _t(c.created_at),
-            f"{c.first_window_id}..{c.last_window_id} ({len(c.training_window_ids)})",
-            _text(json.dumps(c.heldout_error), 40), _n(c.predicted_goodput_new, ".3f"),
-            _n(c.predicted_goodput_current, ".3f"),
-            "-" if c.policy_version is None else str(c.policy_version),
-        ],
+def _requests_in(sw: Any) -> float:
+    return float(sum(o.requests for o in sw.window.outcomes))
+
+
+def _goodput(sw: Any) -> str:
+    requests = _requests_in(sw)
+    met = sum(o.met for o in sw.window.outcomes)
+    return _n(met / requests if requests else None, ".3f")
+
+
+def _role_value(sw: Any, role: str, attr: str) -> str:
+    stats = sw.window.roles.get(role)
+    return _n(getattr(stats, attr) if stats else None)
+
+
+def _policy_json(p: Any) -> dict[str, Any]:
+    d = asdict(p)
+    d["body"] = json.loads(d.pop("body_json"))
+    return d
+
+
+def _window_range(first: int | None, last: int | None, ids: Sequence[int]) -> str:
+    return f"{first}..{last} ({len(ids)})"
+
+
+def _shape(rec: Any, role: str) -> str:
+    """``3 (now 2)``: the recommended count, and the observed one when it differed."""
+    now = rec.current_prefill if role == "prefill" else rec.current_decode
+    want = rec.workers(role)
+    return str(want) if now in (None, want) else f"{want} (now {now})"
+
+
+FAMILIES = (
+    Family(
+        "windows", "Observed windows: load, outcomes, failed targets.", "windows",
+        lambda tx, s, n: tx.windows(since=s, limit=n),
+        (
+            Column("id", lambda sw: str(sw.id)),
+            Column("start (UTC)", lambda sw: _t(datetime.fromtimestamp(sw.window.start, tz=UTC))),
+            Column("len s", lambda sw: _n(sw.window.end - sw.window.start, ".0f")),
+            Column("source", lambda sw: sw.window.source or "-"),
+            Column("workers", lambda sw: str(len(sw.window.workers))),
+            Column("failed", lambda sw: str(len(sw.window.failures))),
+            Column("requests", lambda sw: _n(_requests_in(sw), ".0f")),
+            Column("goodput", _goodput),
+            Column("P ttft s", lambda sw: _role_value(sw, "prefill", "ttft_s")),
+            Column("D tpot s", lambda sw: _role_value(sw, "decode", "tpot_s")),
+        ),
+        _window_json,
+    ),
+    Family(
+        "policies", "Policy versions with status and reason.", "policies",
+        lambda tx, s, n: tx.policies(since=s, limit=n),
+        (
+            Column("version", lambda p: str(p.version)),
+            Column("status", lambda p: p.status),
+            Column("checksum", lambda p: p.checksum[:12]),
+            Column("created (UTC)", lambda p: _t(p.created_at)),
+            Column("updated (UTC)", lambda p: _t(p.updated_at)),
+            Column("reason", lambda p: _text(p.reason)),
+        ),
+        _policy_json,
+    ),
+    Family(
+        "calibrations", "Recalibrations: training windows, held-out error, predicted goodput.",
         "calibrations",
-    )
-
-
-@history_app.command("drift")
-def drift(
-    url: UrlOption = None, config: ConfigOption = None, since: SinceOption = None,
-    limit: LimitOption = 20, as_json: JsonOption = False,
-) -> None:
-    """Drift events: kind, statistic vs threshold, the windows compared."""
-    _run(
-        url, config, since, as_json, lambda tx, s: tx.drift_events(since=s, limit=limit),
-        _record_json,
-        ["id", "at (UTC)", "kind", "statistic", "threshold", "windows", "details"],
-        lambda e: [
-            str(e.id), _t(e.at), e.kind, _n(e.statistic), _n(e.threshold),
-            _text(",".join(map(str, e.window_ids)), 30),
-            _text(None if e.details is None else json.dumps(e.details), 50),
-        ],
+        lambda tx, s, n: tx.calibrations(since=s, limit=n),
+        (
+            Column("id", lambda c: str(c.id)),
+            Column("at (UTC)", lambda c: _t(c.created_at)),
+            Column("windows", lambda c: _window_range(c.first_window_id, c.last_window_id,
+                                                      c.training_window_ids)),
+            Column("held-out error", lambda c: _text(json.dumps(c.heldout_error), 40)),
+            Column("goodput new", lambda c: _n(c.predicted_goodput_new, ".3f")),
+            Column("goodput current", lambda c: _n(c.predicted_goodput_current, ".3f")),
+            Column("policy", lambda c: "-" if c.policy_version is None else str(c.policy_version)),
+        ),
+    ),
+    Family(
+        "drift", "Drift events: kind, statistic vs threshold, the windows compared.",
         "drift events",
-    )
-
-
-@history_app.command("pushes")
-def pushes(
-    url: UrlOption = None, config: ConfigOption = None, since: SinceOption = None,
-    limit: LimitOption = 20, as_json: JsonOption = False,
-) -> None:
-    """Policy pushes to routers: result, latency, error."""
-    _run(
-        url, config, since, as_json, lambda tx, s: tx.pushes(since=s, limit=limit),
-        _record_json,
-        ["id", "at (UTC)", "router", "version", "result", "latency ms", "error"],
-        lambda p: [
-            str(p.id), _t(p.at), p.router_id, str(p.version), p.result,
-            _n(None if p.latency_s is None else p.latency_s * 1e3, ".2f"), _text(p.error),
-        ],
-        "pushes",
-    )
-
-
-@history_app.command("requests")
-def requests(
-    url: UrlOption = None, config: ConfigOption = None, since: SinceOption = None,
-    limit: LimitOption = 20, as_json: JsonOption = False,
-) -> None:
-    """Operator requests (recalibrate, rollback, pause, resume): who, when, outcome."""
-    _run(
-        url, config, since, as_json, lambda tx, s: tx.requests(since=s, limit=limit),
-        _record_json,
-        ["id", "at (UTC)", "who", "kind", "args", "status", "outcome", "reason"],
-        lambda r: [
-            str(r.id), _t(r.created_at), r.who, r.kind, _text(json.dumps(r.args), 30),
-            r.status, _text(r.outcome, 40), _text(r.reason, 40),
-        ],
+        lambda tx, s, n: tx.drift_events(since=s, limit=n),
+        (
+            Column("id", lambda e: str(e.id)),
+            Column("at (UTC)", lambda e: _t(e.at)),
+            Column("kind", lambda e: e.kind),
+            Column("statistic", lambda e: _n(e.statistic)),
+            Column("threshold", lambda e: _n(e.threshold)),
+            Column("windows", lambda e: _text(",".join(map(str, e.window_ids)), 30)),
+            Column("details", lambda e: _text(
+                None if e.details is None else json.dumps(e.details), 50)),
+        ),
+    ),
+    Family(
+        "pushes", "Policy pushes to routers: result, latency, error.", "pushes",
+        lambda tx, s, n: tx.pushes(since=s, limit=n),
+        (
+            Column("id", lambda p: str(p.id)),
+            Column("at (UTC)", lambda p: _t(p.at)),
+            Column("router", lambda p: p.router_id),
+            Column("version", lambda p: str(p.version)),
+            Column("result", lambda p: p.result),
+            Column("latency ms", lambda p: _n(
+                None if p.latency_s is None else p.latency_s * 1e3, ".2f")),
+            Column("error", lambda p: _text(p.error)),
+        ),
+    ),
+    Family(
+        "requests",
+        "Operator requests (recalibrate, rollback, pause, resume): who, when, outcome.",
         "operator requests",
-    )
+        lambda tx, s, n: tx.requests(since=s, limit=n),
+        (
+            Column("id", lambda r: str(r.id)),
+            Column("at (UTC)", lambda r: _t(r.created_at)),
+            Column("who", lambda r: r.who),
+            Column("kind", lambda r: r.kind),
+            Column("args", lambda r: _text(json.dumps(r.args), 30)),
+            Column("status", lambda r: r.status),
+            Column("outcome", lambda r: _text(r.outcome, 40)),
+            Column("reason", lambda r: _text(r.reason, 40)),
+        ),
+    ),
+    Family(
+        "recommendations",
+        "Capacity recommendations: prefill and decode workers, the constraint that binds each "
+        "side, utilisation at the recommendation, and whether the cluster reached it "
+        "(--json: with the plan's inputs and explanation).",
+        "capacity recommendations",
+        lambda tx, s, n: tx.recommendations(since=s, limit=n),
+        (
+            Column("id", lambda r: str(r.id)),
+            Column("at (UTC)", lambda r: _t(r.created_at)),
+            Column("windows", lambda r: _window_range(r.first_window_id, r.last_window_id,
+                                                      r.window_ids)),
+            Column("prefill", lambda r: _shape(r, "prefill")),
+            Column("P binding", lambda r: _text(r.prefill_binding, 24)),
+            Column("P util", lambda r: _n(r.prefill_utilisation, ".2f")),
+            Column("decode", lambda r: _shape(r, "decode")),
+            Column("D binding", lambda r: _text(r.decode_binding, 24)),
+            Column("D util", lambda r: _n(r.decode_utilisation, ".2f")),
+            Column("applied (UTC)", lambda r: _t(r.applied_at)),
+        ),
+    ),
+)
+
+for _family in FAMILIES:
+    _register(_family)

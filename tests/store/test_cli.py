@@ -88,11 +88,47 @@ def test_history_lists_what_the_store_holds(migrated_url: str) -> None:
         (item,) = json.loads(out)
         assert item[key] == value
 
-    for kind in ("windows", "policies", "calibrations", "drift", "pushes", "requests"):
+    for kind in ("windows", "policies", "calibrations", "drift", "pushes", "requests",
+                 "recommendations"):
         code, out, err = _pdctl("history", kind, "--url", migrated_url)
         assert code == 0, err
-        assert "(1)" in out or "(2)" in out  # the table title counts the rows
+        assert "(0)" in out if kind == "recommendations" else "(1)" in out or "(2)" in out
     assert "drift in io_ratio" in _pdctl("history", "policies", "--url", migrated_url)[1]
+
+
+def test_history_recommendations(migrated_url: str) -> None:
+    now = WallClock().utcnow()
+    body = {"prefill": {"workers": 3, "explanation": ["p99 TTFT binds at 4.1 req/s"]},
+            "decode": {"workers": 5}, "headroom": 0.2}
+    with Store(migrated_url) as store:
+        old = store.add_recommendation(
+            window_ids=[1, 2], workers=(2, 4), current=(2, 4), binding=("p99 TTFT", "p99 TPOT"),
+            utilisation=(0.55, 0.61), body={}, at=now - timedelta(hours=2))
+        new = store.add_recommendation(
+            window_ids=[7, 8, 9], workers=(3, 5), current=(2, 5),
+            binding=("p99 TTFT", "KV cache"), utilisation=(0.734, 0.802), body=body, at=now)
+        store.mark_recommendation_applied(old, at=now - timedelta(hours=1))
+
+    code, out, err = _pdctl("history", "recommendations", "--url", migrated_url, "--json")
+    assert code == 0, err
+    listed = json.loads(out)
+    assert [r["id"] for r in listed] == [old, new]
+    assert listed[1]["body"] == body and listed[1]["window_ids"] == [7, 8, 9]
+    assert (listed[1]["prefill_workers"], listed[1]["current_prefill"]) == (3, 2)
+    assert listed[1]["applied_at"] is None
+    assert datetime.fromisoformat(listed[0]["applied_at"]) == now - timedelta(hours=1)
+
+    code, out, _ = _pdctl("history", "recommendations", "--url", migrated_url, "--json",
+                          "--since", "-30m")
+    assert [r["id"] for r in json.loads(out)] == [new]
+    code, out, _ = _pdctl("history", "recommendations", "--url", migrated_url, "-n", "1")
+    assert code == 0
+    assert "capacity recommendations (1)" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith(f"│ {new} "))
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    # prefill changes (2 -> 3) and says so; decode stays at 5.
+    assert cells[2:9] == ["7..9 (3)", "3 (now 2)", "p99 TTFT", "0.73", "5", "KV cache", "0.80"]
+    assert cells[9] == "-"  # not reached yet
 
 
 def test_history_on_an_unmigrated_database_says_what_to_do(db_url: str) -> None:
