@@ -1,0 +1,185 @@
+"""Capacity planning: the recommendation moves the right way, and its numbers hang together."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controller.core.capacity import (
+    CapacityDemand,
+    CapacityError,
+    CapacityPlan,
+    ObservedRange,
+    decode_state,
+    plan_capacity,
+    prefill_state,
+    wait_plus_service_quantile,
+)
+from controller.core.latency_model import ComponentParams
+
+PARAMS = ComponentParams()
+BASE = CapacityDemand(qps=20.0, input_tokens=2000.0, cached_fraction=0.3, output_tokens=250.0,
+                      decode_local_share=0.3, local_append_tokens=200.0)
+KV = 467_000.0
+
+
+def plan(demand: CapacityDemand = BASE, **kw: object) -> CapacityPlan:
+    args: dict[str, object] = {"slo_ttft_s": 1.0, "slo_tpot_s": 0.04, "kv_capacity_tokens": KV,
+                               "max_num_seqs": 256}
+    args.update(kw)
+    return plan_capacity(demand, PARAMS, **args)  # type: ignore[arg-type]
+
+
+def need(p: CapacityPlan) -> tuple[float, float]:
+    """Fractional workers per role (before rounding up): the continuous form of the answer."""
+    return (p.prefill.demand / p.prefill.per_worker_capacity,
+            p.decode.demand / p.decode.per_worker_capacity)
+
+
+def test_more_qps_needs_more_of_both() -> None:
+    low, high = plan(replace(BASE, qps=10.0)), plan(replace(BASE, qps=80.0))
+    assert high.prefill.workers > low.prefill.workers
+    assert high.decode.workers > low.decode.workers
+
+
+def test_longer_prompt_needs_more_prefill() -> None:
+    short, long = plan(replace(BASE, input_tokens=1000.0)), plan(replace(BASE, input_tokens=6000.0))
+    assert long.prefill.workers > short.prefill.workers
+    assert need(long)[0] > need(short)[0]
+
+
+def test_longer_output_needs_more_decode() -> None:
+    short, long = plan(replace(BASE, output_tokens=100.0)), plan(replace(BASE, output_tokens=800.0))
+    assert long.decode.workers > short.decode.workers
+    # prefill is not asked to grow for longer outputs
+    assert long.prefill.workers <= short.prefill.workers + 1
+
+
+def test_decode_local_share_moves_work_from_prefill_to_decode() -> None:
+    demand = replace(BASE, qps=60.0, cached_fraction=0.6, local_append_tokens=600.0)
+    few, many = plan(replace(demand, decode_local_share=0.0)), plan(
+        replace(demand, decode_local_share=0.8))
+    assert many.prefill.workers < few.prefill.workers
+    assert need(many)[1] > need(few)[1]
+    assert many.decode.workers >= few.decode.workers
+
+
+def test_headroom_adds_workers_and_caps_utilisation() -> None:
+    loose, spare = plan(headroom=0.0), plan(headroom=1.0)
+    assert spare.prefill.workers >= loose.prefill.workers
+    assert spare.decode.workers > loose.decode.workers
+    for rec in (spare.prefill, spare.decode):
+        assert rec.utilisation <= 1.0 / 2.0 + 1e-9
+
+
+def test_tighter_slo_needs_more_workers() -> None:
+    demand = replace(BASE, qps=60.0)
+    loose, tight = plan(demand, slo_ttft_s=2.0), plan(demand, slo_ttft_s=0.6)
+    assert tight.prefill.workers > loose.prefill.workers
+    assert tight.prefill.binding == "p99 TTFT"
+    loose_d, tight_d = plan(demand, slo_tpot_s=0.1), plan(demand, slo_tpot_s=0.012)
+    assert tight_d.decode.workers > loose_d.decode.workers
+    assert tight_d.decode.binding == "p99 TPOT"
+
+
+def test_binding_names_the_limit_that_bites() -> None:
+    # a loose TPOT SLO and long contexts: the KV cache fills before the step slows
+    kv_bound = plan(replace(BASE, input_tokens=8000.0), slo_tpot_s=1.0)
+    assert kv_bound.decode.binding == "KV cache"
+    # short contexts and a loose SLO: max_num_seqs is reached first
+    seqs = plan(replace(BASE, input_tokens=200.0, output_tokens=100.0), slo_tpot_s=1.0)
+    assert seqs.decode.binding == "max_num_seqs"
+
+
+def test_prediction_at_recommendation_is_within_slo() -> None:
+    p = plan(replace(BASE, qps=50.0))
+    assert p.prefill.predicted_p99_s <= p.slo_ttft_s
+    assert p.decode.predicted_p99_s <= p.slo_tpot_s
+    assert p.prefill.utilisation <= 1 / 1.2 + 1e-9
+
+
+def test_unreachable_slo_is_said() -> None:
+    p = plan(replace(BASE, input_tokens=30_000.0, cached_fraction=0.0), slo_ttft_s=0.2)
+    assert p.prefill.binding.endswith("(unreachable)")
+    assert any("even with no queueing" in line for line in p.prefill.explanation)
+
+
+def test_extrapolation_flag_follows_the_observed_range() -> None:
+    inside = plan(observed=ObservedRange(prefill_rate_per_worker=1e6,
+                                         decode_tokens_per_worker=1e9))
+    assert not inside.prefill.extrapolated and not inside.decode.extrapolated
+    beyond = plan(observed=ObservedRange(prefill_rate_per_worker=0.1,
+                                         decode_tokens_per_worker=1.0))
+    assert beyond.prefill.extrapolated and beyond.decode.extrapolated
+    assert any("extrapolated" in line for line in beyond.decode.explanation)
+
+
+def test_to_dict_is_json_and_carries_the_inputs() -> None:
+    d = plan(current=(2, 3)).to_dict()
+    text = json.dumps(d, allow_nan=False)
+    back = json.loads(text)
+    assert back["demand"]["qps"] == BASE.qps
+    assert back["prefill"]["current_workers"] == 2 and back["decode"]["current_workers"] == 3
+    assert back["decode"]["capacity_unit"] == "tokens/s"
+
+
+@pytest.mark.parametrize("bad", [
+    {"qps": -1.0}, {"cached_fraction": 1.5}, {"decode_local_share": math.nan},
+    {"output_tokens": math.inf},
+])
+def test_bad_demand_is_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(CapacityError, match=next(iter(bad))):
+        replace(BASE, **bad)
+
+
+def test_bad_slo_is_refused() -> None:
+    with pytest.raises(CapacityError, match="slo_tpot_s"):
+        plan(slo_tpot_s=0.0)
+
+
+def test_tail_quantile_matches_known_laws() -> None:
+    # no queueing, exponential service: p99 = mean * ln(100)
+    assert wait_plus_service_quantile(0.0, 0.0, 1.0, 1.0) == pytest.approx(math.log(100), rel=0.01)
+    # M/M/1: sojourn time is exponential with mean S / (1 - rho)
+    rho = 0.7
+    wait = rho / (1 - rho)  # E[W] for S = 1
+    q = wait_plus_service_quantile(rho, wait, 1.0, 1.0)
+    assert q == pytest.approx(math.log(100) / (1 - rho), rel=0.02)
+
+
+def test_state_curves_rise_with_load() -> None:
+    p1, p2 = prefill_state(PARAMS, BASE, 2.0, 0.01), prefill_state(PARAMS, BASE, 10.0, 0.01)
+    assert p2.p99_ttft_s > p1.p99_ttft_s and p2.utilisation > p1.utilisation
+    d1, d2 = decode_state(PARAMS, BASE, 500.0), decode_state(PARAMS, BASE, 5000.0)
+    assert d2.step_s > d1.step_s and d2.p99_tpot_s > d1.p99_tpot_s and d2.batch > d1.batch
+
+
+demands = st.builds(
+    CapacityDemand,
+    qps=st.floats(0.5, 200.0), input_tokens=st.floats(50.0, 16_000.0),
+    cached_fraction=st.floats(0.0, 0.9), output_tokens=st.floats(10.0, 2000.0),
+    decode_local_share=st.floats(0.0, 0.9), local_append_tokens=st.floats(1.0, 2000.0),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(demands, st.floats(1.05, 3.0))
+def test_property_more_load_never_needs_fewer_workers(d: CapacityDemand, factor: float) -> None:
+    a, b = plan(d), plan(replace(d, qps=d.qps * factor))
+    assert b.prefill.workers >= a.prefill.workers
+    assert b.decode.workers >= a.decode.workers
+
+
+@settings(max_examples=40, deadline=None)
+@given(demands, st.floats(0.0, 1.0))
+def test_property_recommendation_respects_headroom(d: CapacityDemand, headroom: float) -> None:
+    p = plan(d, headroom=headroom)
+    for rec in (p.prefill, p.decode):
+        assert rec.workers >= 1
+        assert rec.utilisation <= 1.0 / (1.0 + headroom) + 1e-6
+        assert rec.per_worker_capacity > 0
