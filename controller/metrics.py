@@ -29,6 +29,7 @@ RECALIBRATION_TRIGGERS = ("drift", "schedule", "scaling", "operator")
 GUARDRAIL_DECISIONS = ("approved", "rejected")
 GOODPUT_POLICIES = ("current", "candidate")
 CANARY_STATES = ("idle", "baking", "promoted", "rolled_back")
+ROLES = ("prefill", "decode")
 
 # Seconds. A cycle is a few queries plus, at times, a fit; a push is one gRPC call per router.
 CYCLE_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -162,6 +163,41 @@ class ControllerMetrics:
             registry=registry,
         )
 
+        # Capacity planning. Only the leader exports a recommendation (an autoscaler sums
+        # what the external-metrics query returns): followers clear these series.
+        self.recommended_workers = Gauge(
+            "pdctl_recommended_workers",
+            "Workers of this role the last capacity recommendation asks for (load and SLOs "
+            "with headroom); absent until the first one and on non-leader replicas.",
+            ["role"], registry=registry,
+        )
+        self.capacity_utilisation = Gauge(
+            "pdctl_capacity_utilisation",
+            "Predicted utilisation (0-1) of this role at the recommended worker count: demand "
+            "/ (workers * per-worker capacity within the SLO).",
+            ["role"], registry=registry,
+        )
+        self.capacity_current_workers = Gauge(
+            "pdctl_capacity_current_workers",
+            "Answering workers of this role when the last recommendation was computed.",
+            ["role"], registry=registry,
+        )
+        self.capacity_extrapolated = Gauge(
+            "pdctl_capacity_extrapolated",
+            "1 when the last recommendation for this role used the fitted model beyond the "
+            "observed load, else 0.",
+            ["role"], registry=registry,
+        )
+        self.last_recommendation = Gauge(
+            "pdctl_last_recommendation_timestamp_seconds",
+            "Unix time of the last capacity recommendation (0: none yet).", registry=registry,
+        )
+        self.capacity_plan_failures = Counter(
+            "pdctl_capacity_plan_failures",
+            "Capacity plans that failed (the cycle goes on without a new recommendation).",
+            registry=registry,
+        )
+
         for result in CYCLE_RESULTS:
             self.cycles.labels(result)
         for job in JOBS:
@@ -250,3 +286,29 @@ class ControllerMetrics:
 
     def set_pinned(self, pinned: bool) -> None:
         self.pinned.set(1 if pinned else 0)
+
+    # Capacity planning.
+    def set_recommendation(self, role: str, workers: int, utilisation: float,
+                           current: int | None, extrapolated: bool) -> None:
+        """Export one role of the recommendation (utilisation as the planner computed it)."""
+        _check("role", role, ROLES)
+        self.recommended_workers.labels(role).set(workers)
+        self.capacity_utilisation.labels(role).set(utilisation)
+        if current is None:
+            with contextlib.suppress(KeyError):
+                self.capacity_current_workers.remove(role)
+        else:
+            self.capacity_current_workers.labels(role).set(current)
+        self.capacity_extrapolated.labels(role).set(1 if extrapolated else 0)
+
+    def recommended(self, now: float) -> None:
+        self.last_recommendation.set(now)
+
+    def capacity_plan_failed(self) -> None:
+        self.capacity_plan_failures.inc()
+
+    def clear_recommendation(self) -> None:
+        """Drop the per-role series (a follower must not feed an autoscaler stale counts)."""
+        for metric in (self.recommended_workers, self.capacity_utilisation,
+                       self.capacity_current_workers, self.capacity_extrapolated):
+            metric.clear()

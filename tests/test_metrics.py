@@ -155,6 +155,7 @@ def test_drift_guardrail_goodput_and_operator_state(registry: CollectorRegistry)
         lambda m: m.recalibration("cron"),
         lambda m: m.guardrail_decision("maybe", "x", now=1.0),
         lambda m: m.set_canary_state("canary"),
+        lambda m: m.set_recommendation("router", 2, 0.5, 2, False),
     ],
 )
 def test_unknown_enum_labels_are_refused(registry: CollectorRegistry, call: object) -> None:
@@ -163,6 +164,35 @@ def test_unknown_enum_labels_are_refused(registry: CollectorRegistry, call: obje
     with pytest.raises(ValueError, match="unknown"):
         call(m)  # type: ignore[operator]
     assert generate_latest(registry) == before
+
+
+def test_capacity_recommendation_series(registry: CollectorRegistry) -> None:
+    m = ControllerMetrics(registry)
+    s = scrape(registry)
+    # No recommendation yet: no per-role series an autoscaler could act on.
+    assert not any(name == "pdctl_recommended_workers" for name, _ in s)
+    assert value(s, "pdctl_last_recommendation_timestamp_seconds") == 0
+    assert value(s, "pdctl_capacity_plan_failures_total") == 0
+
+    m.set_recommendation("prefill", 3, 0.71, 2, True)
+    m.set_recommendation("decode", 5, 0.64, None, False)
+    m.recommended(now=1234.5)
+    m.capacity_plan_failed()
+    s = scrape(registry)
+    assert value(s, "pdctl_recommended_workers", role="prefill") == 3
+    assert value(s, "pdctl_recommended_workers", role="decode") == 5
+    assert value(s, "pdctl_capacity_utilisation", role="prefill") == 0.71
+    assert value(s, "pdctl_capacity_current_workers", role="prefill") == 2
+    assert ("pdctl_capacity_current_workers", frozenset({("role", "decode")})) not in s
+    assert value(s, "pdctl_capacity_extrapolated", role="prefill") == 1
+    assert value(s, "pdctl_capacity_extrapolated", role="decode") == 0
+    assert value(s, "pdctl_last_recommendation_timestamp_seconds") == 1234.5
+    assert value(s, "pdctl_capacity_plan_failures_total") == 1
+
+    m.clear_recommendation()  # lost leadership
+    s = scrape(registry)
+    assert not any(name.startswith(("pdctl_recommended", "pdctl_capacity_util"))
+                   for name, _ in s)
 
 
 def test_one_object_per_registry(registry: CollectorRegistry) -> None:
@@ -182,6 +212,8 @@ def test_exposition_passes_promtool_check_metrics(registry: CollectorRegistry) -
     m.set_drift("ks", "io_ratio", 0.1, 0.2)
     m.guardrail_decision("approved", "better", now=10.0)
     m.set_predicted_goodput(0.8, 0.85)
+    m.set_recommendation("prefill", 3, 0.7, 2, False)
+    m.recommended(now=10.0)
     out = subprocess.run(
         ["promtool", "check", "metrics"],
         input=generate_latest(registry),
