@@ -28,6 +28,14 @@ Missing data: a window with a failed target is not trained on, unless that targe
 own right). Drift and scaling causes found while a cycle cannot act (rate limit, deferred
 window) are remembered until a calibration runs; drift during a canary bake is ignored.
 
+Capacity: with a planner injected, the leader computes a capacity recommendation every
+``capacity_interval_s`` from the recent complete windows, stores it in the cycle's
+transaction and exports it (``pdctl_recommended_workers{role}``); a failed plan is logged
+and counted, never a failed cycle. When the answering workers change to what a stored
+recommendation asked for, the scaling event is a known one: the calibration it triggers
+records the recommendation, takes precedence over drift the new shape causes, and the
+recommendation is marked applied.
+
 Operator requests use the store's kinds: ``pause``/``resume`` with ``args.what`` in
 ``approvals`` (default), ``pin`` (``args.version``) or ``exploration``; ``rollback`` with
 ``args.version`` (None: the previous approved) or ``args.to == "fallback-prefill"``;
@@ -46,7 +54,8 @@ from statistics import NormalDist
 from typing import Any, Protocol, TypeVar
 
 from controller.clock import Clock
-from controller.core.drift import ScalingState, step_scaling
+from controller.core.capacity import CapacityPlan
+from controller.core.drift import ScalingEvent, ScalingState, step_scaling
 from controller.core.window import Window
 from controller.learning import (
     CalibrationOutcome,
@@ -60,7 +69,8 @@ from controller.metrics import ControllerMetrics
 from controller.observe.source import MetricsSource
 from controller.policy import Policy, Provenance, Route, dumps, loads
 from controller.rollout.reconciler import Reconciler, RouterStatus
-from controller.store import OperatorRequest, PolicyRecord, Store, Tx
+from controller.store import OperatorRequest, PolicyRecord, Store, StoreError, Tx
+from controller.store.types import dumps_json
 
 T = TypeVar("T")
 log = logging.getLogger("pdctl.cycle")
@@ -69,6 +79,8 @@ FALLBACK_PREFILL = "fallback-prefill"
 MAX_REQUESTS_PER_CYCLE = 16
 FIT_RETRY_INTERVALS = 10  # control intervals between automatic retries of a failed fit
 SETTLED_FAILURES = 2  # windows a target must have failed in a row to count as gone
+RECENT_RECOMMENDATIONS = 5  # a scaling event is matched against this many of the newest
+STALE_RECOMMENDATION_INTERVALS = 3  # older than this many capacity intervals: not re-exported
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +98,8 @@ class CycleConfig:
     promote_margin: float = 0.02
     promote_alpha: float = 0.05
     request_stale_after_s: float = 300.0
+    capacity_interval_s: float = 300.0
+    capacity_min_windows: int = 2
 
     @classmethod
     def from_settings(cls, settings: Any, advisory: bool | None = None) -> CycleConfig:
@@ -98,7 +112,16 @@ class CycleConfig:
             canary_fraction=c.canary_fraction, bake_windows=c.bake_windows,
             bake_min_requests=c.bake_min_requests, max_bake_windows=c.max_bake_windows,
             promote_margin=c.promote_margin, promote_alpha=c.promote_alpha,
+            capacity_interval_s=settings.capacity.interval_s,
+            capacity_min_windows=settings.capacity.min_windows,
         )
+
+
+class CapacityPlanner(Protocol):
+    """Recent complete windows (oldest first) -> a capacity plan. The daemon's is
+    :func:`controller.capacity_planner.plan_from_windows` on the configured SLOs."""
+
+    def plan(self, windows: Sequence[Window]) -> CapacityPlan: ...
 
 
 class Leadership(Protocol):
@@ -206,6 +229,8 @@ class CycleReport:
     requests: list[str] = field(default_factory=list)
     pushes: int = 0
     acked: dict[str, int | None] = field(default_factory=dict)
+    recommendation_id: int | None = None
+    capacity: str | None = None  # the recommendation in words, or why there is none
 
 
 @dataclass
@@ -219,6 +244,12 @@ class _Plan:
     trigger: str | None = None
     recalibrate_request: OperatorRequest | None = None
     calibration_error: str | None = None
+    scaling: str | None = None  # the scaling event a "scaling" calibration answers
+    scaling_recommendation: int | None = None  # ...and the recommendation it applied
+    capacity: CapacityPlan | None = None
+    capacity_windows: list[int] = field(default_factory=list)  # stored ids it was planned on
+    capacity_with_window: bool = False  # ...plus this cycle's window
+    applied_recommendation: int | None = None  # the scaling just confirmed reached it
 
 
 def read_rollout(tx: Tx, routers: Sequence[str] | None = None) -> Rollout:
@@ -296,6 +327,7 @@ class Cycle:
         outcome_names: Mapping[str, str] | None = None,
         reconcile_only: Sequence[str] | None = None,
         run_blocking: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
+        planner: CapacityPlanner | None = None,
     ) -> None:
         self.clock = clock
         self.source = source
@@ -318,7 +350,11 @@ class Cycle:
         self._scaling = ScalingState()
         # Causes not yet recalibrated for (a deferred or rate-limited cycle keeps them).
         self._pending_scaling: str | None = None
+        self._pending_recommendation: int | None = None  # the scaling reached this one
         self._pending_drift = False
+        self.planner = planner
+        self._plan_failed_at: float | None = None
+        self._exported_recommendation = False
         self._failing: dict[str, int] = {}  # target -> windows failed in a row
         self.last_report: CycleReport | None = None
         self.last_completed_at: float | None = None  # clock.now() of the last ok cycle
@@ -331,6 +367,9 @@ class Cycle:
         try:
             report.leader = await self.leadership.ensure()
             self.metrics.set_leader(report.leader)
+            if not report.leader and self._exported_recommendation:
+                self.metrics.clear_recommendation()  # only the leader feeds autoscalers
+                self._exported_recommendation = False
             if report.leader:
                 await self._decide(report)
             # Standalone replicas: the leader reconciles every router (two replicas pushing
@@ -381,6 +420,11 @@ class Cycle:
             self._scaling, events = step_scaling(self._scaling, window, SETTLED_FAILURES)
             if events:
                 self._pending_scaling = "; ".join(e.reason for e in events)
+                plan.applied_recommendation = self._recommendation_reached(events)
+                if plan.applied_recommendation is not None:
+                    self._pending_recommendation = plan.applied_recommendation
+                    self._pending_scaling += \
+                        f" (recommendation #{plan.applied_recommendation} applied)"
         complete = window is not None and self.usable(window)
         if window is not None:
             t0 = self.clock.monotonic()
@@ -397,6 +441,7 @@ class Cycle:
                 plan.trigger = None
             else:
                 await self._calibrate(plan, current, now, recal, ops, report)
+        await self._recommend(plan, now, report)
         self._write(plan, claimed, rollout, ops, current, report)
 
     def _track_failures(self, window: Window) -> None:
@@ -443,6 +488,10 @@ class Cycle:
         if self._fit_failed_at is not None \
                 and now - self._fit_failed_at < FIT_RETRY_INTERVALS * self.config.interval_s:
             return None  # a failed fit is not retried every cycle (operators can force one)
+        if self._pending_recommendation is not None:
+            # An applied recommendation changes latencies on purpose: recalibrate for the
+            # new shape as the scaling it is, not as the drift it also causes.
+            return "scaling"
         if self._pending_drift:
             return "drift"
         if self._pending_scaling is not None:
@@ -485,7 +534,11 @@ class Cycle:
         usable = [s for s in stored if self.usable(s.window)]
         force = bool(recal is not None and (recal.args or {}).get("force"))
         plan.recalibrate_request = recal
+        if trigger == "scaling":
+            plan.scaling = self._pending_scaling
+            plan.scaling_recommendation = self._pending_recommendation
         self._pending_scaling = None  # this calibration sees the new capacity and mix
+        self._pending_recommendation = None
         self._pending_drift = False
         if plan.window is not None and self.usable(plan.window):
             # This cycle's window is written in the same transaction; train on it too.
@@ -531,6 +584,7 @@ class Cycle:
                 report.window_id = tx.add_window(plan.window)
                 window_ids = [report.window_id]
             self._record_drift(tx, plan.findings, window_ids, report)
+            self._record_recommendation(tx, plan, report)
             for r in claimed:
                 if r.kind != "recalibrate":
                     outcome, ok = self._apply_request(tx, r, report)
@@ -560,6 +614,8 @@ class Cycle:
             self._fit_failed_at = self.clock.now()
         elif plan.calibration is not None:
             self._fit_failed_at = None
+        if plan.capacity is not None:  # exported once stored, never before
+            self._export_recommendation(plan.capacity.to_dict(), self.clock.now())
 
     def _record_drift(self, tx: Tx, findings: list[DriftFinding], window_ids: list[int],
                       report: CycleReport) -> None:
@@ -619,7 +675,8 @@ class Cycle:
             outcome.predicted_goodput_current, version,
             # The cycle's own keys last: the learner's details carry the unforced verdict.
             {**_plain(outcome.details), "trigger": plan.trigger, "dry_run": dry_run,
-             "approved": outcome.approved, "reason": outcome.reason},
+             "approved": outcome.approved, "reason": outcome.reason,
+             **_scaling_details(plan)},
         )
 
     def _approve(self, tx: Tx, version: int, rollout: Rollout, report: CycleReport) -> None:
@@ -640,6 +697,99 @@ class Cycle:
             tx.set_desired(r, version)
         report.canary = f"baking v{version} on {', '.join(canary)}"
         self.metrics.set_canary_state("baking")
+
+    # -- capacity -------------------------------------------------------------------------
+
+    async def _recommend(self, plan: _Plan, now: float, report: CycleReport) -> None:
+        """Compute a capacity plan when one is due; a failure is logged and counted."""
+        cfg = self.config
+        if self.planner is None:
+            return
+        with self.store.read() as tx:
+            last = tx.recommendations(limit=1)
+            if not self._exported_recommendation and last:
+                self._reexport(last[-1].body, last[-1].created_at.timestamp(), now)
+            if last and 0 <= now - last[-1].created_at.timestamp() < cfg.capacity_interval_s:
+                return
+            if self._plan_failed_at is not None \
+                    and 0 <= now - self._plan_failed_at < cfg.capacity_interval_s:
+                return  # a failing plan is retried once per interval, not every cycle
+            covering = max(cfg.capacity_min_windows,
+                           math.ceil(cfg.capacity_interval_s / cfg.interval_s))
+            stored = [s for s in tx.windows(limit=covering) if self.usable(s.window)]
+        windows = [s.window for s in stored]
+        with_window = plan.window is not None and self.usable(plan.window)
+        if with_window:
+            assert plan.window is not None
+            windows.append(plan.window)
+        if len(windows) < cfg.capacity_min_windows:
+            return
+        planner = self.planner
+        try:
+            capacity: CapacityPlan = await self._run_blocking(lambda: planner.plan(windows))
+            _check_storable(capacity)
+        except Exception as e:  # planning is advisory: it never fails the cycle
+            log.warning("capacity plan failed: %s: %s", type(e).__name__, e)
+            self.metrics.capacity_plan_failed()
+            self._plan_failed_at = now
+            report.capacity = f"plan failed: {type(e).__name__}: {e}"
+            return
+        self._plan_failed_at = None
+        plan.capacity = capacity
+        plan.capacity_windows = [s.id for s in stored]
+        plan.capacity_with_window = with_window
+
+    def _record_recommendation(self, tx: Tx, plan: _Plan, report: CycleReport) -> None:
+        if plan.applied_recommendation is not None:
+            tx.mark_recommendation_applied(plan.applied_recommendation)
+        capacity = plan.capacity
+        if capacity is None:
+            return
+        ids = list(plan.capacity_windows)
+        if plan.capacity_with_window and report.window_id is not None:
+            ids.append(report.window_id)
+        p, d = capacity.prefill, capacity.decode
+        report.recommendation_id = tx.add_recommendation(
+            window_ids=ids, workers=(p.workers, d.workers),
+            current=(p.current_workers, d.current_workers), binding=(p.binding, d.binding),
+            utilisation=(p.utilisation, d.utilisation), body=capacity.to_dict(),
+        )
+        report.capacity = (f"prefill {p.workers} ({p.binding}), decode {d.workers} "
+                           f"({d.binding})")
+
+    def _recommendation_reached(self, events: Sequence[ScalingEvent]) -> int | None:
+        """The newest recent recommendation whose counts every confirmed scaling event
+        reached, for a role it asked to change; None if the change was not recommended."""
+        with self.store.read() as tx:
+            recent = tx.recommendations(limit=RECENT_RECOMMENDATIONS)
+        for rec in reversed(recent):
+            asked = {"prefill": rec.current_prefill, "decode": rec.current_decode}
+            if all(e.after == rec.workers(e.role) and asked[e.role] != e.after
+                   for e in events):
+                return rec.id
+        return None
+
+    def _reexport(self, body: Mapping[str, Any], at: float, now: float) -> None:
+        """After a restart or a change of leader, export the stored recommendation while it
+        is fresh, so an autoscaler is not left without a value until the next plan."""
+        if now - at >= STALE_RECOMMENDATION_INTERVALS * self.config.capacity_interval_s:
+            return
+        try:
+            self._export_recommendation(body, at)
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("stored recommendation not exported: %s: %s", type(e).__name__, e)
+
+    def _export_recommendation(self, body: Mapping[str, Any], at: float) -> None:
+        """``body`` is ``CapacityPlan.to_dict()`` (a new plan or a stored one)."""
+        for role in ("prefill", "decode"):
+            r = body[role]
+            util = r.get("utilisation")
+            self.metrics.set_recommendation(
+                role, int(r["workers"]), math.nan if util is None else float(util),
+                r.get("current_workers"), bool(r.get("extrapolated")),
+            )
+        self.metrics.recommended(at)
+        self._exported_recommendation = True
 
     # -- canary ---------------------------------------------------------------------------
 
@@ -918,6 +1068,24 @@ def _why_incomplete(window: Window | None) -> str:
     return "the window has no routed requests"
 
 
+def _scaling_details(plan: _Plan) -> dict[str, Any]:
+    """What a "scaling" calibration answers: the event, and the recommendation it applied."""
+    details: dict[str, Any] = {}
+    if plan.scaling is not None:
+        details["scaling"] = plan.scaling
+    if plan.scaling_recommendation is not None:
+        details["recommendation_id"] = plan.scaling_recommendation
+    return details
+
+
+def _check_storable(capacity: CapacityPlan) -> None:
+    """Refuse a plan the store would refuse, before it can fail the cycle's transaction."""
+    for r in (capacity.prefill, capacity.decode):
+        if r.workers < 1 or not math.isfinite(r.utilisation):
+            raise StoreError(f"{r.role}: {r.workers} workers at utilisation {r.utilisation}")
+    dumps_json(capacity.to_dict())
+
+
 def _join(a: str, b: str) -> str:
     return f"{a}; {b}" if a else b
 
@@ -942,7 +1110,8 @@ def _report_fields(r: CycleReport) -> dict[str, Any]:
 
 
 __all__ = [
-    "FALLBACK_PREFILL", "AlwaysLeader", "CanaryVerdict", "Cycle", "CycleConfig", "CycleReport",
+    "FALLBACK_PREFILL", "AlwaysLeader", "CanaryVerdict", "CapacityPlanner", "Cycle",
+    "CycleConfig", "CycleReport",
     "Leadership", "OperatorState", "Rollout", "canary_subset", "operator_state", "read_rollout",
     "run_inline", "two_proportion_z",
 ]

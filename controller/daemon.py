@@ -25,8 +25,9 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -34,6 +35,10 @@ from controller import sdnotify
 from controller.clock import Clock, WallClock
 from controller.config import Settings
 from controller.errors import ConfigError, TerminalError, TransientError
+
+if TYPE_CHECKING:
+    from controller.core.capacity import CapacityPlan
+    from controller.core.window import Window
 
 log = logging.getLogger("pdctl.daemon")
 
@@ -102,6 +107,19 @@ class Parts:
     server: Any
 
 
+class SettingsPlanner:
+    """The cycle's capacity planner: the observed windows against the configured SLOs and
+    headroom (``[slo]``, ``[capacity]``)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def plan(self, windows: Sequence[Window]) -> CapacityPlan:
+        from controller.capacity_planner import plan_from_windows
+
+        return plan_from_windows(windows, self.settings)
+
+
 class Daemon:
     def __init__(self, settings: Settings, *, advisory: bool = False,
                  clock: Clock | None = None, registry: CollectorRegistry | None = None) -> None:
@@ -168,6 +186,7 @@ class Daemon:
             config=CycleConfig.from_settings(s, advisory=self.advisory),
             leadership=leadership, outcome_names=names,
             reconcile_only=[c.sidecar_router] if c.sidecar_router else None,
+            planner=SettingsPlanner(s) if s.capacity.enabled else None,
         )
         health = Health(self.clock, stalled_after_s(s), lambda: cycle.last_completed_at)
         health.details = lambda: {"leader": leadership.is_leader, "holder": holder}

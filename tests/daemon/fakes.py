@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.clock import VirtualClock
 from controller.core.window import RouteOutcome, TargetFailure, Window, WorkerStats, Workload
-from controller.cycle import Cycle, CycleConfig, CycleReport
+from controller.cycle import CapacityPlanner, Cycle, CycleConfig, CycleReport
 from controller.learning import CalibrationOutcome, DriftFinding, LearnerState
 from controller.metrics import ControllerMetrics
 from controller.observe.source import Target
@@ -127,6 +127,7 @@ class Rig:
     config: CycleConfig
     registry: CollectorRegistry
     cycle: Cycle
+    planner: CapacityPlanner | None = None
 
     def new_cycle(self) -> Cycle:
         """A fresh Cycle (a restarted daemon) on the same store, routers and clock."""
@@ -146,7 +147,7 @@ def make_cycle(rig: Rig) -> Cycle:
     reconciler = Reconciler(rig.transport, rig.clock, max_attempts=1)
     return Cycle(clock=rig.clock, source=rig.source, store=rig.store, learner=rig.learner,
                  reconciler=reconciler, metrics=ControllerMetrics(rig.registry),
-                 routers=list(rig.agents), config=rig.config)
+                 routers=list(rig.agents), config=rig.config, planner=rig.planner)
 
 
 def make_rig(tmp_path: Path, routers: int = 4, **config: object) -> Rig:
