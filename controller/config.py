@@ -218,8 +218,8 @@ class DriftSettings(_Section):
     """Drift detectors (workload PSI/qps, performance CUSUM, SLO band)."""
 
     cooldown_s: float = Field(
-        900.0, ge=0, description="After a detector fires or a recalibration, it stays quiet "
-        "this long."
+        300.0, ge=0, description="After a detector fires or a recalibration, it stays quiet "
+        "this long (a refused drift calibration is retried after it)."
     )
     hysteresis: int = Field(
         2, ge=1, description="Consecutive windows over threshold before the workload and "
