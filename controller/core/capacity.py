@@ -173,76 +173,92 @@ def transfer_s(p: ComponentParams, prompt_tokens: float) -> float:
     return p.xfer_setup_s + p.xfer_per_byte_s * p.kv_bytes_per_token * prompt_tokens
 
 
-def _gamma_grid(mean: float, scv: float, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(pdf, survival) of a gamma law with this mean and squared CV on grid ``t``."""
+_GRID = 1024  # quantile points of the token law, and points of the time grid
+
+
+def token_quantiles(mean: float, scv: float, n: int = _GRID) -> np.ndarray:
+    """``n`` equally likely values (mid-quantiles) of a gamma law of tokens with this mean
+    and squared coefficient of variation (``scv = 0``: every request has the mean)."""
+    if mean <= 0:
+        return np.zeros(n)
+    if scv <= 1e-6:
+        return np.full(n, mean)
     from scipy import stats
 
-    if scv <= 1e-6 or mean <= 0:
-        pdf = np.zeros_like(t)
-        surv = (t < mean).astype(np.float64)
-        return pdf, surv
-    shape = 1.0 / scv
-    scale = mean * scv
-    return stats.gamma.pdf(t, shape, scale=scale), stats.gamma.sf(t, shape, scale=scale)
+    u = (np.arange(n) + 0.5) / n
+    values = np.asarray(stats.gamma.ppf(u, 1.0 / scv, scale=mean * scv), dtype=np.float64)
+    out: np.ndarray = values * (mean / values.mean())  # exact mean on the grid
+    return out
 
 
-def wait_plus_service_quantile(rho: float, mean_wait: float, service_mean: float,
-                               service_scv: float, q: float = _QUANTILE) -> float:
-    """Quantile ``q`` of queueing wait + own service for an M/G/1 queue.
+def sojourn_quantile(rho: float, mean_wait: float, own: np.ndarray, q: float = _QUANTILE,
+                     ) -> float:
+    """Quantile ``q`` of queueing wait + a request's own time (equally likely values ``own``).
 
-    Wait: an atom ``1 - rho`` at zero and an exponential tail of mean ``E[W] / rho``
-    (``P(W > t) = rho exp(-rho t / E[W])``); service: gamma. Convolved numerically.
+    Wait of an M/G/1 queue (the standard tail approximation): an atom ``1 - rho`` at zero and
+    an exponential tail of mean ``E[W] / rho``, i.e. ``P(W > t) = rho exp(-rho t / E[W])``.
     """
-    if service_mean <= 0:
-        return 0.0
-    theta = mean_wait / rho if rho > 0 and mean_wait > 0 else 0.0
-    hi = service_mean * (1.0 + 12.0 * math.sqrt(max(service_scv, 1e-6))) + 12.0 * theta + 1e-9
-    n = 2048
-    t = np.linspace(0.0, hi, n)
+    own = np.sort(own)
+    if rho <= 0 or mean_wait <= 0:
+        return float(np.quantile(own, q))
+    theta = mean_wait / rho
+    hi = float(own[-1]) + 12.0 * theta
+    t = np.linspace(0.0, hi, _GRID)
     dt = t[1] - t[0]
-    pdf, surv = _gamma_grid(service_mean, service_scv, t)
-    if theta > 0:
-        # P(E + S > t) = P(S > t) + int_0^t f_S(s) exp(-(t - s) / theta) ds
-        from scipy.signal import fftconvolve
+    surv_own = 1.0 - np.searchsorted(own, t, side="right") / own.size
+    # P(E + X > t) = P(X > t) + sum_{x <= t} P(X = x) exp(-(t - x) / theta)
+    from scipy.signal import fftconvolve
 
-        kernel = np.exp(-t / theta)
-        conv = fftconvolve(pdf, kernel)[:n] * dt
-        surv_es = np.minimum(surv + conv, 1.0)
-    else:
-        surv_es = surv
-    total = (1.0 - rho) * surv + rho * surv_es
+    mass = np.bincount(np.minimum((own / dt).astype(np.int64), _GRID - 1),
+                       minlength=_GRID) / own.size
+    conv = fftconvolve(mass, np.exp(-t / theta))[:_GRID]
+    total = (1.0 - rho) * surv_own + rho * np.minimum(surv_own + conv, 1.0)
     idx = int(np.searchsorted(-total, -(1.0 - q)))
-    if idx >= n:
-        return float(hi)
-    return float(t[idx])
+    return float(t[min(idx, _GRID - 1)])
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillState:
     rate_per_worker: float
     utilisation: float
+    mean_service_s: float
     mean_wait_s: float
     p99_ttft_s: float
 
 
+def _prefill_laws(p: ComponentParams, demand: CapacityDemand) -> tuple[np.ndarray, np.ndarray]:
+    """Equally likely (service time, TTFT without queueing) of prefill-node requests."""
+    tokens = token_quantiles(demand.prefill_node_tokens, demand.prefill_scv)
+    cached = max(demand.input_tokens - demand.prefill_node_tokens, 0.0)
+    service = (p.prefill_base_s + p.prefill_per_token_s * tokens
+               + p.prefill_per_token2_s * (tokens * tokens + 2.0 * tokens * cached))
+    own = service + p.xfer_setup_s + p.xfer_per_byte_s * p.kv_bytes_per_token * (tokens + cached)
+    return service, own
+
+
+def prefill_quantile(demand: CapacityDemand) -> float:
+    """The quantile of prefill-node TTFT that is the p99 of all requests: decode-local
+    requests (fast first tokens) fill the rest of the top percent."""
+    share_p = max(1.0 - demand.decode_local_share, 1e-3)
+    return max(0.9, 1.0 - (1.0 - _QUANTILE) / share_p)
+
+
 def prefill_state(p: ComponentParams, demand: CapacityDemand, rate_per_worker: float,
-                  decode_step_s: float) -> PrefillState:
+                  decode_step_s: float, laws: tuple[np.ndarray, np.ndarray] | None = None,
+                  ) -> PrefillState:
     """p99 TTFT of prefill-node requests when one prefill worker sees ``rate_per_worker``."""
-    tokens = demand.prefill_node_tokens
-    cached = max(demand.input_tokens - tokens, 0.0)
-    mean_s = prefill_service_s(p, tokens, cached)
-    # E[S^2] from the token distribution's spread (linear part dominates the variance)
-    scv = demand.prefill_scv * ((mean_s - p.prefill_base_s) / mean_s) ** 2 if mean_s > 0 else 0.0
-    second = mean_s * mean_s * (1.0 + scv)
+    service, own = laws if laws is not None else _prefill_laws(p, demand)
+    mean_s = float(service.mean())
+    second = float((service * service).mean())
     rho = rate_per_worker * mean_s
     if rho >= 1.0:
-        return PrefillState(rate_per_worker, rho, math.inf, math.inf)
+        return PrefillState(rate_per_worker, rho, mean_s, math.inf, math.inf)
+    # Pollaczek-Khinchine, scaled as the latency model fitted it
     wait = p.prefill_queue_scale * rate_per_worker * second / (2.0 * (1.0 - rho))
-    body = wait_plus_service_quantile(rho, wait, mean_s, scv)
-    # after the prefill: the KV moves to the decode worker, which emits the first token in
-    # its next step (on average half a step to join one, plus the step itself)
-    tail = transfer_s(p, demand.input_tokens) + 1.5 * decode_step_s
-    return PrefillState(rate_per_worker, rho, wait, body + tail)
+    # after the KV arrives the decode worker emits the first token in its next step (on
+    # average half a step to join one, plus the step itself)
+    body = sojourn_quantile(rho, wait, own + 1.5 * decode_step_s, prefill_quantile(demand))
+    return PrefillState(rate_per_worker, rho, mean_s, wait, body)
 
 
 def _largest(ok: Any, hi: float) -> float:
@@ -272,7 +288,8 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
                   decode_step_s: float) -> RoleRecommendation:
     rate = demand.prefill_rate
     tokens = demand.prefill_node_tokens
-    mean_s = prefill_service_s(p, tokens, max(demand.input_tokens - tokens, 0.0))
+    laws = _prefill_laws(p, demand)
+    mean_s = float(laws[0].mean())
     lines = [
         f"prefill-node requests: {rate:.3g} req/s ({1 - demand.decode_local_share:.0%} of "
         f"{demand.qps:.3g} req/s), {tokens:.0f} uncached tokens each "
@@ -282,7 +299,7 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
         "when saturated",
     ]
     saturation = MAX_PREFILL_UTILISATION / mean_s
-    zero = prefill_state(p, demand, 0.0, decode_step_s).p99_ttft_s
+    zero = prefill_state(p, demand, 0.0, decode_step_s, laws).p99_ttft_s
     # An SLO below the unloaded p99 cannot be met by any count: plan for a p99 close to that
     # floor instead (a tighter SLO never asks for fewer workers than a looser one).
     target = max(slo_ttft_s, UNREACHABLE_SLACK * zero)
@@ -290,7 +307,8 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
         lines.append(f"p99 TTFT is {zero:.3g} s even with no queueing, above the "
                      f"{slo_ttft_s:g} s SLO: no prefill count meets it; sized for a p99 of "
                      f"{target:.3g} s instead")
-    cap = _largest(lambda x: prefill_state(p, demand, x, decode_step_s).p99_ttft_s <= target,
+    cap = _largest(lambda x: prefill_state(p, demand, x, decode_step_s, laws).p99_ttft_s
+                   <= target,
                    saturation)
     if zero > slo_ttft_s:
         binding = "p99 TTFT (unreachable)"
@@ -303,7 +321,7 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
         lines.append(f"p99 TTFT reaches the {slo_ttft_s:g} s SLO at {cap:.3g} req/s "
                      f"per worker ({cap * mean_s:.0%} busy; M/G/1 tail)")
     workers = _ceil_workers(rate, cap, headroom)
-    at = prefill_state(p, demand, rate / workers, decode_step_s)
+    at = prefill_state(p, demand, rate / workers, decode_step_s, laws)
     lines.append(f"{workers} worker(s) = ceil({rate:.3g} x {1 + headroom:g} headroom / "
                  f"{cap:.3g}); predicted p99 TTFT {at.p99_ttft_s:.3g} s at "
                  f"{at.utilisation:.0%} busy")

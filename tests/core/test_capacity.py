@@ -18,7 +18,8 @@ from controller.core.capacity import (
     decode_state,
     plan_capacity,
     prefill_state,
-    wait_plus_service_quantile,
+    sojourn_quantile,
+    token_quantiles,
 )
 from controller.core.latency_model import ComponentParams
 
@@ -143,13 +144,16 @@ def test_bad_slo_is_refused() -> None:
 
 
 def test_tail_quantile_matches_known_laws() -> None:
-    # no queueing, exponential service: p99 = mean * ln(100)
-    assert wait_plus_service_quantile(0.0, 0.0, 1.0, 1.0) == pytest.approx(math.log(100), rel=0.01)
-    # M/M/1: sojourn time is exponential with mean S / (1 - rho)
+    exponential = token_quantiles(1.0, 1.0, 4096)
+    assert exponential.mean() == pytest.approx(1.0)
+    # no queueing, exponential own time: p99 = mean * ln(100)
+    assert sojourn_quantile(0.0, 0.0, exponential) == pytest.approx(math.log(100), rel=0.02)
+    # M/M/1: the sojourn time is exponential with mean S / (1 - rho)
     rho = 0.7
-    wait = rho / (1 - rho)  # E[W] for S = 1
-    q = wait_plus_service_quantile(rho, wait, 1.0, 1.0)
-    assert q == pytest.approx(math.log(100) / (1 - rho), rel=0.02)
+    q = sojourn_quantile(rho, rho / (1 - rho), exponential)
+    assert q == pytest.approx(math.log(100) / (1 - rho), rel=0.03)
+    # a deterministic law has no spread
+    assert sojourn_quantile(0.0, 0.0, token_quantiles(5.0, 0.0)) == pytest.approx(5.0)
 
 
 def test_state_curves_rise_with_load() -> None:

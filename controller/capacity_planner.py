@@ -1,0 +1,244 @@
+"""Capacity plan from observed windows: the adapter between the store/daemon and
+:mod:`controller.core.capacity`.
+
+It gathers the demand and the fitted physics from recent windows and decides nothing itself:
+
+- **QPS**: the routers' request counts (per-route outcomes), else the decode workers'
+  finished-request rate (every request ends on a decode worker), else the routers' QPS gauges;
+- **prompt tokens and the cached share**: the decode workers' ``prompt_tokens_by_source``
+  (``local_compute + local_cache_hit + external_kv_transfer`` is the whole prompt of every
+  request); tokens actually computed are the prefill workers' ``local_compute`` plus the decode
+  workers' ``local_compute`` minus the last prompt position a decode worker recomputes for each
+  P/D request;
+- **output tokens**: decode ``generation_tokens`` per finished request;
+- **decode-local share**: the routers' per-route request counts;
+- **physics**: :func:`~controller.core.latency_model.fit_components` on the same windows when
+  they carry the component signals, else the defaults (said in the explanation);
+- **KV capacity per decode worker**: ``running x resident context / kv_cache_usage``, from
+  windows where the cache is at least 5% used (an estimate; an override wins).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from controller.core.capacity import (
+    CapacityDemand,
+    CapacityError,
+    CapacityPlan,
+    ObservedRange,
+    plan_capacity,
+)
+from controller.core.latency_model import ComponentParams
+from controller.core.window import Window
+from controller.policy.model import Route
+
+if TYPE_CHECKING:
+    from controller.config import Settings
+
+MIN_KV_USAGE = 0.05  # below this the usage gauge says too little about the pool size
+
+
+class NoDemand(CapacityError):
+    """Neither the windows nor the overrides say what load to plan for."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOverrides:
+    """What the operator sets by hand (``pdctl plan`` flags); None: from the windows."""
+
+    qps: float | None = None
+    input_tokens: float | None = None
+    output_tokens: float | None = None
+    cached_fraction: float | None = None
+    decode_local_share: float | None = None
+    local_append_tokens: float | None = None
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    headroom: float | None = None
+    kv_capacity_tokens: float | None = None
+    max_num_seqs: int | None = None
+    params: ComponentParams | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ObservedDemand:
+    """The load the windows show (None where they do not say)."""
+
+    qps: float | None
+    input_tokens: float | None
+    cached_fraction: float | None
+    output_tokens: float | None
+    decode_local_share: float | None
+    local_append_tokens: float | None
+    seconds: float  # time the windows cover
+    current: tuple[int, int] | None  # (prefill, decode) workers in the newest window
+    observed: ObservedRange | None
+    kv_capacity_tokens: float | None
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 and math.isfinite(num) else None
+
+
+def observe_demand(windows: Sequence[Window]) -> ObservedDemand:
+    """Demand, shape and per-worker load range of ``windows`` (oldest first)."""
+    seconds = requests = finished = generated = 0.0
+    prompt_total = computed_p = computed_d = 0.0
+    prompt_seen = False
+    n_local = n_pd = 0.0
+    max_p_rate = max_d_tokens = 0.0
+    kv_estimates: list[float] = []
+    for w in windows:
+        iv = w.interval_s
+        seconds += iv
+        routers = w.workload.qps_by_router
+        win_finished = 0.0
+        for ws in w.workers_of("decode"):
+            if ws.request_rate is None:
+                continue
+            f = ws.request_rate * iv
+            win_finished += f
+            if ws.generation_tokens is not None:
+                generated += ws.generation_tokens
+                finished += f
+            src = ws.prompt_tokens_by_source or {}
+            computed_d += src.get("local_compute", 0.0)
+            if "local_cache_hit" in src or "external_kv_transfer" in src:
+                prompt_seen = True
+            prompt_total += math.fsum(src.values())
+        for ws in w.workers_of("prefill"):
+            computed_p += (ws.prompt_tokens_by_source or {}).get("local_compute", 0.0)
+        routed_here = 0.0
+        for o in w.outcomes:
+            routed_here += o.requests
+            if o.route == Route.DECODE_LOCAL:
+                n_local += o.requests
+            else:
+                n_pd += o.requests
+        # the routers' counts are exact; their QPS gauge is a sliding rate at the window's end
+        if routed_here > 0:
+            requests += routed_here
+        elif win_finished > 0:
+            requests += win_finished
+        elif routers:
+            requests += math.fsum(routers.values()) * iv
+        roles = w.roles
+        p, d = roles.get("prefill"), roles.get("decode")
+        if p is not None and p.workers and p.request_rate is not None:
+            max_p_rate = max(max_p_rate, p.request_rate / p.workers)
+        if d is not None and d.workers and d.generation_tokens is not None:
+            max_d_tokens = max(max_d_tokens, d.generation_tokens / iv / d.workers)
+    output = _ratio(generated, finished)
+    prompt = _ratio(prompt_total, finished) if prompt_seen else None
+    routed = n_local + n_pd
+    share = _ratio(n_local, routed)
+    # decode workers recompute one prompt position of each P/D request
+    recompute = n_pd * (finished / routed) if routed > 0 else 0.0
+    local_append = _ratio(max(computed_d - recompute, 0.0), n_local * (finished / routed)) \
+        if routed > 0 and n_local > 0 else None
+    cached = None
+    if prompt_seen and prompt_total > 0:
+        cached = min(max(1.0 - (computed_p + computed_d - recompute) / prompt_total, 0.0), 1.0)
+    if prompt is not None and output is not None:
+        ctx = prompt + output / 2.0
+        for w in windows:
+            for ws in w.workers_of("decode"):
+                if ws.kv_cache_usage and ws.kv_cache_usage >= MIN_KV_USAGE and ws.running:
+                    kv_estimates.append(ws.running * ctx / ws.kv_cache_usage)
+    newest = windows[-1] if windows else None
+    current = None
+    if newest is not None and "prefill" in newest.roles and "decode" in newest.roles:
+        current = (newest.roles["prefill"].workers, newest.roles["decode"].workers)
+    observed = (ObservedRange(max_p_rate, max_d_tokens)
+                if windows and (max_p_rate > 0 or max_d_tokens > 0) else None)
+    return ObservedDemand(
+        qps=_ratio(requests, seconds), input_tokens=prompt, cached_fraction=cached,
+        output_tokens=output, decode_local_share=share, local_append_tokens=local_append,
+        seconds=seconds, current=current, observed=observed,
+        kv_capacity_tokens=statistics.median(kv_estimates) if kv_estimates else None,
+    )
+
+
+def fitted_params(windows: Sequence[Window], prior: ComponentParams | None = None,
+                  ) -> tuple[ComponentParams, list[str]]:
+    """Component params fitted on ``windows``, with a line saying what was fitted."""
+    from controller.core.features import build_training_set
+    from controller.core.latency_model import fit_components
+
+    base = prior or ComponentParams()
+    if not windows:
+        return base, ["physics: defaults (no windows to fit on)"]
+    try:
+        params, report = fit_components(build_training_set(windows), base)
+    except (ValueError, FloatingPointError) as e:
+        return base, [f"physics: defaults (fit failed: {e})"]
+    fitted = sorted(report)
+    missing = [c for c in ("prefill", "prefill_queue", "decode_step") if c not in report]
+    lines = [f"physics: fitted on {len(windows)} window(s): {', '.join(fitted) or 'nothing'}"]
+    if missing:
+        lines.append(f"physics: defaults kept for {', '.join(missing)} (history too thin)")
+    return params, lines
+
+
+def plan_from_windows(windows: Sequence[Window], settings: Settings,
+                      overrides: PlanOverrides | None = None) -> CapacityPlan:
+    """The capacity plan for the load of ``windows`` (oldest first) and the configured SLOs.
+
+    Raises :class:`NoDemand` when neither the windows nor ``overrides`` give the QPS, prompt
+    and output lengths.
+    """
+    o = overrides or PlanOverrides()
+    seen = observe_demand(windows)
+    notes = [f"demand: {len(windows)} window(s), {seen.seconds:.0f} s of history"
+             if windows else "demand: no history, from the given values only"]
+
+    def pick(name: str, given: float | None, observed: float | None, default: float | None,
+             ) -> float:
+        if given is not None:
+            notes.append(f"{name}: {given:g} (given)")
+            return given
+        if observed is not None:
+            return observed
+        if default is not None:
+            notes.append(f"{name}: {default:g} (not observed; assumed)")
+            return default
+        raise NoDemand(f"no {name} to plan for: the store holds no usable window; "
+                       f"give it explicitly")
+
+    qps = pick("qps", o.qps, seen.qps, None)
+    prompt = pick("input_tokens", o.input_tokens, seen.input_tokens, None)
+    output = pick("output_tokens", o.output_tokens, seen.output_tokens, None)
+    share = pick("decode_local_share", o.decode_local_share, seen.decode_local_share, 0.0)
+    cached = pick("cached_fraction", o.cached_fraction, seen.cached_fraction, 0.0)
+    append = pick("local_append_tokens", o.local_append_tokens, seen.local_append_tokens,
+                  prompt * (1.0 - cached))
+    demand = CapacityDemand(qps=qps, input_tokens=prompt, cached_fraction=cached,
+                            output_tokens=output, decode_local_share=share,
+                            local_append_tokens=append)
+    if o.params is not None:
+        params, param_notes = o.params, ["physics: given"]
+    else:
+        params, param_notes = fitted_params(windows)
+    kv = o.kv_capacity_tokens if o.kv_capacity_tokens is not None else seen.kv_capacity_tokens
+    if kv is not None and o.kv_capacity_tokens is None:
+        notes.append(f"KV capacity per decode worker: {kv:.0f} tokens (estimated from "
+                     "kv_cache_usage)")
+    plan = plan_capacity(
+        demand, params,
+        slo_ttft_s=o.ttft_slo_s if o.ttft_slo_s is not None else settings.slo.ttft_s,
+        slo_tpot_s=o.tpot_slo_s if o.tpot_slo_s is not None else settings.slo.tpot_s,
+        headroom=o.headroom if o.headroom is not None else settings.capacity.headroom,
+        current=seen.current, observed=seen.observed if o.params is None else None,
+        kv_capacity_tokens=kv, max_num_seqs=o.max_num_seqs,
+    )
+    head = tuple(notes + param_notes)
+    return replace(
+        plan,
+        prefill=replace(plan.prefill, explanation=head + plan.prefill.explanation),
+        decode=replace(plan.decode, explanation=head + plan.decode.explanation),
+    )
