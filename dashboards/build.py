@@ -340,6 +340,19 @@ def workers() -> dashboard.Dashboard:
             (f"sum by (role) (rate(vllm:nixl_num_failed_transfers_total[{RATE}]))",
              "failed transfers {{role}}"),
         ]))
+        .with_row(dashboard.Row("Capacity").id(lay.take()))
+        .with_panel(series(lay, "Recommended vs answering workers by role", "short", [
+            ("max by (role) (pdctl_recommended_workers)", "recommended {{role}}"),
+            ('count by (role) (up{role=~"prefill|decode"} == 1)', "answering {{role}}"),
+        ], description="The leader's capacity recommendation (load and SLOs with headroom; "
+           "what the HorizontalPodAutoscalers in deploy/kubernetes/autoscaling.yaml follow) "
+           "against the worker targets Prometheus scrapes successfully."))
+        .with_panel(series(lay, "Predicted utilisation at the recommendation", "percentunit", [
+            ("max by (role) (pdctl_capacity_utilisation)", "{{role}}"),
+            ("max by (role) (pdctl_capacity_extrapolated)", "extrapolated {{role}}"),
+        ], description="Demand / (recommended workers x per-worker capacity within the SLO). "
+           "extrapolated = 1: the fitted model was used beyond the observed load.",
+           min_val=0, max_val=1))
     )
 
 

@@ -144,6 +144,7 @@ def exposed_names() -> set[str]:
     m.drift_event("ks")
     m.guardrail_decision("approved", "better", now=1.0)
     m.set_predicted_goodput(0.9, 0.9)
+    m.set_recommendation("prefill", 2, 0.6, 2, False)  # per-role series exist once planned
     registries.append(ctl)
     router = CollectorRegistry()
     rm = RouterMetrics(router)

@@ -79,6 +79,9 @@ def exporters() -> dict[str, tuple[str | None, CollectorRegistry]]:
     m.set_predicted_goodput(0.8, 0.9)
     m.policy_changed(2)
     m.set_leader(True)
+    m.set_recommendation("prefill", 3, 0.7, 2, False)
+    m.set_recommendation("decode", 1, 0.4, 1, True)
+    m.recommended(now=time.time())
 
     router = CollectorRegistry()
     r = RouterMetrics(router)
@@ -224,3 +227,20 @@ def test_every_rule_evaluates_cleanly(prometheus: Prometheus) -> None:
     by_route = {s["metric"]["route"]: s["value"][1] for s in recorded()}
     # Counters did not move between scrapes: rate 0 / 0 (NaN), but one series per route.
     assert set(by_route) == {"DECODE_LOCAL", "PREFILL_NODE"}
+
+
+def test_the_adapter_query_serves_each_hpa_its_role(prometheus: Prometheus) -> None:
+    """deploy/kubernetes/prometheus-adapter.yaml's metricsQuery, rendered for each HPA's
+    selector as the adapter does, against the controller's real exposition."""
+    from tests.deploy.test_autoscaling import adapter_config, hpas, render
+
+    (rule,) = adapter_config()["externalRules"]
+    served = prometheus.get("/api/v1/series", **{"match[]": rule["seriesQuery"]})["data"]
+    assert {s["role"] for s in served} == {"prefill", "decode"}
+    values = {}
+    for doc in hpas():
+        selector = doc["spec"]["metrics"][0]["external"]["metric"]["selector"]["matchLabels"]
+        answer = prometheus.get("/api/v1/query", query=render(rule["metricsQuery"], selector))
+        (sample,) = answer["data"]["result"]  # the HPA sums what comes back: exactly one
+        values[sample["metric"]["role"]] = float(sample["value"][1])
+    assert values == {"prefill": 3.0, "decode": 1.0}  # what exporters() recommended
