@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.config import load_settings
 from controller.cycle import Cycle, CycleConfig, run_inline
+from controller.daemon import SettingsPlanner
 from controller.learning import CoreLearner
 from controller.metrics import ControllerMetrics
 from controller.observe.inprocess import InProcessSource, sim_cluster_provider
@@ -68,7 +69,7 @@ def test_the_daemons_cycle_runs_in_virtual_time_inside_the_simulator(tmp_path: P
     scenario = load_scenario(path)
     settings = load_settings(slo={"ttft_s": 0.5, "tpot_s": 0.05},
                              controller={"interval_s": 10.0, "min_policy_interval_s": 0.0},
-                             drift={"cooldown_s": 60.0})
+                             drift={"cooldown_s": 60.0}, capacity={"interval_s": 60.0})
     loop = asyncio.new_event_loop()
     state: dict[str, Any] = {}
     reports = []
@@ -88,6 +89,7 @@ def test_the_daemons_cycle_runs_in_virtual_time_inside_the_simulator(tmp_path: P
                                       max_attempts=1),
                 metrics=ControllerMetrics(CollectorRegistry()), routers=list(agents),
                 config=CycleConfig.from_settings(settings), run_blocking=run_inline,
+                planner=SettingsPlanner(settings),
             )
         reports.append(loop.run_until_complete(state["cycle"].run_once()))
 
@@ -121,6 +123,28 @@ def test_the_daemons_cycle_runs_in_virtual_time_inside_the_simulator(tmp_path: P
     assert "predicted goodput" in on_drift[0].details["reason"]
     # The refused candidate became the drift reference: the same shift does not re-fire.
     assert len(events) == 1
+    # The capacity planner ran on the simulator's windows through the real adapter: every
+    # interval, without failing a cycle, on windows that exist, seeing the running shape.
+    recs = store.recommendations()
+    assert not [r.capacity for r in reports if (r.capacity or "").startswith("plan failed")]
+    assert len(recs) >= 5
+    stored_ids = {w.id for w in windows}
+    assert all(set(r.window_ids) <= stored_ids and r.window_ids for r in recs)
+    assert {(r.current_prefill, r.current_decode) for r in recs} == {(1, 3)}
+    before = [r for r in recs if r.last_window_id is not None
+              and store.windows_by_ids([r.last_window_id])[0].window.end <= 200]
+    after = [r for r in recs if min(r.window_ids) > max(before[-1].window_ids)]
+    assert before and after
+    # The arrival rate triples at 200 s: the demand seen and the workers asked for follow.
+    assert after[-1].body["demand"]["qps"] > 2 * before[-1].body["demand"]["qps"]
+    for role in ("prefill", "decode"):
+        old, new = before[-1], after[-1]
+        more = new.workers(role) > old.workers(role)
+        busier = getattr(new, f"{role}_utilisation") > getattr(old, f"{role}_utilisation")
+        assert new.workers(role) >= old.workers(role) and (more or busier), role
+    print("recommendations", [(r.prefill_workers, r.decode_workers,
+                               round(r.prefill_utilisation, 2), round(r.decode_utilisation, 2),
+                               round(r.body["demand"]["qps"], 1)) for r in recs])
     print(f"windows={len(windows)} approved={[p.version for p in approved]} "
           f"drift={[(e.kind, round(e.statistic, 2)) for e in store.drift_events()]} "
           f"pushes={len(store.pushes())} canary={[r.canary for r in reports if r.canary]}")

@@ -37,6 +37,8 @@ async def test_build_wires_everything_and_never_logs_secrets(
                                              "127.0.0.1:2": "127.0.0.1:4"}
         assert parts.leadership.holder == "replica-x"
         assert parts.health.stalled_after_s == 3 * 5.0 + 30.0
+        assert parts.cycle.planner is not None  # [capacity] enabled by default
+        assert parts.cycle.config.capacity_interval_s == settings.capacity.interval_s
         assert parts.server is not None and parts.server.port > 0
         formatter = JsonFormatter()
         lines = [formatter.format(r) for r in caplog.records]
@@ -58,3 +60,17 @@ async def test_build_refuses_no_routers_and_sidecar_on_sqlite(tmp_path: Path) ->
         await Daemon(load_settings(
             store={"url": url}, metrics={"enable": False}, routers={"targets": ["127.0.0.1:1"]},
             controller={"sidecar_router": "127.0.0.1:1"})).build()
+
+
+async def test_capacity_planning_can_be_switched_off(tmp_path: Path) -> None:
+    settings = load_settings(
+        store={"url": f"sqlite:///{tmp_path / 'h.db'}"}, metrics={"enable": False},
+        routers={"targets": ["127.0.0.1:1"]}, capacity={"enabled": False},
+    )
+    parts = await Daemon(settings).build()
+    try:
+        assert parts.cycle.planner is None
+    finally:
+        await parts.transport.close()
+        await parts.source.aclose()
+        parts.store.close()
