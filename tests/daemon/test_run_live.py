@@ -126,6 +126,8 @@ shutdown_timeout_s = 5
 [rollout]
 push_deadline_s = 2.0
 max_attempts = 2
+[capacity]
+interval_s = 4.0
 """)
     return path
 
@@ -164,6 +166,18 @@ def _stop(proc: subprocess.Popen[bytes], within_s: float) -> int:
         proc.kill()
         proc.wait(5)
         raise AssertionError(f"pdctl run did not exit within {within_s} s of SIGTERM") from None
+
+
+def _recommended(metrics: httpx.Response | None) -> dict[str, int] | None:
+    """``pdctl_recommended_workers`` by role from an exposition (None: not both roles)."""
+    if metrics is None:
+        return None
+    found = {}
+    for line in metrics.text.splitlines():
+        for role in ("prefill", "decode"):
+            if line.startswith(f'pdctl_recommended_workers{{role="{role}"}} '):
+                found[role] = int(float(line.rsplit(" ", 1)[1]))
+    return found if len(found) == 2 else None
 
 
 def _all_acked(store: Store) -> dict[str, int] | None:
@@ -216,6 +230,14 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
         assert store.calibrations(), "no calibration recorded"
         metrics = _get(f"http://{listen}/metrics")
         assert metrics is not None and "pdctl_router_acked_version" in metrics.text
+        # The capacity recommendation: stored with its inputs, exported for autoscalers.
+        recs = _wait("a stored capacity recommendation", store.recommendations, 30, log)
+        assert recs[-1].body["demand"]["qps"] > 0 and recs[-1].window_ids
+        assert (recs[-1].current_prefill, recs[-1].current_decode) == (1, 2)
+        exported = _wait("pdctl_recommended_workers exported",
+                         lambda: _recommended(_get(f"http://{listen}/metrics")), 30, log)
+        stored = {(r.prefill_workers, r.decode_workers) for r in store.recommendations()}
+        assert (exported["prefill"], exported["decode"]) in stored
 
         # An operator recalibration goes through canary → bake → promotion, live.
         before = max(desired.values())
@@ -254,6 +276,10 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
         _wait("/healthz 200 after the restart",
               lambda: (r := _get(f"http://{listen}/healthz")) is not None
               and r.status_code == 200, 60, log)
+        # The restarted leader exports a recommendation again (the stored one or a new one;
+        # test_cycle_capacity checks the re-export of the stored one by itself).
+        assert _wait("a recommendation exported after the restart",
+                     lambda: _recommended(_get(f"http://{listen}/metrics")), 10, log)
         time.sleep(5)  # a couple more cycles
     finally:
         code = _stop(proc, 15)
