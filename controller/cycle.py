@@ -49,7 +49,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from statistics import NormalDist
 from typing import Any, Protocol, TypeVar
 
@@ -244,6 +244,7 @@ class _Plan:
     trigger: str | None = None
     recalibrate_request: OperatorRequest | None = None
     calibration_error: str | None = None
+    too_few_windows: bool = False  # calibration_error is a lack of data, not a failed fit
     scaling: str | None = None  # the scaling event a "scaling" calibration answers
     scaling_recommendation: int | None = None  # ...and the recommendation it applied
     capacity: CapacityPlan | None = None
@@ -528,18 +529,11 @@ class Cycle:
                          recal: OperatorRequest | None, ops: OperatorState,
                          report: CycleReport) -> None:
         trigger = plan.trigger or "schedule"
-        self.metrics.recalibration(trigger)
         with self.store.read() as tx:
             stored = tx.windows(limit=self.config.training_windows)
         usable = [s for s in stored if self.usable(s.window)]
         force = bool(recal is not None and (recal.args or {}).get("force"))
         plan.recalibrate_request = recal
-        if trigger == "scaling":
-            plan.scaling = self._pending_scaling
-            plan.scaling_recommendation = self._pending_recommendation
-        self._pending_scaling = None  # this calibration sees the new capacity and mix
-        self._pending_recommendation = None
-        self._pending_drift = False
         if plan.window is not None and self.usable(plan.window):
             # This cycle's window is written in the same transaction; train on it too.
             windows = [s.window for s in usable] + [plan.window]
@@ -547,8 +541,20 @@ class Cycle:
             windows = [s.window for s in usable]
         plan.calibration_windows = [s.id for s in usable]
         if len(windows) < 2:
+            # Too little data is not a failed fit: the cause stays pending and is retried
+            # next cycle, without the failed-fit back-off (at start-up the first windows
+            # often miss targets not yet scraped; backing off then delayed the first policy
+            # by FIT_RETRY_INTERVALS).
             plan.calibration_error = f"only {len(windows)} complete window(s) stored"
+            plan.too_few_windows = True
             return
+        self.metrics.recalibration(trigger)
+        if trigger == "scaling":
+            plan.scaling = self._pending_scaling
+            plan.scaling_recommendation = self._pending_recommendation
+        self._pending_scaling = None  # this calibration sees the new capacity and mix
+        self._pending_recommendation = None
+        self._pending_drift = False
         reason = f"{trigger}: {recal.reason}" if recal is not None and recal.reason else trigger
 
         def fit() -> CalibrationOutcome:
@@ -609,7 +615,10 @@ class Cycle:
                     report.requests.append(f"recalibrate#{r.id}: {outcome}")
             self._assign_new_routers(tx, now_dt)
             self._set_state_metrics(tx)
-        if plan.calibration_error is not None:
+        if plan.too_few_windows:
+            report.reason = _join(report.reason, f"calibration ({plan.trigger}) deferred: "
+                                  f"{plan.calibration_error}")
+        elif plan.calibration_error is not None:
             report.reason = _join(report.reason, f"calibration skipped: {plan.calibration_error}")
             self._fit_failed_at = self.clock.now()
         elif plan.calibration is not None:
@@ -714,9 +723,13 @@ class Cycle:
             if self._plan_failed_at is not None \
                     and 0 <= now - self._plan_failed_at < cfg.capacity_interval_s:
                 return  # a failing plan is retried once per interval, not every cycle
+            # The load of the last interval: windows that started within it (after downtime,
+            # older ones would describe a load that may be gone).
+            since = datetime.fromtimestamp(now - cfg.capacity_interval_s, tz=UTC)
             covering = max(cfg.capacity_min_windows,
                            math.ceil(cfg.capacity_interval_s / cfg.interval_s))
-            stored = [s for s in tx.windows(limit=covering) if self.usable(s.window)]
+            stored = [s for s in tx.windows(since=since, limit=covering)
+                      if self.usable(s.window)]
         windows = [s.window for s in stored]
         with_window = plan.window is not None and self.usable(plan.window)
         if with_window:

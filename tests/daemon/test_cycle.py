@@ -168,6 +168,29 @@ async def test_a_target_gone_for_good_is_lost_capacity_not_missing_data(tmp_path
     assert report.trigger == "drift" and report.approved_version == 3
 
 
+async def test_too_few_complete_windows_defer_a_calibration_without_the_fit_back_off(
+    tmp_path: Path,
+) -> None:
+    """At start-up the first windows may each miss a target (not scraped yet): a cause
+    found then (here the prefill count settling) waits for data; it is not a failed fit that
+    backs off for FIT_RETRY_INTERVALS (found by the end-to-end test on Prometheus)."""
+    rig = make_rig(tmp_path)
+    rig.source.down = {"p1"}  # the first window counts one prefill worker
+    assert (await rig.step()).trigger is None
+    rig.source.down = {"d0"}  # the second misses a decode worker: unusable too
+    assert (await rig.step()).trigger is None
+    rig.source.down = set()
+    third = await rig.step()  # prefill 1 → 2 for two windows: a scaling cause
+    assert third.trigger == "scaling" and third.approved_version is None
+    assert "deferred: only 1 complete window(s) stored" in third.reason
+    assert rig.learner.calibrations == 0 and rig.store.calibrations() == []
+    assert not _metric(rig.registry, "pdctl_recalibrations_total", {"trigger": "scaling"})
+    fourth = await rig.step()  # two complete windows now: the cause is acted on at once
+    assert fourth.trigger == "scaling" and fourth.approved_version == 1, fourth.reason
+    assert rig.learner.calibrations == 1
+    assert _running(rig) == dict.fromkeys(rig.agents, 1)
+
+
 async def test_guardrail_rejection_is_recorded_and_pushes_nothing(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     await _bootstrap(rig)
