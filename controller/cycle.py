@@ -716,8 +716,8 @@ class Cycle:
             return
         with self.store.read() as tx:
             last = tx.recommendations(limit=1)
-            if not self._exported_recommendation and last:
-                self._reexport(last[-1].body, last[-1].created_at.timestamp(), now)
+            if last:
+                self._refresh_export(last[-1].body, last[-1].created_at.timestamp(), now)
             if last and 0 <= now - last[-1].created_at.timestamp() < cfg.capacity_interval_s:
                 return
             if self._plan_failed_at is not None \
@@ -782,10 +782,17 @@ class Cycle:
                 return rec.id
         return None
 
-    def _reexport(self, body: Mapping[str, Any], at: float, now: float) -> None:
-        """After a restart or a change of leader, export the stored recommendation while it
-        is fresh, so an autoscaler is not left without a value until the next plan."""
-        if now - at >= STALE_RECOMMENDATION_INTERVALS * self.config.capacity_interval_s:
+    def _refresh_export(self, body: Mapping[str, Any], at: float, now: float) -> None:
+        """Export the newest stored recommendation while it is fresh: after a restart or a
+        change of leader (an autoscaler is not left without a value until the next plan),
+        and withdraw it once no plan has succeeded for a few intervals (an autoscaler then
+        holds its count instead of following a load that may be gone)."""
+        stale = now - at >= STALE_RECOMMENDATION_INTERVALS * self.config.capacity_interval_s
+        if stale and self._exported_recommendation:
+            log.warning("capacity recommendation withdrawn: none for %.0f s", now - at)
+            self.metrics.clear_recommendation()
+            self._exported_recommendation = False
+        if stale or self._exported_recommendation:
             return
         try:
             self._export_recommendation(body, at)

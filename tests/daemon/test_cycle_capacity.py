@@ -139,6 +139,31 @@ async def test_a_failing_plan_never_fails_the_cycle(tmp_path: Path) -> None:
     for _ in range(3):
         report = await rig.step()
     assert len(rig.store.recommendations()) == 1
+    (rec,) = rig.store.recommendations()
+    assert _gauge(rig.registry, "pdctl_recommended_workers", "decode") == rec.decode_workers
+
+
+async def test_a_recommendation_is_withdrawn_when_planning_keeps_failing(tmp_path: Path
+                                                                         ) -> None:
+    planner = ScriptedPlanner()
+    rig = _rig(tmp_path, planner)
+    await rig.step()
+    await rig.step()
+    (rec,) = rig.store.recommendations()
+    planner.fail = True
+    stale_after = 3 * CAPACITY_INTERVAL_S  # STALE_RECOMMENDATION_INTERVALS intervals
+    while rig.clock.now() - rec.created_at.timestamp() < stale_after - INTERVAL_S:
+        await rig.step()
+        assert _gauge(rig.registry, "pdctl_recommended_workers", "prefill") == \
+            rec.prefill_workers  # an autoscaler keeps following the last good one...
+    await rig.step()
+    # ...until it is stale: withdrawn, so the autoscaler holds its count.
+    assert _gauge(rig.registry, "pdctl_recommended_workers", "prefill") is None
+    assert (_gauge(rig.registry, "pdctl_capacity_plan_failures_total") or 0) >= 2
+    planner.fail = False
+    for _ in range(4):
+        await rig.step()
+    assert _gauge(rig.registry, "pdctl_recommended_workers", "prefill") is not None
 
 
 async def test_a_restarted_leader_reexports_and_a_follower_clears(tmp_path: Path) -> None:
