@@ -555,7 +555,12 @@ class Cycle:
         self._pending_scaling = None  # this calibration sees the new capacity and mix
         self._pending_recommendation = None
         self._pending_drift = False
-        reason = f"{trigger}: {recal.reason}" if recal is not None and recal.reason else trigger
+        if recal is not None and recal.reason:
+            reason = f"{trigger}: {recal.reason}"
+        elif plan.scaling is not None:  # the policy's provenance says which shape it is for
+            reason = f"{trigger}: {plan.scaling}"
+        else:
+            reason = trigger
 
         def fit() -> CalibrationOutcome:
             return self.learner.calibrate(windows, current, now, reason, force)

@@ -84,6 +84,7 @@ class ScriptedLearner:
     fail: bool = False
     calibrations: int = 0
     trained_on: list[int] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
 
     def assess(self, state: LearnerState, window: Window, now: float
                ) -> tuple[LearnerState, list[DriftFinding]]:
@@ -99,6 +100,7 @@ class ScriptedLearner:
             raise LearnerError("scripted fit failure")
         self.calibrations += 1
         self.trained_on.append(len(windows))
+        self.reasons.append(reason)
         version = (current.version + 1) if current else 1
         policy = Policy.uniform(version, self.route, exploration=self.exploration)
         ok = self.approve or force

@@ -229,6 +229,7 @@ async def test_an_applied_recommendation_is_a_known_scaling_event(tmp_path: Path
     assert cal.details["recommendation_id"] == rid
     assert "prefill workers 2 -> 3" in cal.details["scaling"]
     assert f"recommendation #{rid} applied" in cal.details["scaling"]
+    assert rig.learner.reasons[-1] == f"scaling: {cal.details['scaling']}"  # provenance
     applied = {r.id: r.applied_at for r in rig.store.recommendations()}
     assert applied[rid] is not None and applied[rid] == cal.created_at
     # The drift that fired with it was answered by the same calibration.
