@@ -52,6 +52,7 @@ class PlanOverrides:
     """What the operator sets by hand (``pdctl plan`` flags); None: from the windows."""
 
     qps: float | None = None
+    rate_profile: tuple[float, ...] | None = None  # (1.0,): plan for a steady rate
     input_tokens: float | None = None
     output_tokens: float | None = None
     cached_fraction: float | None = None
@@ -70,6 +71,8 @@ class ObservedDemand:
     """The load the windows show (None where they do not say)."""
 
     qps: float | None
+    rate_profile: tuple[float, ...]  # each window's arrival rate over the mean
+    profile_window_s: float  # mean window length
     input_tokens: float | None
     cached_fraction: float | None
     output_tokens: float | None
@@ -93,6 +96,7 @@ def observe_demand(windows: Sequence[Window]) -> ObservedDemand:
     n_local = n_pd = 0.0
     max_p_rate = max_d_tokens = 0.0
     kv_estimates: list[float] = []
+    window_rates: list[float] = []
     for w in windows:
         iv = w.interval_s
         seconds += iv
@@ -122,11 +126,13 @@ def observe_demand(windows: Sequence[Window]) -> ObservedDemand:
                 n_pd += o.requests
         # the routers' counts are exact; their QPS gauge is a sliding rate at the window's end
         if routed_here > 0:
-            requests += routed_here
+            here = routed_here
         elif win_finished > 0:
-            requests += win_finished
-        elif routers:
-            requests += math.fsum(routers.values()) * iv
+            here = win_finished
+        else:
+            here = math.fsum(routers.values()) * iv
+        requests += here
+        window_rates.append(here / iv)
         roles = w.roles
         p, d = roles.get("prefill"), roles.get("decode")
         if p is not None and p.workers and p.request_rate is not None:
@@ -156,17 +162,36 @@ def observe_demand(windows: Sequence[Window]) -> ObservedDemand:
         current = (newest.roles["prefill"].workers, newest.roles["decode"].workers)
     observed = (ObservedRange(max_p_rate, max_d_tokens)
                 if windows and (max_p_rate > 0 or max_d_tokens > 0) else None)
+    mean_rate = statistics.fmean(window_rates) if window_rates else 0.0
+    profile = tuple(r / mean_rate for r in window_rates) if mean_rate > 0 else (1.0,)
     return ObservedDemand(
-        qps=_ratio(requests, seconds), input_tokens=prompt, cached_fraction=cached,
+        qps=_ratio(requests, seconds), rate_profile=profile,
+        profile_window_s=seconds / len(windows) if windows else 30.0, input_tokens=prompt,
+        cached_fraction=cached,
         output_tokens=output, decode_local_share=share, local_append_tokens=local_append,
         seconds=seconds, current=current, observed=observed,
         kv_capacity_tokens=statistics.median(kv_estimates) if kv_estimates else None,
     )
 
 
+PLAUSIBLE_FACTOR = 5.0  # a fitted coefficient this far from the prior is not believed
+
+
+def _plausible(fitted: float, prior: float) -> bool:
+    if prior <= 0:
+        return True
+    return prior / PLAUSIBLE_FACTOR <= fitted <= prior * PLAUSIBLE_FACTOR
+
+
 def fitted_params(windows: Sequence[Window], prior: ComponentParams | None = None,
                   ) -> tuple[ComponentParams, list[str]]:
-    """Component params fitted on ``windows``, with a line saying what was fitted."""
+    """Component params fitted on ``windows``, with lines saying what was fitted.
+
+    A component is kept from the prior when its fit is implausible: a coefficient zero or
+    more than ``PLAUSIBLE_FACTOR`` away from the prior's (windows that never batched much
+    cannot see the per-context cost of a decode step; a planner must not extrapolate a flat
+    line to the batch sizes it recommends).
+    """
     from controller.core.features import build_training_set
     from controller.core.latency_model import fit_components
 
@@ -177,11 +202,40 @@ def fitted_params(windows: Sequence[Window], prior: ComponentParams | None = Non
         params, report = fit_components(build_training_set(windows), base)
     except (ValueError, FloatingPointError) as e:
         return base, [f"physics: defaults (fit failed: {e})"]
+    # Fields checked per component; a component failing the check is restored whole (its
+    # fitted intercept absorbed what the implausible slope missed). step_per_seq_s is not
+    # checked: below the weight-read floor a decode step does not grow with the batch and a
+    # zero fit is right there, so a fitted value below the prior's is kept.
+    groups = {
+        "prefill": ("prefill_base_s", "prefill_per_token_s", "prefill_per_token2_s"),
+        "prefill_queue": ("prefill_queue_scale",),
+        "decode_step": ("step_base_s", "step_per_seq_s", "step_per_ctx_token_s",
+                        "step_per_prefill_token_s"),
+    }
+    checked = {
+        "prefill": ("prefill_per_token_s",),
+        "prefill_queue": ("prefill_queue_scale",),
+        "decode_step": ("step_base_s", "step_per_ctx_token_s", "step_per_prefill_token_s"),
+    }
+    kept: list[str] = []
+    for name, fields in groups.items():
+        if name not in report:
+            continue
+        bad = [f for f in checked[name] if not _plausible(getattr(params, f), getattr(base, f))]
+        if bad:
+            kept.append(f"{name} ({', '.join(bad)})")
+            restore = {f: getattr(base, f) for f in fields}
+            if name == "decode_step":
+                restore["step_per_seq_s"] = min(params.step_per_seq_s, base.step_per_seq_s)
+            params = replace(params, **restore)
     fitted = sorted(report)
-    missing = [c for c in ("prefill", "prefill_queue", "decode_step") if c not in report]
     lines = [f"physics: fitted on {len(windows)} window(s): {', '.join(fitted) or 'nothing'}"]
+    if kept:
+        lines.append(f"physics: prior kept for {'; '.join(kept)} (fit implausible: zero or "
+                     f"over {PLAUSIBLE_FACTOR:g}x off the prior)")
+    missing = [c for c in groups if c not in report]
     if missing:
-        lines.append(f"physics: defaults kept for {', '.join(missing)} (history too thin)")
+        lines.append(f"physics: prior kept for {', '.join(missing)} (no signal in the windows)")
     return params, lines
 
 
@@ -207,8 +261,9 @@ def plan_from_windows(windows: Sequence[Window], settings: Settings,
         if default is not None:
             notes.append(f"{name}: {default:g} (not observed; assumed)")
             return default
-        raise NoDemand(f"no {name} to plan for: the store holds no usable window; "
-                       f"give it explicitly")
+        flag = name.replace("_", "-")
+        raise NoDemand(f"no {name} to plan for: no window shows it; give it explicitly "
+                       f"(pdctl plan --{flag})")
 
     qps = pick("qps", o.qps, seen.qps, None)
     prompt = pick("input_tokens", o.input_tokens, seen.input_tokens, None)
@@ -219,7 +274,9 @@ def plan_from_windows(windows: Sequence[Window], settings: Settings,
                   prompt * (1.0 - cached))
     demand = CapacityDemand(qps=qps, input_tokens=prompt, cached_fraction=cached,
                             output_tokens=output, decode_local_share=share,
-                            local_append_tokens=append)
+                            local_append_tokens=append, rate_profile=o.rate_profile
+                            if o.rate_profile is not None else seen.rate_profile,
+                            profile_window_s=seen.profile_window_s)
     if o.params is not None:
         params, param_notes = o.params, ["physics: given"]
     else:

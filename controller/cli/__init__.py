@@ -25,6 +25,7 @@ _COMMAND_MODULES = (
     "ops_cmd",
     "explain_cmd",
     "active_cmd",
+    "plan_cmd",
 )
 
 for _name in _COMMAND_MODULES:

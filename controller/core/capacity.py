@@ -41,9 +41,11 @@ from controller.core.latency_model import ComponentParams
 
 ROLES = ("prefill", "decode")
 MAX_PREFILL_UTILISATION = 0.9  # beyond this an M/G/1 tail model is no longer trustworthy
+_BACKLOG_POINTS = 16  # arrival positions averaged over in an overloaded window
 UNREACHABLE_SLACK = 1.1  # plan for p99 within 10% of the unloaded floor when the SLO is below it
 Z99 = 2.326  # standard normal 0.99 quantile
 _QUANTILE = 0.99
+MAX_RATE_LEVELS = 24  # rate levels evaluated per candidate load
 _BISECT_STEPS = 40
 
 
@@ -63,10 +65,21 @@ class CapacityDemand:
     local_append_tokens: float  # mean tokens those decode-local requests compute on decode
     prefill_scv: float = 1.0  # squared coeff. of variation of prefill-node computed tokens
     append_scv: float = 1.0  # same, of the decode-local appends
+    input_scv: float = 1.0  # same, of whole prompts (the KV a decoding request holds)
+    # Arrival rate of each observed window (equal lengths) over the mean: the load varies and
+    # the p99 is over all requests, the busy windows' included. (1.0,): a steady rate.
+    rate_profile: tuple[float, ...] = (1.0,)
+    profile_window_s: float = 30.0  # length of each window of the profile
 
     def __post_init__(self) -> None:
+        if not math.isfinite(self.profile_window_s) or self.profile_window_s <= 0:
+            raise CapacityError(f"profile_window_s: must be > 0, got {self.profile_window_s!r}")
+        prof = self.rate_profile
+        if not prof or any(not math.isfinite(f) or f < 0 for f in prof) or sum(prof) <= 0:
+            raise CapacityError(f"rate_profile: needs finite factors >= 0 with a positive "
+                                f"sum, got {prof!r}")
         for name in ("qps", "input_tokens", "output_tokens", "local_append_tokens",
-                     "prefill_scv", "append_scv"):
+                     "prefill_scv", "append_scv", "input_scv"):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise CapacityError(f"{name}: must be a finite number >= 0, got {v!r}")
@@ -74,6 +87,30 @@ class CapacityDemand:
             v = getattr(self, name)
             if not math.isfinite(v) or not 0.0 <= v <= 1.0:
                 raise CapacityError(f"{name}: must be within [0, 1], got {v!r}")
+
+    def rate_levels(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rate factor, share of requests) per level, at most ``MAX_RATE_LEVELS`` levels
+        (windows of similar rate merged, the busiest kept apart); factors average 1 over time."""
+        f = np.sort(np.asarray(self.rate_profile, dtype=np.float64))
+        f = f / f.mean()
+        if f.size > MAX_RATE_LEVELS:
+            # the busiest windows each keep their own level: they decide the p99
+            keep = MAX_RATE_LEVELS // 2
+            groups = np.array_split(f[:-keep], MAX_RATE_LEVELS - keep)
+            lows = [(float(g.mean()), float(g.sum())) for g in groups if g.size]
+            levels = lows + [(float(v), float(v)) for v in f[-keep:]]
+        else:
+            levels = [(float(v), float(v)) for v in f]
+        factors = np.array([lv[0] for lv in levels])
+        weights = np.array([lv[1] for lv in levels])
+        return factors, weights / weights.sum()
+
+    def peak_factor(self, quantile: float = 0.99) -> float:
+        """The rate factor the ``quantile`` request sees (request-weighted)."""
+        factors, weights = self.rate_levels()
+        above = np.cumsum(weights[::-1])[::-1]  # share of requests at this level or busier
+        ok = np.flatnonzero(above >= 1.0 - quantile)
+        return float(factors[ok[-1]]) if ok.size else float(factors[-1])
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -191,30 +228,42 @@ def token_quantiles(mean: float, scv: float, n: int = _GRID) -> np.ndarray:
     return out
 
 
-def sojourn_quantile(rho: float, mean_wait: float, own: np.ndarray, q: float = _QUANTILE,
-                     ) -> float:
-    """Quantile ``q`` of queueing wait + a request's own time (equally likely values ``own``).
+def sojourn_survival(rho: float, mean_wait: float, own: np.ndarray, t: np.ndarray,
+                     ) -> np.ndarray:
+    """``P(wait + own time > t)`` on the even grid ``t`` (``own``: sorted, equally likely).
 
     Wait of an M/G/1 queue (the standard tail approximation): an atom ``1 - rho`` at zero and
     an exponential tail of mean ``E[W] / rho``, i.e. ``P(W > t) = rho exp(-rho t / E[W])``.
     """
-    own = np.sort(own)
-    if rho <= 0 or mean_wait <= 0:
-        return float(np.quantile(own, q))
-    theta = mean_wait / rho
-    hi = float(own[-1]) + 12.0 * theta
-    t = np.linspace(0.0, hi, _GRID)
-    dt = t[1] - t[0]
     surv_own = 1.0 - np.searchsorted(own, t, side="right") / own.size
-    # P(E + X > t) = P(X > t) + sum_{x <= t} P(X = x) exp(-(t - x) / theta)
+    if rho <= 0 or mean_wait <= 0:
+        out: np.ndarray = surv_own
+        return out
     from scipy.signal import fftconvolve
 
-    mass = np.bincount(np.minimum((own / dt).astype(np.int64), _GRID - 1),
-                       minlength=_GRID) / own.size
-    conv = fftconvolve(mass, np.exp(-t / theta))[:_GRID]
-    total = (1.0 - rho) * surv_own + rho * np.minimum(surv_own + conv, 1.0)
-    idx = int(np.searchsorted(-total, -(1.0 - q)))
-    return float(t[min(idx, _GRID - 1)])
+    theta = mean_wait / rho
+    dt = t[1] - t[0]
+    n = t.size
+    # P(E + X > t) = P(X > t) + sum_{x <= t} P(X = x) exp(-(t - x) / theta)
+    mass = np.bincount(np.minimum((own / dt).astype(np.int64), n - 1), minlength=n) / own.size
+    conv = fftconvolve(mass, np.exp(-t / theta))[:n]
+    out = (1.0 - rho) * surv_own + rho * np.minimum(surv_own + conv, 1.0)
+    return out
+
+
+def quantile_of(t: np.ndarray, survival: np.ndarray, q: float) -> float:
+    """Smallest grid time whose survival is at most ``1 - q`` (inf: not on the grid)."""
+    idx = np.flatnonzero(survival <= 1.0 - q + 1e-12)
+    return float(t[idx[0]]) if idx.size else math.inf
+
+
+def sojourn_quantile(rho: float, mean_wait: float, own: np.ndarray, q: float = _QUANTILE,
+                     ) -> float:
+    """Quantile ``q`` of M/G/1 wait + own time (see :func:`sojourn_survival`)."""
+    own = np.sort(own)
+    theta = mean_wait / rho if rho > 0 and mean_wait > 0 else 0.0
+    t = np.linspace(0.0, float(own[-1]) + 12.0 * theta + 1e-9, _GRID)
+    return quantile_of(t, sojourn_survival(rho, mean_wait, own, t), q)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,19 +295,48 @@ def prefill_quantile(demand: CapacityDemand) -> float:
 def prefill_state(p: ComponentParams, demand: CapacityDemand, rate_per_worker: float,
                   decode_step_s: float, laws: tuple[np.ndarray, np.ndarray] | None = None,
                   ) -> PrefillState:
-    """p99 TTFT of prefill-node requests when one prefill worker sees ``rate_per_worker``."""
+    """p99 TTFT of prefill-node requests when one prefill worker sees ``rate_per_worker`` on
+    average, over the requests of every rate level of the profile.
+
+    Below ``MAX_PREFILL_UTILISATION`` a level is an M/G/1 queue at its own rate. Busier, a
+    window of ``profile_window_s`` is too short for the queue to settle: it is the M/G/1 queue
+    at that utilisation plus a fluid backlog, the excess work piling up through the window (a
+    request arriving a fraction ``u`` into it waits ``(rho - rho_max) u window`` more).
+    """
     service, own = laws if laws is not None else _prefill_laws(p, demand)
     mean_s = float(service.mean())
     second = float((service * service).mean())
-    rho = rate_per_worker * mean_s
-    if rho >= 1.0:
-        return PrefillState(rate_per_worker, rho, mean_s, math.inf, math.inf)
-    # Pollaczek-Khinchine, scaled as the latency model fitted it
-    wait = p.prefill_queue_scale * rate_per_worker * second / (2.0 * (1.0 - rho))
     # after the KV arrives the decode worker emits the first token in its next step (on
     # average half a step to join one, plus the step itself)
-    body = sojourn_quantile(rho, wait, own + 1.5 * decode_step_s, prefill_quantile(demand))
-    return PrefillState(rate_per_worker, rho, mean_s, wait, body)
+    own = np.sort(own + 1.5 * decode_step_s)
+    factors, weights = demand.rate_levels()
+    cap_rho = MAX_PREFILL_UTILISATION
+    levels = []
+    for f, w in zip(factors, weights, strict=True):
+        rho = rate_per_worker * f * mean_s
+        rho_q = min(rho, cap_rho)
+        # Pollaczek-Khinchine, scaled as the latency model fitted it
+        wait = p.prefill_queue_scale * (rho_q / mean_s) * second / (2.0 * (1.0 - rho_q))
+        backlog = max(rho - cap_rho, 0.0) * demand.profile_window_s
+        levels.append((w, rho_q, wait, backlog))
+    rho_mean = rate_per_worker * mean_s
+    wait_mean = (p.prefill_queue_scale * rate_per_worker * second / (2.0 * (1.0 - rho_mean))
+                 if rho_mean < 1.0 else math.inf)
+    theta = max((wt / r for _, r, wt, _ in levels if r > 0 and wt > 0), default=0.0)
+    longest = max(b for *_, b in levels)
+    t = np.linspace(0.0, float(own[-1]) + 12.0 * theta + longest + 1e-9, _GRID)
+    dt = t[1] - t[0]
+    survival = np.zeros_like(t)
+    for w, rho, wait, backlog in levels:
+        surv = sojourn_survival(rho, wait, own, t)
+        if backlog > 0:
+            # average over arrival positions u in the window: shift by u * backlog
+            shifts = np.rint(np.linspace(0.0, backlog, _BACKLOG_POINTS) / dt).astype(np.int64)
+            surv = np.mean([np.concatenate([np.ones(min(k, t.size)), surv[:max(t.size - k, 0)]])
+                            for k in shifts], axis=0)
+        survival += w * surv
+    p99 = quantile_of(t, survival, prefill_quantile(demand))
+    return PrefillState(rate_per_worker, rho_mean, mean_s, wait_mean, p99)
 
 
 def _largest(ok: Any, hi: float) -> float:
@@ -290,6 +368,7 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
     tokens = demand.prefill_node_tokens
     laws = _prefill_laws(p, demand)
     mean_s = float(laws[0].mean())
+    factors, _ = demand.rate_levels()
     lines = [
         f"prefill-node requests: {rate:.3g} req/s ({1 - demand.decode_local_share:.0%} of "
         f"{demand.qps:.3g} req/s), {tokens:.0f} uncached tokens each "
@@ -298,6 +377,9 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
         f"service {mean_s * 1e3:.1f} ms/request => at most {1 / mean_s:.3g} req/s per worker "
         "when saturated",
     ]
+    if factors.size > 1:
+        lines.append(f"arrival rate varies: windows from {factors[0]:.2g}x to {factors[-1]:.2g}x "
+                     f"the mean; the p99 is over the requests of all of them")
     saturation = MAX_PREFILL_UTILISATION / mean_s
     zero = prefill_state(p, demand, 0.0, decode_step_s, laws).p99_ttft_s
     # An SLO below the unloaded p99 cannot be met by any count: plan for a p99 close to that
@@ -352,10 +434,9 @@ class DecodeState:
     saturated: bool
 
 
-def decode_state(p: ComponentParams, demand: CapacityDemand, tokens_per_worker: float,
-                 ) -> DecodeState:
-    """Step time, batch and p99 TPOT when one decode worker generates ``tokens_per_worker``."""
-    x = tokens_per_worker
+def _decode_level(p: ComponentParams, demand: CapacityDemand, x: float,
+                  ) -> tuple[float, float, float]:
+    """(mean step, batch, sd of one request's TPOT) at ``x`` generated tokens/s per worker."""
     d = demand.decode_tokens_per_s
     prefill_ratio = demand.decode_prefill_tokens_per_s / d if d > 0 else 0.0
     ctx = demand.input_tokens + demand.output_tokens / 2.0
@@ -363,19 +444,63 @@ def decode_state(p: ComponentParams, demand: CapacityDemand, tokens_per_worker: 
     c = p.step_per_prefill_token_s
     den = 1.0 - u * x - c * prefill_ratio * x
     if den <= 0:
-        return DecodeState(x, math.inf, math.inf, math.inf, True)
+        return math.inf, math.inf, math.inf
     step = p.step_base_s / den
-    batch = x * step
     # Extra step time a request sees from appends landing during its life: compound Poisson
-    # (arrivals of decode-local appends on this worker x their tokens), spread over its output.
+    # (decode-local appends on this worker x their tokens), spread over its output tokens;
+    # each append lengthens the step it lands in by c x its tokens.
     out = max(demand.output_tokens, 1.0)
     appends_per_s = (demand.qps * demand.decode_local_share * x / d) if d > 0 else 0.0
-    life = out * step
     a = demand.local_append_tokens
-    # each append lengthens the step it lands in by c x its tokens
-    var = appends_per_s * life * (a * a * (1.0 + demand.append_scv)) * c * c
-    p99 = step + Z99 * math.sqrt(var) / out
-    return DecodeState(x, step, batch, p99, False)
+    var = appends_per_s * out * step * (a * a * (1.0 + demand.append_scv)) * c * c
+    return step, x * step, math.sqrt(var) / out
+
+
+def decode_state(p: ComponentParams, demand: CapacityDemand, tokens_per_worker: float,
+                 ) -> DecodeState:
+    """Mean step time and batch, and the p99 TPOT over the rate levels, when one decode worker
+    generates ``tokens_per_worker`` on average."""
+    x = tokens_per_worker
+    step, batch, _ = _decode_level(p, demand, x)
+    factors, weights = demand.rate_levels()
+    levels = [(w, *_decode_level(p, demand, x * f)) for f, w in zip(factors, weights,
+                                                                    strict=True)]
+    finite = [lv for lv in levels if math.isfinite(lv[1])]
+    if not finite:
+        return DecodeState(x, step, batch, math.inf, True)
+    q = _QUANTILE
+
+    def survival(t: float) -> float:
+        return sum(w if not math.isfinite(m) else
+                   (w * 0.5 * math.erfc((t - m) / (sd * math.sqrt(2.0))) if sd > 0
+                    else (w if m > t else 0.0))
+                   for w, m, _, sd in levels)
+
+    lo = min(m for _, m, _, _ in finite)
+    hi = max(m + 6.0 * sd for _, m, _, sd in finite)
+    if survival(hi) > 1.0 - q:
+        return DecodeState(x, step, batch, math.inf, not math.isfinite(step))
+    for _ in range(_BISECT_STEPS):
+        mid = 0.5 * (lo + hi)
+        if survival(mid) > 1.0 - q:
+            lo = mid
+        else:
+            hi = mid
+    return DecodeState(x, step, batch, hi, not math.isfinite(step))
+
+
+def kv_batch_limit(kv_capacity_tokens: float, demand: CapacityDemand) -> float:
+    """Most sequences a decode worker can run with the p99 of their KV within its pool.
+
+    Resident tokens of ``B`` running sequences: mean ``B m`` (``m`` = prompt + half the
+    output), variance ``B E[ctx^2]`` (prompt lengths vary); solved for ``B`` at ``Z99``.
+    """
+    m = max(demand.input_tokens + demand.output_tokens / 2.0, 1.0)
+    share = demand.input_tokens / m
+    k = math.sqrt(1.0 + demand.input_scv * share * share)  # sqrt(E[ctx^2]) / m
+    # m s^2 + Z99 m k s - KV = 0 with s = sqrt(B)
+    s = (-Z99 * m * k + math.sqrt((Z99 * m * k) ** 2 + 4.0 * m * kv_capacity_tokens)) / (2 * m)
+    return s * s
 
 
 def _plan_decode(p: ComponentParams, demand: CapacityDemand, slo_tpot_s: float,
@@ -387,6 +512,7 @@ def _plan_decode(p: ComponentParams, demand: CapacityDemand, slo_tpot_s: float,
     u = p.step_per_seq_s + p.step_per_ctx_token_s * ctx
     prefill_ratio = demand.decode_prefill_tokens_per_s / d if d > 0 else 0.0
     hi = 1.0 / (u + p.step_per_prefill_token_s * prefill_ratio)  # the pool's throughput limit
+    peak = demand.peak_factor()
     lines = [
         f"decode: {d:.4g} generated tokens/s ({demand.qps:.3g} req/s x "
         f"{demand.output_tokens:.0f} tokens), {demand.decode_prefill_tokens_per_s:.4g} prefill "
@@ -405,14 +531,16 @@ def _plan_decode(p: ComponentParams, demand: CapacityDemand, slo_tpot_s: float,
                             hi * 0.999)
         candidates.append((tpot_cap, "p99 TPOT"))
     if kv_capacity_tokens is not None and kv_capacity_tokens > 0:
-        max_batch_kv = kv_capacity_tokens / max(ctx, 1.0)
-        kv_cap = _largest(lambda x: decode_state(p, demand, x).batch <= max_batch_kv, hi * 0.999)
+        max_batch_kv = kv_batch_limit(kv_capacity_tokens, demand)
+        kv_cap = _largest(lambda x: _decode_level(p, demand, x * peak)[1] <= max_batch_kv,
+                          hi * 0.999 / peak)
         candidates.append((kv_cap, "KV cache"))
         lines.append(f"KV cache: {kv_capacity_tokens:.0f} tokens hold {max_batch_kv:.0f} "
-                     f"sequences of {ctx:.0f} tokens")
+                     f"sequences of {ctx:.0f} tokens on average at the p99 of their total "
+                     f"(checked at the p99 request's rate, {peak:.2g}x the mean)")
     if max_num_seqs is not None and max_num_seqs > 0:
-        seq_cap = _largest(lambda x: decode_state(p, demand, x).batch <= max_num_seqs,
-                           hi * 0.999)
+        seq_cap = _largest(lambda x: _decode_level(p, demand, x * peak)[1] <= max_num_seqs,
+                           hi * 0.999 / peak)
         candidates.append((seq_cap, "max_num_seqs"))
     cap, binding = min(candidates, key=lambda c: c[0])
     if binding == "p99 TPOT" and cap >= hi * 0.998:

@@ -1,0 +1,110 @@
+"""`pdctl plan` against a real SQLite store: from stored simulator windows, by hand, and the
+errors an operator can hit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from controller.cli import app
+from controller.config import load_settings
+from controller.store import Store
+from tests.test_capacity_planner import measured, sim_run
+
+runner = CliRunner()
+
+
+def _config(tmp_path: Path, *, with_windows: bool) -> Path:
+    path = tmp_path / "pd.toml"
+    path.write_text(f"""
+[store]
+url = "sqlite:///{tmp_path / 'history.db'}"
+[slo]
+ttft_s = 1.5
+tpot_s = 0.05
+[capacity]
+headroom = 0.25
+interval_s = 600
+""")
+    store = Store(load_settings(path).store.url)
+    store.upgrade()
+    if with_windows:
+        with store.cycle() as tx:
+            for w in measured(sim_run()[0]):
+                tx.add_window(w)
+    store.close()
+    return path
+
+
+def _plan(*args: str) -> dict[str, object]:
+    result = runner.invoke(app, ["plan", "--json", *args])
+    assert result.exit_code == 0, result.output
+    doc: dict[str, object] = json.loads(result.stdout)
+    return doc
+
+
+def test_plan_from_stored_windows_uses_their_load_and_the_config(tmp_path: Path) -> None:
+    config = _config(tmp_path, with_windows=True)
+    doc = _plan("--config", str(config))
+    demand = doc["demand"]
+    assert isinstance(demand, dict)
+    assert demand["qps"] > 4.0 and demand["output_tokens"] > 100  # the run's 6 req/s x 128
+    assert doc["slo_ttft_s"] == 1.5 and doc["slo_tpot_s"] == 0.05 and doc["headroom"] == 0.25
+    prefill, decode = doc["prefill"], doc["decode"]
+    assert isinstance(prefill, dict) and isinstance(decode, dict)
+    assert prefill["current_workers"] == 1 and decode["current_workers"] == 2
+    # a flag overrides one input, the rest still comes from the windows
+    more = _plan("--config", str(config), "--qps", str(demand["qps"] * 10))
+    more_demand, more_decode = more["demand"], more["decode"]
+    assert isinstance(more_demand, dict) and isinstance(more_decode, dict)
+    assert more_demand["output_tokens"] == demand["output_tokens"]
+    assert more_decode["workers"] > decode["workers"]
+
+
+def test_plan_prints_what_an_operator_needs(tmp_path: Path) -> None:
+    config = _config(tmp_path, with_windows=True)
+    result = runner.invoke(app, ["plan", "--config", str(config), "--ttft-slo", "0.8"])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "recommendation:" in out and "prefill" in out and "decode" in out
+    for what in ("binding", "per worker", "utilisation", "p99 TTFT", "p99 TPOT"):
+        assert what in out, what
+    assert "SLO p99 TTFT 800.0 ms" in out
+    assert "physics: fitted on" in out
+
+
+def test_no_history_and_no_qps_is_a_clear_error(tmp_path: Path) -> None:
+    config = _config(tmp_path, with_windows=False)
+    result = runner.invoke(app, ["plan", "--config", str(config)])
+    assert result.exit_code == 2
+    assert "no windows" in result.stderr and "--qps" in result.stderr
+    partial = runner.invoke(app, ["plan", "--config", str(config), "--qps", "5"])
+    assert partial.exit_code == 2
+    assert "--input-tokens" in partial.stderr
+
+
+def test_plan_by_hand_moves_with_the_flags(tmp_path: Path) -> None:
+    config = _config(tmp_path, with_windows=False)
+    base = ["--config", str(config), "--qps", "20", "--input-tokens", "3000",
+            "--output-tokens", "300"]
+    doc = _plan(*base)
+    longer = _plan(*base[:-1], "1200")
+    tighter = _plan(*base, "--ttft-slo", "0.4")
+    spare = _plan(*base, "--headroom", "1.0")
+
+    def workers(d: dict[str, object], role: str) -> int:
+        rec = d[role]
+        assert isinstance(rec, dict)
+        return int(rec["workers"])
+
+    assert workers(longer, "decode") > workers(doc, "decode")
+    assert workers(tighter, "prefill") > workers(doc, "prefill")
+    assert workers(spare, "prefill") >= workers(doc, "prefill")
+    assert workers(spare, "decode") > workers(doc, "decode")
+
+
+def test_unavailable_store_without_a_load_exits_3(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["plan", "--url", f"sqlite:///{tmp_path / 'none.db'}"])
+    assert result.exit_code == 3
