@@ -35,7 +35,11 @@ from controller.rollout.codec import (
     timestamp_to_epoch,
 )
 from controller.rollout.reconciler import ApplyReply, RouterState
-from controller.rollout.security import channel_credentials, channel_options
+from controller.rollout.security import (
+    channel_credentials,
+    channel_options,
+    reloading_channel_credentials,
+)
 
 # Codes worth another attempt: the router may be restarting, overloaded or slow.
 TRANSIENT_CODES = frozenset(
@@ -110,15 +114,28 @@ class GrpcRouterTransport:
         *,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         reconnect_backoff_max_s: float = 2.0,
+        retire_grace_s: float = 30.0,
     ) -> None:
-        self._credentials = channel_credentials(security)
+        # Certificate, key and CA files are watched: a rotation rebuilds the credentials.
+        self._credential_files = reloading_channel_credentials(security)
+        self._credentials = (self._credential_files.value if self._credential_files is not None
+                             else channel_credentials(security))
         self._options = client_options(security, max_message_bytes, reconnect_backoff_max_s)
+        self._retire_grace_s = retire_grace_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Future[None]] = set()
         # The last encoded request: a push sends one policy to many routers.
         self._encoded: tuple[Policy, bool, policy_pb.ApplyPolicyRequest] | None = None
 
     def channel(self, router: str) -> grpc.aio.Channel:
+        if self._credential_files is not None:
+            credentials, changed = self._credential_files.current()
+            if changed:
+                # A channel keeps the credentials it was made with: new ones for every router.
+                self._credentials = credentials
+                for stale in self._channels.values():
+                    self._retire(stale, self._retire_grace_s)
+                self._channels = {}
         ch = self._channels.get(router)
         if ch is None:
             if self._credentials is None:
@@ -132,10 +149,14 @@ class GrpcRouterTransport:
         if e.code() in TRANSIENT_CODES:
             stale = self._channels.pop(router, None)
             if stale is not None:
-                task = asyncio.ensure_future(stale.close())
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+                self._retire(stale, None)
         return error_from_status(router, e)
+
+    def _retire(self, channel: grpc.aio.Channel, grace_s: float | None) -> None:
+        """Close ``channel`` in the background; calls in flight get ``grace_s`` to finish."""
+        task = asyncio.ensure_future(channel.close(grace_s))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _request(self, policy: Policy, rollback: bool) -> policy_pb.ApplyPolicyRequest:
         cached = self._encoded

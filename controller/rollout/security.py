@@ -18,9 +18,12 @@ Certificates and token files are re-read when they change, without a restart: th
 TLS credentials are ``dynamic_ssl_server_credentials`` whose fetcher (called by gRPC core
 for each new handshake) re-reads ``tls_cert``/``tls_key``/``tls_ca`` when one of their
 stat stamps (mtime, size, inode) moved, and a ``token_file`` is re-read the same way on both
-sides. A half-written rotation (unreadable file, a key that does not match its certificate,
-an empty token) is not taken: the previous material stays in use and a warning is logged.
-Connections already open keep the credentials they were made with.
+sides. On the client, :func:`reloading_channel_credentials` rebuilds the channel credentials
+when its certificate, key or CA file changes, and the transport then replaces its channels
+(gRPC has no dynamic client credentials). A half-written rotation (unreadable file, a key
+that does not match its certificate, an empty CA file or token) is not taken: the previous
+material stays in use and a warning is logged. On the server, connections already open keep
+the credentials they were made with.
 
 Refusals the server sees are counted in ``pdrouter_auth_refusals_total{reason}`` (reasons
 ``missing_token``, ``wrong_token``). TLS handshake failures (no client certificate, a
@@ -319,6 +322,38 @@ def channel_credentials(config: SecurityConfig | None) -> grpc.ChannelCredential
     else:
         call = grpc.metadata_call_credentials(_TokenFilePlugin(token), name="token_file")
     return grpc.composite_channel_credentials(base, call)
+
+
+def _checked_channel_credentials(config: SecurityConfig) -> grpc.ChannelCredentials | None:
+    """:func:`channel_credentials`, refusing material caught half-way through a rotation."""
+    cert, key, ca = config.tls_cert, config.tls_key, config.tls_ca
+    if cert is not None and key is not None:
+        try:
+            ssl.create_default_context(ssl.Purpose.SERVER_AUTH).load_cert_chain(cert, key)
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError(
+                f"security.tls_cert/tls_key: {cert} and {key} do not match: {e}"
+            ) from None
+    if ca is not None:
+        try:
+            ssl.create_default_context(cafile=str(ca))
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError(f"security.tls_ca: {ca} holds no usable certificate: {e}") from None
+    return channel_credentials(config)
+
+
+def reloading_channel_credentials(
+    config: SecurityConfig | None,
+) -> ReloadingFiles[grpc.ChannelCredentials | None] | None:
+    """Client credentials rebuilt when ``tls_cert``, ``tls_key`` or ``tls_ca`` changes; None
+    without TLS files (a ``token_file`` alone is re-read per call already)."""
+    checked = config or SecurityConfig()
+    files = tuple(p for p in (checked.tls_cert, checked.tls_key, checked.tls_ca)
+                  if p is not None)
+    if not files:
+        return None
+    return ReloadingFiles("security.tls_cert/tls_key/tls_ca (client)", files,
+                          lambda: _checked_channel_credentials(checked))
 
 
 class _TokenFilePlugin(grpc.AuthMetadataPlugin):

@@ -195,6 +195,50 @@ async def test_certificate_rotation_is_picked_up_for_new_connections(
         await transport.close()
 
 
+async def test_client_certificate_rotation_is_picked_up_without_a_new_transport(
+    router: RouterServer, pkis: tuple[Pki, Pki], tmp_path: Path
+) -> None:
+    """The controller's own certificate, key and CA files rotated under one long-lived
+    transport (as the daemon holds it): a half-way rotation is not taken; a complete one
+    replaces the channels, so the next call handshakes with the new certificate."""
+    old, new = pkis
+    mine = tmp_path / "controller"
+    mine.mkdir()
+    for src, name in ((old.client_cert, "client.crt"), (old.client_key, "client.key"),
+                      (old.ca, "ca.crt")):
+        shutil.copyfile(src, mine / name)
+    transport = GrpcRouterTransport(SecurityConfig(
+        tls_cert=mine / "client.crt", tls_key=mine / "client.key", tls_ca=mine / "ca.crt",
+        token=SecretStr(TOKEN)))
+    try:
+        assert (await transport.get(router.address, 5.0)).version == GOOD.version
+
+        # Half-way: the new certificate without its key. Not taken: the same channel works.
+        channel = transport.channel(router.address)
+        replace_file(new.client_cert, mine / "client.crt")
+        assert (await transport.get(router.address, 5.0)).version == GOOD.version
+        assert transport.channel(router.address) is channel
+
+        # The key follows: the rotation is complete and taken without a restart. The router
+        # still trusts only the old CA, so the new handshake is refused — which shows the
+        # new certificate is in use (the old connection would have gone on working).
+        replace_file(new.client_key, mine / "client.key")
+        with pytest.raises(RouterCallError) as refused:
+            await transport.get(router.address, 5.0)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert transport.channel(router.address) is not channel
+
+        # The router moves to the new PKI and the controller to the new CA: accepted.
+        live = tmp_path / "live"
+        replace_file(new.server_cert, live / "server.crt")
+        replace_file(new.ca, live / "ca.crt")
+        replace_file(new.server_key, live / "server.key")
+        replace_file(new.ca, mine / "ca.crt")
+        assert (await transport.get(router.address, 5.0)).version == GOOD.version
+    finally:
+        await transport.close()
+
+
 # -- secrets stay secret ------------------------------------------------------------------
 
 DB_PASSWORD = "pw-9a8b7c6d5e"
