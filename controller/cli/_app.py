@@ -10,6 +10,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help texts name config sections as "[store]"; rich markup would swallow them as tags.
+    rich_markup_mode=None,
 )
 table_app = typer.Typer(help="Inspect lookup-table policy files.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that print numbers.", no_args_is_help=True)
