@@ -29,8 +29,9 @@ def ratio_key(wtft: float, wtpot: float) -> str:
 
 
 def calibrated_table(windows: Sequence[Window], slo: Slo, weights: Weights, version: int,
-                     reason: str) -> Policy:
+                     reason: str, tune_first_turn: bool = True) -> Policy:
     """A table from ``windows`` (any order; sorted by end time) with ``weights`` pinned.
+    ``tune_first_turn=False`` keeps turn 1 on a prefill node (the PPD paper's table).
 
     Raises :class:`controller.core.calibrate.CalibrationError` when the windows cannot
     support a fit (fewer than 2 windows with routed requests)."""
@@ -38,7 +39,10 @@ def calibrated_table(windows: Sequence[Window], slo: Slo, weights: Weights, vers
 
     usable = sorted((w for w in windows if w.outcomes and not w.failures),
                     key=lambda w: (w.end, w.start))
-    cfg = CalibrationConfig(slo=slo, pinned_weights=weights)
+    # The whole phase is "the current mix" of a table calibrated in hindsight for it.
+    cfg = CalibrationConfig(slo=slo, pinned_weights=weights,
+                            recent_windows=max(len(usable), 1),
+                            tune_first_turn=tune_first_turn)
     now = usable[-1].end if usable else 0.0
     result = calibrate(usable, now, None, cfg, reason=reason)
     return result.policy.with_version(version)

@@ -191,7 +191,8 @@ def run_bench(
     if need_tables:
         first = [w for k in ("pd", "local") for w in windows_in(windows[k], *phases[0])]
         ppd_static = calibrated_table(first, slo, Weights(1.0, 1.0), 1,
-                                      "ppd-static: forced runs on the first phase, weights 1:1")
+                                      "ppd-static: forced runs on the first phase, weights 1:1",
+                                      tune_first_turn=False)
         if "ppd-static" in wanted or "oracle" in wanted:
             runs["ppd-static"] = PolicyRun(replay("ppd-static", ppd_static),
                                            tables=[(0.0, ppd_static)],

@@ -29,8 +29,10 @@ from numpy.typing import NDArray
 
 from controller.core.exploration import ExplorationConfig, exploration_fractions
 from controller.core.features import (
+    FORCED_MIN_REQUESTS,
     N_CTX_BINS,
     N_IO_BINS,
+    N_ROUTER_CELLS,
     ROUTER_CTX_REP,
     ROUTER_IO_REP,
     FloatArray,
@@ -38,6 +40,7 @@ from controller.core.features import (
     TrainingSet,
     build_training_set,
     context_representatives,
+    first_turn_share,
     forced_shares,
     ratio_representatives,
 )
@@ -49,7 +52,6 @@ from controller.core.latency_model import (
     Scenario,
     fit_latency_model,
     heldout_error,
-    prob_below,
 )
 from controller.core.weights import DEFAULT_RATIOS, WeightChoice, choose_weights
 from controller.core.window import Window
@@ -83,6 +85,9 @@ class CalibrationConfig:
     overrides: Overrides = field(default_factory=Overrides)
     default_route: Route = Route.PREFILL_NODE
     residual_model: bool = True
+    # Also build a table with turn 1 decode-local (the override's other route) and keep it
+    # when its predicted goodput beats turn 1 on a prefill node by ``guardrail_margin``.
+    tune_first_turn: bool = True
     refit_on_all: bool = True  # after measuring held-out error, refit on every window
     seed: int = 0
 
@@ -113,6 +118,39 @@ class TableGrid:
     # prefill node, the short-append bypass always decode-local), see ``forced_shares``.
     forced_p: FloatArray | None = None  # [K]
     forced_l: FloatArray | None = None  # [K]
+    # Where predicted goodput is evaluated: the recent windows' own per-router QPS and the
+    # table row each falls in (the rows' representative QPS is up to a factor 1.4 off the
+    # load actually seen, and latency is convex in load).
+    eval_qps: FloatArray | None = None  # [E]
+    eval_row: IntArray | None = None  # [E]
+    # Turn 1's share of each cell (the override routes it, not the table), and the route
+    # the override gives it in this grid.
+    first_turn: FloatArray | None = None  # [K]
+    first_turn_route: Route = Route.PREFILL_NODE
+
+    def with_first_turn(self, route: Route) -> TableGrid:
+        """The same grid with turn 1 on ``route``."""
+        if route is self.first_turn_route or self.first_turn is None \
+                or self.forced_p is None or self.forced_l is None:
+            return replace(self, first_turn_route=route)
+        if route is Route.DECODE_LOCAL:
+            moved = np.minimum(self.first_turn, self.forced_p)
+            return replace(self, forced_p=self.forced_p - moved,
+                           forced_l=self.forced_l + moved, first_turn_route=route)
+        moved = np.minimum(self.first_turn, self.forced_l)
+        return replace(self, forced_p=self.forced_p + moved,
+                       forced_l=self.forced_l - moved, first_turn_route=route)
+
+    def evaluation(self) -> tuple[TableGrid, IntArray]:
+        """This grid at the evaluation loads, and the table row of each of its rows."""
+        if self.eval_qps is None or self.eval_row is None or self.eval_qps.size == 0:
+            return self, np.arange(self.qps.shape[0])
+        # Each load weighs by its requests: goodput is a share of requests, and the busy
+        # windows of a bursty trace hold most of them.
+        weight = self.eval_qps / self.eval_qps.sum() if self.eval_qps.sum() > 0 else \
+            np.full(self.eval_qps.shape[0], 1.0 / self.eval_qps.shape[0])
+        return replace(self, qps=self.eval_qps, qps_weight=weight,
+                       eval_qps=None, eval_row=None), self.eval_row
 
     def scenario(self, local: FloatArray) -> Scenario:
         """``local[s, k]`` = share of cell k's table-decided traffic sent decode-local."""
@@ -210,8 +248,11 @@ def _bin(edges: Sequence[float], values: FloatArray) -> IntArray:
     return out
 
 
-def table_grid(ts: TrainingSet, axes: Axes, recent_windows: int) -> TableGrid:
-    """The current mix (last ``recent_windows`` windows) laid on the table's cells."""
+def table_grid(ts: TrainingSet, axes: Axes, recent_windows: int,
+               first_turn_route: Route = Route.PREFILL_NODE) -> TableGrid:
+    """The current mix (last ``recent_windows`` windows) laid on the table's cells, with
+    turn 1 on ``first_turn_route`` (the route of the policy the windows were observed
+    under)."""
     if ts.n_windows == 0:
         raise CalibrationError("no windows")
     recent = np.arange(max(ts.n_windows - recent_windows, 0), ts.n_windows)
@@ -237,12 +278,17 @@ def table_grid(ts: TrainingSet, axes: Axes, recent_windows: int) -> TableGrid:
     ratio = np.where(seen, np.exp(io_sum / np.where(seen, mix, 1.0)), axis_io)
     router_qps = ts.cluster_qps[recent] / np.maximum(ts.n_routers[recent], 1.0)
     qps_rows = _bin(axes.qps, router_qps)
-    qps_weight = np.bincount(qps_rows, minlength=n_qps).astype(np.float64)
+    qps_weight = np.bincount(qps_rows, weights=router_qps, minlength=n_qps).astype(np.float64)
+    if qps_weight.sum() <= 0:
+        qps_weight = np.bincount(qps_rows, minlength=n_qps).astype(np.float64)
     qps_weight /= qps_weight.sum()
-    only_p, only_l = forced_shares(ts)
+    only_p, only_l = forced_shares(ts, first_turn_route)
+    first = np.zeros(N_ROUTER_CELLS)
+    first[:N_IO_BINS] = first_turn_share(ts, first_turn_route)
     safe = np.where(seen, mix, 1.0)
     forced_p = np.bincount(router_to_table, weights=mass_router * only_p, minlength=k) / safe
     forced_l = np.bincount(router_to_table, weights=mass_router * only_l, minlength=k) / safe
+    first_turn = np.bincount(router_to_table, weights=mass_router * first, minlength=k) / safe
     return TableGrid(
         axes=axes, context=context, ratio=ratio, mix=mix / mix.sum(),
         output_tokens=float(np.median(ts.output_tokens[recent])),
@@ -252,6 +298,8 @@ def table_grid(ts: TrainingSet, axes: Axes, recent_windows: int) -> TableGrid:
         n_decode=float(np.median(ts.n_decode[recent])),
         qps_weight=qps_weight, forced_p=np.where(seen, forced_p, 0.0),
         forced_l=np.where(seen, forced_l, 0.0),
+        eval_qps=router_qps.astype(np.float64), eval_row=qps_rows,
+        first_turn=np.where(seen, first_turn, 0.0), first_turn_route=first_turn_route,
     )
 
 
@@ -278,11 +326,10 @@ def scores(pred: Predictions, sc: Scenario, weights: Weights) -> FloatArray:
     return out
 
 
-def goodput_rows(pred: Predictions, sc: Scenario, slo: Slo, sigma: dict[str, float]
+def goodput_rows(pred: Predictions, sc: Scenario, slo: Slo, model: LatencyModel
                  ) -> FloatArray:
     """Predicted goodput of each scenario row (fraction of its requests meeting both SLOs)."""
-    g = (prob_below(pred.ttft, slo.ttft_s, sigma["ttft"])
-         * prob_below(pred.tpot, slo.tpot_s, sigma["tpot"]))
+    g = model.met_probability(pred, sc, slo.ttft_s, slo.tpot_s)
     met = (sc.rate_p * g[:, :, 0] + sc.rate_l * g[:, :, 1]).sum(axis=1)
     total = (sc.rate_p + sc.rate_l).sum(axis=1)
     out: FloatArray = np.where(total > 0, met / np.where(total > 0, total, 1.0), 1.0)
@@ -299,11 +346,22 @@ def local_share(routes: Any, exploration: FloatArray | float) -> FloatArray:
 
 def predicted_goodput(model: LatencyModel, grid: TableGrid, routes: Any,
                       exploration: FloatArray | float, slo: Slo) -> tuple[float, Predictions]:
-    """Goodput of a routing (``routes[s, k]`` True = local) for the current mix and QPS."""
+    """Goodput of a routing (``routes[s, k]`` True = local) for the current mix at the
+    recent windows' loads, and the predictions at the table rows' representative QPS."""
     sc = grid.scenario(local_share(routes, exploration))
     pred = model.predict(sc)
-    rows = goodput_rows(pred, sc, slo, model.sigma)
-    return float(np.dot(rows, grid.qps_weight)), pred
+    return evaluated_goodput(model, grid, routes, exploration, slo), pred
+
+
+def evaluated_goodput(model: LatencyModel, grid: TableGrid, routes: Any,
+                      exploration: FloatArray | float, slo: Slo) -> float:
+    """Predicted goodput of a routing at the recent windows' own loads (see ``evaluation``)."""
+    ev, rows_of = grid.evaluation()
+    share = np.broadcast_to(local_share(routes, exploration),
+                            (grid.qps.shape[0], grid.context.shape[0]))[rows_of]
+    sc = ev.scenario(share)
+    pred = model.predict(sc)
+    return float(np.dot(goodput_rows(pred, sc, slo, model), ev.qps_weight))
 
 
 def fixed_point(
@@ -328,7 +386,7 @@ def fixed_point(
     for rnd in range(1, max_rounds + 1):
         sc = grid.scenario(local_share(routes, exploration))
         pred = model.predict(sc)
-        rows = goodput_rows(pred, sc, slo, model.sigma)
+        rows = goodput_rows(pred, sc, slo, model)
         new = scores(pred, sc, weights) > 0.0
         row_changes = (new != routes).sum(axis=1)
         share = float(np.dot(grid.qps_weight, (routes * grid.mix[None, :]).sum(axis=1)))
@@ -350,7 +408,7 @@ def fixed_point(
             final[s] = visited[best[s]][0][s]
     sc = grid.scenario(local_share(final, exploration))
     pred = model.predict(sc)
-    g = float(np.dot(goodput_rows(pred, sc, slo, model.sigma), grid.qps_weight))
+    g = evaluated_goodput(model, grid, final, exploration, slo)
     return FixedPoint(final, scores(pred, sc, weights), pred, tuple(records),
                       bool(stable.all()), g, stable)
 
@@ -448,6 +506,14 @@ def _price_exploration(
     return out, lo
 
 
+def _first_turn_measured(ts: TrainingSet, route: Route) -> bool:
+    """Whether the windows show requests without cached context (context bin 0) taking
+    ``route``: without them, turn 1 on that route would be an extrapolation."""
+    col = 1 if route is Route.DECODE_LOCAL else 0
+    volume = ts.rate[:, :N_IO_BINS, col].sum() * float(np.median(ts.interval_s))
+    return bool(volume >= FORCED_MIN_REQUESTS)
+
+
 def _to_datetime(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, tz=UTC)
 
@@ -496,26 +562,44 @@ def calibrate(
             model = fit_latency_model(ts, slo.ttft_s, slo.tpot_s, seed=cfg.seed,
                                       residual=cfg.residual_model)
 
-    grid = table_grid(ts, cfg.axes, cfg.recent_windows)
-    n_qps = grid.qps.shape[0]
-    k = grid.context.shape[0]
+    live_first = current.overrides.first_turn_route if current is not None \
+        else cfg.overrides.first_turn_route
+    observed = table_grid(ts, cfg.axes, cfg.recent_windows, live_first)
+    n_qps = observed.qps.shape[0]
+    k = observed.context.shape[0]
     if current is not None:
-        cur_routes, cur_expl = policy_routes_on(current, grid)
+        cur_routes, cur_expl = policy_routes_on(current, observed)
         initial = cur_routes
     else:
         cur_routes, cur_expl = None, np.zeros((n_qps, k))
         initial = np.zeros((n_qps, k), dtype=bool)
 
-    results: dict[float, FixedPoint] = {}
+    def search(grid: TableGrid) -> tuple[WeightChoice, FixedPoint]:
+        results: dict[float, FixedPoint] = {}
 
-    def goodput_of_ratio(ratio: float) -> float:
-        w = Weights(wtft=ratio, wtpot=1.0) if math.isfinite(ratio) else Weights(1.0, 0.0)
-        fp = fixed_point(model, grid, w, slo, initial, 0.0, cfg.max_rounds)
-        results[ratio] = fp
-        return fp.predicted_goodput
+        def goodput_of_ratio(ratio: float) -> float:
+            w = Weights(wtft=ratio, wtpot=1.0) if math.isfinite(ratio) else Weights(1.0, 0.0)
+            fp = fixed_point(model, grid, w, slo, initial, 0.0, cfg.max_rounds)
+            results[ratio] = fp
+            return fp.predicted_goodput
 
-    choice = choose_weights(goodput_of_ratio, cfg.weight_ratios, cfg.pinned_weights)
-    fp = results[choice.ratio]
+        choice = choose_weights(goodput_of_ratio, cfg.weight_ratios, cfg.pinned_weights)
+        return choice, results[choice.ratio]
+
+    first_route = cfg.overrides.first_turn_route
+    grid = observed.with_first_turn(first_route)
+    choice, fp = search(grid)
+    first_turn_goodput: dict[str, float] = {first_route.name: fp.predicted_goodput}
+    other = Route.DECODE_LOCAL if first_route is Route.PREFILL_NODE else Route.PREFILL_NODE
+    if cfg.tune_first_turn and _first_turn_measured(ts, other):
+        alt_grid = observed.with_first_turn(other)
+        alt_choice, alt_fp = search(alt_grid)
+        first_turn_goodput[other.name] = alt_fp.predicted_goodput
+        # The override the data was seen under needs no margin; the other one does.
+        need = 0.0 if other is live_first else cfg.guardrail_margin
+        keep = 0.0 if first_route is live_first else cfg.guardrail_margin
+        if alt_fp.predicted_goodput - need > fp.predicted_goodput - keep:
+            first_route, grid, choice, fp = other, alt_grid, alt_choice, alt_fp
 
     # Exploration per cell (policy order: ctx, io, qps; the grid is [qps, ctx*io]).
     samples, spread, seen = _cell_uncertainty(ts, model, cfg.axes)
@@ -529,7 +613,7 @@ def calibrate(
     g_candidate, pred = predicted_goodput(model, grid, fp.routes, explore_grid, slo)
     g_current = None
     if current is not None:
-        g_current, _ = predicted_goodput(model, grid, cur_routes, cur_expl, slo)
+        g_current, _ = predicted_goodput(model, observed, cur_routes, cur_expl, slo)
     verdict = check(g_candidate, g_current, cfg.guardrail_margin)
 
     table = LookupTable(
@@ -543,7 +627,7 @@ def calibrate(
         table=table,
         weights=choice.weights,
         slo=slo,
-        overrides=cfg.overrides,
+        overrides=replace(cfg.overrides, first_turn_route=first_route),
         default_route=cfg.default_route,
         provenance=Provenance(
             created_at=_to_datetime(now), reason=reason, created_by="pd-controller calibrate",
@@ -565,7 +649,9 @@ def calibrate(
         details={"decode_local_share": share,
                  "stable_qps_rows": [int(i) for i in np.flatnonzero(fp.stable_rows)],
                  "exploration_mean": float(explore[seen].mean()) if seen.any() else 0.0,
-                 "exploration_scale": explore_scale},
+                 "exploration_scale": explore_scale,
+                 "first_turn_route": first_route.name,
+                 "first_turn_goodput": first_turn_goodput},
     )
 
 

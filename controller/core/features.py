@@ -375,7 +375,8 @@ def decode_context_mean(rate: FloatArray, output_tokens: FloatArray) -> FloatArr
 FORCED_MIN_REQUESTS = 50.0
 
 
-def forced_shares(ts: TrainingSet) -> tuple[FloatArray, FloatArray]:
+def forced_shares(ts: TrainingSet, first_turn_route: Route = Route.PREFILL_NODE
+                  ) -> tuple[FloatArray, FloatArray]:
     """Per router cell: 1.0 where overrides, not the table, decide its route.
 
     A cell with traffic that never went decode-local while the routers did send other cells
@@ -391,4 +392,35 @@ def forced_shares(ts: TrainingSet) -> tuple[FloatArray, FloatArray]:
     any_l, any_p = per_l.sum() > 0, per_p.sum() > 0
     only_p = (volume >= FORCED_MIN_REQUESTS) & (per_l == 0) & any_l
     only_l = (volume >= FORCED_MIN_REQUESTS) & (per_p == 0) & any_p
-    return only_p.astype(np.float64), only_l.astype(np.float64)
+    forced_p = only_p.astype(np.float64)
+    forced_l = only_l.astype(np.float64)
+    first_turn = first_turn_share(ts, first_turn_route)
+    forced = forced_l if first_turn_route is Route.DECODE_LOCAL else forced_p
+    forced[:N_IO_BINS] = np.maximum(forced[:N_IO_BINS], first_turn)
+    return forced_p, forced_l
+
+
+def first_turn_share(ts: TrainingSet, route: Route = Route.PREFILL_NODE) -> FloatArray:
+    """Per io bin of the smallest context bin: the share of its traffic the turn-1 override
+    keeps on ``route`` (0 where the windows cannot tell).
+
+    Turn 1 has no cached context, so it lands in context bin 0 together with the later turns
+    whose decode worker no longer holds their prefix; routers count both alike. Only the
+    later turns follow the table: treating the whole cell as movable made a decode-local
+    choice there look as if it took every first turn off the prefill pool (on the Mooncake
+    bench that overstated all-decode-local's goodput by 0.10). Estimate: the prefill-node
+    share of the cell's traffic, pooled over the windows in which the cell did go
+    decode-local. Exact when the table sent the cell decode-local in those windows; where
+    only exploration did, it overstates the share (the cell then looks less movable than it
+    is, which errs towards keeping the load where it was). Selecting windows by their own
+    share was tried: with a few requests per cell and window it picks the noise.
+    """
+    col = 1 if route is Route.DECODE_LOCAL else 0
+    own = ts.rate[:, :N_IO_BINS, col]
+    other = ts.rate[:, :N_IO_BINS, 1 - col]
+    seen = other > 0
+    own_sum = np.where(seen, own, 0.0).sum(axis=0)
+    total = own_sum + other.sum(axis=0)
+    enough = total * float(np.median(ts.interval_s)) >= FORCED_MIN_REQUESTS
+    out: FloatArray = np.where(enough, own_sum / np.where(total > 0, total, 1.0), 0.0)
+    return out
