@@ -17,6 +17,9 @@ from typing import Any, Protocol
 from controller.core.window import Window
 from controller.policy import LookupTable, Policy
 
+# Windows after a shift that a drift or scaling calibration needs to train on them alone.
+MIN_REGIME_WINDOWS = 2
+
 
 class LearnerError(Exception):
     """The windows cannot support a calibration (the message says why)."""
@@ -104,6 +107,7 @@ class CoreLearner:
                                        base.performance.hysteresis, d.cooldown_s),
             slo=DetectorConfig(base.slo.threshold, d.min_requests, d.hysteresis, d.cooldown_s),
         )
+        self._drift_onset: float | None = None  # when the last drift that fired began
         self._config = CalibrationConfig(
             slo=Slo(settings.slo.ttft_s, settings.slo.tpot_s),
             pinned_weights=Weights(ppd.wtft, ppd.wtpot) if ppd.pin_weights else None,
@@ -123,6 +127,11 @@ class CoreLearner:
         drift_state = state.drift if state.drift is not None else drift.DriftState()
         new, verdicts = drift.assess(drift_state, state.reference, window, now, residuals,
                                      self._drift)
+        onsets = [drift.drift_onset(new.of(v.kind), v.threshold) for v in verdicts if v.fired]
+        if any(v.fired for v in verdicts):
+            # The earliest onset among the detectors that fired (None: not known).
+            known = [t for t in onsets if t is not None]
+            self._drift_onset = min(known) if known else None
         findings = [
             DriftFinding(v.kind, v.fired, v.statistic, v.threshold, v.reason, dict(v.details))
             for v in verdicts
@@ -141,8 +150,9 @@ class CoreLearner:
         from controller.core.calibrate import CalibrationError, calibrate
         from controller.core.guardrail import check
 
+        windows, config = self._regime(windows, reason)
         try:
-            result = calibrate(windows, now, current, self._config, reason=reason)
+            result = calibrate(windows, now, current, config, reason=reason)
         except CalibrationError as e:
             raise LearnerError(str(e)) from None
         verdict = result.verdict
@@ -152,6 +162,8 @@ class CoreLearner:
         reference = drift.reference_from_windows(windows[-self._reference_windows:],
                                                  result.model)
         details = result.to_dict()
+        details["regime_windows"] = config.recent_windows if config is not self._config \
+            else None
         details["verdict"] = verdict.to_dict()
         details["drift_reference"] = reference.to_dict()
         return CalibrationOutcome(
@@ -161,6 +173,30 @@ class CoreLearner:
             heldout_error=_json_safe(result.heldout_mape()), details=_json_safe(details),
             reference=(reference, result.model),
         )
+
+    def _regime(self, windows: Sequence[Window], reason: str
+                ) -> tuple[Sequence[Window], Any]:
+        """The windows and settings a calibration for ``reason`` should use.
+
+        After a drift or a scaling event, the windows since the change describe the new
+        regime: with at least ``MIN_REGIME_WINDOWS`` of them the calibration trains on those
+        alone; with fewer, it trains on everything but takes the current mix and load (the
+        table's goodput is predicted for) from those windows only. Otherwise: unchanged.
+        """
+        start: float | None = None
+        if reason.startswith("drift"):
+            start = self._drift_onset
+        elif reason.startswith("scaling"):
+            start = shape_change(windows)
+        if start is None:
+            return windows, self._config
+        post = [w for w in windows if w.start >= start - 1e-6]
+        if not post or len(post) == len(windows):
+            return windows, self._config
+        config = replace(self._config, recent_windows=len(post))
+        if len(post) >= MIN_REGIME_WINDOWS:
+            return post, config
+        return windows, config
 
     def adopt(self, state: LearnerState, outcome: CalibrationOutcome, now: float) -> LearnerState:
         from controller.core import drift
@@ -181,6 +217,22 @@ class CoreLearner:
             return LearnerState()
         return LearnerState(drift.DriftReference.from_dict(details["drift_reference"]),
                             drift.DriftState(), None)
+
+
+def shape_change(windows: Sequence[Window]) -> float | None:
+    """Start of the newest run of windows with the same answering prefill and decode worker
+    counts as the last window (None: every window has that shape)."""
+    def shape(w: Window) -> tuple[int, int]:
+        return (sum(1 for x in w.workers if x.role == "prefill"),
+                sum(1 for x in w.workers if x.role == "decode"))
+
+    if not windows:
+        return None
+    last = shape(windows[-1])
+    for i in range(len(windows) - 1, -1, -1):
+        if shape(windows[i]) != last:
+            return windows[i + 1].start
+    return None
 
 
 def _finite(x: float | None) -> float | None:

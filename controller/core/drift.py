@@ -385,6 +385,21 @@ def assess(
     return DriftState(w_state, p_state, s_state), tuple(verdicts)
 
 
+def drift_onset(state: DetectorState, threshold: float) -> float | None:
+    """When the run of windows that made a detector fire began: the end of the newest window
+    in its history whose statistic was within ``threshold`` (None: the history holds none).
+
+    A calibration after a shift should learn from the windows after it only; the windows
+    before describe the old regime (training on them, a recalibration after a QPS step
+    predicted the old load and was refused).
+    """
+    history = state.history
+    for end, stat in reversed(history[:-1]):
+        if not math.isnan(stat) and stat <= threshold:
+            return end
+    return None
+
+
 def after_recalibration(state: DriftState, now: float, cfg: DriftConfig | None = None
                         ) -> DriftState:
     """Fresh accumulators and a cooldown for every detector (a new calibration set)."""
