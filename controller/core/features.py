@@ -14,7 +14,6 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -196,8 +195,11 @@ def build_training_set(windows: Sequence[Window]) -> TrainingSet:
     out_tokens = np.full(n, np.nan)
     rate = np.zeros((n, N_ROUTER_CELLS, 2))
 
-    # outcome rows (one per router x route x cell), aggregated over routers below
-    orows: list[tuple[Any, ...]] = []
+    # outcome rows (one per router x route x cell), aggregated over routers below; taken
+    # from the windows' packed columns, never one Python object per row
+    outcome_ints: list[bytes] = []
+    outcome_floats: list[bytes] = []
+    outcomes_per_window = np.zeros(n, dtype=np.int64)
 
     pf_rows: list[tuple[int, float, float, float]] = []  # (w, prefill_s, tokens, count)
     pq_rows: list[tuple[int, float, float, float, float]] = []  # (w, queue_s, rho, s, count)
@@ -214,18 +216,16 @@ def build_training_set(windows: Sequence[Window]) -> TrainingSet:
         n_p[i] = roles["prefill"].workers if "prefill" in roles else len(prefill_workers)
         n_d[i] = roles["decode"].workers if "decode" in roles else len(decode_workers)
 
-        orows.extend(
-            (i, o.ctx_bin, o.io_bin, o.route == Route.DECODE_LOCAL, o.requests, o.met,
-             o.ttft_sum, o.ttft_count, o.tpot_sum, o.tpot_count)
-            for o in win.outcomes
-        )
-        total_req = math.fsum(o.requests for o in win.outcomes)
+        packed = win.outcomes.columns
+        outcome_ints.append(packed.ints)
+        outcome_floats.append(packed.floats)
+        outcomes_per_window[i] = packed.n
         routers = win.workload.qps_by_router
         if routers:
             qps[i] = math.fsum(routers.values())
             n_routers[i] = len(routers)
         else:
-            qps[i] = total_req / iv
+            qps[i] = math.fsum(packed.float_column("requests")) / iv
             n_routers[i] = 1.0
 
         gen = finished = 0.0
@@ -268,7 +268,8 @@ def build_training_set(windows: Sequence[Window]) -> TrainingSet:
     out_tokens = np.where(np.isfinite(out_tokens), out_tokens,
                           np.nanmedian(out_tokens) if np.isfinite(out_tokens).any()
                           else DEFAULT_OUTPUT_TOKENS)
-    o = spread_bin_totals(np.array(orows, dtype=np.float64).reshape(-1, 10))
+    o = spread_bin_totals(
+        outcome_matrix(b"".join(outcome_ints), b"".join(outcome_floats), outcomes_per_window))
     ow = o[:, 0].astype(np.int64)
     cells = (np.clip(o[:, 1], 0, N_CTX_BINS - 1) * N_IO_BINS
              + np.clip(o[:, 2], 0, N_IO_BINS - 1)).astype(np.int64)
@@ -316,6 +317,19 @@ def build_training_set(windows: Sequence[Window]) -> TrainingSet:
         kv_transfer=worker_rows(kv_rows, 2), decode_step=dec,
         kv_bytes_per_token=float(np.median(bytes_per_token)) if bytes_per_token else None,
     )
+
+
+def outcome_matrix(ints: bytes, floats: bytes, per_window: IntArray) -> FloatArray:
+    """Rows ``[w, ctx, io, local, requests, met, ttft_sum, ttft_n, tpot_sum, tpot_n]`` from
+    the windows' :class:`~controller.core.window.OutcomeColumns`, concatenated in order
+    (``per_window[w]`` rows each)."""
+    int_rows = np.frombuffer(ints, dtype="<i4").reshape(-1, 4)  # router, route, ctx, io
+    o = np.empty((int_rows.shape[0], 10), dtype=np.float64)
+    o[:, 0] = np.repeat(np.arange(per_window.shape[0]), per_window)
+    o[:, 1:3] = int_rows[:, 2:4]
+    o[:, 3] = int_rows[:, 1] == int(Route.DECODE_LOCAL)
+    o[:, 4:] = np.frombuffer(floats, dtype="<f8").reshape(-1, 6)
+    return o
 
 
 ALL_BINS = -1  # an outcome row summing over every io bin (see controller.observe)

@@ -17,18 +17,22 @@ from __future__ import annotations
 
 import base64
 import math
+import operator
+import struct
 import sys
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from itertools import chain
 from operator import attrgetter
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, overload
 
 from controller.policy.model import Route
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 SCHEMA_VERSION = 1
+COMPACT_FORMAT = 2  # the stored body (Window.to_dict(compact=True)); absent: plain
 
 # TargetFailure.kind values the sources use (free text is allowed for new kinds).
 FAILURE_KINDS = (
@@ -48,14 +52,19 @@ class WindowError(ValueError):
     """A window (or its JSON form) is malformed; the message names the field."""
 
 
-def _check_number(name: str, value: float | None) -> None:
-    if value is not None and math.isnan(value):
-        raise WindowError(f"{name} is NaN: a missing value must be None")
-
-
 def _check_finite(name: str, value: float | None) -> None:
     if value is not None and not math.isfinite(value):
         raise WindowError(f"{name} must be finite, got {value!r}")
+
+
+def _all_finite(values: Sequence[float | None]) -> bool:
+    """Every value that is not ``None`` is finite. The constructors' hot path (a stored
+    window read makes dozens of objects): ``filter(None, ...)`` drops ``None`` (and zeros,
+    finite anyway) and one C-level sum meets any NaN or inf; only a sum of huge finite
+    values that overflowed needs the exact look at each value."""
+    if math.isfinite(sum(filter(None, values))):
+        return True
+    return all(v is None or math.isfinite(v) for v in values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +79,23 @@ class Summary:
     interpolated: bool = False  # quantiles fall between bucket edges (estimates only)
 
     def __post_init__(self) -> None:
-        for n in ("mean", "count", "p50", "p90", "p99"):
-            _check_finite(f"Summary.{n}", getattr(self, n))
+        if not _all_finite((self.mean, self.count, self.p50, self.p90, self.p99)):
+            for n in ("mean", "count", "p50", "p90", "p99"):
+                _check_finite(f"Summary.{n}", getattr(self, n))
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "mean": self.mean, "count": self.count, "p50": self.p50, "p90": self.p90,
             "p99": self.p99, "interpolated": self.interpolated,
         }
+
+    def to_row(self) -> list[Any]:
+        """``[mean, count, p50, p90, p99, interpolated]`` without trailing ``None``/``False``
+        (the compact stored form; ``Summary(*row)`` reads it back)."""
+        row: list[Any] = [self.mean, self.count, self.p50, self.p90, self.p99, self.interpolated]
+        while row and (row[-1] is None or row[-1] is False):
+            row.pop()
+        return row
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Summary:
@@ -119,10 +137,16 @@ class WorkerStats:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise WindowError(f"worker {self.worker!r}: role must be prefill|decode")
-        for n in ("request_rate", "running", "waiting", "kv_cache_usage", "generation_tokens"):
-            _check_finite(f"{self.worker}.{n}", getattr(self, n))
-        for src, v in (self.prompt_tokens_by_source or {}).items():
-            _check_finite(f"{self.worker}.prompt_tokens_by_source[{src}]", v)
+        values = (self.request_rate, self.running, self.waiting, self.kv_cache_usage,
+                  self.generation_tokens)
+        if not _all_finite(values):
+            for n in ("request_rate", "running", "waiting", "kv_cache_usage",
+                      "generation_tokens"):
+                _check_finite(f"{self.worker}.{n}", getattr(self, n))
+        tokens = self.prompt_tokens_by_source
+        if tokens and not _all_finite(tuple(tokens.values())):
+            for src, v in tokens.items():
+                _check_finite(f"{self.worker}.prompt_tokens_by_source[{src}]", v)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -142,6 +166,22 @@ class WorkerStats:
         )
         return d
 
+    def to_compact(self) -> dict[str, Any]:
+        """The stored form: only the fields that have a value, summaries as rows."""
+        d: dict[str, Any] = {}
+        for n in _WORKER_FIELDS:
+            v = getattr(self, n)
+            if v is not None:
+                d[n] = v.to_row() if n in _SUMMARY_FIELD_SET else v
+        return d
+
+    @classmethod
+    def from_compact(cls, d: Mapping[str, Any]) -> WorkerStats:
+        kwargs: dict[str, Any] = {
+            k: Summary(*v) if k in _SUMMARY_FIELD_SET else v for k, v in d.items()
+        }
+        return cls(**kwargs)
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> WorkerStats:
         summaries = {
@@ -158,6 +198,10 @@ class WorkerStats:
             generation_tokens=_opt_float(d, "generation_tokens"),
             **summaries,
         )
+
+
+_SUMMARY_FIELD_SET = frozenset(SUMMARY_FIELDS)
+_WORKER_FIELDS = tuple(f.name for f in fields(WorkerStats))
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,11 +224,16 @@ class RoleStats:
     generation_tokens: float | None = None  # sum
 
     def __post_init__(self) -> None:
-        for n in _ROLE_FIELDS[2:]:
-            _check_finite(f"RoleStats({self.role}).{n}", getattr(self, n))
+        if not _all_finite(_ROLE_VALUES(self)):
+            for n in _ROLE_FIELDS[2:]:
+                _check_finite(f"RoleStats({self.role}).{n}", getattr(self, n))
 
     def to_dict(self) -> dict[str, Any]:
         return {n: getattr(self, n) for n in _ROLE_FIELDS}
+
+    def to_compact(self) -> dict[str, Any]:
+        """The stored form: only the fields that have a value (``RoleStats(**d)`` reads it)."""
+        return {n: v for n in _ROLE_FIELDS if (v := getattr(self, n)) is not None}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RoleStats:
@@ -196,6 +245,7 @@ _ROLE_FIELDS = (
     "role", "workers", "request_rate", *SUMMARY_FIELDS, "running", "waiting",
     "kv_cache_usage", "generation_tokens",
 )
+_ROLE_VALUES = attrgetter(*_ROLE_FIELDS[2:])
 
 
 def _finite_or_none(x: float) -> float | None:
@@ -260,11 +310,14 @@ class RouteOutcome:
     tpot_count: float
 
     def __post_init__(self) -> None:
-        for n in ("requests", "met", "ttft_sum", "ttft_count", "tpot_sum", "tpot_count"):
-            v = getattr(self, n)
-            _check_finite(f"{self.router}.{n}", v)
-            if v < 0:
-                raise WindowError(f"outcome {self.router}/{self.route.name}: {n} < 0")
+        values = (self.requests, self.met, self.ttft_sum, self.ttft_count, self.tpot_sum,
+                  self.tpot_count)
+        if not _finite_non_negative(values):
+            for n in _FLOAT_FIELDS:
+                v = getattr(self, n)
+                _check_finite(f"{self.router}.{n}", v)
+                if v < 0:
+                    raise WindowError(f"outcome {self.router}/{self.route.name}: {n} < 0")
 
     @property
     def goodput(self) -> float | None:
@@ -292,6 +345,193 @@ OUTCOME_COLUMNS = (
     "router", "route", "ctx_bin", "io_bin", "requests", "met", "ttft_sum", "ttft_count",
     "tpot_sum", "tpot_count",
 )
+_INT_FIELDS = OUTCOME_COLUMNS[:4]  # router (as an index into the names), route, bins
+_FLOAT_FIELDS = OUTCOME_COLUMNS[4:]
+_ROUTES = {int(r): r for r in Route}
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomeColumns:
+    """Route outcomes as two little-endian row-major arrays (the stored form, and what the
+    training-set builder reads without making an object per row).
+
+    ``ints``: per outcome ``router index, route wire value, ctx_bin, io_bin`` (int32);
+    ``floats``: per outcome ``requests, met, ttft_sum, ttft_count, tpot_sum, tpot_count``
+    (float64). Exact: the floats are the bits of the values. Validated on construction.
+    """
+
+    routers: tuple[str, ...]
+    ints: bytes
+    floats: bytes
+
+    def __post_init__(self) -> None:
+        n, rest = divmod(len(self.ints), 4 * len(_INT_FIELDS))
+        if rest or len(self.floats) != n * 8 * len(_FLOAT_FIELDS):
+            raise WindowError("packed outcomes: column lengths disagree")
+        if not n:
+            return
+        ints = self.int_values()
+        index = ints[0::4]
+        if min(index) < 0 or max(index) >= len(self.routers):
+            raise WindowError("packed outcomes: router index out of range")
+        if not set(ints[1::4]) <= _ROUTES.keys():
+            raise WindowError("packed outcomes: unknown route value")
+        if not _finite_non_negative(self.float_values()):
+            raise WindowError("packed outcomes: values must be finite and >= 0")
+
+    @property
+    def n(self) -> int:
+        return len(self.ints) // (4 * len(_INT_FIELDS))
+
+    def int_values(self) -> Sequence[int]:
+        return memoryview(self.ints).cast("i") if _LITTLE else _swapped("i", self.ints)
+
+    def float_values(self) -> Sequence[float]:
+        return memoryview(self.floats).cast("d") if _LITTLE else _swapped("d", self.floats)
+
+    def float_column(self, name: str) -> Sequence[float]:
+        """One of ``requests, met, ttft_sum, ttft_count, tpot_sum, tpot_count``."""
+        k = _FLOAT_FIELDS.index(name)
+        return self.float_values()[k :: len(_FLOAT_FIELDS)]
+
+    @classmethod
+    def pack(cls, outcomes: Sequence[RouteOutcome]) -> OutcomeColumns:
+        """From (already validated) objects. C-level loops, and no tuple per outcome kept
+        alive: hundreds of live tuples per write would set off the garbage collector."""
+        n = len(outcomes)
+        names = list(map(_GET_ROUTER, outcomes))
+        routers = tuple(dict.fromkeys(names))
+        index = {name: i for i, name in enumerate(routers)}
+        int_rows = zip(map(index.__getitem__, names), *(map(g, outcomes) for g in _INT_GETTERS),
+                       strict=True)
+        try:
+            ints = struct.pack(f"<{4 * n}i", *chain.from_iterable(int_rows))
+        except struct.error as e:  # a bin that does not fit 32 bits
+            raise WindowError(f"outcome bins must fit in int32: {e}") from None
+        float_rows = zip(*(map(g, outcomes) for g in _FLOAT_GETTERS), strict=True)
+        floats = struct.pack(f"<{6 * n}d", *chain.from_iterable(float_rows))
+        packed = object.__new__(cls)  # skips __post_init__: the objects were checked
+        for name, value in (("routers", routers), ("ints", ints), ("floats", floats)):
+            object.__setattr__(packed, name, value)
+        return packed
+
+    def unpack(self) -> tuple[RouteOutcome, ...]:
+        names, routes = self.routers, _ROUTES
+        return tuple(
+            RouteOutcome(names[r], routes[route], ctx, io, *values)
+            for (r, route, ctx, io), values in zip(
+                struct.iter_unpack("<4i", self.ints), struct.iter_unpack("<6d", self.floats),
+                strict=True,
+            )
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "routers": list(self.routers),
+            "ints": base64.b64encode(self.ints).decode("ascii"),
+            "floats": base64.b64encode(self.floats).decode("ascii"),
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> OutcomeColumns:
+        try:
+            routers = tuple(str(r) for r in d["routers"])
+            ints = base64.b64decode(d["ints"], validate=True)
+            floats = base64.b64decode(d["floats"], validate=True)
+        except (ValueError, TypeError) as e:  # bad base64 (binascii.Error is a ValueError)
+            raise WindowError(f"malformed packed outcomes: {e}") from None
+        return cls(routers, ints, floats)
+
+
+_GET_ROUTER = attrgetter("router")
+_INT_GETTERS = tuple(map(attrgetter, _INT_FIELDS[1:]))
+_FLOAT_GETTERS = tuple(map(attrgetter, _FLOAT_FIELDS))
+_LITTLE = sys.byteorder == "little"
+
+
+def _finite_non_negative(values: Sequence[float]) -> bool:
+    # Fast: min() and one C-level sum; exact per value only when the sum is not finite
+    # (NaN or inf somewhere, or a sum of huge finite values that overflowed).
+    if min(values) >= 0 and math.isfinite(sum(values)):
+        return True
+    return all(v >= 0 and math.isfinite(v) for v in values)
+
+
+def _swapped(typecode: str, data: bytes) -> array[Any]:
+    a = array(typecode, data)
+    a.byteswap()
+    return a
+
+
+class RouteOutcomes(Sequence[RouteOutcome]):
+    """A window's route outcomes: an immutable sequence of :class:`RouteOutcome`.
+
+    Hundreds per window, tens of thousands per calibration, so two forms are kept, each
+    made from the other only when first asked for: the objects (what sources build and most
+    code iterates) and :class:`OutcomeColumns` (what the store writes and reads, and what
+    :func:`controller.core.features.build_training_set` uses). A window read from the store
+    never makes the objects unless someone iterates it. Equal to another ``RouteOutcomes``
+    or a tuple with the same outcomes in the same order.
+    """
+
+    __slots__ = ("_columns", "_items")
+
+    def __init__(self, outcomes: Iterable[RouteOutcome] = ()) -> None:
+        items = tuple(outcomes)
+        for o in items:
+            if not isinstance(o, RouteOutcome):
+                raise WindowError(f"outcomes must be RouteOutcome, got {type(o).__name__}")
+        self._items: tuple[RouteOutcome, ...] | None = items
+        self._columns: OutcomeColumns | None = None
+
+    @classmethod
+    def from_columns(cls, columns: OutcomeColumns) -> RouteOutcomes:
+        self = cls.__new__(cls)
+        self._items, self._columns = None, columns
+        return self
+
+    @property
+    def columns(self) -> OutcomeColumns:
+        if self._columns is None:
+            self._columns = OutcomeColumns.pack(self._objects())
+        return self._columns
+
+    def _objects(self) -> tuple[RouteOutcome, ...]:
+        if self._items is None:
+            self._items = self.columns.unpack()
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._items) if self._items is not None else self.columns.n
+
+    @overload
+    def __getitem__(self, i: int) -> RouteOutcome: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[RouteOutcome, ...]: ...
+    def __getitem__(self, i: int | slice) -> RouteOutcome | tuple[RouteOutcome, ...]:
+        return self._objects()[i]
+
+    def __iter__(self) -> Iterator[RouteOutcome]:
+        return iter(self._objects())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RouteOutcomes):
+            a, b = self._columns, other._columns
+            if a is not None and b is not None and a.routers == b.routers:
+                return a.ints == b.ints and a.float_values() == b.float_values()
+            return self._objects() == other._objects()
+        if isinstance(other, tuple):
+            return self._objects() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._objects())
+
+    def __repr__(self) -> str:
+        return f"RouteOutcomes({self._objects()!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RouteOutcomes, (self._objects(),))
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,14 +545,16 @@ class Histogram:
     counts: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        if len(self.edges) != len(self.counts):
+        edges = self.edges
+        if len(edges) != len(self.counts):
             raise WindowError("histogram edges and counts differ in length")
-        if any(not b > a for a, b in zip(self.edges, self.edges[1:], strict=False)):
+        if not all(map(operator.lt, edges, edges[1:])):
             raise WindowError("histogram edges must be strictly increasing")
-        for e in self.edges:
-            _check_number("histogram edge", e)
-        for c in self.counts:
-            _check_finite("histogram count", c)
+        if any(map(math.isnan, edges)):
+            raise WindowError("histogram edge is NaN: a missing value must be None")
+        if not _all_finite(self.counts):
+            for c in self.counts:
+                _check_finite("histogram count", c)
 
     @property
     def total(self) -> float:
@@ -323,10 +565,22 @@ class Histogram:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Histogram:
-        return cls(
-            edges=tuple(_dec_float(e) for e in d["edges"]),
-            counts=tuple(float(c) for c in d["counts"]),
-        )
+        return cls(edges=_decode_edges(d["edges"]), counts=tuple(map(float, d["counts"])))
+
+
+# The routers' bucket edges are the same in every window: decode each edge list once.
+_EDGES: dict[tuple[Any, ...], tuple[float, ...]] = {}
+_EDGES_KEPT = 64
+
+
+def _decode_edges(raw: Sequence[float | str]) -> tuple[float, ...]:
+    key = tuple(raw)
+    edges = _EDGES.get(key)
+    if edges is None:
+        edges = tuple(map(_dec_float, key))
+        if len(_EDGES) < _EDGES_KEPT:
+            _EDGES[key] = edges
+    return edges
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,8 +592,9 @@ class Workload:
     qps_by_router: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for r, q in self.qps_by_router.items():
-            _check_finite(f"qps[{r}]", q)
+        if not _all_finite(tuple(self.qps_by_router.values())):
+            for r, q in self.qps_by_router.items():
+                _check_finite(f"qps[{r}]", q)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -383,7 +638,8 @@ class Window:
     interval_s: float
     workers: tuple[WorkerStats, ...] = ()
     roles: Mapping[str, RoleStats] = field(default_factory=dict)
-    outcomes: tuple[RouteOutcome, ...] = ()
+    # Any sequence of RouteOutcome is accepted and kept as RouteOutcomes.
+    outcomes: RouteOutcomes = field(default_factory=RouteOutcomes)
     workload: Workload = field(default_factory=Workload)
     answered: tuple[str, ...] = ()  # targets (workers and routers) that answered
     failures: tuple[TargetFailure, ...] = ()
@@ -396,6 +652,8 @@ class Window:
             raise WindowError(f"window end {self.end} is before its start {self.start}")
         if self.interval_s <= 0:
             raise WindowError("Window.interval_s must be > 0")
+        if not isinstance(self.outcomes, RouteOutcomes):
+            object.__setattr__(self, "outcomes", RouteOutcomes(self.outcomes))
 
     @classmethod
     def build(
@@ -414,18 +672,35 @@ class Window:
         return cls(
             start=start, end=end, interval_s=interval_s, workers=tuple(workers),
             roles={r: aggregate_role(r, workers) for r in ROLES},
-            outcomes=tuple(outcomes), workload=workload or Workload(),
+            outcomes=RouteOutcomes(outcomes), workload=workload or Workload(),
             answered=tuple(answered), failures=tuple(failures), source=source,
         )
 
     def to_dict(self, *, compact: bool = False) -> dict[str, Any]:
         """JSON-safe (no NaN, no inf numbers), lossless: ``from_dict(to_dict(w)) == w``.
 
-        ``compact=True`` packs the route outcomes (hundreds of rows) as base64 columns of
-        little-endian int32/float64: exact, and several times cheaper to encode than JSON
-        numbers. The store uses it; people and scripts read the plain form.
+        The plain form is for people and scripts. ``compact=True`` is the stored form
+        (``"format": 2``): workers and role aggregates carry only the fields that have a
+        value, summaries are ``[mean, count, p50, p90, p99, interpolated]`` rows, and the
+        route outcomes (hundreds per window) are :class:`OutcomeColumns` as base64, exact
+        and several times cheaper to encode and decode than JSON numbers.
         """
-        d = {
+        if compact:
+            return {
+                "schema_version": SCHEMA_VERSION,
+                "format": COMPACT_FORMAT,
+                "start": self.start,
+                "end": self.end,
+                "interval_s": self.interval_s,
+                "source": self.source,
+                "workers": [w.to_compact() for w in self.workers],
+                "roles": [r.to_compact() for r in self.roles.values()],
+                "outcomes": self.outcomes.columns.to_json(),
+                "workload": self.workload.to_dict(),
+                "answered": list(self.answered),
+                "failures": [f.to_dict() for f in self.failures],
+            }
+        return {
             "schema_version": SCHEMA_VERSION,
             "start": self.start,
             "end": self.end,
@@ -434,50 +709,63 @@ class Window:
             "workers": [w.to_dict() for w in self.workers],
             "roles": {k: v.to_dict() for k, v in self.roles.items()},
             "outcome_columns": list(OUTCOME_COLUMNS),
-            "outcomes": [] if compact else [o.to_row() for o in self.outcomes],
+            "outcomes": [o.to_row() for o in self.outcomes],
             "workload": self.workload.to_dict(),
             "answered": list(self.answered),
             "failures": [f.to_dict() for f in self.failures],
         }
-        if compact:
-            d["packed_outcomes"] = _pack_outcomes(self.outcomes)
-        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Window:
+        """Reads every form ever written: plain, compact (format 2) and the first stored
+        form (plain workers with column-major ``packed_outcomes``)."""
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise WindowError(f"unsupported window schema_version {version!r}")
+        fmt = d.get("format")
         try:
+            if fmt == COMPACT_FORMAT:
+                return cls._from_compact(d)
+            if fmt is not None:
+                raise WindowError(f"unsupported window format {fmt!r}")
             return cls(
                 start=float(d["start"]), end=float(d["end"]), interval_s=float(d["interval_s"]),
                 source=str(d.get("source", "")),
                 workers=tuple(WorkerStats.from_dict(w) for w in d.get("workers", [])),
                 roles={str(k): RoleStats.from_dict(v) for k, v in d.get("roles", {}).items()},
-                outcomes=(
+                outcomes=RouteOutcomes(
                     _unpack_outcomes(d["packed_outcomes"]) if "packed_outcomes" in d
-                    else tuple(RouteOutcome.from_row(r) for r in d.get("outcomes", []))
+                    else (RouteOutcome.from_row(r) for r in d.get("outcomes", []))
                 ),
                 workload=Workload.from_dict(d.get("workload", {})),
                 answered=tuple(str(a) for a in d.get("answered", [])),
                 failures=tuple(TargetFailure.from_dict(f) for f in d.get("failures", [])),
             )
-        except (KeyError, TypeError, IndexError) as e:
+        except (KeyError, TypeError, IndexError, OverflowError) as e:
             raise WindowError(f"malformed window: {e!r}") from None
+
+    @classmethod
+    def _from_compact(cls, d: Mapping[str, Any]) -> Window:
+        # Values come back as the JSON numbers we wrote; each constructor validates them.
+        roles = [RoleStats(**r) for r in d["roles"]]
+        return cls(
+            start=float(d["start"]), end=float(d["end"]), interval_s=float(d["interval_s"]),
+            source=str(d["source"]),
+            workers=tuple(map(WorkerStats.from_compact, d["workers"])),
+            roles={r.role: r for r in roles},
+            outcomes=RouteOutcomes.from_columns(OutcomeColumns.from_json(d["outcomes"])),
+            workload=Workload.from_dict(d["workload"]),
+            answered=tuple(map(str, d["answered"])),
+            failures=tuple(map(TargetFailure.from_dict, d["failures"])),
+        )
 
     def workers_of(self, role: Role) -> tuple[WorkerStats, ...]:
         return tuple(w for w in self.workers if w.role == role)
 
 
+# The first stored form (read only): column-major packed outcomes.
 _INTS_PER_OUTCOME = 4  # router index, route wire value, ctx_bin, io_bin
 _FLOATS_PER_OUTCOME = 6  # requests, met, ttft_sum, ttft_count, tpot_sum, tpot_count
-
-
-def _b64(a: array[Any]) -> str:
-    if sys.byteorder == "big":
-        a = array(a.typecode, a)
-        a.byteswap()
-    return base64.b64encode(a.tobytes()).decode("ascii")
 
 
 def _unb64(typecode: str, text: str) -> array[Any]:
@@ -486,21 +774,6 @@ def _unb64(typecode: str, text: str) -> array[Any]:
     if sys.byteorder == "big":
         a.byteswap()
     return a
-
-
-def _pack_outcomes(outcomes: Sequence[RouteOutcome]) -> dict[str, Any]:
-    """Column-major: ``ints`` = router index, route, ctx_bin, io_bin columns; ``floats`` =
-    requests, met, ttft_sum, ttft_count, tpot_sum, tpot_count columns (C-level loops)."""
-    names = list(dict.fromkeys(map(_get_router, outcomes)))
-    index = {name: i for i, name in enumerate(names)}
-    ints: array[int] = array("i", map(index.__getitem__, map(_get_router, outcomes)))
-    ints.extend(map(int, map(_get_route, outcomes)))
-    ints.extend(map(_get_ctx, outcomes))
-    ints.extend(map(_get_io, outcomes))
-    floats: array[float] = array("d")
-    for getter in _FLOAT_GETTERS:
-        floats.extend(map(getter, outcomes))
-    return {"routers": names, "ints": _b64(ints), "floats": _b64(floats)}
 
 
 def _unpack_outcomes(packed: Mapping[str, Any]) -> tuple[RouteOutcome, ...]:
@@ -525,15 +798,6 @@ def _unpack_outcomes(packed: Mapping[str, Any]) -> tuple[RouteOutcome, ...]:
         )
     except (IndexError, KeyError) as e:
         raise WindowError(f"malformed packed outcomes: bad index {e}") from None
-
-
-_get_router = attrgetter("router")
-_get_route = attrgetter("route")
-_get_ctx = attrgetter("ctx_bin")
-_get_io = attrgetter("io_bin")
-_FLOAT_GETTERS = tuple(
-    attrgetter(n) for n in ("requests", "met", "ttft_sum", "ttft_count", "tpot_sum", "tpot_count")
-)
 
 
 def _hist_dict(h: Histogram | None) -> dict[str, Any] | None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
 import math
+import pickle
 import random
+import struct
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +17,9 @@ from hypothesis import strategies as st
 
 from controller.core.window import (
     Histogram,
+    OutcomeColumns,
     RouteOutcome,
+    RouteOutcomes,
     Summary,
     Window,
     WindowError,
@@ -22,6 +29,8 @@ from controller.core.window import (
 )
 from controller.policy.model import Route
 from tests.store.factories import sample_window
+
+DATA = Path(__file__).resolve().parents[1] / "store" / "data"
 
 
 @pytest.mark.parametrize("compact", [False, True])
@@ -93,15 +102,77 @@ def test_from_dict_rejects_unknown_schema_and_malformed_rows() -> None:
         Window.from_dict({**d, "schema_version": 99})
     with pytest.raises(WindowError, match="outcome row"):
         Window.from_dict({**d, "outcomes": [["r", "DECODE_LOCAL", 0]]})
-    packed = sample_window(random.Random(1), 0.0, n_routers=1, cells=2).to_dict(compact=True)
-    truncated = {**packed["packed_outcomes"], "floats": packed["packed_outcomes"]["floats"][:-8]}
+    compact = sample_window(random.Random(1), 0.0, n_routers=1, cells=2).to_dict(compact=True)
+    with pytest.raises(WindowError, match="format"):
+        Window.from_dict({**compact, "format": 3})
+    packed = compact["outcomes"]
+    truncated = {**packed, "floats": packed["floats"][:-8]}
     with pytest.raises(WindowError, match="packed outcomes"):
-        Window.from_dict({**packed, "packed_outcomes": truncated})
+        Window.from_dict({**compact, "outcomes": truncated})
     with pytest.raises(WindowError, match="packed outcomes"):
-        Window.from_dict({**packed, "packed_outcomes": {**truncated, "ints": "not base64!"}})
-    no_routers = {**packed["packed_outcomes"], "routers": []}
+        Window.from_dict({**compact, "outcomes": {**packed, "ints": "not base64!"}})
     with pytest.raises(WindowError, match="router index out of range"):
-        Window.from_dict({**packed, "packed_outcomes": no_routers})
+        Window.from_dict({**compact, "outcomes": {**packed, "routers": []}})
+    with pytest.raises(WindowError, match="malformed window"):
+        Window.from_dict({**compact, "workers": [{"worker": "w", "role": "decode", "x": 1}]})
+    with pytest.raises(WindowError, match="must be finite"):
+        Window.from_dict({**compact, "workers": [{"worker": "w", "role": "decode",
+                                                   "ttft_s": [1e400]}]})
+
+
+def _packed(ints: list[int], floats: list[float]) -> dict[str, object]:
+    return {"routers": ["r"],
+            "ints": base64.b64encode(struct.pack(f"<{len(ints)}i", *ints)).decode(),
+            "floats": base64.b64encode(struct.pack(f"<{len(floats)}d", *floats)).decode()}
+
+
+@pytest.mark.parametrize(
+    ("ints", "floats", "message"),
+    [
+        ([0, 2, 1, 1], [1, 1, math.nan, 1, 0, 0], "finite"),
+        ([0, 2, 1, 1], [1, 1, math.inf, 1, 0, 0], "finite"),
+        ([0, 2, 1, 1], [1, -1, 0, 1, 0, 0], ">= 0"),
+        ([0, 7, 1, 1], [1, 1, 0, 1, 0, 0], "unknown route"),
+        ([1, 2, 1, 1], [1, 1, 0, 1, 0, 0], "router index out of range"),
+        ([0, 2, 1], [1, 1, 0, 1, 0, 0], "lengths disagree"),
+    ],
+)
+def test_stored_outcome_columns_are_checked_like_objects(
+    ints: list[int], floats: list[float], message: str
+) -> None:
+    with pytest.raises(WindowError, match=message):
+        OutcomeColumns.from_json(_packed(ints, floats))
+
+
+def test_outcomes_read_back_from_columns_equal_the_objects() -> None:
+    w = sample_window(random.Random(3), 1_800_000_000.0, n_routers=3, cells=7)
+    stored = json.loads(json.dumps(w.to_dict(compact=True), allow_nan=False))
+    back = Window.from_dict(stored).outcomes
+    assert len(back) == len(w.outcomes) == 3 * 2 * 7
+    assert back == w.outcomes and back == tuple(w.outcomes) and tuple(w.outcomes) == back
+    assert back[5] == w.outcomes[5] and list(back) == list(w.outcomes)
+    assert back.columns.float_column("requests")[4] == w.outcomes[4].requests
+    assert hash(back) == hash(tuple(w.outcomes))
+    assert pickle.loads(pickle.dumps(back)) == w.outcomes
+    changed = list(w.outcomes)
+    changed[-1] = dataclasses.replace(changed[-1], met=changed[-1].met + 1)
+    assert back != tuple(changed) and back != RouteOutcomes(changed)
+    assert not RouteOutcomes() and Window(start=0, end=1, interval_s=1).outcomes == ()
+    with pytest.raises(WindowError, match="RouteOutcome"):
+        RouteOutcomes([("r", 1)])  # type: ignore[list-item]
+
+
+def test_a_body_in_the_first_stored_format_still_reads() -> None:
+    # Written by the code before format 2 (see the fixture's "about"): plain worker dicts,
+    # column-major packed outcomes. The database may hold such rows.
+    fixture = json.loads((DATA / "window_format1.json").read_text())
+    old = json.loads(fixture["stored_body"])
+    assert "packed_outcomes" in old and "format" not in old
+    window = Window.from_dict(old)
+    assert window == Window.from_dict(fixture["plain"])
+    assert len(window.outcomes) == 12 and len(window.workers) == 3
+    rewritten = json.loads(json.dumps(window.to_dict(compact=True), allow_nan=False))
+    assert rewritten["format"] == 2 and Window.from_dict(rewritten) == window
 
 
 def test_role_aggregate_weights_means_by_count_and_sums_loads() -> None:
