@@ -10,12 +10,12 @@ Time comes in as arguments (``at=``/``now=``); a missing ``at`` is read from the
 
 from __future__ import annotations
 
+import gc
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
 from sqlalchemy import (
@@ -27,6 +27,7 @@ from sqlalchemy import (
     delete,
     exists,
     func,
+    insert,
     or_,
     select,
     update,
@@ -75,7 +76,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 LEADER = "leader"
-_REQUESTS = attrgetter("requests")
 # Policy status changes that make sense; anything else is a bug in the caller.
 POLICY_TRANSITIONS: Mapping[str, frozenset[str]] = {
     "candidate": frozenset({"approved", "rejected", "advisory"}),
@@ -112,16 +112,19 @@ class Tx:
     # -- windows ----------------------------------------------------------------------
 
     def add_window(self, window: Window) -> int:
-        requests = _total_requests(window)
-        row = WindowRow(
-            start_at=_utc(window.start), end_at=_utc(window.end), interval_s=window.interval_s,
-            source=window.source[:32], n_workers=len(window.workers),
-            n_failures=len(window.failures), requests=requests,
-            body=dumps_json(window.to_dict(compact=True)),
-        )
-        self._s.add(row)
-        self._s.flush()
-        return row.id
+        # A Core INSERT on the session's connection: a third of the ORM unit of work's cost
+        # for this one hot write (no WindowRow object is needed afterwards).
+        body = dumps_json(window.to_dict(compact=True))
+        result = self._s.connection().execute(_INSERT_WINDOW, {
+            "start_at": _utc(window.start), "end_at": _utc(window.end),
+            "interval_s": window.interval_s, "source": window.source[:32],
+            "n_workers": len(window.workers), "n_failures": len(window.failures),
+            "requests": _total_requests(window), "body": body,
+        })
+        key = result.inserted_primary_key
+        if key is None:  # only a driver that cannot report it; both of ours do
+            raise StoreError("the database returned no id for the new window")
+        return int(key[0])
 
     def windows(
         self,
@@ -136,8 +139,7 @@ class Tx:
             q = q.where(WindowRow.start_at >= since)
         if until is not None:
             q = q.where(WindowRow.start_at < until)
-        rows = self._newest(q, WindowRow.start_at, WindowRow.id, limit)
-        return [StoredWindow(i, Window.from_dict(json.loads(b))) for i, b in rows]
+        return _decode_windows(self._newest(q, WindowRow.start_at, WindowRow.id, limit))
 
     def windows_by_ids(self, ids: Sequence[int]) -> list[StoredWindow]:
         if not ids:
@@ -147,7 +149,7 @@ class Tx:
             .where(WindowRow.id.in_(list(ids)))
             .order_by(WindowRow.start_at, WindowRow.id)
         ).all()
-        return [StoredWindow(i, Window.from_dict(json.loads(b))) for i, b in rows]
+        return _decode_windows(rows)
 
     def compact_windows(self, older_than: datetime) -> int:
         """Delete windows that ended before ``older_than``; return how many.
@@ -767,9 +769,30 @@ def _total_requests(window: Window) -> float | None:
     if not window.outcomes:
         return None
     try:
-        return math.fsum(map(_REQUESTS, window.outcomes))
+        return math.fsum(window.outcomes.columns.float_column("requests"))
     except OverflowError:  # only absurd inputs; the body keeps every value anyway
         return None
+
+
+_INSERT_WINDOW = insert(WindowRow)
+
+
+def _decode_windows(rows: Iterable[tuple[int, str]]) -> list[StoredWindow]:
+    """Stored bodies to windows, with the cyclic garbage collector paused.
+
+    A calibration reads thousands of windows, dozens of objects each; every few hundred
+    new objects the collector would walk the young ones, and now and then everything the
+    process holds (a third of a 10,000-window read went there). These objects form no
+    reference cycles, so pausing frees nothing late; the collector runs again once done.
+    """
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        return [StoredWindow(i, Window.from_dict(json.loads(b))) for i, b in rows]
+    finally:
+        if paused:
+            gc.enable()
 
 
 def _rowcount(result: Any) -> int:

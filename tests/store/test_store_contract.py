@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from sqlalchemy import insert
 
 from controller.clock import VirtualClock
+from controller.core.window import Window
 from controller.store import Store, StoreError
+from controller.store.models import WindowRow
 from tests.store.factories import sample_window
 
 T = TypeVar("T")
 T0 = datetime(2027, 1, 15, 12, 0, 0, 123456, tzinfo=UTC)
+DATA = Path(__file__).resolve().parent / "data"
 
 
 def _epoch(dt: datetime) -> float:
@@ -36,6 +42,24 @@ def test_window_round_trip_is_exact(store: Store) -> None:
     assert [sw.window for sw in back] == written  # every float, None and inf edge exact
     assert back[0].window.workers[0].ttft_s == written[0].workers[0].ttft_s
     assert store.windows_by_ids([ids[3], ids[1]]) == [back[1], back[3]]
+
+
+def test_a_window_row_in_the_first_body_format_still_reads(store: Store) -> None:
+    # Rows written before body format 2 (plain worker dicts, column-major packed outcomes),
+    # next to one written now; the fixture was made by the code of that time.
+    fixture = json.loads((DATA / "window_format1.json").read_text())
+    expected = Window.from_dict(fixture["plain"])
+    with store.engine.begin() as conn:
+        conn.execute(insert(WindowRow).values(
+            start_at=datetime.fromtimestamp(expected.start, UTC),
+            end_at=datetime.fromtimestamp(expected.end, UTC), interval_s=expected.interval_s,
+            source=expected.source, n_workers=len(expected.workers),
+            n_failures=len(expected.failures), requests=None, body=fixture["stored_body"],
+        ))
+    new_id = store.add_window(expected)
+    back = store.windows()
+    assert [sw.window for sw in back] == [expected, expected]
+    assert back[1].id == new_id and store.windows_by_ids([back[0].id])[0].window == expected
 
 
 def test_windows_since_and_limit_select_the_newest(store: Store) -> None:
