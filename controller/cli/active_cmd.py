@@ -16,8 +16,12 @@ from typing import Annotated, Any
 import typer
 
 from controller.cli._app import app
+from controller.core.active import DEFAULT_CONTEXTS, DEFAULT_QPS, DEFAULT_TURNS
 
 _EXIT_FAILED = 1
+_DEFAULT_CONTEXTS = ",".join(str(c) for c in DEFAULT_CONTEXTS)
+_DEFAULT_TURNS = ",".join(f"{a}:{o}" for a, o in DEFAULT_TURNS)
+_DEFAULT_QPS = ",".join(f"{q:g}" for q in DEFAULT_QPS)
 _EXIT_BAD_INPUT = 2
 
 
@@ -51,10 +55,10 @@ def calibrate_active(
     model: Annotated[str | None, typer.Option(
         "--model", help="`model` field of the requests (omitted when not given).")] = None,
     contexts: Annotated[str, typer.Option(help="Context classes (turn-1 prompt tokens).")
-                        ] = "128,1024,4096,16384",
+                        ] = _DEFAULT_CONTEXTS,
     turns: Annotated[str, typer.Option(help="Turn-2 APPEND:OUTPUT token pairs.")
-                     ] = "16:32,32:256,64:64,128:128,256:64,512:64,1024:32",
-    qps: Annotated[str, typer.Option(help="QPS points (turns per second).")] = "0.5,2,8",
+                     ] = _DEFAULT_TURNS,
+    qps: Annotated[str, typer.Option(help="QPS points (turns per second).")] = _DEFAULT_QPS,
     sessions: Annotated[int, typer.Option(min=1, help="Conversations per load point.")] = 20,
     min_sessions: Annotated[int, typer.Option(
         min=1, help="Fewest conversations per point when shrinking to the bounds.")] = 4,
