@@ -12,6 +12,8 @@ It gathers the demand and the fitted physics from recent windows and decides not
   P/D request;
 - **output tokens**: decode ``generation_tokens`` per finished request;
 - **decode-local share**: the routers' per-route request counts;
+- **rate profile**: each window's arrival rate over the mean, less the counting noise (see
+  :func:`rate_profile`): the p99 is over the busy windows' requests too;
 - **physics**: :func:`~controller.core.latency_model.fit_components` on the same windows when
   they carry the component signals, else the defaults (said in the explanation);
 - **KV capacity per decode worker**: ``running x resident context / kv_cache_usage``, from
@@ -58,6 +60,11 @@ class PlanOverrides:
     cached_fraction: float | None = None
     decode_local_share: float | None = None
     local_append_tokens: float | None = None
+    # squared coefficients of variation of the token counts (windows carry only means):
+    # computed prompt tokens of prefill-node requests, whole prompts, decode-local appends
+    prefill_scv: float | None = None
+    input_scv: float | None = None
+    append_scv: float | None = None
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
     headroom: float | None = None
@@ -162,8 +169,7 @@ def observe_demand(windows: Sequence[Window]) -> ObservedDemand:
         current = (newest.roles["prefill"].workers, newest.roles["decode"].workers)
     observed = (ObservedRange(max_p_rate, max_d_tokens)
                 if windows and (max_p_rate > 0 or max_d_tokens > 0) else None)
-    mean_rate = statistics.fmean(window_rates) if window_rates else 0.0
-    profile = tuple(r / mean_rate for r in window_rates) if mean_rate > 0 else (1.0,)
+    profile = rate_profile(window_rates, [w.interval_s for w in windows])
     return ObservedDemand(
         qps=_ratio(requests, seconds), rate_profile=profile,
         profile_window_s=seconds / len(windows) if windows else 30.0, input_tokens=prompt,
@@ -181,6 +187,29 @@ def _plausible(fitted: float, prior: float) -> bool:
     if prior <= 0:
         return True
     return prior / PLAUSIBLE_FACTOR <= fitted <= prior * PLAUSIBLE_FACTOR
+
+
+def rate_profile(rates: Sequence[float], intervals: Sequence[float]) -> tuple[float, ...]:
+    """Each window's arrival rate over the mean, with the counting noise taken out.
+
+    A steady Poisson stream of ``n`` requests per window still shows window-to-window
+    spread ``1 / sqrt(n)``; planning for that noise would buy workers for nothing. The
+    deviations are shrunk by ``sqrt(1 - noise variance / observed variance)`` (method of
+    moments), so a steady load plans as steady and a bursty one keeps its bursts.
+    """
+    if not rates:
+        return (1.0,)
+    mean = statistics.fmean(rates)
+    if mean <= 0:
+        return (1.0,)
+    factors = [r / mean for r in rates]
+    if len(factors) < 2:
+        return tuple(factors)
+    observed = statistics.pvariance(factors)
+    counts = statistics.fmean(r * iv for r, iv in zip(rates, intervals, strict=True))
+    noise = 1.0 / counts if counts > 0 else 0.0
+    shrink = math.sqrt(max(observed - noise, 0.0) / observed) if observed > 0 else 0.0
+    return tuple(1.0 + (f - 1.0) * shrink for f in factors)
 
 
 def fitted_params(windows: Sequence[Window], prior: ComponentParams | None = None,
@@ -272,11 +301,16 @@ def plan_from_windows(windows: Sequence[Window], settings: Settings,
     cached = pick("cached_fraction", o.cached_fraction, seen.cached_fraction, 0.0)
     append = pick("local_append_tokens", o.local_append_tokens, seen.local_append_tokens,
                   prompt * (1.0 - cached))
+    spreads = {k: v for k, v in (("prefill_scv", o.prefill_scv), ("input_scv", o.input_scv),
+                                 ("append_scv", o.append_scv)) if v is not None}
+    if len(spreads) < 3:
+        notes.append("token spreads: squared CV 1 assumed where not given (windows carry "
+                      "only means)")
     demand = CapacityDemand(qps=qps, input_tokens=prompt, cached_fraction=cached,
                             output_tokens=output, decode_local_share=share,
                             local_append_tokens=append, rate_profile=o.rate_profile
                             if o.rate_profile is not None else seen.rate_profile,
-                            profile_window_s=seen.profile_window_s)
+                            profile_window_s=seen.profile_window_s, **spreads)
     if o.params is not None:
         params, param_notes = o.params, ["physics: given"]
     else:

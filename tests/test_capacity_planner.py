@@ -134,3 +134,17 @@ def test_implausible_fits_keep_the_prior() -> None:
     assert lines[0].startswith("physics: fitted on")
     # no windows: the prior, said so
     assert fitted_params([], prior) == (prior, ["physics: defaults (no windows to fit on)"])
+
+
+def test_rate_profile_drops_counting_noise_and_keeps_bursts() -> None:
+    from controller.capacity_planner import rate_profile
+
+    rng = np.random.default_rng(3)
+    steady = [float(n) / 10.0 for n in rng.poisson(200, size=60)]  # 20 req/s, 10 s windows
+    prof = rate_profile(steady, [10.0] * 60)
+    assert max(abs(f - 1.0) for f in prof) < 0.5 * max(abs(r / 20.0 - 1.0) for r in steady)
+    bursty = [float(n) / 10.0 for n in rng.poisson([100] * 50 + [1000] * 10)]
+    kept = rate_profile(bursty, [10.0] * 60)
+    assert max(kept) > 3.0  # 100 req/s against a mean of 25
+    assert np.mean(kept) == pytest.approx(1.0)
+    assert rate_profile([], []) == (1.0,)

@@ -187,3 +187,36 @@ def test_property_recommendation_respects_headroom(d: CapacityDemand, headroom: 
         assert rec.workers >= 1
         assert rec.utilisation <= 1.0 / (1.0 + headroom) + 1e-6
         assert rec.per_worker_capacity > 0
+
+
+def test_bursty_arrivals_need_more_than_a_steady_rate() -> None:
+    demand = replace(BASE, qps=40.0)
+    steady = plan(demand)
+    bursty = plan(replace(demand, rate_profile=(0.5, 0.5, 0.5, 2.5), profile_window_s=10.0))
+    assert bursty.demand.qps == steady.demand.qps
+    assert bursty.prefill.workers > steady.prefill.workers
+    assert bursty.prefill.per_worker_capacity < steady.prefill.per_worker_capacity
+    assert any("arrival rate varies" in line for line in bursty.prefill.explanation)
+    # a longer overloaded window piles up more work
+    longer = plan(replace(demand, rate_profile=(0.5, 0.5, 0.5, 2.5), profile_window_s=120.0))
+    assert longer.prefill.per_worker_capacity <= bursty.prefill.per_worker_capacity
+
+
+def test_rate_levels_keep_the_busiest_windows_and_the_mean() -> None:
+    profile = (*(0.5 + (i % 7) / 6 for i in range(100)), 4.0)
+    d = replace(BASE, rate_profile=profile)
+    factors, weights = d.rate_levels()
+    assert factors.size <= 24 and weights.sum() == pytest.approx(1.0)
+    assert factors.max() == pytest.approx(4.0 / (sum(profile) / len(profile)))
+    # factors are rates over the mean: time-weighted they average 1
+    assert float((weights / factors).sum() ** -1) == pytest.approx(1.0, rel=1e-9)
+    assert d.peak_factor() >= 1.0
+
+
+def test_kv_limit_shrinks_with_prompt_spread() -> None:
+    from controller.core.capacity import kv_batch_limit
+
+    even = kv_batch_limit(KV, replace(BASE, input_scv=0.0))
+    spread = kv_batch_limit(KV, replace(BASE, input_scv=3.0))
+    mean_ctx = BASE.input_tokens + BASE.output_tokens / 2
+    assert spread < even < KV / mean_ctx
