@@ -72,7 +72,7 @@ CASES = (
     Case("decode-heavy", {"source": "synthetic", "params": {
         "qps": 24.0, "turns": 4, "turn1_input": 512, "turn1_output": 768, "append_input": 64,
         "append_output": 768, "think_s": 2.0, "think": "exp"}},
-         ((1.0, 0.03), (2.0, 0.05)), 120.0, 480.0),
+         ((1.0, 0.02), (2.0, 0.05)), 120.0, 480.0),
 )
 
 
