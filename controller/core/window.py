@@ -16,6 +16,7 @@ Conventions:
 from __future__ import annotations
 
 import base64
+import binascii
 import math
 import operator
 import struct
@@ -435,9 +436,9 @@ class OutcomeColumns:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> OutcomeColumns:
         try:
-            routers = tuple(str(r) for r in d["routers"])
-            ints = base64.b64decode(d["ints"], validate=True)
-            floats = base64.b64decode(d["floats"], validate=True)
+            routers = tuple(map(str, d["routers"]))
+            ints = binascii.a2b_base64(d["ints"], strict_mode=True)
+            floats = binascii.a2b_base64(d["floats"], strict_mode=True)
         except (ValueError, TypeError) as e:  # bad base64 (binascii.Error is a ValueError)
             raise WindowError(f"malformed packed outcomes: {e}") from None
         return cls(routers, ints, floats)

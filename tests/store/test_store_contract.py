@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import threading
@@ -60,6 +61,26 @@ def test_a_window_row_in_the_first_body_format_still_reads(store: Store) -> None
     back = store.windows()
     assert [sw.window for sw in back] == [expected, expected]
     assert back[1].id == new_id and store.windows_by_ids([back[0].id])[0].window == expected
+
+
+def test_reading_windows_leaves_the_garbage_collector_as_it_was(store: Store) -> None:
+    # The bulk decode pauses the collector and promotes what it made; the application's
+    # own settings (collector off, objects frozen before a fork) must survive it.
+    store.add_window(sample_window(random.Random(5), _epoch(T0), n_routers=1, cells=2))
+    assert gc.isenabled()
+    assert len(store.windows()) == 1 and gc.isenabled()
+    gc.disable()
+    try:
+        assert len(store.windows()) == 1 and not gc.isenabled()
+    finally:
+        gc.enable()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0 and len(store.windows()) == 1
+        assert gc.get_freeze_count() > frozen // 2  # an unfreeze would have made it 0
+    finally:
+        gc.unfreeze()
 
 
 def test_windows_since_and_limit_select_the_newest(store: Store) -> None:
