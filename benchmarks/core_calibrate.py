@@ -2,7 +2,10 @@
 
 Windows come from the ground-truth generator of the tests (tests/core/synth.py): a 2P/2D
 cluster, 2 routers, varied QPS and per-cell route shares. Setup (generating the windows and
-writing them to a temporary SQLite store) is not timed. Timed, separately and together:
+writing them to a temporary SQLite store) is not timed; the generated windows are dropped
+afterwards, so the process holds what a daemon holds when it calibrates (the windows it
+read), not a second copy. Timed, separately and together, wall and CPU time of this
+process (wall minus CPU is time lost to other processes on a shared machine):
 
 - store read: ``Store.read()`` → ``tx.windows()`` (SQL + JSON + ``Window.from_dict``);
 - features: windows → numpy training set;
@@ -13,15 +16,20 @@ writing them to a temporary SQLite store) is not timed. Timed, separately and to
     .venv/bin/python benchmarks/core_calibrate.py --mix-cells 24   # a wider workload mix
     .venv/bin/python benchmarks/core_calibrate.py --no-store       # pure part only
 
-Interpreter start and imports are excluded (imports happen before timing).
+Interpreter start and imports are excluded (imports happen before timing). The load
+average is printed before the first and after the last run.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import sys
 import tempfile
-import time  # perf_counter only: benchmark timing, not control logic
+import time  # perf_counter/process_time only: benchmark timing, not control logic
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,29 +82,45 @@ def main() -> None:
             for w in windows:
                 tx.add_window(w)
         print(f"setup: stored in SQLite in {time.perf_counter() - t0:.1f} s")
+        del windows
+        gc.collect()
 
     cfg = CalibrationConfig(slo=slo)
+    print(f"load average before: {_load()}")
     for rep in range(args.repeat):
-        t_read = 0.0
-        if store is not None:
-            t0 = time.perf_counter()
-            with store.read() as tx:
-                loaded = [s.window for s in tx.windows()]
-            t_read = time.perf_counter() - t0
-        else:
-            loaded = windows
-        t0 = time.perf_counter()
-        ts = build_training_set(loaded)
-        t_feat = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        result = calibrate(loaded, 2e9, config=cfg, training=ts)
-        t_cal = time.perf_counter() - t0
+        loaded = None  # the previous run's windows are not kept while this one reads
+        wall, cpu = {}, {}
+        with _timed("read", wall, cpu):
+            if store is not None:
+                with store.read() as tx:
+                    loaded = [s.window for s in tx.windows()]
+            else:
+                loaded = windows
+        with _timed("features", wall, cpu):
+            ts = build_training_set(loaded)
+        with _timed("calibrate", wall, cpu):
+            result = calibrate(loaded, 2e9, config=cfg, training=ts)
         mape = {r: {t: round(v, 3) if v is not None else None for t, v in d.items()}
                 for r, d in result.heldout_mape().items()}
-        print(f"run {rep + 1}: store read {t_read:.2f} s, features {t_feat:.2f} s, "
-              f"calibrate {t_cal:.2f} s, total {t_read + t_feat + t_cal:.2f} s | "
+        print(f"run {rep + 1}: store read {wall['read']:.2f} s, features "
+              f"{wall['features']:.2f} s, calibrate {wall['calibrate']:.2f} s, "
+              f"total {sum(wall.values()):.2f} s (CPU {cpu['read']:.2f} + "
+              f"{cpu['features']:.2f} + {cpu['calibrate']:.2f} = {sum(cpu.values()):.2f} s) | "
               f"cells {result.policy.table.axes.n_cells}, rounds {len(result.rounds)}, "
               f"ratio {result.weights.ratio:g}, held-out MAPE {mape}")
+    print(f"load average after: {_load()}")
+
+
+@contextmanager
+def _timed(name: str, wall: dict[str, float], cpu: dict[str, float]) -> Iterator[None]:
+    t0, c0 = time.perf_counter(), time.process_time()
+    yield
+    wall[name] = time.perf_counter() - t0
+    cpu[name] = time.process_time() - c0
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":
