@@ -167,7 +167,7 @@ class ControllerConfig(_Section):
         4, ge=2, description="Windows with routed requests needed before the first calibration."
     )
     min_policy_interval_s: float = Field(
-        600.0, ge=0, description="Automatic approvals at most this often (operator actions "
+        300.0, ge=0, description="Automatic approvals at most this often (operator actions "
         "are not limited).",
     )
     guardrail_margin: float = Field(
