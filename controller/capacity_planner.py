@@ -65,6 +65,7 @@ class PlanOverrides:
     prefill_scv: float | None = None
     input_scv: float | None = None
     append_scv: float | None = None
+    prior: ComponentParams | None = None  # physics where the windows cannot tell (a profile)
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
     headroom: float | None = None
@@ -314,7 +315,7 @@ def plan_from_windows(windows: Sequence[Window], settings: Settings,
     if o.params is not None:
         params, param_notes = o.params, ["physics: given"]
     else:
-        params, param_notes = fitted_params(windows)
+        params, param_notes = fitted_params(windows, o.prior)
     kv = o.kv_capacity_tokens if o.kv_capacity_tokens is not None else seen.kv_capacity_tokens
     if kv is not None and o.kv_capacity_tokens is None:
         notes.append(f"KV capacity per decode worker: {kv:.0f} tokens (estimated from "
