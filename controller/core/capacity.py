@@ -4,16 +4,23 @@ Pure: values in, a :class:`CapacityPlan` out. The physics are the fitted
 :class:`~controller.core.latency_model.ComponentParams` the latency model uses; this module only
 turns them around (load -> latency becomes SLO -> largest load per worker).
 
+**Load that varies.** ``CapacityDemand.rate_profile`` holds each observed window's arrival
+rate over the mean. The SLO is a p99 over *all* requests, so every latency below is computed
+per rate level and mixed by the share of requests each level carries; a steady load is the
+one-level profile ``(1.0,)``.
+
 **Prefill.** Requests the policy sends to a prefill node compute their uncached prompt
-tokens (``L``) on top of ``C`` cached ones; one request's service time is
-``base + a L + a2 (L^2 + 2 L C)`` (the quadratic term is causal attention, which also reads the
-cached prefix). Each prefill worker is an M/G/1 queue (the same Pollaczek-Khinchine wait the
-latency model uses, times its fitted ``prefill_queue_scale``), with gamma-distributed service
-of squared coefficient of variation ``prefill_scv``. The p99 of TTFT needs the *tail* of the
-wait, not its mean: the standard M/G/1 approximation ``P(W > t) = rho exp(-rho t / E[W])``
-convolved with the service distribution gives p99(wait + service); KV transfer and the first
-decode step are added on top. The largest arrival rate per worker whose p99 TTFT stays within
-the SLO (and whose utilisation stays below ``MAX_PREFILL_UTILISATION``) is its capacity.
+tokens ``L`` on top of ``C`` cached ones: ``S = base + a L + a2 (L^2 + 2 L C)`` (the quadratic
+term is causal attention, which also reads the cached prefix). ``L`` follows a gamma law with
+the observed mean and squared CV ``prefill_scv`` (kept as 1,024 equally likely values), so the
+service law and its moments follow from the fitted curve. Each prefill worker is an M/G/1
+queue (the latency model's Pollaczek-Khinchine wait times its fitted ``prefill_queue_scale``);
+the p99 needs the wait's *tail*: ``P(W > t) = rho exp(-rho t / E[W])`` (the standard M/G/1
+approximation) convolved with the request's own time (prefill + KV transfer + the first decode
+step). A rate level busier than ``MAX_PREFILL_UTILISATION`` adds a fluid backlog over its
+window (a window is too short for the queue to settle). The largest mean rate per worker whose
+mixed p99 TTFT stays within the SLO is the capacity; the quantile is the one of prefill-node
+requests that makes the p99 of all requests (decode-local first tokens are fast).
 
 **Decode.** A decode step takes ``T = base + u B + c P_step`` (``u`` = per-sequence plus
 per-context-token cost at the mean resident context, ``c`` per prefill token computed in the
@@ -21,12 +28,15 @@ step, ``P_step`` = tokens of decode-local appends and P/D last-position recomput
 the step). With Little's law (``B = x T`` at ``x`` generated tokens/s per worker) the step time
 has the closed form ``T = base / (1 - u x - c p)`` with ``p`` the prefill tokens/s per worker
 (latency_model's form). A request's TPOT is the mean of its steps, so appends that land in its
-lifetime raise it: the p99 adds ``z99`` standard deviations of that compound-Poisson extra
-work, spread over the request's output tokens. Capacity per worker is the largest ``x``
-within the TPOT SLO, within the KV cache (``B (prompt + output / 2) <= kv_capacity_tokens``)
-and within ``max_num_seqs``; the first to bind names the constraint.
+lifetime raise it: each level adds a normal spread for that compound-Poisson extra work,
+spread over the request's output tokens. Capacity per worker is the largest ``x`` within the
+TPOT SLO, within the KV cache (the p99 of the resident tokens of ``B`` sequences, prompt
+lengths varying with ``input_scv``, at the p99 request's rate level) and within
+``max_num_seqs``; the first to bind names the constraint.
 
-**Workers** = ``ceil(demand (1 + headroom) / capacity)``, at least 1 per role.
+**Workers** = ``ceil(demand (1 + headroom) / capacity)``, at least 1 per role. A p99 TTFT SLO
+below the unloaded p99 cannot be met by any count: the plan says so and sizes for a p99 10%
+above that floor.
 """
 
 from __future__ import annotations
