@@ -14,11 +14,12 @@ tokens ``L`` on top of ``C`` cached ones: ``S = base + a L + a2 (L^2 + 2 L C)`` 
 term is causal attention, which also reads the cached prefix). ``L`` follows a gamma law with
 the observed mean and squared CV ``prefill_scv`` (kept as 1,024 equally likely values), so the
 service law and its moments follow from the fitted curve. Each prefill worker is an M/G/1
-queue (the latency model's Pollaczek-Khinchine wait times its fitted ``prefill_queue_scale``);
-the p99 needs the wait's *tail*: ``P(W > t) = rho exp(-rho t / E[W])`` (the standard M/G/1
-approximation) convolved with the request's own time (prefill + KV transfer + the first decode
-step). A rate level busier than ``MAX_PREFILL_UTILISATION`` adds a fluid backlog over its
-window (a window is too short for the queue to settle). The largest mean rate per worker whose
+queue (FCFS, its wait stretched by the latency model's fitted ``prefill_queue_scale``); the p99
+needs the wait's whole law, not its Pollaczek-Khinchine mean: the Benes form (a geometric
+number of residual service times, evaluated with FFTs) convolved with the request's own time
+(prefill + KV transfer + the first decode step). A rate level busier than
+``MAX_PREFILL_UTILISATION`` adds a fluid backlog over its window (a window is too short for the
+queue to settle). The largest mean rate per worker whose
 mixed p99 TTFT stays within the SLO is the capacity; the quantile is the one of prefill-node
 requests that makes the p99 of all requests (decode-local first tokens are fast).
 
@@ -238,26 +239,58 @@ def token_quantiles(mean: float, scv: float, n: int = _GRID) -> np.ndarray:
     return out
 
 
-def sojourn_survival(rho: float, mean_wait: float, own: np.ndarray, t: np.ndarray,
-                     ) -> np.ndarray:
-    """``P(wait + own time > t)`` on the even grid ``t`` (``own``: sorted, equally likely).
+def _grid_pmf(values: np.ndarray, dt: float, n: int) -> np.ndarray:
+    """Equally likely ``values`` as probability mass on the grid ``k dt`` (last cell: beyond)."""
+    idx = np.minimum((values / dt).astype(np.int64), n - 1)
+    out: np.ndarray = np.bincount(idx, minlength=n) / values.size
+    return out
 
-    Wait of an M/G/1 queue (the standard tail approximation): an atom ``1 - rho`` at zero and
-    an exponential tail of mean ``E[W] / rho``, i.e. ``P(W > t) = rho exp(-rho t / E[W])``.
+
+def mg1_wait_pmf(rho: float, service: np.ndarray, dt: float, n: int) -> np.ndarray:
+    """Queueing wait of an M/G/1 FCFS queue as mass on the grid ``k dt`` (exact in law).
+
+    Pollaczek-Khinchine (Benes) form: the wait is a geometric number ``N`` of residual service
+    times, ``P(N = k) = (1 - rho) rho^k``, a residual having density ``P(S > x) / E[S]``; its
+    transform is ``(1 - rho) / (1 - rho R(s))``, evaluated with FFTs over a doubled grid. Unlike
+    an exponential tail fitted to ``E[W]``, it keeps the shape of the service law: with
+    heavy-tailed prompts most requests wait little and a few wait behind a very long one.
     """
-    surv_own = 1.0 - np.searchsorted(own, t, side="right") / own.size
-    if rho <= 0 or mean_wait <= 0:
+    wait = np.zeros(n)
+    wait[0] = 1.0
+    if rho <= 0 or service.size == 0 or service.mean() <= 0:
+        return wait
+    x = np.arange(n) * dt
+    surv = 1.0 - np.searchsorted(np.sort(service), x, side="right") / service.size
+    residual = surv / service.mean() * dt
+    total = residual.sum()
+    if total <= 0:
+        return wait
+    residual = residual / total
+    m = 2 * n
+    r_hat = np.fft.rfft(residual, m)
+    w_hat = (1.0 - rho) / (1.0 - rho * r_hat)
+    out = np.fft.irfft(w_hat, m)[:n]
+    out = np.clip(out, 0.0, None)
+    mass = float(out.sum())
+    return out / mass if mass > 0 else wait
+
+
+def sojourn_survival(rho: float, service: np.ndarray, own: np.ndarray, t: np.ndarray,
+                     wait_scale: float = 1.0) -> np.ndarray:
+    """``P(wait + own time > t)`` on the even grid ``t`` of an M/G/1 FCFS queue at ``rho`` with
+    service law ``service`` (equally likely values; the wait stretched by ``wait_scale``, the
+    latency model's fitted queue scale) and the request's own time law ``own``."""
+    surv_own = 1.0 - np.searchsorted(np.sort(own), t, side="right") / own.size
+    if rho <= 0:
         out: np.ndarray = surv_own
         return out
     from scipy.signal import fftconvolve
 
-    theta = mean_wait / rho
-    dt = t[1] - t[0]
     n = t.size
-    # P(E + X > t) = P(X > t) + sum_{x <= t} P(X = x) exp(-(t - x) / theta)
-    mass = np.bincount(np.minimum((own / dt).astype(np.int64), n - 1), minlength=n) / own.size
-    conv = fftconvolve(mass, np.exp(-t / theta))[:n]
-    out = (1.0 - rho) * surv_own + rho * np.minimum(surv_own + conv, 1.0)
+    dt = float(t[1] - t[0])
+    wait = mg1_wait_pmf(rho, service * wait_scale, dt, n)
+    sojourn = fftconvolve(wait, _grid_pmf(own, dt, n))[:n]
+    out = np.clip(1.0 - np.cumsum(sojourn), 0.0, 1.0)
     return out
 
 
@@ -267,13 +300,14 @@ def quantile_of(t: np.ndarray, survival: np.ndarray, q: float) -> float:
     return float(t[idx[0]]) if idx.size else math.inf
 
 
-def sojourn_quantile(rho: float, mean_wait: float, own: np.ndarray, q: float = _QUANTILE,
-                     ) -> float:
+def sojourn_quantile(rho: float, service: np.ndarray, own: np.ndarray,
+                     q: float = _QUANTILE) -> float:
     """Quantile ``q`` of M/G/1 wait + own time (see :func:`sojourn_survival`)."""
-    own = np.sort(own)
-    theta = mean_wait / rho if rho > 0 and mean_wait > 0 else 0.0
-    t = np.linspace(0.0, float(own[-1]) + 12.0 * theta + 1e-9, _GRID)
-    return quantile_of(t, sojourn_survival(rho, mean_wait, own, t), q)
+    mean_s = float(service.mean()) if service.size else 0.0
+    wait = rho * float((service * service).mean()) / (2 * mean_s * (1 - rho)) \
+        if 0 < rho < 1 and mean_s > 0 else 0.0
+    t = np.linspace(0.0, float(np.max(own)) + 30.0 * wait + 1e-9, 4 * _GRID)
+    return quantile_of(t, sojourn_survival(rho, service, own, t), q)
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,13 +366,14 @@ def prefill_state(p: ComponentParams, demand: CapacityDemand, rate_per_worker: f
     rho_mean = rate_per_worker * mean_s
     wait_mean = (p.prefill_queue_scale * rate_per_worker * second / (2.0 * (1.0 - rho_mean))
                  if rho_mean < 1.0 else math.inf)
-    theta = max((wt / r for _, r, wt, _ in levels if r > 0 and wt > 0), default=0.0)
     longest = max(b for *_, b in levels)
-    t = np.linspace(0.0, float(own[-1]) + 12.0 * theta + longest + 1e-9, _GRID)
+    waits = [wt for _, _, wt, _ in levels if math.isfinite(wt)]
+    t = np.linspace(0.0, float(own[-1]) + 30.0 * max(waits, default=0.0) + longest + 1e-9,
+                    4 * _GRID)
     dt = t[1] - t[0]
     survival = np.zeros_like(t)
-    for w, rho, wait, backlog in levels:
-        surv = sojourn_survival(rho, wait, own, t)
+    for w, rho, _, backlog in levels:
+        surv = sojourn_survival(rho, service, own, t, p.prefill_queue_scale)
         if backlog > 0:
             # average over arrival positions u in the window: shift by u * backlog
             shifts = np.rint(np.linspace(0.0, backlog, _BACKLOG_POINTS) / dt).astype(np.int64)
