@@ -583,6 +583,8 @@ def _plan_decode(p: ComponentParams, demand: CapacityDemand, slo_tpot_s: float,
         lines.append(f"KV cache: {kv_capacity_tokens:.0f} tokens hold {max_batch_kv:.0f} "
                      f"sequences of {ctx:.0f} tokens on average at the p99 of their total "
                      f"(checked at the p99 request's rate, {peak:.2g}x the mean)")
+    else:
+        lines.append("KV cache: not checked (the pool size per decode worker is not known)")
     if max_num_seqs is not None and max_num_seqs > 0:
         seq_cap = _largest(lambda x: _decode_level(p, demand, x * peak)[1] <= max_num_seqs,
                            hi * 0.999 / peak)
