@@ -58,7 +58,7 @@ def main() -> None:
         scenario = scale_scenario(load_scenario(f), args.scale)
         t0 = wall.perf_counter_ns()
         quiet_logs()
-        bench = run_bench(scenario)
+        bench = run_bench(scenario, time_scale=args.scale)
         seconds = (wall.perf_counter_ns() - t0) / 1e9
         doc = evaluation_document(bench)
         if args.out is not None:

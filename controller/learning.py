@@ -17,8 +17,10 @@ from typing import Any, Protocol
 from controller.core.window import Window
 from controller.policy import LookupTable, Policy
 
-# Windows after a shift that a drift or scaling calibration needs to train on them alone.
-MIN_REGIME_WINDOWS = 2
+# Windows after a shift that a drift or scaling calibration needs to train on them alone
+# (with 2, fits on a minute of a bursty trace flipped the table at every cooldown: 8
+# approvals in an hour of bench scenario 4).
+MIN_REGIME_WINDOWS = 8
 
 
 class LearnerError(Exception):

@@ -151,10 +151,13 @@ def run_bench(
     progress: Progress | None = None,
     workdir: Path | None = None,
     extra: dict[str, Policy] | None = None,
+    time_scale: float = 1.0,
 ) -> BenchRun:
     """Replay ``scenario`` under ``policies`` (names of :data:`POLICIES`) and policy files
     (``extra``: key -> policy). The forced runs behind ``ppd-static`` and the oracle run even
-    when ``pd``/``local`` are not asked for (they are then left out of the report)."""
+    when ``pd``/``local`` are not asked for (they are then left out of the report).
+    ``time_scale``: the factor ``scenario`` was shortened by (:func:`scale_scenario`); without
+    ``settings``, the adaptive controller's time constants are shortened by it too."""
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policy {', '.join(unknown)}; expected {', '.join(POLICIES)}")
@@ -207,6 +210,8 @@ def run_bench(
                               adaptation_s=[None] * len(scenario.events))
     if "adaptive" in wanted:
         assert ppd_static is not None
+        if settings is None:
+            settings = adaptive_settings(scenario, time_scale)
         runs["adaptive"] = _run_adaptive(scenario, ppd_static, settings, replay, workdir)
 
     candidates: dict[str, RunResult] = {k: runs[k].result for k in STATIC if k in runs}
@@ -240,15 +245,33 @@ def run_bench(
     return BenchRun(scenario, report_runs, candidates, oracle, notes)
 
 
+def adaptive_settings(scenario: Scenario, time_scale: float = 1.0) -> Any:
+    """pdctl's defaults with the scenario's SLOs and control interval; in a scenario
+    shortened by ``time_scale`` the approval rate limit, the drift cooldown and the
+    scheduled recalibration period shrink with it (a 6-minute CI run would otherwise allow
+    one change at most)."""
+    from controller.config import load_settings
+
+    slo = {"ttft_s": scenario.ttft_slo_s, "tpot_s": scenario.tpot_slo_s}
+    base = load_settings(slo=slo, controller={"interval_s": scenario.interval_s})
+    if time_scale == 1.0:
+        return base
+    c, d = base.controller, base.drift
+    every = c.calibrate_every_s * time_scale if c.calibrate_every_s is not None else None
+    return load_settings(
+        slo=slo,
+        controller={"interval_s": scenario.interval_s,
+                    "min_policy_interval_s": c.min_policy_interval_s * time_scale,
+                    "calibrate_every_s": every},
+        drift={"cooldown_s": d.cooldown_s * time_scale})
+
+
 def _run_adaptive(scenario: Scenario, initial: Policy, settings: Any,
                   replay: Callable[..., RunResult], workdir: Path | None) -> PolicyRun:
     from controller.bench.adaptive import AdaptiveController
-    from controller.config import load_settings
 
     if settings is None:
-        settings = load_settings(
-            slo={"ttft_s": scenario.ttft_slo_s, "tpot_s": scenario.tpot_slo_s},
-            controller={"interval_s": scenario.interval_s})
+        settings = adaptive_settings(scenario)
     owned = None
     if workdir is None:
         owned = tempfile.TemporaryDirectory(prefix="pdctl-bench-")

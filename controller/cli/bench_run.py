@@ -69,7 +69,9 @@ def bench_run(
         "max_uncached_ratio=R, prefill_waiting=N (0 disables busyness).")] = None,
     config: Annotated[Path | None, typer.Option(
         "--config", help="pdctl settings for the adaptive controller (default: pdctl's "
-        "defaults with the scenario's SLOs and control interval).")] = None,
+        "defaults with the scenario's SLOs and control interval; a shortened run also "
+        "shortens the approval rate limit, drift cooldown and recalibration period).")
+    ] = None,
 ) -> None:
     """Replay SCENARIO.toml in virtual time under each policy and compare them."""
     from dataclasses import asdict
@@ -83,7 +85,8 @@ def bench_run(
 
     try:
         scenario = load_scenario(scenario_path)
-        scenario = scale_scenario(scenario, SHORT_SCALE if short else duration_scale)
+        time_scale = SHORT_SCALE if short else duration_scale
+        scenario = scale_scenario(scenario, time_scale)
         names: list[str] = []
         extra: dict[str, Any] = {}
         for spec in policy or list(POLICIES):
@@ -103,7 +106,8 @@ def bench_run(
         raise typer.Exit(2) from None
 
     try:
-        bench = _run(scenario, names, thr, settings, extra, sys.stdout.isatty() and not as_json)
+        bench = _run(scenario, names, thr, settings, extra, sys.stdout.isatty() and not as_json,
+                     time_scale)
     except ValueError as e:  # e.g. the first phase too short to calibrate ppd-static on
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -126,13 +130,14 @@ def bench_run(
 
 
 def _run(scenario: Scenario, names: list[str], thr: Any, settings: Any,
-         extra: dict[str, Any], show_progress: bool) -> Any:
+         extra: dict[str, Any], show_progress: bool, time_scale: float = 1.0) -> Any:
     from controller.bench.runner import quiet_logs, run_bench
 
     quiet_logs()
 
     if not show_progress:
-        return run_bench(scenario, names, threshold=thr, settings=settings, extra=extra)
+        return run_bench(scenario, names, threshold=thr, settings=settings, extra=extra,
+                         time_scale=time_scale)
     from rich.progress import Progress
 
     with Progress(transient=True) as bar:
@@ -144,7 +149,7 @@ def _run(scenario: Scenario, names: list[str], thr: Any, settings: Any,
             bar.update(tasks[key], completed=t)
 
         return run_bench(scenario, names, threshold=thr, settings=settings,
-                         progress=advance, extra=extra)
+                         progress=advance, extra=extra, time_scale=time_scale)
 
 
 def _fmt(v: Any, scale: float = 1.0, digits: int = 3) -> str:
