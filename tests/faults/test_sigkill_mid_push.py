@@ -118,6 +118,11 @@ async def test_pdctl_run_killed_mid_push_and_restarted_converges_with_nothing_lo
         slow.slow_applies, slow.delay_s = 1, 60.0  # held until released below
         await asyncio.to_thread(_operator, store_url, "decision 2")
         assert await asyncio.to_thread(slow.entered.wait, 30), "the push never reached it"
+        fast = [a for a in routers.addresses if a != slow_address]
+        for _ in range(100):  # the same pass pushes to the fast routers concurrently
+            if all(routers.versions()[a] == 2 for a in fast):
+                break
+            await asyncio.sleep(0.1)
         os.kill(proc.pid, signal.SIGKILL)  # the controller dies with the push in flight
         assert await asyncio.to_thread(proc.wait, 10) == -signal.SIGKILL
         proc = None
@@ -130,8 +135,7 @@ async def test_pdctl_run_killed_mid_push_and_restarted_converges_with_nothing_lo
             (1, at_kill["policies"][0][1], "approved"), (2, at_kill["policies"][1][1], "approved")
         ]
         assert versions[slow_address] == 1
-        assert {a: v for a, v in versions.items() if a != slow_address} == {
-            a: 2 for a in routers.addresses if a != slow_address}
+        assert {a: versions[a] for a in fast} == dict.fromkeys(fast, 2)
         assert not any(r.acked_version == 2 for r in store.routers())
 
         proc = _start(config, log)  # the restart; the stale call is still stuck
@@ -168,6 +172,10 @@ async def test_pdctl_run_killed_mid_push_and_restarted_converges_with_nothing_lo
         assert all(p[2] == 2 for p in new_pushes), new_pushes
         assert {p[1] for p in new_pushes} <= {slow_address}, new_pushes
         assert [applied_count(routers.agent(a)) for a in routers.addresses] == [2.0] * 3
+    except AssertionError as e:  # say what the store, the routers and the daemon saw
+        log_tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+        raise AssertionError(f"{e}\nrouters: {routers.versions()}\nstore: {_records(store)}"
+                             f"\nrun.log tail:\n{log_tail}") from None
     finally:
         if proc is not None:
             proc.kill()
