@@ -92,9 +92,9 @@ class Summary:
 
     def to_row(self) -> list[Any]:
         """``[mean, count, p50, p90, p99, interpolated]`` without trailing ``None``/``False``
-        (the compact stored form; ``Summary(*row)`` reads it back)."""
+        but never empty (the compact stored form; ``Summary(*row)`` reads it back)."""
         row: list[Any] = [self.mean, self.count, self.p50, self.p90, self.p99, self.interpolated]
-        while row and (row[-1] is None or row[-1] is False):
+        while len(row) > 1 and (row[-1] is None or row[-1] is False):
             row.pop()
         return row
 
@@ -174,12 +174,16 @@ class WorkerStats:
             v = getattr(self, n)
             if v is not None:
                 d[n] = v.to_row() if n in _SUMMARY_FIELD_SET else v
+        if self.prompt_tokens_by_source is not None:  # any Mapping; JSON needs a dict
+            d["prompt_tokens_by_source"] = dict(self.prompt_tokens_by_source)
         return d
 
     @classmethod
     def from_compact(cls, d: Mapping[str, Any]) -> WorkerStats:
+        # An empty row is a summary without values (written so before rows kept the mean).
         kwargs: dict[str, Any] = {
-            k: Summary(*v) if k in _SUMMARY_FIELD_SET else v for k, v in d.items()
+            k: (Summary(*v) if v else Summary(None)) if k in _SUMMARY_FIELD_SET else v
+            for k, v in d.items()
         }
         return cls(**kwargs)
 

@@ -10,6 +10,7 @@ import pickle
 import random
 import struct
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 from hypothesis import given, settings
@@ -52,6 +53,25 @@ def test_compact_outcomes_keep_awkward_floats_bit_exact() -> None:
     back = Window.from_dict(json.loads(json.dumps(w.to_dict(compact=True))))
     assert [o.requests for o in back.outcomes] == awkward
     assert back.outcomes == w.outcomes
+
+
+def test_a_summary_without_values_round_trips_and_reads_from_an_empty_row() -> None:
+    empty = Summary(None)
+    w = Window.build(0.0, 30.0, 30.0, workers=[WorkerStats("d0", "decode", ttft_s=empty)])
+    stored = json.loads(json.dumps(w.to_dict(compact=True)))
+    assert stored["workers"][0]["ttft_s"] == [None]
+    assert Window.from_dict(stored) == w
+    stored["workers"][0]["ttft_s"] = []  # how the first format-2 writer stored it
+    assert Window.from_dict(stored).workers[0].ttft_s == empty
+
+
+def test_any_mapping_of_prompt_tokens_is_stored() -> None:
+    tokens = MappingProxyType({"local_compute": 12.0, "external_kv_transfer": 3.5})
+    w = Window.build(0.0, 30.0, 30.0, workers=[
+        WorkerStats("d0", "decode", prompt_tokens_by_source=tokens)])
+    for compact in (False, True):
+        back = Window.from_dict(json.loads(json.dumps(w.to_dict(compact=compact))))
+        assert back == w and back.workers[0].prompt_tokens_by_source == dict(tokens)
 
 
 def test_missing_values_stay_none() -> None:
