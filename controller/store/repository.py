@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
@@ -777,26 +777,32 @@ def _total_requests(window: Window) -> float | None:
 _INSERT_WINDOW = insert(WindowRow)
 
 
-def _decode_windows(rows: Iterable[tuple[int, str]]) -> list[StoredWindow]:
+# A read at least this large moves what it decoded to the oldest GC generation (below).
+PROMOTE_DECODED_WINDOWS = 1000
+
+
+def _decode_windows(rows: Sequence[tuple[int, str]]) -> list[StoredWindow]:
     """Stored bodies to windows, with the cyclic garbage collector kept out of the way.
 
     A calibration reads thousands of windows of dozens of objects each. Left alone, the
     collector walks the new objects every few hundred allocations, again as they age, and
     the whole heap whenever it grew by a quarter: 0.7-1.0 s of a 3.5 s read of 10,000
     windows (``benchmarks/core_calibrate.py``). These objects hold no reference cycles
-    (nothing to free), so the collector is paused while they are made, and they are then
-    moved straight to the oldest generation (``gc.freeze()`` + ``gc.unfreeze()`` do that in
-    constant time, without a walk), where the next full collection, whenever it comes, sees
-    them once: under 0.02 s left, read and what follows included. The freeze step is
-    skipped when the application keeps objects frozen itself (a pre-fork server), which
-    the unfreeze would undo.
+    (nothing to free), so the collector is paused while they are made. After a large read
+    they are moved straight to the oldest generation (``gc.freeze()`` + ``gc.unfreeze()``
+    do that in constant time, without a walk), where the next full collection sees them
+    once: under 0.02 s of collector time left, read and what follows included. That also
+    promotes whatever young garbage other threads had at that instant, so it is kept to
+    large reads (a calibration), not the few windows a control cycle reads; and it is
+    skipped when the application keeps objects frozen itself (a pre-fork server), which the
+    unfreeze would undo.
     """
     enabled = gc.isenabled()
     gc.disable()
     try:
         return [StoredWindow(i, Window.from_dict(json.loads(b))) for i, b in rows]
     finally:
-        if gc.get_freeze_count() == 0:
+        if len(rows) >= PROMOTE_DECODED_WINDOWS and gc.get_freeze_count() == 0:
             gc.freeze()
             gc.unfreeze()
         if enabled:

@@ -16,7 +16,7 @@ from sqlalchemy import insert
 
 from controller.clock import VirtualClock
 from controller.core.window import Window
-from controller.store import Store, StoreError
+from controller.store import Store, StoreError, repository
 from controller.store.models import WindowRow
 from tests.store.factories import sample_window
 
@@ -63,12 +63,20 @@ def test_a_window_row_in_the_first_body_format_still_reads(store: Store) -> None
     assert back[1].id == new_id and store.windows_by_ids([back[0].id])[0].window == expected
 
 
-def test_reading_windows_leaves_the_garbage_collector_as_it_was(store: Store) -> None:
-    # The bulk decode pauses the collector and promotes what it made; the application's
-    # own settings (collector off, objects frozen before a fork) must survive it.
+@pytest.mark.parametrize("promote_after", [1, 10**9])
+def test_reading_windows_leaves_the_garbage_collector_as_it_was(
+    store: Store, monkeypatch: pytest.MonkeyPatch, promote_after: int
+) -> None:
+    # The bulk decode pauses the collector and, for a large read, moves what it made to the
+    # oldest generation; the application's own settings (collector off, objects frozen
+    # before a fork) must survive it.
+    monkeypatch.setattr(repository, "PROMOTE_DECODED_WINDOWS", promote_after)
     store.add_window(sample_window(random.Random(5), _epoch(T0), n_routers=1, cells=2))
     assert gc.isenabled()
-    assert len(store.windows()) == 1 and gc.isenabled()
+    window = store.windows()[0].window
+    assert gc.isenabled()
+    promoted = any(o is window for o in gc.get_objects(generation=2))
+    assert promoted == (promote_after == 1)
     gc.disable()
     try:
         assert len(store.windows()) == 1 and not gc.isenabled()
