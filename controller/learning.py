@@ -21,6 +21,7 @@ from controller.policy import LookupTable, Policy
 # (with 2, fits on a minute of a bursty trace flipped the table at every cooldown: 8
 # approvals in an hour of bench scenario 4).
 MIN_REGIME_WINDOWS = 8
+MIN_MIX_WINDOWS = 4
 
 
 class LearnerError(Exception):
@@ -195,7 +196,9 @@ class CoreLearner:
         post = [w for w in windows if w.start >= start - 1e-6]
         if not post or len(post) == len(windows):
             return windows, self._config
-        config = replace(self._config, recent_windows=len(post))
+        # The mix and load of a window or two are noise (a bursty trace swings 2x between
+        # windows): the current mix takes at least MIN_MIX_WINDOWS, the newest first.
+        config = replace(self._config, recent_windows=max(len(post), MIN_MIX_WINDOWS))
         if len(post) >= MIN_REGIME_WINDOWS:
             return post, config
         return windows, config
