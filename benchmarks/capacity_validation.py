@@ -14,8 +14,11 @@ For each workload and SLO pair:
 A row holds when the recommended shape meets both SLOs and removing a worker of *either* role
 (where it has more than one) breaks one. The plan is made at zero headroom: the check tests
 the model's boundary, which spare capacity would hide (the 20% headroom shape is shown too).
-Windows carry means only, so the token-count spreads (squared CVs) come from the
-observation run's request log, as an operator would take them from the gateway's logs.
+The token-count spreads (squared CVs) and a one-second arrival-rate profile come from the
+observation run's request log, as an operator would take them from a gateway's access log:
+the windows' own estimates of the spreads (from the scatter of per-worker means) run high,
+and 10 s windows average out Azure's sub-second bursts. The last column is the plan from the
+windows alone (their 10 s rate profile and their spread estimates), not checked by runs.
 
 Routing is Dynamo's conditional disaggregation without the busyness clause (a request goes
 decode-local when its uncached prompt is short), so the decode-local share depends on the
@@ -45,7 +48,11 @@ if str(ROOT) not in sys.path:
 
 from controller.bench.baselines import ThresholdConfig, install_threshold  # noqa: E402
 from controller.bench.runner import WindowRecorder  # noqa: E402
-from controller.capacity_planner import PlanOverrides, plan_from_windows  # noqa: E402
+from controller.capacity_planner import (  # noqa: E402
+    PlanOverrides,
+    plan_from_windows,
+    rate_profile,
+)
 from controller.config import load_settings  # noqa: E402
 from controller.core.capacity import CapacityPlan  # noqa: E402
 from controller.sim.run import RunResult, run_scenario  # noqa: E402
@@ -141,12 +148,30 @@ def token_spreads(case: Case, result: RunResult) -> dict[str, float]:
     }
 
 
+ARRIVAL_BIN_S = 1.0  # resolution of the arrival log's rate profile
+
+
+def arrival_profile(case: Case, result: RunResult) -> tuple[float, ...]:
+    """Arrivals per second of the measured period from the request log (a gateway's access
+    log), counting noise shrunk out as for the windows' profile: Azure's code trace bursts
+    within a second, which 10 s windows average out."""
+    arrivals = np.array([r.arrival_s for r in result.records
+                         if case.warmup_s <= r.arrival_s < case.duration_s])
+    bins = round((case.duration_s - case.warmup_s) / ARRIVAL_BIN_S)
+    counts = np.bincount(((arrivals - case.warmup_s) / ARRIVAL_BIN_S).astype(np.int64),
+                         minlength=bins)[:bins]
+    rates = [float(c) / ARRIVAL_BIN_S for c in counts]
+    return rate_profile(rates, [ARRIVAL_BIN_S] * len(rates))
+
+
 def plan_for(case: Case, slo: tuple[float, float], windows: list[Any], spreads: dict[str, float],
-             kv_tokens: float, max_num_seqs: int, headroom: float) -> CapacityPlan:
+             kv_tokens: float, max_num_seqs: int, headroom: float,
+             arrivals: tuple[float, ...] | None) -> CapacityPlan:
     measured = [w for w in windows if case.warmup_s <= w.start and w.end <= case.duration_s]
     settings = load_settings(None, slo={"ttft_s": slo[0], "tpot_s": slo[1]})
     return plan_from_windows(measured, settings, PlanOverrides(
         kv_capacity_tokens=kv_tokens, max_num_seqs=max_num_seqs, headroom=headroom,
+        rate_profile=arrivals, profile_window_s=ARRIVAL_BIN_S if arrivals else None,
         **spreads))
 
 
@@ -159,14 +184,18 @@ def validate(case: Case, verbose: bool) -> list[dict[str, Any]]:
     kv_tokens = float(profile.num_gpu_blocks * profile.block_size)
     base = measure(case, observed, OBSERVE_SHAPE)
     spreads = token_spreads(case, observed)
+    arrivals = arrival_profile(case, observed)
     cache: dict[tuple[int, int], RunResult] = {OBSERVE_SHAPE: observed}
     for slo in case.slos:
         # the check is at zero headroom: it tests the model's boundary, which spare capacity
         # would hide; the default 20% headroom's shape is reported next to it
         plan = plan_for(case, slo, recorder.windows, spreads, kv_tokens, profile.max_num_seqs,
-                        0.0)
+                        0.0, arrivals)
         spare = plan_for(case, slo, recorder.windows, spreads, kv_tokens, profile.max_num_seqs,
-                         0.2)
+                         0.2, arrivals)
+        # what the windows alone say (their 10 s rate profile, spreads from their means)
+        alone = plan_for(case, slo, recorder.windows, {}, kv_tokens, profile.max_num_seqs,
+                         0.0, None)
         shape = (plan.prefill.workers, plan.decode.workers)
         shapes = [shape]
         if shape[0] > 1:
@@ -192,6 +221,7 @@ def validate(case: Case, verbose: bool) -> list[dict[str, Any]]:
                             "extrapolated": r.extrapolated}
                      for role, r in (("prefill", plan.prefill), ("decode", plan.decode))},
             "with_default_headroom": f"{spare.prefill.workers}P:{spare.decode.workers}D",
+            "windows_alone": f"{alone.prefill.workers}P:{alone.decode.workers}D",
             "recommended": _measured_dict(rec, slo),
             "minus_one": {role: None if m is None else _measured_dict(m, slo)
                           for role, m in minus.items()},
@@ -226,9 +256,10 @@ def _fmt(m: dict[str, Any] | None) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| workload | SLO p99 TTFT / TPOT | demand | plan at 0% headroom (binding) | "
-           "recommended: p99 TTFT / TPOT | −1 prefill | −1 decode | holds | plan at 20% |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| workload | SLO p99 TTFT / TPOT | demand | "
+           "plan at 0% headroom (binding; predicted p99) | recommended: p99 TTFT / TPOT | "
+           "−1 prefill | −1 decode | holds | plan at 20% | windows alone |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         d = r["demand"]
         p, dd = r["plan"]["prefill"], r["plan"]["decode"]
@@ -236,10 +267,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['workload']} | {r['slo_ttft_s']:g} s / {r['slo_tpot_s'] * 1e3:g} ms "
             f"| {d['qps']:.2f} req/s, {d['input_tokens']:.0f}→{d['output_tokens']:.0f} tok, "
             f"{d['decode_local_share']:.0%} local "
-            f"| {p['workers']}P ({p['binding']}) : {dd['workers']}D ({dd['binding']}) "
+            f"| {p['workers']}P ({p['binding']}; {p['predicted_p99_s']:.2f} s) : "
+            f"{dd['workers']}D ({dd['binding']}; {dd['predicted_p99_s'] * 1e3:.0f} ms) "
             f"| {_fmt(r['recommended'])} | {_fmt(r['minus_one']['prefill'])} "
             f"| {_fmt(r['minus_one']['decode'])} | {'yes' if r['holds'] else '**no**'} "
-            f"| {r['with_default_headroom']} |")
+            f"| {r['with_default_headroom']} | {r['windows_alone']} |")
     return "\n".join(out)
 
 

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from controller.core.capacity import (
     CapacityDemand,
     CapacityError,
@@ -36,7 +38,7 @@ from controller.core.capacity import (
     plan_capacity,
 )
 from controller.core.latency_model import ComponentParams
-from controller.core.window import Window
+from controller.core.window import Role, Window
 from controller.policy.model import Route
 
 if TYPE_CHECKING:
@@ -55,6 +57,9 @@ class PlanOverrides:
 
     qps: float | None = None
     rate_profile: tuple[float, ...] | None = None  # (1.0,): plan for a steady rate
+    # length of each rate_profile entry (None: the windows' length); a profile finer than the
+    # windows (a gateway's arrival log) shows bursts the windows average out
+    profile_window_s: float | None = None
     input_tokens: float | None = None
     output_tokens: float | None = None
     cached_fraction: float | None = None
@@ -190,6 +195,89 @@ def _plausible(fitted: float, prior: float) -> bool:
     return prior / PLAUSIBLE_FACTOR <= fitted <= prior * PLAUSIBLE_FACTOR
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerMeans:
+    """Per worker and window: requests finished, their mean tokens and mean prefill time."""
+
+    requests: np.ndarray
+    tokens: np.ndarray
+    prefill_s: np.ndarray  # NaN where the worker reported no prefill time
+
+
+def worker_means(windows: Sequence[Window], role: Role) -> WorkerMeans:
+    """One row per worker and window that finished requests: prefill workers' computed
+    tokens (``local_compute``), decode workers' whole prompts (every source)."""
+    rows: list[tuple[float, float, float]] = []
+    for w in windows:
+        for ws in w.workers_of(role):
+            if not ws.request_rate or ws.prompt_tokens_by_source is None:
+                continue
+            n = ws.request_rate * w.interval_s
+            src = ws.prompt_tokens_by_source
+            tokens = src.get("local_compute", 0.0) if role == "prefill" else math.fsum(
+                src.values())
+            s = ws.prefill_s
+            mean_s = s.mean if s is not None and s.mean is not None and s.count else math.nan
+            rows.append((n, tokens / n, mean_s))
+    a = np.asarray(rows, dtype=np.float64).reshape(-1, 3)
+    return WorkerMeans(a[:, 0], a[:, 1], a[:, 2])
+
+
+MIN_SPREAD_ROWS = 8  # worker-windows needed to estimate a token spread or a prefill curve
+
+
+def token_scv(rows: WorkerMeans) -> float | None:
+    """Squared CV of one request's tokens from per-worker window means (method of moments:
+    a mean of ``n`` requests varies by ``sigma^2 / n`` around the overall mean, so
+    ``sum n (m - mu)^2 / (rows - 1)`` estimates ``sigma^2``). None: too few rows. Bursts of
+    similar requests and requests counted in a window other than their tokens' make it an
+    overestimate (a pessimistic plan), never an underestimate."""
+    n, m = rows.requests, rows.tokens
+    if n.size < MIN_SPREAD_ROWS or n.sum() <= 0:
+        return None
+    mu = float((n * m).sum() / n.sum())
+    if mu <= 0:
+        return None
+    var = float((n * (m - mu) ** 2).sum() / (n.size - 1))
+    return var / (mu * mu)
+
+
+MIN_TOKEN_RANGE = 4.0  # the prefill curve is refitted only over prompts this many times apart
+
+
+def fit_prefill_curve(rows: WorkerMeans, scv: float | None,
+                      ) -> tuple[tuple[float, float, float], int] | None:
+    """((base, per token, per token^2), rows fitted) of ``prefill_s = base + a L + a2 L^2``,
+    fitted on each prefill worker's own window means (non-negative least squares).
+
+    The latency model fits the curve on the windows' routed mixes, whose cell bins are too
+    coarse to see the attention term (it fits to zero, and the long prompts that make a p99
+    are priced too cheap). A worker-window that finished a single request is an exact
+    ``(L, prefill time)`` pair: with ``MIN_SPREAD_ROWS`` of them, they alone are fitted.
+    Otherwise every row is, the mean of ``L^2`` over a row's ``n`` requests taken as ``m^2``
+    plus ``sigma^2 (n - 1) / n`` from the pooled spread (rows of many requests say little
+    about the curvature). None where the prompts do not vary enough (``MIN_TOKEN_RANGE``) to
+    tell a linear from a quadratic cost.
+    """
+    from scipy.optimize import nnls
+
+    ok = np.isfinite(rows.prefill_s) & (rows.requests > 0) & (rows.tokens > 0)
+    single = ok & (rows.requests < 1.5)
+    if single.sum() >= MIN_SPREAD_ROWS:
+        ok = single
+    n, m, y = rows.requests[ok], rows.tokens[ok], rows.prefill_s[ok]
+    if n.size < MIN_SPREAD_ROWS or m.max() < MIN_TOKEN_RANGE * m.min():
+        return None
+    mu = float((n * m).sum() / n.sum())
+    var = (scv or 0.0) * mu * mu
+    second = m * m + var * np.maximum(n - 1.0, 0.0) / n
+    w = np.sqrt(n)
+    coef, _ = nnls(np.column_stack([np.ones_like(m), m, second]) * w[:, None], y * w)
+    if coef[1] <= 0 and coef[2] <= 0:
+        return None
+    return (float(coef[0]), float(coef[1]), float(coef[2])), int(n.size)
+
+
 def rate_profile(rates: Sequence[float], intervals: Sequence[float]) -> tuple[float, ...]:
     """Each window's arrival rate over the mean, with the counting noise taken out.
 
@@ -232,6 +320,17 @@ def fitted_params(windows: Sequence[Window], prior: ComponentParams | None = Non
         params, report = fit_components(build_training_set(windows), base)
     except (ValueError, FloatingPointError) as e:
         return base, [f"physics: defaults (fit failed: {e})"]
+    lines: list[str] = []
+    if "prefill" in report:
+        rows = worker_means(windows, "prefill")
+        refit = fit_prefill_curve(rows, token_scv(rows))
+        if refit is not None:
+            curve, used = refit
+            params = replace(params, prefill_base_s=curve[0], prefill_per_token_s=curve[1],
+                             prefill_per_token2_s=curve[2])
+            lines.append(f"physics: prefill curve refitted on {used} per-worker window means: "
+                         f"{curve[0] * 1e3:.1f} ms + {curve[1] * 1e6:.2f} us/token + "
+                         f"{curve[2] * 1e9:.3f} ns/token^2")
     # Fields checked per component; a component failing the check is restored whole (its
     # fitted intercept absorbed what the implausible slope missed). step_per_seq_s is not
     # checked: below the weight-read floor a decode step does not grow with the batch and a
@@ -259,7 +358,8 @@ def fitted_params(windows: Sequence[Window], prior: ComponentParams | None = Non
                 restore["step_per_seq_s"] = min(params.step_per_seq_s, base.step_per_seq_s)
             params = replace(params, **restore)
     fitted = sorted(report)
-    lines = [f"physics: fitted on {len(windows)} window(s): {', '.join(fitted) or 'nothing'}"]
+    lines.insert(0, f"physics: fitted on {len(windows)} window(s): "
+                    f"{', '.join(fitted) or 'nothing'}")
     if kept:
         lines.append(f"physics: prior kept for {'; '.join(kept)} (fit implausible: zero or "
                      f"over {PLAUSIBLE_FACTOR:g}x off the prior)")
@@ -302,16 +402,28 @@ def plan_from_windows(windows: Sequence[Window], settings: Settings,
     cached = pick("cached_fraction", o.cached_fraction, seen.cached_fraction, 0.0)
     append = pick("local_append_tokens", o.local_append_tokens, seen.local_append_tokens,
                   prompt * (1.0 - cached))
-    spreads = {k: v for k, v in (("prefill_scv", o.prefill_scv), ("input_scv", o.input_scv),
-                                 ("append_scv", o.append_scv)) if v is not None}
-    if len(spreads) < 3:
-        notes.append("token spreads: squared CV 1 assumed where not given (windows carry "
-                      "only means)")
+    spreads: dict[str, float] = {}
+    derived = {"prefill_scv": token_scv(worker_means(windows, "prefill")),
+               "input_scv": token_scv(worker_means(windows, "decode")), "append_scv": None}
+    for name, given in (("prefill_scv", o.prefill_scv), ("input_scv", o.input_scv),
+                        ("append_scv", o.append_scv)):
+        if given is not None:
+            spreads[name] = given
+            notes.append(f"{name}: {given:g} (given)")
+        elif (seen_scv := derived[name]) is not None:
+            spreads[name] = seen_scv
+            notes.append(f"{name}: {seen_scv:.3g} (from the spread of per-worker window means)")
+        else:
+            notes.append(f"{name}: 1 (not observed; assumed)")
+    if o.rate_profile is not None:
+        notes.append(f"rate profile: given, {len(o.rate_profile)} entries of "
+                     f"{o.profile_window_s or seen.profile_window_s:g} s")
     demand = CapacityDemand(qps=qps, input_tokens=prompt, cached_fraction=cached,
                             output_tokens=output, decode_local_share=share,
                             local_append_tokens=append, rate_profile=o.rate_profile
                             if o.rate_profile is not None else seen.rate_profile,
-                            profile_window_s=seen.profile_window_s, **spreads)
+                            profile_window_s=o.profile_window_s or seen.profile_window_s,
+                            **spreads)
     if o.params is not None:
         params, param_notes = o.params, ["physics: given"]
     else:

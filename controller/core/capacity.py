@@ -43,7 +43,8 @@ above that floor.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -115,6 +116,19 @@ class CapacityDemand:
         factors = np.array([lv[0] for lv in levels])
         weights = np.array([lv[1] for lv in levels])
         return factors, weights / weights.sum()
+
+    def smoothed(self, seconds: float) -> CapacityDemand:
+        """This demand with its rate profile averaged over ``seconds`` (a moving average):
+        what a role whose requests stay ``seconds`` sees (a decode worker holds a request for
+        its whole output, so a one-second burst does not fill its batch)."""
+        k = int(seconds // self.profile_window_s)
+        if k <= 1 or len(self.rate_profile) < 2:
+            return self
+        f = np.asarray(self.rate_profile, dtype=np.float64)
+        if k >= f.size:
+            return replace(self, rate_profile=(1.0,))
+        avg = np.convolve(f, np.ones(k) / k, mode="valid")
+        return replace(self, rate_profile=tuple(float(v) for v in avg))
 
     def peak_factor(self, quantile: float = 0.99) -> float:
         """The rate factor the ``quantile`` request sees (request-weighted)."""
@@ -317,10 +331,12 @@ class PrefillState:
     mean_service_s: float
     mean_wait_s: float
     p99_ttft_s: float
+    workers: int = 1
 
 
 def _prefill_laws(p: ComponentParams, demand: CapacityDemand) -> tuple[np.ndarray, np.ndarray]:
-    """Equally likely (service time, TTFT without queueing) of prefill-node requests."""
+    """Equally likely (service time, TTFT without queueing) of prefill-node requests, paired
+    (the same index is the same request)."""
     tokens = token_quantiles(demand.prefill_node_tokens, demand.prefill_scv)
     cached = max(demand.input_tokens - demand.prefill_node_tokens, 0.0)
     service = (p.prefill_base_s + p.prefill_per_token_s * tokens
@@ -336,52 +352,85 @@ def prefill_quantile(demand: CapacityDemand) -> float:
     return max(0.9, 1.0 - (1.0 - _QUANTILE) / share_p)
 
 
+POOL_SAMPLES = 12_000  # requests simulated per evaluation of the prefill pool (at least)
+MAX_POOL_SAMPLES = 120_000  # ... and at most, even when one pass over the profile has more
+POOL_SEED = 20_261_130  # fixed: the same draws for every load (monotone in it, reproducible)
+
+
+def _pool_draws(n: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``n`` unit-rate Poisson points and request indices into a law of ``size``
+    values; the same for every call (common random numbers: a higher rate only compresses
+    the same arrivals, so every request's wait grows with it). Two streams, so that the
+    points do not depend on how many indices are drawn."""
+    points = np.cumsum(np.random.default_rng(POOL_SEED).exponential(1.0, n))
+    return points, np.random.default_rng(POOL_SEED + 1).integers(0, size, n)
+
+
+def _arrival_times(points: np.ndarray, rate: float, profile: Sequence[float],
+                   window_s: float) -> np.ndarray:
+    """Times of the unit-rate ``points`` in a Poisson process whose rate is ``rate x f`` in
+    successive windows of ``window_s`` (``f`` = the profile in its observed order, repeated):
+    the inverse of the cumulative intensity."""
+    f = np.asarray(profile, dtype=np.float64)
+    f = f / f.mean()
+    cum = np.concatenate([[0.0], np.cumsum(f)]) * window_s  # intensity over one cycle, rate 1
+    y = points / rate
+    cycle, rest = np.divmod(y, cum[-1])
+    i = np.clip(np.searchsorted(cum, rest, side="right") - 1, 0, f.size - 1)
+    inside = np.where(f[i] > 0, (rest - cum[i]) / np.where(f[i] > 0, f[i], 1.0), 0.0)
+    out: np.ndarray = cycle * f.size * window_s + i * window_s + inside
+    return out
+
+
+def pool_waits(arrivals: np.ndarray, service: np.ndarray, servers: int) -> np.ndarray:
+    """Queueing wait of each arrival (sorted times) at ``servers`` FCFS servers fed by
+    least-pending-work dispatch: a request joins the server that frees first, so the pool is
+    one M/G/c FCFS queue (the Kiefer-Wolfowitz recursion, exact for this dispatch)."""
+    import heapq
+
+    free = [0.0] * max(servers, 1)
+    waits = np.empty(arrivals.size)
+    for j, (t, s) in enumerate(zip(arrivals.tolist(), service.tolist(), strict=True)):
+        f = free[0]
+        start = f if f > t else t
+        heapq.heapreplace(free, start + s)
+        waits[j] = start - t
+    return waits
+
+
+def pool_ttft_quantile(rate: float, servers: int, service: np.ndarray, own: np.ndarray,
+                       q: float, profile: Sequence[float] = (1.0,), window_s: float = 30.0,
+                       wait_scale: float = 1.0, samples: int = POOL_SAMPLES) -> tuple[float, float]:
+    """(quantile ``q``, mean wait) of wait + own time over ``samples`` requests arriving at
+    ``rate`` (modulated by ``profile``) to ``servers`` prefill workers. ``service`` and
+    ``own`` are paired equally likely values (a request's own time includes its service);
+    the wait is stretched by ``wait_scale`` (the latency model's fitted queue scale)."""
+    if rate <= 0:
+        return float(np.quantile(own, q)), 0.0
+    # at least one whole pass over the profile: its busiest window must be in the sample
+    per_pass = rate * len(profile) * window_s
+    n = int(min(max(samples, 1.05 * per_pass + 1), MAX_POOL_SAMPLES))
+    points, idx = _pool_draws(n, service.size)
+    arrivals = _arrival_times(points, rate, profile, window_s)
+    waits = pool_waits(arrivals, service[idx], servers) * wait_scale
+    return float(np.quantile(waits + own[idx], q)), float(waits.mean())
+
+
 def prefill_state(p: ComponentParams, demand: CapacityDemand, rate_per_worker: float,
                   decode_step_s: float, laws: tuple[np.ndarray, np.ndarray] | None = None,
-                  ) -> PrefillState:
-    """p99 TTFT of prefill-node requests when one prefill worker sees ``rate_per_worker`` on
-    average, over the requests of every rate level of the profile.
-
-    Below ``MAX_PREFILL_UTILISATION`` a level is an M/G/1 queue at its own rate. Busier, a
-    window of ``profile_window_s`` is too short for the queue to settle: it is the M/G/1 queue
-    at that utilisation plus a fluid backlog, the excess work piling up through the window (a
-    request arriving a fraction ``u`` into it waits ``(rho - rho_max) u window`` more).
-    """
+                  workers: int = 1) -> PrefillState:
+    """p99 TTFT of prefill-node requests when a pool of ``workers`` prefill workers sees
+    ``rate_per_worker`` each on average, the rate varying as the demand's profile does (in
+    its observed order: a busy window leaves its backlog to the next)."""
     service, own = laws if laws is not None else _prefill_laws(p, demand)
     mean_s = float(service.mean())
-    second = float((service * service).mean())
     # after the KV arrives the decode worker emits the first token in its next step (on
     # average half a step to join one, plus the step itself)
-    own = np.sort(own + 1.5 * decode_step_s)
-    factors, weights = demand.rate_levels()
-    cap_rho = MAX_PREFILL_UTILISATION
-    levels = []
-    for f, w in zip(factors, weights, strict=True):
-        rho = rate_per_worker * f * mean_s
-        rho_q = min(rho, cap_rho)
-        # Pollaczek-Khinchine, scaled as the latency model fitted it
-        wait = p.prefill_queue_scale * (rho_q / mean_s) * second / (2.0 * (1.0 - rho_q))
-        backlog = max(rho - cap_rho, 0.0) * demand.profile_window_s
-        levels.append((w, rho_q, wait, backlog))
-    rho_mean = rate_per_worker * mean_s
-    wait_mean = (p.prefill_queue_scale * rate_per_worker * second / (2.0 * (1.0 - rho_mean))
-                 if rho_mean < 1.0 else math.inf)
-    longest = max(b for *_, b in levels)
-    waits = [wt for _, _, wt, _ in levels if math.isfinite(wt)]
-    t = np.linspace(0.0, float(own[-1]) + 30.0 * max(waits, default=0.0) + longest + 1e-9,
-                    4 * _GRID)
-    dt = t[1] - t[0]
-    survival = np.zeros_like(t)
-    for w, rho, _, backlog in levels:
-        surv = sojourn_survival(rho, service, own, t, p.prefill_queue_scale)
-        if backlog > 0:
-            # average over arrival positions u in the window: shift by u * backlog
-            shifts = np.rint(np.linspace(0.0, backlog, _BACKLOG_POINTS) / dt).astype(np.int64)
-            surv = np.mean([np.concatenate([np.ones(min(k, t.size)), surv[:max(t.size - k, 0)]])
-                            for k in shifts], axis=0)
-        survival += w * surv
-    p99 = quantile_of(t, survival, prefill_quantile(demand))
-    return PrefillState(rate_per_worker, rho_mean, mean_s, wait_mean, p99)
+    own = own + 1.5 * decode_step_s
+    p99, wait = pool_ttft_quantile(rate_per_worker * workers, workers, service, own,
+                                   prefill_quantile(demand), demand.rate_profile,
+                                   demand.profile_window_s, p.prefill_queue_scale)
+    return PrefillState(rate_per_worker, rate_per_worker * mean_s, mean_s, wait, p99, workers)
 
 
 def _largest(ok: Any, hi: float) -> float:
@@ -406,6 +455,9 @@ def _ceil_workers(demand: float, capacity: float, headroom: float) -> int:
     return max(1, math.ceil(demand * (1.0 + headroom) / capacity - 1e-9))
 
 
+MAX_PREFILL_WORKERS = 4096  # the search for the prefill count stops here
+
+
 def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
                   headroom: float, current: int | None, observed: ObservedRange | None,
                   decode_step_s: float) -> RoleRecommendation:
@@ -423,10 +475,14 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
         "when saturated",
     ]
     if factors.size > 1:
-        lines.append(f"arrival rate varies: windows from {factors[0]:.2g}x to {factors[-1]:.2g}x "
-                     f"the mean; the p99 is over the requests of all of them")
-    saturation = MAX_PREFILL_UTILISATION / mean_s
-    zero = prefill_state(p, demand, 0.0, decode_step_s, laws).p99_ttft_s
+        lines.append(f"arrival rate varies: windows of {demand.profile_window_s:g} s from "
+                     f"{factors[0]:.2g}x to {factors[-1]:.2g}x the mean, in their observed "
+                     "order; the p99 is over the requests of all of them")
+
+    def p99(x: float, workers: int) -> float:
+        return prefill_state(p, demand, x, decode_step_s, laws, workers).p99_ttft_s
+
+    zero = p99(0.0, 1)
     # An SLO below the unloaded p99 cannot be met by any count: plan for a p99 close to that
     # floor instead (a tighter SLO never asks for fewer workers than a looser one).
     target = max(slo_ttft_s, UNREACHABLE_SLACK * zero)
@@ -434,24 +490,38 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
         lines.append(f"p99 TTFT is {zero:.3g} s even with no queueing, above the "
                      f"{slo_ttft_s:g} s SLO: no prefill count meets it; sized for a p99 of "
                      f"{target:.3g} s instead")
-    cap = _largest(lambda x: prefill_state(p, demand, x, decode_step_s, laws).p99_ttft_s
-                   <= target,
-                   saturation)
+    # The pool is one queue (least-pending-work dispatch): its p99 depends on the count, not
+    # only on the load per worker, so the count is searched, from the throughput bound up.
+    load = rate * (1.0 + headroom)
+    saturated = max(1, math.ceil(load * mean_s / MAX_PREFILL_UTILISATION - 1e-9))
+    workers = saturated
+    if load > 0:
+        while workers < MAX_PREFILL_WORKERS and p99(load / workers, workers) > target:
+            workers += 1
+    saturation = MAX_PREFILL_UTILISATION / mean_s
+    # largest rate per worker this pool carries within the target (the recommendation's
+    # capacity): at least the planned load, which it was found to meet
+    floor = load / workers  # the search found it within the target
+    cap = _largest(lambda x: x <= floor or p99(x, workers) <= target, saturation)
     if zero > slo_ttft_s:
         binding = "p99 TTFT (unreachable)"
-    elif cap >= saturation * (1 - 1e-9):
+    elif workers == saturated and cap >= saturation * (1 - 1e-9):
         binding = "compute saturation"
         lines.append(f"p99 TTFT stays within {slo_ttft_s:g} s up to "
                      f"{MAX_PREFILL_UTILISATION:.0%} utilisation: throughput binds")
     else:
         binding = "p99 TTFT"
-        lines.append(f"p99 TTFT reaches the {slo_ttft_s:g} s SLO at {cap:.3g} req/s "
-                     f"per worker ({cap * mean_s:.0%} busy; M/G/1 tail)")
-    workers = _ceil_workers(rate, cap, headroom)
-    at = prefill_state(p, demand, rate / workers, decode_step_s, laws)
-    lines.append(f"{workers} worker(s) = ceil({rate:.3g} x {1 + headroom:g} headroom / "
-                 f"{cap:.3g}); predicted p99 TTFT {at.p99_ttft_s:.3g} s at "
-                 f"{at.utilisation:.0%} busy")
+        lines.append(f"p99 TTFT reaches the {slo_ttft_s:g} s SLO at {cap:.3g} req/s per "
+                     f"worker with {workers} worker(s) ({cap * mean_s:.0%} busy; one FCFS "
+                     "queue for the pool, simulated over the rate profile)")
+    cap = max(cap, 1e-12)
+    at = prefill_state(p, demand, rate / workers, decode_step_s, laws, workers)
+    lines.append(f"{workers} worker(s): the fewest whose p99 TTFT at {rate:.3g} x "
+                 f"{1 + headroom:g} headroom req/s is within {target:.3g} s; predicted p99 "
+                 f"TTFT {at.p99_ttft_s:.3g} s at {at.utilisation:.0%} busy")
+    if workers > 1:
+        fewer = p99(rate / (workers - 1), workers - 1)
+        lines.append(f"with {workers - 1}: predicted p99 TTFT {fewer:.3g} s")
     extrapolated = observed is None or rate / workers > observed.prefill_rate_per_worker * 1.05
     if observed is None:
         lines.append("no observed load range: the model is not checked against measurements")
@@ -461,7 +531,7 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
     return RoleRecommendation(
         role="prefill", workers=workers, current_workers=current, per_worker_capacity=cap,
         capacity_unit="req/s", demand=rate,
-        utilisation=rate / (workers * cap) if cap > 0 else math.inf, binding=binding,
+        utilisation=rate / (workers * cap), binding=binding,
         predicted_p99_s=at.p99_ttft_s, extrapolated=extrapolated, explanation=tuple(lines),
     )
 
@@ -639,10 +709,17 @@ def plan_capacity(
             raise CapacityError(f"{name}: must be > 0, got {v!r}")
     if not math.isfinite(headroom) or headroom < 0:
         raise CapacityError(f"headroom: must be >= 0, got {headroom!r}")
-    decode = _plan_decode(params, demand, slo_tpot_s, headroom,
+    # decode sees the rate averaged over a request's stay (its output at the TPOT SLO)
+    held = demand.smoothed(demand.output_tokens * slo_tpot_s)
+    decode = _plan_decode(params, held, slo_tpot_s, headroom,
                           current[1] if current else None, observed, kv_capacity_tokens,
                           max_num_seqs)
-    step = decode_state(params, demand, demand.decode_tokens_per_s / decode.workers).step_s
+    if held is not demand:
+        decode = replace(decode, explanation=(
+            f"arrival rate averaged over {demand.output_tokens * slo_tpot_s:.3g} s (a request's "
+            f"stay: {demand.output_tokens:.0f} tokens at the TPOT SLO) for decode",
+            *decode.explanation))
+    step = decode_state(params, held, demand.decode_tokens_per_s / decode.workers).step_s
     if not math.isfinite(step):
         step = params.step_base_s
     prefill = _plan_prefill(params, demand, slo_ttft_s, headroom,

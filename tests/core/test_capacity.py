@@ -80,9 +80,14 @@ def test_headroom_adds_workers_and_caps_utilisation() -> None:
 
 def test_tighter_slo_needs_more_workers() -> None:
     demand = replace(BASE, qps=60.0)
-    loose, tight = plan(demand, slo_ttft_s=2.0), plan(demand, slo_ttft_s=0.6)
+    # a steady load: the pool is one queue whose p99 stays near the unloaded one until the
+    # pool is nearly saturated, so throughput binds a loose SLO; a bursty load queues, and
+    # the SLO decides
+    bursty = replace(demand, rate_profile=(0.5, 0.5, 0.5, 2.5), profile_window_s=10.0)
+    loose, tight = plan(bursty, slo_ttft_s=5.0), plan(bursty, slo_ttft_s=1.0)
     assert tight.prefill.workers > loose.prefill.workers
     assert tight.prefill.binding == "p99 TTFT"
+    assert plan(demand, slo_ttft_s=5.0).prefill.binding == "compute saturation"
     loose_d, tight_d = plan(demand, slo_tpot_s=0.1), plan(demand, slo_tpot_s=0.012)
     assert tight_d.decode.workers > loose_d.decode.workers
     assert tight_d.decode.binding == "p99 TPOT"
