@@ -148,3 +148,55 @@ def test_rate_profile_drops_counting_noise_and_keeps_bursts() -> None:
     assert max(kept) > 3.0  # 100 req/s against a mean of 25
     assert np.mean(kept) == pytest.approx(1.0)
     assert rate_profile([], []) == (1.0,)
+
+
+def _worker_rows(seed: int, rows: int, scv: float, curve: tuple[float, float, float],
+                 max_requests: int) -> Any:
+    """Per-worker window means of gamma-distributed prompts priced by a known curve."""
+    from controller.capacity_planner import WorkerMeans
+
+    rng = np.random.default_rng(seed)
+    n = rng.integers(1, max_requests + 1, rows).astype(np.float64)
+    tokens, times = [], []
+    for k in n:
+        prompts = rng.gamma(1.0 / scv, 8000.0 * scv, int(k))
+        tokens.append(prompts.mean())
+        times.append(float(np.mean(curve[0] + curve[1] * prompts + curve[2] * prompts**2)))
+    return WorkerMeans(n, np.array(tokens), np.array(times))
+
+
+def test_prefill_curve_refit_sees_the_attention_term() -> None:
+    from controller.capacity_planner import fit_prefill_curve, token_scv
+
+    curve = (0.008, 19e-6, 0.65e-9)
+    rows = _worker_rows(1, 200, 2.0, curve, 4)
+    fitted = fit_prefill_curve(rows, token_scv(rows))
+    assert fitted is not None
+    (_base, per_token, per_token2), used = fitted
+    assert used == int((rows.requests == 1).sum())  # the exact single-request rows
+    assert per_token2 == pytest.approx(curve[2], rel=0.05)
+    assert per_token == pytest.approx(curve[1], rel=0.1)
+    # prompts that do not vary cannot tell a linear from a quadratic cost
+    flat = _worker_rows(2, 200, 0.001, curve, 4)
+    assert fit_prefill_curve(flat, token_scv(flat)) is None
+
+
+def test_token_spread_from_per_worker_means() -> None:
+    from controller.capacity_planner import token_scv
+
+    for scv in (0.5, 2.0):
+        rows = _worker_rows(3, 400, scv, (0.0, 1e-5, 0.0), 6)
+        assert token_scv(rows) == pytest.approx(scv, rel=0.3), scv
+    assert token_scv(_worker_rows(4, 5, 1.0, (0.0, 1e-5, 0.0), 6)) is None  # too few rows
+
+
+def test_token_spreads_come_from_the_windows_unless_given() -> None:
+    settings = load_settings(None)
+    windows = measured(sim_run()[0])
+    plan = plan_from_windows(windows, settings)
+    lines = plan.prefill.explanation
+    assert any(line.startswith("input_scv:") and "per-worker window means" in line
+               for line in lines)
+    assert "append_scv: 1 (not observed; assumed)" in lines
+    given = plan_from_windows(windows, settings, PlanOverrides(input_scv=0.25))
+    assert given.demand.input_scv == 0.25 and "input_scv: 0.25 (given)" in given.decode.explanation

@@ -103,6 +103,28 @@ def print_plan(plan: CapacityPlan) -> None:
     _print_role(plan.decode, plan.slo_tpot_s, common)
 
 
+def read_arrivals(path: Path, interval_s: float) -> tuple[float, ...]:
+    """The rate profile of a file of arrival counts (one per line, ``#`` comments), with the
+    counting noise shrunk out as for the windows' profile."""
+    from controller.capacity_planner import rate_profile
+
+    counts: list[float] = []
+    for n, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        text = raw.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"line {n}: {text!r} is not a count") from None
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"line {n}: a count must be a finite number >= 0, got {text!r}")
+        counts.append(value)
+    if sum(counts) <= 0:
+        raise ValueError("no arrivals (needs counts with a positive sum)")
+    return rate_profile([c / interval_s for c in counts], [interval_s] * len(counts))
+
+
 @app.command("plan")
 def plan_command(
     qps: Annotated[float | None, typer.Option("--qps", min=0.0,
@@ -123,6 +145,25 @@ def plan_command(
     ] = None,
     max_num_seqs: Annotated[int | None, typer.Option(
         "--max-num-seqs", min=1, help="Engine max_num_seqs of a decode worker.")] = None,
+    prefill_scv: Annotated[float | None, typer.Option(
+        "--prefill-scv", min=0.0,
+        help="Squared CV of the tokens a prefill worker computes per request (default: from "
+             "the spread of the workers' window means).")] = None,
+    input_scv: Annotated[float | None, typer.Option(
+        "--input-scv", min=0.0,
+        help="Squared CV of whole prompts, the KV a decoding request holds (default: from "
+             "the windows).")] = None,
+    append_scv: Annotated[float | None, typer.Option(
+        "--append-scv", min=0.0,
+        help="Squared CV of the tokens a decode-local request computes (default 1).")] = None,
+    arrivals: Annotated[Path | None, typer.Option(
+        "--arrivals", exists=True, dir_okay=False,
+        help="Arrival counts per --arrivals-interval, one per line (e.g. from a gateway's "
+             "access log): the rate profile, finer than the windows' (bursts within a window "
+             "queue prefill).")] = None,
+    arrivals_interval_s: Annotated[float, typer.Option(
+        "--arrivals-interval", min=0.001,
+        help="Seconds each --arrivals count covers.")] = 1.0,
     history_s: Annotated[float | None, typer.Option(
         "--history", min=1.0,
         help="Seconds of stored windows to plan on (default [capacity] interval_s).")] = None,
@@ -149,10 +190,19 @@ def plan_command(
         typer.echo("error: the store holds no windows to plan on; give the load with --qps, "
                    "--input-tokens and --output-tokens (or run the daemon first)", err=True)
         raise typer.Exit(_EXIT_BAD_INPUT)
+    profile = None
+    if arrivals is not None:
+        try:
+            profile = read_arrivals(arrivals, arrivals_interval_s)
+        except ValueError as e:
+            typer.echo(f"error: --arrivals {arrivals}: {e}", err=True)
+            raise typer.Exit(_EXIT_BAD_INPUT) from None
     overrides = PlanOverrides(
         qps=qps, input_tokens=input_tokens, output_tokens=output_tokens, ttft_slo_s=ttft_slo,
         tpot_slo_s=tpot_slo, headroom=headroom, kv_capacity_tokens=kv_tokens,
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=max_num_seqs, prefill_scv=prefill_scv, input_scv=input_scv,
+        append_scv=append_scv, rate_profile=profile,
+        profile_window_s=arrivals_interval_s if profile is not None else None,
     )
     try:
         plan = plan_from_windows(windows, settings, overrides)

@@ -6,22 +6,31 @@ turns them around (load -> latency becomes SLO -> largest load per worker).
 
 **Load that varies.** ``CapacityDemand.rate_profile`` holds each observed window's arrival
 rate over the mean. The SLO is a p99 over *all* requests, so every latency below is computed
-per rate level and mixed by the share of requests each level carries; a steady load is the
-one-level profile ``(1.0,)``.
+per rate level and mixed by the share of requests each level carries (prefill: over the
+profile in its order); a steady load is the one-level profile ``(1.0,)``. A profile may be
+finer than the windows (a gateway's arrival log, ``profile_window_s`` = 1 s): decode sees it
+averaged over a request's stay (its output tokens at the TPOT SLO), since a burst shorter than
+that does not fill a decode batch.
 
 **Prefill.** Requests the policy sends to a prefill node compute their uncached prompt
 tokens ``L`` on top of ``C`` cached ones: ``S = base + a L + a2 (L^2 + 2 L C)`` (the quadratic
 term is causal attention, which also reads the cached prefix). ``L`` follows a gamma law with
 the observed mean and squared CV ``prefill_scv`` (kept as 1,024 equally likely values), so the
-service law and its moments follow from the fitted curve. Each prefill worker is an M/G/1
-queue (FCFS, its wait stretched by the latency model's fitted ``prefill_queue_scale``); the p99
-needs the wait's whole law, not its Pollaczek-Khinchine mean: the Benes form (a geometric
-number of residual service times, evaluated with FFTs) convolved with the request's own time
-(prefill + KV transfer + the first decode step). A rate level busier than
-``MAX_PREFILL_UTILISATION`` adds a fluid backlog over its window (a window is too short for the
-queue to settle). The largest mean rate per worker whose
-mixed p99 TTFT stays within the SLO is the capacity; the quantile is the one of prefill-node
-requests that makes the p99 of all requests (decode-local first tokens are fast).
+service law follows from the fitted curve. Routers send a prefill request to the worker with
+the least pending prefill work, so the pool is one M/G/c FCFS queue (a request waits for the
+first worker to free up, not behind whatever one worker drew): its waits are simulated
+(Kiefer-Wolfowitz recursion, ``POOL_SAMPLES`` requests, a fixed seed and common random numbers,
+so the result is deterministic and grows with the rate) with Poisson arrivals whose rate follows
+the profile window by window *in its observed order* (a busy window leaves its backlog to the
+next), each wait stretched by the latency model's fitted ``prefill_queue_scale`` and added to
+the request's own time (prefill + KV transfer + the first decode step). The p99 of the pool is
+not a function of the load per worker alone (a pool of 3 absorbs a long prompt better than one
+worker), so the count is searched: the fewest workers whose p99 TTFT at the demand (with
+headroom) is within the SLO, from the throughput bound (``MAX_PREFILL_UTILISATION``) up. The
+quantile is the one of prefill-node requests that makes the p99 of all requests (decode-local
+first tokens are fast). (The first versions modelled each worker as its own M/G/1 queue, with
+an exponential tail and then the exact Benes law; :func:`sojourn_quantile` keeps the latter as
+a check of the simulation at one worker.)
 
 **Decode.** A decode step takes ``T = base + u B + c P_step`` (``u`` = per-sequence plus
 per-context-token cost at the mean resident context, ``c`` per prefill token computed in the
@@ -35,7 +44,8 @@ TPOT SLO, within the KV cache (the p99 of the resident tokens of ``B`` sequences
 lengths varying with ``input_scv``, at the p99 request's rate level) and within
 ``max_num_seqs``; the first to bind names the constraint.
 
-**Workers** = ``ceil(demand (1 + headroom) / capacity)``, at least 1 per role. A p99 TTFT SLO
+**Workers** = ``ceil(demand (1 + headroom) / capacity)`` for decode (capacity per worker does
+not depend on the count there), the searched count for prefill; at least 1 per role. A p99 TTFT SLO
 below the unloaded p99 cannot be met by any count: the plan says so and sizes for a p99 10%
 above that floor.
 """

@@ -108,3 +108,29 @@ def test_plan_by_hand_moves_with_the_flags(tmp_path: Path) -> None:
 def test_unavailable_store_without_a_load_exits_3(tmp_path: Path) -> None:
     result = runner.invoke(app, ["plan", "--url", f"sqlite:///{tmp_path / 'none.db'}"])
     assert result.exit_code == 3
+
+
+def test_spread_and_arrival_flags_reach_the_plan(tmp_path: Path) -> None:
+    config = _config(tmp_path, with_windows=False)
+    base = ["--config", str(config), "--qps", "20", "--input-tokens", "3000",
+            "--output-tokens", "300", "--ttft-slo", "1.0"]
+    doc = _plan(*base, "--prefill-scv", "0.5", "--input-scv", "2", "--append-scv", "0")
+    demand = doc["demand"]
+    assert isinstance(demand, dict)
+    assert (demand["prefill_scv"], demand["input_scv"], demand["append_scv"]) == (0.5, 2.0, 0.0)
+    # the same mean rate, arriving in one-second bursts: more prefill workers
+    steady, bursty = tmp_path / "steady.txt", tmp_path / "bursty.txt"
+    steady.write_text("# arrivals per second\n" + "20\n" * 60)
+    bursty.write_text("2\n2\n2\n74\n" * 15)
+    flat = _plan(*base, "--arrivals", str(steady))
+    spiky = _plan(*base, "--arrivals", str(bursty), "--arrivals-interval", "1")
+    flat_d, spiky_d = flat["demand"], spiky["demand"]
+    assert isinstance(flat_d, dict) and isinstance(spiky_d, dict)
+    assert flat_d["profile_window_s"] == 1.0 and len(spiky_d["rate_profile"]) == 60
+    p_flat, p_spiky = flat["prefill"], spiky["prefill"]
+    assert isinstance(p_flat, dict) and isinstance(p_spiky, dict)
+    assert p_spiky["workers"] > p_flat["workers"]
+    bad = tmp_path / "bad.txt"
+    bad.write_text("3\nmany\n")
+    result = runner.invoke(app, ["plan", *base, "--arrivals", str(bad)])
+    assert result.exit_code == 2 and "line 2" in result.output

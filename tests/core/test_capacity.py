@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -230,3 +231,53 @@ def test_kv_limit_shrinks_with_prompt_spread() -> None:
     spread = kv_batch_limit(KV, replace(BASE, input_scv=3.0))
     mean_ctx = BASE.input_tokens + BASE.output_tokens / 2
     assert spread < even < KV / mean_ctx
+
+
+def test_pool_of_one_worker_matches_the_mg1_law() -> None:
+    from controller.core.capacity import pool_ttft_quantile
+
+    exponential = token_quantiles(1.0, 1.0, 4096)
+    for rho in (0.5, 0.8):
+        simulated, _ = pool_ttft_quantile(rho, 1, exponential, exponential, 0.99,
+                                          samples=60_000)
+        # the Benes law of the M/G/1 sojourn, computed independently (FFT)
+        assert simulated == pytest.approx(sojourn_quantile(rho, exponential, exponential),
+                                          rel=0.1), rho
+
+
+def test_pool_waits_follow_erlang_c() -> None:
+    from controller.core.capacity import pool_ttft_quantile
+
+    servers, rho = 3, 0.8
+    rate = servers * rho  # unit-mean exponential service
+    a = rate
+    tail = a**servers / math.factorial(servers) / (1 - rho)
+    erlang_c = tail / (sum(a**k / math.factorial(k) for k in range(servers)) + tail)
+    # M/M/c: P(W > t) = C exp(-(c - rate) t), so the 0.99 quantile of the wait alone
+    expected = math.log(erlang_c / 0.01) / (servers - rate)
+    exponential = token_quantiles(1.0, 1.0, 4096)
+    waits, mean_wait = pool_ttft_quantile(rate, servers, exponential, np.zeros(4096), 0.99,
+                                          samples=80_000)
+    assert waits == pytest.approx(expected, rel=0.1)
+    assert mean_wait == pytest.approx(erlang_c / (servers - rate), rel=0.15)
+
+
+def test_a_pool_absorbs_long_prompts_better_than_split_queues() -> None:
+    from controller.core.capacity import pool_ttft_quantile
+
+    heavy = token_quantiles(1.0, 4.0)
+    split, _ = pool_ttft_quantile(0.6, 1, heavy, heavy, 0.99)  # each worker its own queue
+    pooled, _ = pool_ttft_quantile(3 * 0.6, 3, heavy, heavy, 0.99)  # least-work dispatch
+    assert pooled < 0.7 * split
+
+
+def test_decode_sees_the_rate_averaged_over_a_stay() -> None:
+    steady = replace(BASE, qps=40.0, rate_profile=(1.0,), profile_window_s=1.0)
+    # one-second bursts (an arrival log): a decode request stays 250 tokens x 40 ms = 10 s
+    spiky = replace(steady, rate_profile=(0.4, 0.4, 0.4, 2.8) * 30)
+    assert max(spiky.smoothed(10.0).rate_profile) < 1.2
+    assert spiky.smoothed(0.5) is spiky
+    a, b = plan(steady), plan(spiky)
+    assert b.decode.workers == a.decode.workers
+    assert b.prefill.workers > a.prefill.workers
+    assert any("averaged over" in line for line in b.decode.explanation)
