@@ -113,3 +113,21 @@ def test_shape_change_finds_the_first_window_of_the_current_worker_counts() -> N
     windows = [_shaped(30.0 * i, 2 if i < 5 else 1, 6) for i in range(8)]
     assert shape_change(windows) == 150.0
     assert shape_change([_shaped(30.0 * i, 2, 6) for i in range(4)]) is None
+
+
+def test_a_scaling_calibration_learns_from_the_windows_after_the_change() -> None:
+    from controller.config import load_settings
+    from controller.learning import MIN_MIX_WINDOWS, MIN_REGIME_WINDOWS, CoreLearner
+
+    learner = CoreLearner(load_settings())
+    long_after = [_shaped(30.0 * i, 2 if i < 5 else 1, 6) for i in range(5 + MIN_REGIME_WINDOWS)]
+    windows, config = learner._regime(long_after, "scaling")
+    assert [w.start for w in windows] == [w.start for w in long_after[5:]]
+    assert config.recent_windows == MIN_REGIME_WINDOWS
+    # Too few windows since the change: train on all, take the mix from the newest ones.
+    just_after = long_after[:7]
+    windows, config = learner._regime(just_after, "scaling")
+    assert len(windows) == 7 and config.recent_windows == MIN_MIX_WINDOWS
+    # A scheduled calibration is not about a change: everything, default mix.
+    windows, config = learner._regime(long_after, "schedule")
+    assert len(windows) == len(long_after) and config.recent_windows == 20
