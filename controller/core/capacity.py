@@ -362,7 +362,7 @@ def prefill_quantile(demand: CapacityDemand) -> float:
     return max(0.9, 1.0 - (1.0 - _QUANTILE) / share_p)
 
 
-POOL_SAMPLES = 12_000  # requests simulated per evaluation of the prefill pool (at least)
+POOL_SAMPLES = 30_000  # requests simulated per evaluation of the prefill pool (at least)
 MAX_POOL_SAMPLES = 120_000  # ... and at most, even when one pass over the profile has more
 POOL_SEED = 20_261_130  # fixed: the same draws for every load (monotone in it, reproducible)
 
@@ -370,10 +370,12 @@ POOL_SEED = 20_261_130  # fixed: the same draws for every load (monotone in it, 
 def _pool_draws(n: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     """The first ``n`` unit-rate Poisson points and request indices into a law of ``size``
     values; the same for every call (common random numbers: a higher rate only compresses
-    the same arrivals, so every request's wait grows with it). Two streams, so that the
-    points do not depend on how many indices are drawn."""
+    the same arrivals, so every request's wait grows with it)."""
     points = np.cumsum(np.random.default_rng(POOL_SEED).exponential(1.0, n))
-    return points, np.random.default_rng(POOL_SEED + 1).integers(0, size, n)
+    # stratified: every value of the law equally often, in random order (the rare long
+    # prompts that make the p99 are never over- or under-drawn)
+    idx = np.random.default_rng(POOL_SEED + 1).permutation(np.resize(np.arange(size), n))
+    return points, idx
 
 
 def _arrival_times(points: np.ndarray, rate: float, profile: Sequence[float],
@@ -410,7 +412,8 @@ def pool_waits(arrivals: np.ndarray, service: np.ndarray, servers: int) -> np.nd
 
 def pool_ttft_quantile(rate: float, servers: int, service: np.ndarray, own: np.ndarray,
                        q: float, profile: Sequence[float] = (1.0,), window_s: float = 30.0,
-                       wait_scale: float = 1.0, samples: int = POOL_SAMPLES) -> tuple[float, float]:
+                       wait_scale: float = 1.0, samples: int | None = None,
+                       ) -> tuple[float, float]:
     """(quantile ``q``, mean wait) of wait + own time over ``samples`` requests arriving at
     ``rate`` (modulated by ``profile``) to ``servers`` prefill workers. ``service`` and
     ``own`` are paired equally likely values (a request's own time includes its service);
@@ -419,7 +422,7 @@ def pool_ttft_quantile(rate: float, servers: int, service: np.ndarray, own: np.n
         return float(np.quantile(own, q)), 0.0
     # at least one whole pass over the profile: its busiest window must be in the sample
     per_pass = rate * len(profile) * window_s
-    n = int(min(max(samples, 1.05 * per_pass + 1), MAX_POOL_SAMPLES))
+    n = int(max(samples or POOL_SAMPLES, min(1.05 * per_pass + 1, MAX_POOL_SAMPLES)))
     points, idx = _pool_draws(n, service.size)
     arrivals = _arrival_times(points, rate, profile, window_s)
     waits = pool_waits(arrivals, service[idx], servers) * wait_scale

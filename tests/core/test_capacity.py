@@ -239,7 +239,7 @@ def test_pool_of_one_worker_matches_the_mg1_law() -> None:
     exponential = token_quantiles(1.0, 1.0, 4096)
     for rho in (0.5, 0.8):
         simulated, _ = pool_ttft_quantile(rho, 1, exponential, exponential, 0.99,
-                                          samples=60_000)
+                                          samples=200_000)
         # the Benes law of the M/G/1 sojourn, computed independently (FFT)
         assert simulated == pytest.approx(sojourn_quantile(rho, exponential, exponential),
                                           rel=0.1), rho
@@ -257,7 +257,7 @@ def test_pool_waits_follow_erlang_c() -> None:
     expected = math.log(erlang_c / 0.01) / (servers - rate)
     exponential = token_quantiles(1.0, 1.0, 4096)
     waits, mean_wait = pool_ttft_quantile(rate, servers, exponential, np.zeros(4096), 0.99,
-                                          samples=80_000)
+                                          samples=200_000)
     assert waits == pytest.approx(expected, rel=0.1)
     assert mean_wait == pytest.approx(erlang_c / (servers - rate), rel=0.15)
 
