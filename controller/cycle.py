@@ -58,6 +58,7 @@ from controller.core.capacity import CapacityPlan
 from controller.core.drift import ScalingEvent, ScalingState, step_scaling
 from controller.core.window import Window
 from controller.learning import (
+    MIN_REGIME_WINDOWS,
     CalibrationOutcome,
     DriftFinding,
     Learner,
@@ -245,6 +246,7 @@ class _Plan:
     recalibrate_request: OperatorRequest | None = None
     calibration_error: str | None = None
     too_few_windows: bool = False  # calibration_error is a lack of data, not a failed fit
+    drift_retry: bool = False  # this calibration is the retry of a refused drift calibration
     scaling: str | None = None  # the scaling event a "scaling" calibration answers
     scaling_recommendation: int | None = None  # ...and the recommendation it applied
     capacity: CapacityPlan | None = None
@@ -353,6 +355,10 @@ class Cycle:
         self._pending_scaling: str | None = None
         self._pending_recommendation: int | None = None  # the scaling reached this one
         self._pending_drift = False
+        # A refused drift calibration is retried once, when the learner can train on the
+        # windows since the change alone (see _write).
+        self._drift_retry_at: float | None = None
+        self._retrying_drift = False
         self.planner = planner
         self._plan_failed_at: float | None = None
         self._exported_recommendation = False
@@ -495,6 +501,9 @@ class Cycle:
             return "scaling"
         if self._pending_drift:
             return "drift"
+        if self._drift_retry_at is not None and now >= self._drift_retry_at:
+            self._retrying_drift = True
+            return "drift"
         if self._pending_scaling is not None:
             return "scaling"
         due = self.next_due()
@@ -555,6 +564,8 @@ class Cycle:
         self._pending_scaling = None  # this calibration sees the new capacity and mix
         self._pending_recommendation = None
         self._pending_drift = False
+        plan.drift_retry, self._retrying_drift = self._retrying_drift, False
+        self._drift_retry_at = None  # this calibration supersedes a pending retry
         if recal is not None and recal.reason:
             reason = f"{trigger}: {recal.reason}"
         elif plan.scaling is not None:  # the policy's provenance says which shape it is for
@@ -628,6 +639,15 @@ class Cycle:
             self._fit_failed_at = self.clock.now()
         elif plan.calibration is not None:
             self._fit_failed_at = None
+            if plan.trigger == "drift" and not plan.calibration.approved \
+                    and not plan.drift_retry and report.candidate_version is not None:
+                # Fitted before MIN_REGIME_WINDOWS windows since the change existed, a drift
+                # calibration trains across the change and is often refused; its windows
+                # then become the drift reference, so the drift does not fire again. Retry
+                # once when the learner can train on the new regime alone (the end-to-end
+                # test waited for the schedule instead).
+                self._drift_retry_at = (self.clock.now()
+                                        + MIN_REGIME_WINDOWS * self.config.interval_s)
         if plan.capacity is not None:  # exported once stored, never before
             self._export_recommendation(plan.capacity.to_dict(), self.clock.now())
 

@@ -191,6 +191,32 @@ async def test_too_few_complete_windows_defer_a_calibration_without_the_fit_back
     assert _running(rig) == dict.fromkeys(rig.agents, 1)
 
 
+async def test_a_refused_drift_calibration_is_retried_once_when_the_regime_can_be_learned(
+    tmp_path: Path,
+) -> None:
+    """Its windows became the drift reference, so the drift will not fire again; the cycle
+    retries once, MIN_REGIME_WINDOWS windows later (the learner then trains on the windows
+    since the change alone), and not again if that one is refused too."""
+    from controller.learning import MIN_REGIME_WINDOWS
+
+    rig = make_rig(tmp_path, routers=1)
+    await _bootstrap(rig)
+    rig.learner.approve = False
+    rig.learner.fire = True
+    refused = await rig.step()
+    assert refused.trigger == "drift" and refused.approved_version is None
+    calls = rig.learner.calibrations
+    for _ in range(MIN_REGIME_WINDOWS - 1):
+        assert (await rig.step()).trigger is None
+    assert rig.learner.calibrations == calls
+    retry = await rig.step()
+    assert retry.trigger == "drift" and rig.learner.reasons[-1].startswith("drift")
+    assert rig.learner.calibrations == calls + 1 and retry.approved_version is None
+    for _ in range(MIN_REGIME_WINDOWS + 2):  # refused again: no further retry
+        assert (await rig.step()).trigger is None
+    assert [c.details["trigger"] for c in rig.store.calibrations()][1:] == ["drift", "drift"]
+
+
 async def test_guardrail_rejection_is_recorded_and_pushes_nothing(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     await _bootstrap(rig)
