@@ -49,11 +49,14 @@ DEMO = REPO / "scenarios" / "demo.toml"
 SHIFT_AT_S = 33.0  # sim seconds: after the first policy is learned and rolled out
 EXPLORATION = 0.2  # the routers' starting policy measures both routes (as the demo's does)
 INTERVAL_S = 3.0
-# The demo recalibrates every 20 s: a drift calibration trained mostly on windows from
-# before the shift may be refused by the guardrail, and the next scheduled one is approved.
-# Here 30 s, so that the first scheduled one (about 30 s after the bootstrap at about 15 s)
-# comes after the drift the shift fires and cannot pre-empt it.
-CALIBRATE_EVERY_S = 30
+# After the shift the drift detectors fired 5-20 s later in our runs. The learner trains a
+# drift calibration on the windows since the change alone once there are 8 of them
+# (controller.learning.MIN_REGIME_WINDOWS; the demo's 5 training windows never allow it);
+# with fewer it trains across the change and the guardrail may refuse the candidate, and
+# the cycle then retries once 8 windows later. The schedule (45 s) must not pre-empt the
+# drift: with 30 s it once came 14 s after the shift, before any drift had fired.
+CALIBRATE_EVERY_S = 45
+TRAINING_WINDOWS = 12
 
 # Dashboard queries that cannot have data in this run, and why. Everything else must.
 NO_DATA_EXPECTED = {
@@ -125,7 +128,7 @@ tpot_s = 0.012
 replica_id = "e2e"
 interval_s = {INTERVAL_S}
 min_training_windows = 3
-training_windows = 5
+training_windows = {TRAINING_WINDOWS}
 min_policy_interval_s = 0
 calibrate_every_s = {CALIBRATE_EVERY_S}
 bake_windows = 2
@@ -261,7 +264,8 @@ def test_a_scripted_shift_is_detected_recalibrated_canaried_and_promoted(
                 try:
                     version, promoted_at = _wait(
                         "drift → approval → canary → promotion → every router acknowledging",
-                        lambda: _recovered(store, shift_at), SHIFT_AT_S + 90, log)
+                        lambda: _recovered(store, shift_at),
+                        SHIFT_AT_S + 2 * CALIBRATE_EVERY_S + 30, log)
                 except AssertionError as e:
                     raise AssertionError(f"{e}\n{_timeline(store, t0)}") from None
                 dashboards = _check_dashboards(prom)
