@@ -7,20 +7,14 @@ from typing import Annotated
 
 import typer
 
-from controller.cli._app import config_app
+from controller.cli._app import config_app, load_settings_or_exit
 
 
 @config_app.command("check")
 def check(config: Annotated[Path, typer.Argument(help="TOML config file.")]) -> None:
     """Load a config file and report every problem (exit 2 when invalid)."""
-    from controller.config import load_settings
-    from controller.errors import ConfigError
 
-    try:
-        settings = load_settings(config)
-    except ConfigError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(2) from None
+    settings = load_settings_or_exit(config)
     typer.echo(f"{config}: OK ({len(settings.routers.targets)} router(s) configured)")
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from controller.cli._app import app
+from controller.cli._app import app, load_settings_or_exit
 
 if TYPE_CHECKING:
     from controller.config import Settings
@@ -132,14 +132,8 @@ def refit(store: Store, settings: Settings) -> Learned:
 
 def _settings_and_store(config: Path | None, url: str | None) -> tuple[Settings, Store]:
     from controller.cli.ops_cmd import _open_store
-    from controller.config import load_settings
-    from controller.errors import ConfigError
 
-    try:
-        settings = load_settings(config)
-    except ConfigError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(_EXIT_BAD_INPUT) from None
+    settings = load_settings_or_exit(config)
     return settings, _open_store(url, config)
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from controller.cli._app import app
+from controller.cli._app import app, load_settings_or_exit
 
 if TYPE_CHECKING:
     from controller.config import Settings
@@ -36,7 +36,6 @@ def observe(
     """Observe the workers and routers once and print the window."""
     import asyncio
 
-    from controller.config import load_settings
     from controller.errors import ConfigError, ControllerError, TransientError
 
     if not once:
@@ -46,11 +45,7 @@ def observe(
     if source not in (None, "scrape", "prometheus"):
         typer.echo(f"--source must be scrape or prometheus, not {source!r}", err=True)
         raise typer.Exit(2)
-    try:
-        settings = load_settings(config)
-    except ConfigError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(2) from None
+    settings = load_settings_or_exit(config)
     kind = source or settings.observe.source
     length = interval if interval is not None else settings.controller.interval_s
     if not length > 0:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from controller.cli._app import app
+from controller.cli._app import app, load_settings_or_exit
 
 if TYPE_CHECKING:
     from controller.store import Store
@@ -224,17 +224,11 @@ def recalibrate(
 
 def _recalibrate_local(url: str | None, config: Path | None, as_json: bool, force: bool
                        ) -> None:
-    from controller.config import load_settings
     from controller.cycle import read_rollout
-    from controller.errors import ConfigError
     from controller.learning import CoreLearner, LearnerError
     from controller.policy import loads
 
-    try:
-        settings = load_settings(config)
-    except ConfigError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(_EXIT_BAD_INPUT) from None
+    settings = load_settings_or_exit(config)
     store = _open_store(url, config)
     try:
         with store.read() as tx:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from controller.cli._app import app
+from controller.cli._app import app, load_settings_or_exit
 
 if TYPE_CHECKING:
     from controller.rollout.reconciler import RouterStatus
@@ -69,17 +69,12 @@ def push(
     import asyncio
 
     from controller.clock import WallClock
-    from controller.config import load_settings
     from controller.errors import ConfigError
     from controller.policy import PolicyValidationError, loads
     from controller.rollout.client import GrpcRouterTransport
     from controller.rollout.reconciler import Reconciler, reissued_versions
 
-    try:
-        settings = load_settings(config)
-    except ConfigError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(2) from None
+    settings = load_settings_or_exit(config)
     try:
         policy = loads(policy_file.read_bytes())
     except OSError as e:

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from controller.cli._app import app
+from controller.cli._app import app, load_settings_or_exit
 
 
 @app.command("run")
@@ -28,14 +28,8 @@ def run(
     /healthz, /readyz and /metrics on the metrics listen address; stops on SIGTERM."""
     import logging
 
-    from controller.config import load_settings
     from controller.daemon import configure_logging, run_daemon
-    from controller.errors import ConfigError
 
-    try:
-        settings = load_settings(config)
-    except ConfigError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(2) from None
+    settings = load_settings_or_exit(config)
     configure_logging(log_json, logging.DEBUG if verbose else logging.INFO)
     raise typer.Exit(run_daemon(settings, advisory=advisory))
