@@ -278,8 +278,8 @@ def test_a_scripted_shift_is_detected_recalibrated_canaried_and_promoted(
             windows = store.windows()
             assert windows and all(w.window.source.startswith("prometheus") for w in windows)
             # The shift produced a drift event, and the version now everywhere came from a
-            # calibration after it (the drift one, or the next scheduled one: see
-            # controller.demo on a drift calibration trained across the shift).
+            # calibration after it: the drift one, its retry (trigger "drift" too) or the
+            # next scheduled one, when the first was trained across the shift and refused.
             first_drift = min(_ts(e.at) for e in store.drift_events() if _ts(e.at) >= shift_at)
             calibration = store.calibration_for(version)
             assert calibration is not None, story
