@@ -62,12 +62,11 @@ import numpy as np
 from controller.core.latency_model import ComponentParams
 
 ROLES = ("prefill", "decode")
-MAX_PREFILL_UTILISATION = 0.9  # beyond this an M/G/1 tail model is no longer trustworthy
-_BACKLOG_POINTS = 16  # arrival positions averaged over in an overloaded window
+MAX_PREFILL_UTILISATION = 0.9  # mean utilisation the prefill pool is planned up to (throughput)
 UNREACHABLE_SLACK = 1.1  # plan for p99 within 10% of the unloaded floor when the SLO is below it
 Z99 = 2.326  # standard normal 0.99 quantile
 _QUANTILE = 0.99
-MAX_RATE_LEVELS = 24  # rate levels evaluated per candidate load
+MAX_RATE_LEVELS = 24  # rate levels a decode load is evaluated at
 _BISECT_STEPS = 40
 
 
@@ -446,12 +445,12 @@ def prefill_state(p: ComponentParams, demand: CapacityDemand, rate_per_worker: f
     return PrefillState(rate_per_worker, rate_per_worker * mean_s, mean_s, wait, p99, workers)
 
 
-def _largest(ok: Any, hi: float) -> float:
+def _largest(ok: Any, hi: float, steps: int = _BISECT_STEPS) -> float:
     """Largest x in [0, hi] with ok(x) (ok monotone: true then false)."""
     lo = 0.0
     if ok(hi):
         return hi
-    for _ in range(_BISECT_STEPS):
+    for _ in range(steps):
         mid = 0.5 * (lo + hi)
         if ok(mid):
             lo = mid
@@ -515,7 +514,8 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
     # largest rate per worker this pool carries within the target (the recommendation's
     # capacity): at least the planned load, which it was found to meet
     floor = load / workers  # the search found it within the target
-    cap = _largest(lambda x: x <= floor or p99(x, workers) <= target, saturation)
+    # each step simulates the pool: 1/65,000 of saturation is precise enough
+    cap = _largest(lambda x: x <= floor or p99(x, workers) <= target, saturation, 16)
     if zero > slo_ttft_s:
         binding = "p99 TTFT (unreachable)"
     elif workers == saturated and cap >= saturation * (1 - 1e-9):
