@@ -5,8 +5,9 @@ For each workload and SLO pair:
 1. **observe**: run the workload on a generous cluster in virtual time and record one window
    per control interval through the same in-process scrape the daemon uses;
 2. **plan**: :func:`controller.capacity_planner.plan_from_windows` on the windows of the
-   measured period (demand and fitted physics from the windows alone; the KV pool size and
-   ``max_num_seqs`` are the engine's configuration, given as an operator would);
+   measured period (demand and fitted physics from the windows; the KV pool size and
+   ``max_num_seqs`` are the engine's configuration, given as an operator would; token spreads
+   and the arrival profile as below);
 3. **check**: run the recommended P:D shape at the same load and measure p99 TTFT and p99
    TPOT of the requests that arrived in the measured period; then remove one worker of each
    role (when it has more than one) and measure again.
@@ -23,8 +24,8 @@ windows alone (their 10 s rate profile and their spread estimates), not checked 
 Routing is Dynamo's conditional disaggregation without the busyness clause (a request goes
 decode-local when its uncached prompt is short), so the decode-local share depends on the
 requests and on what the decode workers still hold, not on how busy the prefill pool is.
-Windows are 10 s long (the daemon's default is 30 s): the planner sees the load's variation
-only at the windows' granularity, and Azure's code trace bursts within seconds.
+Windows are 10 s long (the daemon's default is 30 s); the one-second arrival profile is what
+lets the prefill plan see Azure's bursts (decode sees it averaged over a request's stay).
 
     .venv/bin/python benchmarks/capacity_validation.py            # the README table
     .venv/bin/python benchmarks/capacity_validation.py --json out.json

@@ -3,7 +3,10 @@
 By default the load is the one the stored windows of the last ``[capacity] interval_s`` show
 (the same windows the daemon plans on) and the SLOs are ``[slo]``; every flag overrides one
 input. Without stored windows, ``--qps``, ``--input-tokens`` and ``--output-tokens`` describe
-the load by hand (the physics are then the defaults, and the plan says so).
+the load by hand (the physics are then the defaults, and the plan says so). Windows carry
+means and one rate per window: ``--prefill-scv``/``--input-scv``/``--append-scv`` give the
+token-count spreads (estimated from the windows otherwise, on the high side) and ``--arrivals``
+a finer arrival profile (bursts within a window otherwise go unseen).
 
 Exit codes: 0 done, 2 bad input or nothing to plan for, 3 store unavailable.
 """
