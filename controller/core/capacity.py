@@ -534,7 +534,8 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
                  f"TTFT {at.p99_ttft_s:.3g} s at {at.utilisation:.0%} busy")
     if workers > 1:
         fewer = p99(rate / (workers - 1), workers - 1)
-        lines.append(f"with {workers - 1}: predicted p99 TTFT {fewer:.3g} s")
+        lines.append(f"with {workers - 1} at the demand itself ({rate:.3g} req/s): "
+                     f"predicted p99 TTFT {fewer:.3g} s")
     extrapolated = observed is None or rate / workers > observed.prefill_rate_per_worker * 1.05
     if observed is None:
         lines.append("no observed load range: the model is not checked against measurements")
