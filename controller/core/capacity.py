@@ -44,6 +44,17 @@ TPOT SLO, within the KV cache (the p99 of the resident tokens of ``B`` sequences
 lengths varying with ``input_scv``, at the p99 request's rate level) and within
 ``max_num_seqs``; the first to bind names the constraint.
 
+**The shape feedback.** A later turn runs decode-local (and its prefix counts as cached) only
+while its session's KV is still held on its decode worker, and idle session KV is evicted LRU.
+With a :class:`SessionCache` (what the observed decode pool held), the plan scales the
+decode-local share and the decode-held cached share with the fraction of the sessions' working
+set a candidate decode count keeps (working-set approximation: hits proportional to the idle
+KV, relative to the observed shape, never above it); the turns that lose it compute their
+prompt on a prefill worker, less what the prefill workers' own prefix caches hold of it
+(routers dispatch to the worker with the least pending work net of its hit). The decode count
+and the shares are a fixed point (at most ``MAX_SHAPE_ROUNDS`` rounds), then the prefill count
+is searched with the demand each candidate count sees.
+
 **Workers** = ``ceil(demand (1 + headroom) / capacity)`` for decode (capacity per worker does
 not depend on the count there), the searched count for prefill; at least 1 per role. A p99 TTFT SLO
 below the unloaded p99 cannot be met by any count: the plan says so and sizes for a p99 10%
@@ -53,7 +64,7 @@ above that floor.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -210,13 +221,19 @@ class CapacityPlan:
     slo_ttft_s: float
     slo_tpot_s: float
     headroom: float
+    # the demand at the recommended decode count (its session KV feedback on the decode-local
+    # and cached shares); None: not modelled (no SessionCache given)
+    demand_at_shape: CapacityDemand | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe (non-finite numbers become None); also what the store keeps."""
+        shaped = self.demand_at_shape
         return {
             "prefill": self.prefill.to_dict(),
             "decode": self.decode.to_dict(),
             "demand": {k: _json_safe(v) for k, v in asdict(self.demand).items()},
+            "demand_at_shape": None if shaped is None else {
+                k: _json_safe(v) for k, v in asdict(shaped).items() if k != "rate_profile"},
             "slo_ttft_s": self.slo_ttft_s,
             "slo_tpot_s": self.slo_tpot_s,
             "headroom": self.headroom,
@@ -472,10 +489,23 @@ MAX_PREFILL_WORKERS = 4096  # the search for the prefill count stops here
 
 def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
                   headroom: float, current: int | None, observed: ObservedRange | None,
-                  decode_step_s: float) -> RoleRecommendation:
+                  decode_step_s: float,
+                  demand_for: Callable[[int], CapacityDemand] | None = None,
+                  ) -> RoleRecommendation:
+    """``demand_for(workers)``: the demand a pool of that many prefill workers sees (their
+    prefix caches hold some of the sessions' KV); None: ``demand`` at every count."""
     rate = demand.prefill_rate
     tokens = demand.prefill_node_tokens
     laws = _prefill_laws(p, demand)
+    by_count: dict[int, tuple[CapacityDemand, tuple[np.ndarray, np.ndarray]]] = {}
+
+    def at_count(workers: int) -> tuple[CapacityDemand, tuple[np.ndarray, np.ndarray]]:
+        if demand_for is None:
+            return demand, laws
+        if workers not in by_count:
+            dem = demand_for(workers)
+            by_count[workers] = (dem, _prefill_laws(p, dem))
+        return by_count[workers]
     mean_s = float(laws[0].mean())
     factors, _ = demand.rate_levels()
     lines = [
@@ -492,7 +522,8 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
                      "order; the p99 is over the requests of all of them")
 
     def p99(x: float, workers: int) -> float:
-        return prefill_state(p, demand, x, decode_step_s, laws, workers).p99_ttft_s
+        dem, dem_laws = at_count(workers)
+        return prefill_state(p, dem, x, decode_step_s, dem_laws, workers).p99_ttft_s
 
     zero = p99(0.0, 1)
     # An SLO below the unloaded p99 cannot be met by any count: plan for a p99 close to that
@@ -505,11 +536,28 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
     # The pool is one queue (least-pending-work dispatch): its p99 depends on the count, not
     # only on the load per worker, so the count is searched, from the throughput bound up.
     load = rate * (1.0 + headroom)
+    def saturated_at(workers: int) -> bool:  # the count's mean service beyond the bound
+        return load * float(at_count(workers)[1][0].mean()) > \
+            workers * MAX_PREFILL_UTILISATION * (1 + 1e-9)
+
     saturated = max(1, math.ceil(load * mean_s / MAX_PREFILL_UTILISATION - 1e-9))
+    # more workers may hold more session KV (fewer tokens each): a smaller count can be the
+    # throughput bound then
+    while saturated > 1 and not saturated_at(saturated - 1):
+        saturated -= 1
+    while saturated < MAX_PREFILL_WORKERS and saturated_at(saturated):
+        saturated += 1
     workers = saturated
     if load > 0:
         while workers < MAX_PREFILL_WORKERS and p99(load / workers, workers) > target:
             workers += 1
+    final, final_laws = at_count(workers)
+    if final is not demand:
+        mean_s = float(final_laws[0].mean())
+        lines.append(f"at {workers} prefill worker(s) their prefix caches hold some of the "
+                     f"sessions' KV: {final.cached_fraction:.1%} of prompt tokens cached, "
+                     f"{final.prefill_node_tokens:.0f} uncached tokens per prefill-node "
+                     f"request, service {mean_s * 1e3:.1f} ms")
     saturation = MAX_PREFILL_UTILISATION / mean_s
     # largest rate per worker this pool carries within the target (the recommendation's
     # capacity): at least the planned load, which it was found to meet
@@ -528,7 +576,7 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
                      f"worker with {workers} worker(s) ({cap * mean_s:.0%} busy; one FCFS "
                      "queue for the pool, simulated over the rate profile)")
     cap = max(cap, 1e-12)
-    at = prefill_state(p, demand, rate / workers, decode_step_s, laws, workers)
+    at = prefill_state(p, final, rate / workers, decode_step_s, final_laws, workers)
     lines.append(f"{workers} worker(s): the fewest whose p99 TTFT at {rate:.3g} x "
                  f"{1 + headroom:g} headroom req/s is within {target:.3g} s; predicted p99 "
                  f"TTFT {at.p99_ttft_s:.3g} s at {at.utilisation:.0%} busy")
@@ -698,6 +746,125 @@ def _plan_decode(p: ComponentParams, demand: CapacityDemand, slo_tpot_s: float,
 
 
 # ---------------------------------------------------------------------------------------------
+# The shape feedback: what the decode pool's session KV sustains
+
+
+MAX_SHAPE_ROUNDS = 8  # rounds of decode count -> local share -> decode count before giving up
+
+
+@dataclass(frozen=True, slots=True)
+class SessionCache:
+    """What the decode workers' held session KV did at the observed shape.
+
+    A later turn runs decode-local (and its prefix counts as cached) only while its session's
+    KV is still held on its decode worker; idle session KV is evicted LRU when the pool needs
+    room. Fewer decode workers hold less of it, so the decode-local share and the cached share
+    of prompts fall with the decode count, and the turns that lose their KV compute their whole
+    prompt on a prefill worker.
+    """
+
+    observed_decode_workers: int
+    kv_capacity_tokens: float  # per decode worker
+    observed_running_tokens: float  # KV of running requests, whole decode pool (kv_cache_usage)
+    decode_cached_fraction: float  # share of prompt tokens served from decode-held session KV
+    # KV of sessions between turns the pool would have to hold for every later turn to find
+    # its own (finished requests' context x the mean wait between turns); None: unknown, taken
+    # as the observed idle capacity (the observed pool just held it: the cautious reading)
+    working_set_tokens: float | None = None
+    # KV pool of one prefill worker (None: as a decode worker's). Routers send a prefill
+    # request to the worker with the least pending work net of its prefix-cache hit, so a
+    # session whose turns run on prefill workers finds its prefix there while it is held
+    prefill_kv_capacity_tokens: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.observed_decode_workers < 1:
+            raise CapacityError(f"observed_decode_workers: must be >= 1, got "
+                                f"{self.observed_decode_workers!r}")
+        for name in ("kv_capacity_tokens", "observed_running_tokens"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                raise CapacityError(f"{name}: must be a finite number >= 0, got {v!r}")
+        if self.kv_capacity_tokens <= 0:
+            raise CapacityError("kv_capacity_tokens: must be > 0")
+        v = self.decode_cached_fraction
+        if not math.isfinite(v) or not 0.0 <= v <= 1.0:
+            raise CapacityError(f"decode_cached_fraction: must be within [0, 1], got {v!r}")
+        for name in ("working_set_tokens", "prefill_kv_capacity_tokens"):
+            w = getattr(self, name)
+            if w is not None and (not math.isfinite(w) or w < 0):
+                raise CapacityError(f"{name}: must be a finite number >= 0, got {w!r}")
+
+    def idle_tokens(self, decode_workers: int, running_tokens: float) -> float:
+        """KV the pool of ``decode_workers`` has left for idle session KV."""
+        return max(decode_workers * self.kv_capacity_tokens - running_tokens, 0.0)
+
+    @property
+    def observed_idle_tokens(self) -> float:
+        return self.idle_tokens(self.observed_decode_workers, self.observed_running_tokens)
+
+    def held_ratio(self, decode_workers: int, running_tokens: float) -> float:
+        """Share of the observed session-KV hits a pool of ``decode_workers`` keeps (0..1).
+
+        Working-set approximation of LRU: the pool holds the fraction ``min(1, idle / W)`` of
+        the working set ``W`` (with the waits between turns spread exponentially, the share of
+        turns that find their KV is proportional to the time idle KV survives, which is
+        proportional to the idle capacity), so hits scale with it. Relative to the observed
+        shape; a larger pool is not credited with hits it was not seen to get (at most 1).
+        """
+        observed = self.observed_idle_tokens
+        work = self.working_set_tokens if self.working_set_tokens is not None else observed
+        if work <= 0:
+            return 1.0
+        seen = min(1.0, observed / work)
+        if seen <= 0:
+            return 1.0  # nothing was held when observed: nothing to lose
+        return min(1.0, min(1.0, self.idle_tokens(decode_workers, running_tokens) / work) / seen)
+
+    def prefill_held(self, prefill_workers: int) -> float:
+        """Share of the working set a pool of ``prefill_workers`` holds (0..1): the turns that
+        lost their decode-held KV run P/D, their prompts stay cached on the prefill worker that
+        computed them, and the next turn is dispatched there while it is held (same
+        working-set approximation; a prefill worker's running KV is small and ignored)."""
+        work = self.working_set_tokens if self.working_set_tokens is not None \
+            else self.observed_idle_tokens
+        pool = self.prefill_kv_capacity_tokens if self.prefill_kv_capacity_tokens is not None \
+            else self.kv_capacity_tokens
+        if work <= 0:
+            return 1.0
+        return min(1.0, max(prefill_workers, 0) * pool / work)
+
+
+def demand_at_shape(demand: CapacityDemand, cache: SessionCache, decode_workers: int,
+                    running_tokens: float, prefill_workers: int | None = None,
+                    ) -> tuple[CapacityDemand, float]:
+    """(the demand a pool of ``decode_workers`` sees, the held ratio): the decode-local share
+    and the decode-held cached share scaled by :meth:`SessionCache.held_ratio`; the turns that
+    lose their held KV go to a prefill worker and compute their whole prompt there, less what
+    a pool of ``prefill_workers`` still holds of it (:meth:`SessionCache.prefill_held`; None:
+    nothing)."""
+    ratio = cache.held_ratio(decode_workers, running_tokens)
+    if ratio >= 1.0:
+        return demand, 1.0
+    held = min(cache.decode_cached_fraction, demand.cached_fraction)
+    regained = 0.0 if prefill_workers is None else cache.prefill_held(prefill_workers)
+    shaped = replace(demand, decode_local_share=demand.decode_local_share * ratio,
+                     cached_fraction=demand.cached_fraction
+                     - held * (1.0 - ratio) * (1.0 - regained))
+    return shaped, ratio
+
+
+def running_tokens(p: ComponentParams, demand: CapacityDemand, decode_workers: int) -> float:
+    """KV of the running requests of a pool of ``decode_workers`` (Little's law on the
+    predicted step: batch x mean resident context), whole pool."""
+    if decode_workers < 1:
+        return 0.0
+    state = decode_state(p, demand, demand.decode_tokens_per_s / decode_workers)
+    if not math.isfinite(state.batch):
+        return math.inf
+    return decode_workers * state.batch * (demand.input_tokens + demand.output_tokens / 2.0)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def plan_capacity(
@@ -711,32 +878,113 @@ def plan_capacity(
     observed: ObservedRange | None = None,
     kv_capacity_tokens: float | None = None,
     max_num_seqs: int | None = None,
+    session_cache: SessionCache | None = None,
 ) -> CapacityPlan:
     """Workers per role for ``demand`` within both p99 SLOs, with ``headroom`` spare.
 
     ``current`` is the (prefill, decode) shape running now (reported next to the
     recommendation); ``observed`` the per-worker load range the params were fitted on;
     ``kv_capacity_tokens`` and ``max_num_seqs`` are per decode worker (None: not a limit).
+    ``session_cache``: what the decode pool's session KV did at the observed shape; with it the
+    decode count and the decode-local / cached shares it sustains are planned jointly (a fixed
+    point of decode count -> held session KV -> shares -> decode count, at most
+    ``MAX_SHAPE_ROUNDS`` rounds), and prefill is planned on the demand at that decode count.
     """
     for name, v in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
         if not math.isfinite(v) or v <= 0:
             raise CapacityError(f"{name}: must be > 0, got {v!r}")
     if not math.isfinite(headroom) or headroom < 0:
         raise CapacityError(f"headroom: must be >= 0, got {headroom!r}")
-    # decode sees the rate averaged over a request's stay (its output at the TPOT SLO)
-    held = demand.smoothed(demand.output_tokens * slo_tpot_s)
-    decode = _plan_decode(params, held, slo_tpot_s, headroom,
-                          current[1] if current else None, observed, kv_capacity_tokens,
-                          max_num_seqs)
-    if held is not demand:
+    stay_s = demand.output_tokens * slo_tpot_s
+
+    def plan_decode(dem: CapacityDemand) -> tuple[CapacityDemand, RoleRecommendation]:
+        # decode sees the rate averaged over a request's stay (its output at the TPOT SLO)
+        held = dem.smoothed(stay_s)
+        return held, _plan_decode(params, held, slo_tpot_s, headroom,
+                                  current[1] if current else None, observed,
+                                  kv_capacity_tokens, max_num_seqs)
+
+    held, decode = plan_decode(demand)
+    shaped = demand
+    shape_lines: list[str] = []
+    shape_at = (decode.workers, 0.0)  # decode count whose shares prefill sees, its running KV
+    if session_cache is not None:
+        shaped, held, decode, shape_lines, shape_at = _joint_decode_shape(
+            params, demand, session_cache, held, decode, plan_decode)
+    if held is not shaped:
         decode = replace(decode, explanation=(
-            f"arrival rate averaged over {demand.output_tokens * slo_tpot_s:.3g} s (a request's "
+            f"arrival rate averaged over {stay_s:.3g} s (a request's "
             f"stay: {demand.output_tokens:.0f} tokens at the TPOT SLO) for decode",
             *decode.explanation))
-    step = decode_state(params, held, demand.decode_tokens_per_s / decode.workers).step_s
+    step = decode_state(params, held, shaped.decode_tokens_per_s / decode.workers).step_s
     if not math.isfinite(step):
         step = params.step_base_s
-    prefill = _plan_prefill(params, demand, slo_ttft_s, headroom,
-                            current[0] if current else None, observed, step)
+    demand_for = None
+    if session_cache is not None and shaped is not demand:
+        cache, (workers_d, running) = session_cache, shape_at
+
+        def demand_for(prefill_workers: int) -> CapacityDemand:
+            return demand_at_shape(demand, cache, workers_d, running, prefill_workers)[0]
+
+    prefill = _plan_prefill(params, shaped, slo_ttft_s, headroom,
+                            current[0] if current else None, observed, step, demand_for)
+    if shape_lines:
+        prefill = replace(prefill, explanation=(*shape_lines, *prefill.explanation))
+        decode = replace(decode, explanation=(*shape_lines, *decode.explanation))
     return CapacityPlan(prefill=prefill, decode=decode, demand=demand, slo_ttft_s=slo_ttft_s,
-                        slo_tpot_s=slo_tpot_s, headroom=headroom)
+                        slo_tpot_s=slo_tpot_s, headroom=headroom,
+                        demand_at_shape=shaped if session_cache is not None else None)
+
+
+def _joint_decode_shape(
+    p: ComponentParams, demand: CapacityDemand, cache: SessionCache, held: CapacityDemand,
+    decode: RoleRecommendation,
+    plan_decode: Any,
+) -> tuple[CapacityDemand, CapacityDemand, RoleRecommendation, list[str], tuple[int, float]]:
+    """Decode count and the demand it sustains, planned jointly: a decode count holds some of
+    the session KV (:meth:`SessionCache.held_ratio`), which sets the decode-local and cached
+    shares (:func:`demand_at_shape`), which set the decode work and so the count; repeated
+    until the count repeats. Prefill does not feed back (the share depends on the held KV,
+    not on how busy the prefill pool is), so it is planned once, on the result."""
+    work = cache.working_set_tokens
+    lines = [
+        f"session KV: {cache.observed_decode_workers} decode worker(s) of "
+        f"{cache.kv_capacity_tokens:.0f} tokens held {cache.observed_idle_tokens:.4g} idle "
+        f"tokens beside {cache.observed_running_tokens:.4g} running; working set "
+        + (f"{work:.4g} tokens" if work is not None else
+           "taken as that idle capacity (not known: the cautious reading)")
+        + f"; {demand.decode_local_share:.1%} decode-local and "
+        f"{cache.decode_cached_fraction:.1%} of prompt tokens from decode-held KV there"]
+    tried: list[int] = []
+    shaped = demand
+    converged = False
+    for round_no in range(1, MAX_SHAPE_ROUNDS + 1):
+        workers = decode.workers
+        tried.append(workers)
+        running = running_tokens(p, held, workers)
+        shaped, ratio = demand_at_shape(demand, cache, workers, running)
+        held, decode = plan_decode(shaped)
+        lines.append(f"shape round {round_no}: {workers} decode worker(s) keep {ratio:.0%} of "
+                     f"the observed session-KV hits -> {shaped.decode_local_share:.1%} "
+                     f"decode-local, {shaped.cached_fraction:.1%} cached, "
+                     f"{shaped.prefill_node_tokens:.0f} tokens per prefill-node request -> "
+                     f"{decode.workers} decode worker(s)")
+        if decode.workers == workers:
+            converged = True
+            break
+    if not converged:
+        # the count cycles: plan on the largest it visited (more decode KV, more held turns
+        # is the optimistic side for prefill, so take that shape's demand for decode and
+        # the fewest-held one's for prefill)
+        most = max(tried)
+        fewest = min(tried)
+        held, decode = plan_decode(demand_at_shape(demand, cache, most,
+                                                   running_tokens(p, held, most))[0])
+        running = running_tokens(p, held, fewest)
+        shaped = demand_at_shape(demand, cache, fewest, running)[0]
+        lines.append(f"shape: no fixed point in {MAX_SHAPE_ROUNDS} rounds ({tried}); decode "
+                     f"planned at {most}, prefill on the shares {fewest} decode worker(s) keep")
+        return shaped, held, decode, lines, (fewest, running)
+    lines.append(f"shape: stable after {len(tried)} round(s) at {decode.workers} decode "
+                 "worker(s); prefill is planned on that demand")
+    return shaped, held, decode, lines, (tried[-1], running)

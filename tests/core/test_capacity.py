@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import replace
@@ -16,7 +17,9 @@ from controller.core.capacity import (
     CapacityError,
     CapacityPlan,
     ObservedRange,
+    SessionCache,
     decode_state,
+    demand_at_shape,
     plan_capacity,
     prefill_state,
     sojourn_quantile,
@@ -281,3 +284,90 @@ def test_decode_sees_the_rate_averaged_over_a_stay() -> None:
     assert b.decode.workers == a.decode.workers
     assert b.prefill.workers > a.prefill.workers
     assert any("averaged over" in line for line in b.decode.explanation)
+
+
+# --- the shape feedback: the decode pool's session KV sets the decode-local share -----------
+
+# the observed cluster: 12 decode workers of KV, a session working set 1.3x its idle capacity
+# (the pool was evicting), 20 of the 30 cached points held by decode workers
+CACHE = SessionCache(observed_decode_workers=12, kv_capacity_tokens=KV,
+                     observed_running_tokens=200_000.0, decode_cached_fraction=0.2,
+                     working_set_tokens=1.3 * (12 * KV - 200_000.0))
+
+
+def prefill_token_demand(d: CapacityDemand) -> float:
+    return d.prefill_rate * d.prefill_node_tokens
+
+
+def test_fewer_decode_workers_hold_fewer_session_turns() -> None:
+    ratios = [CACHE.held_ratio(n, 200_000.0) for n in (1, 2, 4, 8, 12, 24)]
+    assert all(a < b for a, b in itertools.pairwise(ratios[:-1]))
+    assert ratios[-2] == pytest.approx(1.0) and ratios[-1] == 1.0  # never above the observed
+    # more running KV on the same workers leaves less for idle sessions
+    assert CACHE.held_ratio(2, 600_000.0) < CACHE.held_ratio(2, 200_000.0)
+    # less KV per worker: less held
+    small = replace(CACHE, kv_capacity_tokens=KV / 2)
+    assert small.held_ratio(4, 200_000.0) < CACHE.held_ratio(4, 200_000.0)
+    # a working set the candidate pool still holds whole loses nothing
+    tiny = replace(CACHE, working_set_tokens=100_000.0)
+    assert tiny.held_ratio(1, 200_000.0) == 1.0
+
+
+def test_less_held_session_kv_moves_prompt_tokens_to_prefill() -> None:
+    shaped = [demand_at_shape(BASE, CACHE, n, 200_000.0)[0] for n in (1, 3, 6, 12)]
+    shares = [d.decode_local_share for d in shaped]
+    cached = [d.cached_fraction for d in shaped]
+    tokens = [prefill_token_demand(d) for d in shaped]
+    assert shares == sorted(shares) and shares[0] < shares[-1] == BASE.decode_local_share
+    assert cached == sorted(cached) and cached[-1] == BASE.cached_fraction
+    # only the decode-held part of the cached share goes
+    assert cached[0] >= BASE.cached_fraction - CACHE.decode_cached_fraction
+    assert tokens == sorted(tokens, reverse=True) and tokens[0] > 1.1 * tokens[-1]
+    # prompt tokens are conserved: what is no longer cached is computed somewhere
+    for d in shaped:
+        computed = d.qps * d.input_tokens * (1 - d.cached_fraction)
+        assert prefill_token_demand(d) + d.qps * d.decode_local_share * \
+            d.local_append_tokens == pytest.approx(computed)
+
+
+def test_prefill_workers_prefix_caches_win_back_part_of_it() -> None:
+    lost = demand_at_shape(BASE, CACHE, 2, 200_000.0)[0]
+    back = [demand_at_shape(BASE, CACHE, 2, 200_000.0, p)[0] for p in (1, 4, 16)]
+    assert all(d.decode_local_share == lost.decode_local_share for d in back)
+    assert lost.cached_fraction < back[0].cached_fraction < back[1].cached_fraction \
+        <= back[2].cached_fraction <= BASE.cached_fraction
+
+
+def test_joint_plan_prices_the_shape_feedback_and_converges() -> None:
+    demand = replace(BASE, input_tokens=8000.0, cached_fraction=0.4, decode_local_share=0.4,
+                     local_append_tokens=500.0)
+    cache = replace(CACHE, decode_cached_fraction=0.35)
+    flat = plan(demand)
+    joint = plan(demand, session_cache=cache)
+    shaped = joint.demand_at_shape
+    assert flat.demand_at_shape is None and shaped is not None
+    assert shaped.decode_local_share < demand.decode_local_share
+    assert prefill_token_demand(shaped) > prefill_token_demand(demand)
+    assert joint.prefill.workers >= flat.prefill.workers
+    assert joint.prefill.predicted_p99_s > flat.prefill.predicted_p99_s or \
+        joint.prefill.workers > flat.prefill.workers
+    # a fixed point: the decode count planned on the shares it sustains is that count
+    again = plan(shaped)
+    assert again.decode.workers == joint.decode.workers
+    assert any(line.startswith("shape: stable after") for line in joint.decode.explanation)
+    # a working set the pool holds at any count changes nothing
+    roomy = plan(demand, session_cache=replace(cache, working_set_tokens=1000.0))
+    assert roomy.prefill.workers == flat.prefill.workers
+    assert roomy.prefill.predicted_p99_s == pytest.approx(flat.prefill.predicted_p99_s)
+    assert json.loads(json.dumps(joint.to_dict()))["demand_at_shape"][
+        "decode_local_share"] == pytest.approx(shaped.decode_local_share)
+
+
+@pytest.mark.parametrize("bad", [
+    {"observed_decode_workers": 0}, {"kv_capacity_tokens": 0.0},
+    {"decode_cached_fraction": 1.5}, {"working_set_tokens": -1.0},
+    {"observed_running_tokens": math.inf},
+])
+def test_session_cache_rejects_bad_input(bad: dict[str, object]) -> None:
+    with pytest.raises(CapacityError):
+        replace(CACHE, **bad)
