@@ -17,7 +17,14 @@ It gathers the demand and the fitted physics from recent windows and decides not
 - **physics**: :func:`~controller.core.latency_model.fit_components` on the same windows when
   they carry the component signals, else the defaults (said in the explanation);
 - **KV capacity per decode worker**: ``running x resident context / kv_cache_usage``, from
-  windows where the cache is at least 5% used (an estimate; an override wins).
+  windows where the cache is at least 5% used (an estimate; an override wins);
+- **session KV** (:class:`~controller.core.capacity.SessionCache`): the decode pool's running
+  KV (``kv_cache_usage`` summed over the decode workers, window mean) beside its capacity, and
+  the share of prompt tokens served from decode-held session KV (the cached tokens less the
+  prefill workers' own prefix-cache hits): the plan scales the decode-local and cached shares
+  with the session KV a candidate decode count keeps. The working set needs the mean wait
+  between a session's turns, which windows do not carry (``PlanOverrides.session_gap_s``,
+  from a gateway's log); without it the observed pool is taken to have just held it.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from controller.core.capacity import (
     CapacityError,
     CapacityPlan,
     ObservedRange,
+    SessionCache,
     plan_capacity,
 )
 from controller.core.latency_model import ComponentParams
@@ -77,6 +85,10 @@ class PlanOverrides:
     kv_capacity_tokens: float | None = None
     max_num_seqs: int | None = None
     params: ComponentParams | None = None
+    # mean wait between a session's turns (a request's finish to its session's next arrival):
+    # sizes the session KV working set; windows do not carry it (None: see SessionCache)
+    session_gap_s: float | None = None
+    session_feedback: bool = True  # False: plan on the observed shares at every shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +107,9 @@ class ObservedDemand:
     current: tuple[int, int] | None  # (prefill, decode) workers in the newest window
     observed: ObservedRange | None
     kv_capacity_tokens: float | None
+    # share of prompt tokens served from decode-held session KV (decode-local turns' hits)
+    decode_cached_fraction: float | None = None
+    decode_kv_usage: float | None = None  # sum of the decode workers' kv_cache_usage, mean
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -104,7 +119,8 @@ def _ratio(num: float, den: float) -> float | None:
 def observe_demand(windows: Sequence[Window]) -> ObservedDemand:
     """Demand, shape and per-worker load range of ``windows`` (oldest first)."""
     seconds = requests = finished = generated = 0.0
-    prompt_total = computed_p = computed_d = 0.0
+    prompt_total = computed_p = computed_d = prefill_hits = 0.0
+    usage_sums: list[float] = []
     prompt_seen = False
     n_local = n_pd = 0.0
     max_p_rate = max_d_tokens = 0.0
@@ -130,6 +146,11 @@ def observe_demand(windows: Sequence[Window]) -> ObservedDemand:
             prompt_total += math.fsum(src.values())
         for ws in w.workers_of("prefill"):
             computed_p += (ws.prompt_tokens_by_source or {}).get("local_compute", 0.0)
+            prefill_hits += (ws.prompt_tokens_by_source or {}).get("local_cache_hit", 0.0)
+        usages = [ws.kv_cache_usage for ws in w.workers_of("decode")
+                  if ws.kv_cache_usage is not None]
+        if usages:
+            usage_sums.append(math.fsum(usages))
         routed_here = 0.0
         for o in w.outcomes:
             routed_here += o.requests
@@ -160,9 +181,11 @@ def observe_demand(windows: Sequence[Window]) -> ObservedDemand:
     recompute = n_pd * (finished / routed) if routed > 0 else 0.0
     local_append = _ratio(max(computed_d - recompute, 0.0), n_local * (finished / routed)) \
         if routed > 0 and n_local > 0 else None
-    cached = None
+    cached = decode_cached = None
     if prompt_seen and prompt_total > 0:
         cached = min(max(1.0 - (computed_p + computed_d - recompute) / prompt_total, 0.0), 1.0)
+        # what is cached but not by the prefill workers' own prefix caches: decode-held KV
+        decode_cached = min(max(cached - prefill_hits / prompt_total, 0.0), cached)
     if prompt is not None and output is not None:
         ctx = prompt + output / 2.0
         for w in windows:
@@ -183,6 +206,8 @@ def observe_demand(windows: Sequence[Window]) -> ObservedDemand:
         output_tokens=output, decode_local_share=share, local_append_tokens=local_append,
         seconds=seconds, current=current, observed=observed,
         kv_capacity_tokens=statistics.median(kv_estimates) if kv_estimates else None,
+        decode_cached_fraction=decode_cached,
+        decode_kv_usage=statistics.fmean(usage_sums) if usage_sums else None,
     )
 
 
@@ -432,13 +457,36 @@ def plan_from_windows(windows: Sequence[Window], settings: Settings,
     if kv is not None and o.kv_capacity_tokens is None:
         notes.append(f"KV capacity per decode worker: {kv:.0f} tokens (estimated from "
                      "kv_cache_usage)")
+    cache = None
+    if not o.session_feedback:
+        notes.append("session KV feedback: off (the observed shares at every shape)")
+    elif kv is None or seen.current is None or seen.decode_cached_fraction is None \
+            or seen.decode_kv_usage is None or not seen.current[1]:
+        notes.append("session KV feedback: not modelled (the windows lack the decode pool's "
+                     "KV size, usage or shape)")
+    else:
+        if o.session_gap_s is not None and (not math.isfinite(o.session_gap_s)
+                                            or o.session_gap_s < 0):
+            raise CapacityError(f"session_gap_s: must be a finite number >= 0, got "
+                                f"{o.session_gap_s!r}")
+        work = None if o.session_gap_s is None else \
+            qps * (prompt + output) * o.session_gap_s
+        if work is not None:
+            notes.append(f"session KV working set: {work:.4g} tokens = {qps:.3g} req/s x "
+                         f"{prompt + output:.0f} context tokens x {o.session_gap_s:g} s "
+                         "between turns (given)")
+        cache = SessionCache(
+            observed_decode_workers=seen.current[1], kv_capacity_tokens=kv,
+            observed_running_tokens=seen.decode_kv_usage * kv,
+            decode_cached_fraction=min(seen.decode_cached_fraction, cached),
+            working_set_tokens=work)
     plan = plan_capacity(
         demand, params,
         slo_ttft_s=o.ttft_slo_s if o.ttft_slo_s is not None else settings.slo.ttft_s,
         slo_tpot_s=o.tpot_slo_s if o.tpot_slo_s is not None else settings.slo.tpot_s,
         headroom=o.headroom if o.headroom is not None else settings.capacity.headroom,
         current=seen.current, observed=seen.observed if o.params is None else None,
-        kv_capacity_tokens=kv, max_num_seqs=o.max_num_seqs,
+        kv_capacity_tokens=kv, max_num_seqs=o.max_num_seqs, session_cache=cache,
     )
     head = tuple(notes + param_notes)
     return replace(

@@ -200,3 +200,30 @@ def test_token_spreads_come_from_the_windows_unless_given() -> None:
     assert "append_scv: 1 (not observed; assumed)" in lines
     given = plan_from_windows(windows, settings, PlanOverrides(input_scv=0.25))
     assert given.demand.input_scv == 0.25 and "input_scv: 0.25 (given)" in given.decode.explanation
+
+
+KV_TOKENS = 200_000.0  # a decode worker's KV pool, as an operator configures it
+
+
+def test_session_kv_feedback_from_the_windows() -> None:
+    settings = load_settings(None, slo={"ttft_s": 1.0, "tpot_s": 0.05})
+    windows = measured(sim_run()[0])
+    seen = observe_demand(windows)
+    # the decode-held part of the cached share: later turns' prefixes on their decode worker
+    assert seen.cached_fraction is not None and seen.decode_cached_fraction is not None
+    assert 0.5 * seen.cached_fraction < seen.decode_cached_fraction <= seen.cached_fraction
+    assert seen.decode_kv_usage is not None and 0 < seen.decode_kv_usage < 2  # two pools
+    # sessions that wait long between turns need more KV than fewer decode workers hold
+    long_wait = plan_from_windows(windows, settings, PlanOverrides(
+        session_gap_s=1e5, kv_capacity_tokens=KV_TOKENS))
+    short_wait = plan_from_windows(windows, settings, PlanOverrides(
+        session_gap_s=0.01, kv_capacity_tokens=KV_TOKENS))
+    off = plan_from_windows(windows, settings, PlanOverrides(
+        session_feedback=False, kv_capacity_tokens=KV_TOKENS))
+    assert long_wait.decode.workers == short_wait.decode.workers == 1  # of 2 observed
+    lw, sw = long_wait.demand_at_shape, short_wait.demand_at_shape
+    assert lw is not None and sw is not None and off.demand_at_shape is None
+    assert lw.decode_local_share < sw.decode_local_share == seen.decode_local_share
+    assert lw.cached_fraction < sw.cached_fraction
+    assert any("session KV working set" in line for line in long_wait.prefill.explanation)
+    assert any("session KV feedback: off" in line for line in off.prefill.explanation)

@@ -6,7 +6,8 @@ input. Without stored windows, ``--qps``, ``--input-tokens`` and ``--output-toke
 the load by hand (the physics are then the defaults, and the plan says so). Windows carry
 means and one rate per window: ``--prefill-scv``/``--input-scv``/``--append-scv`` give the
 token-count spreads (estimated from the windows otherwise, on the high side) and ``--arrivals``
-a finer arrival profile (bursts within a window otherwise go unseen).
+a finer arrival profile (bursts within a window otherwise go unseen); ``--session-gap`` the
+mean wait between a session's turns (the session KV working set a decode count must hold).
 
 Exit codes: 0 done, 2 bad input or nothing to plan for, 3 store unavailable.
 """
@@ -159,6 +160,12 @@ def plan_command(
     append_scv: Annotated[float | None, typer.Option(
         "--append-scv", min=0.0,
         help="Squared CV of the tokens a decode-local request computes (default 1).")] = None,
+    session_gap_s: Annotated[float | None, typer.Option(
+        "--session-gap", min=0.0,
+        help="Mean seconds between a session's turns (a turn's finish to its next arrival, "
+             "from a gateway's log): sizes the session KV a decode count must hold to keep "
+             "the decode-local share (default: the observed pool is taken to have just held "
+             "it, the cautious reading).")] = None,
     arrivals: Annotated[Path | None, typer.Option(
         "--arrivals", exists=True, dir_okay=False,
         help="Arrival counts per --arrivals-interval, one per line (e.g. from a gateway's "
@@ -204,7 +211,7 @@ def plan_command(
         qps=qps, input_tokens=input_tokens, output_tokens=output_tokens, ttft_slo_s=ttft_slo,
         tpot_slo_s=tpot_slo, headroom=headroom, kv_capacity_tokens=kv_tokens,
         max_num_seqs=max_num_seqs, prefill_scv=prefill_scv, input_scv=input_scv,
-        append_scv=append_scv, rate_profile=profile,
+        append_scv=append_scv, rate_profile=profile, session_gap_s=session_gap_s,
         profile_window_s=arrivals_interval_s if profile is not None else None,
     )
     try:
