@@ -18,8 +18,12 @@ the model's boundary, which spare capacity would hide (the 20% headroom shape is
 The token-count spreads (squared CVs) and a one-second arrival-rate profile come from the
 observation run's request log, as an operator would take them from a gateway's access log:
 the windows' own estimates of the spreads (from the scatter of per-worker means) run high,
-and 10 s windows average out Azure's sub-second bursts. The last column is the plan from the
-windows alone (their 10 s rate profile and their spread estimates), not checked by runs.
+and 10 s windows average out Azure's sub-second bursts. The mean wait between a session's turns
+comes from the same log: it sizes the session KV working set, which sets how much of the
+observed decode-local share a candidate decode count keeps (the shape feedback). The last
+column is the plan from the windows alone (their 10 s rate profile and their spread
+estimates; no session gap, so the observed pool is taken to have just held the working set),
+not checked by runs.
 
 Routing is Dynamo's conditional disaggregation without the busyness clause (a request goes
 decode-local when its uncached prompt is short), so the decode-local share depends on the
@@ -34,6 +38,7 @@ lets the prefill plan see Azure's bursts (decode sees it averaged over a request
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -116,6 +121,7 @@ class Measured:
     p99_tpot_s: float
     requests: int
     failed: int  # rejected or unfinished in the measured period
+    local_share: float  # share of the measured period's requests that ran decode-local
 
     def meets(self, slo: tuple[float, float]) -> bool:
         return self.p99_ttft_s <= slo[0] and self.p99_tpot_s <= slo[1]
@@ -128,8 +134,9 @@ def measure(case: Case, result: RunResult, shape: tuple[int, int]) -> Measured:
     tpot = np.array([math.inf if r.rejected else r.tpot_s for r in rows
                      if r.rejected or r.tpot_s is not None])
     failed = sum(1 for r in rows if r.rejected)
+    local = sum(1 for r in rows if r.route == "DECODE_LOCAL") / len(rows) if rows else 0.0
     return Measured(shape, float(np.percentile(ttft, 99, method="higher")),
-                    float(np.percentile(tpot, 99, method="higher")), len(rows), failed)
+                    float(np.percentile(tpot, 99, method="higher")), len(rows), failed, local)
 
 
 def token_spreads(case: Case, result: RunResult) -> dict[str, float]:
@@ -150,6 +157,22 @@ def token_spreads(case: Case, result: RunResult) -> dict[str, float]:
     }
 
 
+def session_gap(case: Case, result: RunResult) -> float | None:
+    """Mean wait between a session's turns (a turn's finish to its session's next arrival),
+    from the observation run's request log, as a gateway's access log gives it: it sizes the
+    session KV working set the decode pool would need to hold (windows do not carry it)."""
+    by_session: dict[str, list[Any]] = {}
+    for r in result.records:
+        by_session.setdefault(r.session, []).append(r)
+    gaps = []
+    for turns in by_session.values():
+        turns.sort(key=lambda r: r.arrival_s)
+        for prev, nxt in itertools.pairwise(turns):
+            if case.warmup_s <= nxt.arrival_s < case.duration_s and prev.finish_s is not None:
+                gaps.append(max(nxt.arrival_s - prev.finish_s, 0.0))
+    return float(np.mean(gaps)) if gaps else None
+
+
 ARRIVAL_BIN_S = 1.0  # resolution of the arrival log's rate profile
 
 
@@ -168,13 +191,13 @@ def arrival_profile(case: Case, result: RunResult) -> tuple[float, ...]:
 
 def plan_for(case: Case, slo: tuple[float, float], windows: list[Any], spreads: dict[str, float],
              kv_tokens: float, max_num_seqs: int, headroom: float,
-             arrivals: tuple[float, ...] | None) -> CapacityPlan:
+             arrivals: tuple[float, ...] | None, gap_s: float | None = None) -> CapacityPlan:
     measured = [w for w in windows if case.warmup_s <= w.start and w.end <= case.duration_s]
     settings = load_settings(None, slo={"ttft_s": slo[0], "tpot_s": slo[1]})
     return plan_from_windows(measured, settings, PlanOverrides(
         kv_capacity_tokens=kv_tokens, max_num_seqs=max_num_seqs, headroom=headroom,
         rate_profile=arrivals, profile_window_s=ARRIVAL_BIN_S if arrivals else None,
-        **spreads))
+        session_gap_s=gap_s, **spreads))
 
 
 def validate(case: Case, verbose: bool) -> list[dict[str, Any]]:
@@ -187,14 +210,15 @@ def validate(case: Case, verbose: bool) -> list[dict[str, Any]]:
     base = measure(case, observed, OBSERVE_SHAPE)
     spreads = token_spreads(case, observed)
     arrivals = arrival_profile(case, observed)
+    gap_s = session_gap(case, observed)
     cache: dict[tuple[int, int], RunResult] = {OBSERVE_SHAPE: observed}
     for slo in case.slos:
         # the check is at zero headroom: it tests the model's boundary, which spare capacity
         # would hide; the default 20% headroom's shape is reported next to it
         plan = plan_for(case, slo, recorder.windows, spreads, kv_tokens, profile.max_num_seqs,
-                        0.0, arrivals)
+                        0.0, arrivals, gap_s)
         spare = plan_for(case, slo, recorder.windows, spreads, kv_tokens, profile.max_num_seqs,
-                         0.2, arrivals)
+                         0.2, arrivals, gap_s)
         # what the windows alone say (their 10 s rate profile, spreads from their means)
         alone = plan_for(case, slo, recorder.windows, {}, kv_tokens, profile.max_num_seqs,
                          0.0, None)
@@ -215,6 +239,8 @@ def validate(case: Case, verbose: bool) -> list[dict[str, Any]]:
         row = {
             "workload": case.name, "slo_ttft_s": slo[0], "slo_tpot_s": slo[1],
             "demand": plan.to_dict()["demand"],
+            "demand_at_shape": plan.to_dict()["demand_at_shape"],
+            "session_gap_s": gap_s,
             "observed_shape": list(OBSERVE_SHAPE),
             "observed": {"p99_ttft_s": base.p99_ttft_s, "p99_tpot_s": base.p99_tpot_s},
             "plan": {role: {"workers": r.workers, "binding": r.binding,
@@ -245,6 +271,7 @@ def validate(case: Case, verbose: bool) -> list[dict[str, Any]]:
 def _measured_dict(m: Measured, slo: tuple[float, float]) -> dict[str, Any]:
     return {"shape": f"{m.shape[0]}P:{m.shape[1]}D", "p99_ttft_s": m.p99_ttft_s,
             "p99_tpot_s": m.p99_tpot_s, "requests": m.requests, "failed": m.failed,
+            "local_share": m.local_share,
             "meets": m.meets(slo)}
 
 
@@ -255,6 +282,13 @@ def _fmt(m: dict[str, Any] | None) -> str:
     ttft = "∞" if not math.isfinite(m["p99_ttft_s"]) else f"{m['p99_ttft_s']:.2f}"
     tpot = "∞" if not math.isfinite(m["p99_tpot_s"]) else f"{m['p99_tpot_s'] * 1e3:.0f}"
     return f"{m['shape']} {ttft} s / {tpot} ms {ok}"
+
+
+def _at_shape(r: dict[str, Any]) -> str:
+    shaped = r.get("demand_at_shape")
+    if not shaped:
+        return ""
+    return f" ({shaped['decode_local_share']:.1%} at {r['plan']['decode']['workers']}D)"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -268,7 +302,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         out.append(
             f"| {r['workload']} | {r['slo_ttft_s']:g} s / {r['slo_tpot_s'] * 1e3:g} ms "
             f"| {d['qps']:.2f} req/s, {d['input_tokens']:.0f}→{d['output_tokens']:.0f} tok, "
-            f"{d['decode_local_share']:.0%} local "
+            f"{d['decode_local_share']:.0%} local{_at_shape(r)} "
             f"| {p['workers']}P ({p['binding']}; {p['predicted_p99_s']:.2f} s) : "
             f"{dd['workers']}D ({dd['binding']}; {dd['predicted_p99_s'] * 1e3:.0f} ms) "
             f"| {_fmt(r['recommended'])} | {_fmt(r['minus_one']['prefill'])} "
