@@ -134,3 +134,18 @@ def test_spread_and_arrival_flags_reach_the_plan(tmp_path: Path) -> None:
     bad.write_text("3\nmany\n")
     result = runner.invoke(app, ["plan", *base, "--arrivals", str(bad)])
     assert result.exit_code == 2 and "line 2" in result.output
+
+
+def test_session_gap_flag_reaches_the_plan(tmp_path: Path) -> None:
+    config = _config(tmp_path, with_windows=True)
+    base = ("--config", str(config), "--kv-tokens", "200000")
+    long_wait = _plan(*base, "--session-gap", "100000")
+    short_wait = _plan(*base, "--session-gap", "0.01")
+    lw, sw = long_wait["demand_at_shape"], short_wait["demand_at_shape"]
+    assert isinstance(lw, dict) and isinstance(sw, dict)
+    # the run's sessions on fewer decode workers than observed keep less of their KV when
+    # they wait long between turns
+    assert lw["decode_local_share"] < sw["decode_local_share"]
+    prefill = long_wait["prefill"]
+    assert isinstance(prefill, dict)
+    assert any("session KV working set" in line for line in prefill["explanation"])
