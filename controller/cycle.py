@@ -459,7 +459,10 @@ class Cycle:
         """Fit to learn from: routed requests, and no target missing except those gone for
         good (failing ``SETTLED_FAILURES`` windows in a row: lost capacity, not missing
         data). A transient scrape failure makes the window unusable."""
-        if not window.outcomes:
+        # Outcome rows with no requests are not routed requests: at start-up Prometheus
+        # reports the routers' counters before they move, and a fit on such windows fails
+        # (then backs off FIT_RETRY_INTERVALS instead of waiting for data).
+        if not any(o.requests > 0 for o in window.outcomes):
             return False
         gone = {t for t, n in self._failing.items() if n >= SETTLED_FAILURES}
         return all(f.target in gone for f in window.failures)

@@ -217,6 +217,24 @@ async def test_a_refused_drift_calibration_is_retried_once_when_the_regime_can_b
     assert [c.details["trigger"] for c in rig.store.calibrations()][1:] == ["drift", "drift"]
 
 
+async def test_windows_whose_outcomes_count_no_requests_are_not_trained_on(
+    tmp_path: Path,
+) -> None:
+    """At start-up Prometheus reports the routers' counters before they move: outcome rows
+    with zero requests. They are no data to learn from (the real fit refuses them and the
+    cycle backed off), so the first calibration waits for windows with requests."""
+    rig = make_rig(tmp_path)
+    rig.source.requests = 0.0
+    for _ in range(3):
+        report = await rig.step()
+        assert report.approved_version is None
+    assert rig.learner.calibrations == 0
+    assert "deferred" in report.reason or report.trigger is None, report.reason
+    rig.source.requests = 200.0
+    await _bootstrap(rig)
+    assert rig.learner.trained_on[0] >= 2 and rig.learner.calibrations == 1
+
+
 async def test_guardrail_rejection_is_recorded_and_pushes_nothing(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     await _bootstrap(rig)
