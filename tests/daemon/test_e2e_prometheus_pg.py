@@ -172,6 +172,24 @@ def _timeline(store: Store, t0: float) -> str:
     return "\n".join(f"{t - t0:7.1f} s  {text}" for t, text in sorted(rows))
 
 
+def _cycle_reasons(log: Path, t0: float) -> str:
+    """Each distinct reason the daemon's cycles gave, when first seen and how often."""
+    seen: dict[str, tuple[float, int]] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        cycle = doc.get("cycle") or {}
+        reason = f"{cycle.get('trigger') or '-'}: {cycle.get('reason') or ''}"
+        if cycle.get("reason") or cycle.get("trigger"):
+            first, n = seen.get(reason, (doc.get("ts", 0.0) - t0, 0))
+            seen[reason] = (first, n + 1)
+    return "cycle reasons:\n" + "\n".join(
+        f"{first:7.1f} s  ×{n}  {reason[:300]}" for reason, (first, n) in
+        sorted(seen.items(), key=lambda kv: kv[1][0]))
+
+
 def _recovered(store: Store, shift_at: float) -> tuple[int, float] | None:
     """(version, promoted at): a policy approved after a post-shift drift event, promoted
     from its canary and acknowledged by every router."""
@@ -243,9 +261,13 @@ def test_a_scripted_shift_is_detected_recalibrated_canaried_and_promoted(
     upgrade = subprocess.run([*PDCTL, "db", "upgrade", "--url", pg_url], cwd=REPO,
                              capture_output=True, text=True, timeout=60)
     assert upgrade.returncode == 0, upgrade.stderr
+    # The routers start on classic P/D with exploration (v1), and the store knows it as the
+    # approved baseline (as `pdctl demo` does): the first calibration must then beat it
+    # through the guardrail and a canary instead of replacing it unchecked.
+    policy = Policy.uniform(1, Route.PREFILL_NODE, exploration=EXPLORATION,
+                            slo=Slo(0.3, 0.012))
     baseline = tmp_path / "baseline.json"
-    baseline.write_text(dumps(Policy.uniform(1, Route.PREFILL_NODE, exploration=EXPLORATION,
-                                             slo=Slo(0.3, 0.012))))
+    baseline.write_text(dumps(policy))
     with _sim_serve(_scenario(tmp_path), baseline) as (sim, t0):
         shift_at = t0 + SHIFT_AT_S
         listen = f"127.0.0.1:{_free_port()}"
@@ -256,6 +278,11 @@ def test_a_scripted_shift_is_detected_recalibrated_canaried_and_promoted(
         store = Store(pg_url)
         log = tmp_path / "e2e.log"
         try:
+            with store.cycle() as tx:
+                tx.add_policy(1, policy.checksum, dumps(policy), "approved",
+                              "baseline: classic P/D with exploration")
+                for r in sim["routers"]:
+                    tx.set_desired(r["grpc"], 1)
             config = _config(tmp_path, sim, listen, pg_url, prom.url)
             proc = _start(config, log)
             try:
@@ -267,7 +294,8 @@ def test_a_scripted_shift_is_detected_recalibrated_canaried_and_promoted(
                         lambda: _recovered(store, shift_at),
                         SHIFT_AT_S + 2 * CALIBRATE_EVERY_S + 30, log)
                 except AssertionError as e:
-                    raise AssertionError(f"{e}\n{_timeline(store, t0)}") from None
+                    raise AssertionError(f"{e}\n{_timeline(store, t0)}\n"
+                                         f"{_cycle_reasons(log, t0)}") from None
                 dashboards = _check_dashboards(prom)
             finally:
                 code = _stop(proc, 20)
