@@ -7,7 +7,9 @@
 - :class:`PgAdvisoryLeadership` (PostgreSQL): ``pg_try_advisory_lock`` on a dedicated,
   un-pooled psycopg connection with TCP keepalives (a pool's reset does not unlock, and a
   dead leader's lock must go with its connection). The lock decides who may lead; the lease
-  row on top of it supplies the term and the in-transaction fence.
+  row on top of it supplies the term and the in-transaction fence. Advisory locks are per
+  database, not per schema, so the key is derived from the schema holding the store: two
+  stores in one database (two deployments, or parallel test runs) do not block each other.
 
 Time comes from the injected clock, so tests move leases forward without sleeping.
 """
@@ -36,6 +38,11 @@ def default_holder() -> str:
 def advisory_key(name: bytes = LOCK_NAME) -> int:
     """A stable signed 64-bit key for ``pg_try_advisory_lock``."""
     return int.from_bytes(hashlib.sha256(name).digest()[:8], "big", signed=True)
+
+
+def store_lock_key(schema: str) -> int:
+    """The leader lock of the store in ``schema`` (replicas share a store, hence a key)."""
+    return advisory_key(LOCK_NAME + b" " + schema.encode())
 
 
 class LeaseLeadership:
@@ -110,7 +117,7 @@ class PgAdvisoryLeadership(LeaseLeadership):
         keepalive_idle_s: int = 5,
     ) -> None:
         super().__init__(store, clock, holder, ttl_s)
-        self.key = advisory_key() if key is None else key
+        self.key = key  # None: derived from the store's schema on the first connection
         self._connect_timeout_s = connect_timeout_s
         self._keepalive_idle_s = keepalive_idle_s
         self._conn: Any = None  # psycopg.AsyncConnection holding the lock
@@ -136,6 +143,10 @@ class PgAdvisoryLeadership(LeaseLeadership):
                 keepalives=1, keepalives_idle=self._keepalive_idle_s, keepalives_interval=2,
                 keepalives_count=3, application_name=f"pdctl-leader {self.holder}"[:63],
             )
+            if self.key is None:
+                cur = await self._conn.execute("SELECT current_schema()")
+                schema = await cur.fetchone()
+                self.key = store_lock_key(str(schema[0]) if schema and schema[0] else "")
             cur = await self._conn.execute("SELECT pg_try_advisory_lock(%s)", (self.key,))
             row = await cur.fetchone()
         except psycopg.Error as e:

@@ -60,3 +60,30 @@ async def test_postgres_advisory_lock_passes_when_the_connection_closes(pg_url: 
         await a.release()
         await b.release()
         store.close()
+
+
+async def test_postgres_leader_locks_of_stores_in_two_schemas_do_not_collide(
+    pg_url: str,
+) -> None:
+    """Advisory locks are per database: keyed by the store's schema, two stores (two
+    deployments, parallel test runs) each have a leader; replicas of one store contend."""
+    from tests.support.postgres import fresh_schema
+
+    clock = VirtualClock(1_800_000_000.0)
+    with fresh_schema() as other_url:
+        stores = [Store(pg_url, clock), Store(other_url, clock)]
+        for store in stores:
+            store.upgrade()
+        a = PgAdvisoryLeadership(stores[0], clock, "a", ttl_s=15.0)
+        a2 = PgAdvisoryLeadership(stores[0], clock, "a2", ttl_s=15.0)
+        b = PgAdvisoryLeadership(stores[1], clock, "b", ttl_s=15.0)
+        try:
+            assert await a.ensure() and a.locked
+            assert not await a2.ensure()  # the same store: one leader
+            assert await b.ensure() and b.locked  # another store: its own leader
+            assert a.key != b.key and a.key == a2.key
+        finally:
+            for leadership in (a, a2, b):
+                await leadership.release()
+            for store in stores:
+                store.close()
