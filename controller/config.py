@@ -173,6 +173,10 @@ class ControllerConfig(_Section):
     guardrail_margin: float = Field(
         0.005, ge=0, description="A candidate needs predicted goodput >= current + margin."
     )
+    guardrail_overload_goodput: float = Field(
+        0.5, ge=0, le=1, description="Where the current policy is predicted below this goodput "
+        "(overloaded), a candidate's gain must also exceed the model's held-out goodput error.",
+    )
     advisory: bool = Field(
         False, description="Everything but pushes: candidates are recorded as advisory."
     )

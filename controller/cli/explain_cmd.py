@@ -66,6 +66,7 @@ def calibration_config(settings: Settings) -> CalibrationConfig:
         slo=Slo(settings.slo.ttft_s, settings.slo.tpot_s),
         pinned_weights=Weights(ppd.wtft, ppd.wtpot) if ppd.pin_weights else None,
         guardrail_margin=settings.controller.guardrail_margin,
+        guardrail_overload_goodput=settings.controller.guardrail_overload_goodput,
     )
 
 

@@ -52,6 +52,7 @@ from controller.core.latency_model import (
     Scenario,
     fit_latency_model,
     heldout_error,
+    training_scenario,
 )
 from controller.core.weights import DEFAULT_RATIOS, WeightChoice, choose_weights
 from controller.core.window import Window
@@ -79,6 +80,9 @@ class CalibrationConfig:
     max_rounds: int = 12
     exploration: ExplorationConfig = field(default_factory=ExplorationConfig)
     guardrail_margin: float = 0.005
+    # Below this predicted goodput of the current policy (overloaded) the guardrail also
+    # needs a gain above the model's held-out goodput error (guardrail.py).
+    guardrail_overload_goodput: float = 0.5
     exploration_budget: float = 0.005  # predicted goodput exploration may cost (above floor)
     holdout_fraction: float = 0.2  # later windows held out to measure the model's error
     recent_windows: int = 20  # windows that define "the current mix" for predicted goodput
@@ -336,6 +340,20 @@ def goodput_rows(pred: Predictions, sc: Scenario, slo: Slo, model: LatencyModel
     return out
 
 
+def goodput_error(model: LatencyModel, ts: TrainingSet, slo: Slo) -> float | None:
+    """Requests-weighted mean |predicted - observed| goodput of ``ts``'s windows, each
+    predicted under its own load and routing (None: no window with requests)."""
+    if ts.n_windows == 0:
+        return None
+    sc, _ = training_scenario(ts)
+    predicted = goodput_rows(model.predict(sc), sc, slo, model)
+    requests = ts.cluster_qps * ts.interval_s
+    ok = np.isfinite(ts.goodput) & (requests > 0)
+    if not ok.any():
+        return None
+    return float(np.average(np.abs(predicted[ok] - ts.goodput[ok]), weights=requests[ok]))
+
+
 def local_share(routes: Any, exploration: FloatArray | float) -> FloatArray:
     """Share of a cell's requests that run decode-local, exploration included."""
     x = np.asarray(routes, dtype=np.float64)
@@ -549,6 +567,7 @@ def calibrate(
         model = fit_latency_model(ts, slo.ttft_s, slo.tpot_s, seed=cfg.seed,
                                   residual=cfg.residual_model)
         heldout = heldout_error(model, hold)
+        g_error = goodput_error(model, hold, slo)
         n_hold = hold.n_windows
     else:
         n_hold = max(int(ts.n_windows * cfg.holdout_fraction), 1)
@@ -558,6 +577,7 @@ def calibrate(
         model = fit_latency_model(early, slo.ttft_s, slo.tpot_s, seed=cfg.seed,
                                   residual=cfg.residual_model)
         heldout = heldout_error(model, late)
+        g_error = goodput_error(model, late, slo)
         if cfg.refit_on_all:
             model = fit_latency_model(ts, slo.ttft_s, slo.tpot_s, seed=cfg.seed,
                                       residual=cfg.residual_model)
@@ -614,7 +634,8 @@ def calibrate(
     g_current = None
     if current is not None:
         g_current, _ = predicted_goodput(model, observed, cur_routes, cur_expl, slo)
-    verdict = check(g_candidate, g_current, cfg.guardrail_margin)
+    verdict = check(g_candidate, g_current, cfg.guardrail_margin, heldout_error=g_error,
+                    overload_below=cfg.guardrail_overload_goodput)
 
     table = LookupTable(
         axes=cfg.axes,
@@ -651,7 +672,8 @@ def calibrate(
                  "exploration_mean": float(explore[seen].mean()) if seen.any() else 0.0,
                  "exploration_scale": explore_scale,
                  "first_turn_route": first_route.name,
-                 "first_turn_goodput": first_turn_goodput},
+                 "first_turn_goodput": first_turn_goodput,
+                 "heldout_goodput_error": g_error},
     )
 
 

@@ -203,6 +203,31 @@ def test_guardrail_approves_over_a_bad_current_policy(
         assert not cand.approved
 
 
+def test_overload_guardrail_uses_the_heldout_goodput_error(
+    truth: Truth, train: list, heldout: list
+) -> None:
+    # Held-out windows from a decode pool 4x slower than the training ones: the model gets
+    # their goodput wrong, and the recorded error says so.
+    slow = Truth(floor=truth.floor * 4, c_dec=truth.c_dec * 4)
+    other = training_windows(slow, Mix(), 80, seed=2, slo=SLO, start=1_800_000_000.0)
+    bad = Policy.uniform(7, Route.PREFILL_NODE, slo=SLO)
+    # Every regime counts as overloaded here (threshold 1), so the error sets the margin.
+    cfg = CalibrationConfig(slo=SLO, guardrail_overload_goodput=1.0)
+    same = calibrate(train, NOW, current=bad, config=cfg, heldout_windows=heldout)
+    off = calibrate(train, NOW, current=bad, config=cfg, heldout_windows=other)
+    err_same = same.details["heldout_goodput_error"]
+    err_off = off.details["heldout_goodput_error"]
+    assert err_same < 0.05 and err_off > 5 * err_same, (err_same, err_off)
+    assert off.verdict.margin == pytest.approx(err_off)
+    assert off.predicted_goodput_current is not None
+    gain = off.predicted_goodput_candidate - off.predicted_goodput_current
+    assert 0.005 < gain < err_off  # this set-up: a real predicted gain, within the error
+    assert same.approved and not off.approved
+    # Not overloaded (the default threshold): the absolute margin alone.
+    assert calibrate(train, NOW, current=bad, config=CalibrationConfig(slo=SLO),
+                     heldout_windows=other).approved
+
+
 def test_calibration_refuses_empty_input() -> None:
     with pytest.raises(CalibrationError):
         calibrate([], NOW)
