@@ -3,9 +3,11 @@ cluster, its KV links dropping to a quarter of their bandwidth at ``SHIFT_AT_S``
 Prometheus (Debian package) scraping the workers, the routers and the daemon, and
 `pdctl run` observing through Prometheus' HTTP API and storing in the real PostgreSQL.
 
-Nothing is forced by an operator: the daemon calibrates a first policy from the routers'
-exploration, the shift fires a drift event, a recalibration is approved by the guardrail,
-it bakes on a canary router, is promoted and acknowledged by every router. Meanwhile every
+The routers start on classic P/D with exploration, which the store knows as the approved
+baseline (as in `pdctl demo`). Nothing is forced by an operator: the daemon calibrates from
+the first windows (the guardrail keeps the baseline or approves a better table), the shift
+fires a drift event, a recalibration is approved by the guardrail, it bakes on a canary
+router, is promoted and acknowledged by every router. Meanwhile every
 panel query of every generated dashboard is evaluated against that Prometheus. Then SIGTERM
 exits 0, and a restart re-pushes nothing acknowledged. Assertions read store rows; every
 wait is bounded.
