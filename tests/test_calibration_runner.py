@@ -6,11 +6,8 @@ Bounded: a small plan (about 6 s of load per phase), 1 s windows, every wait cap
 from __future__ import annotations
 
 import json
-import select
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +18,7 @@ from controller.cli import app
 from controller.policy import Route, loads
 from controller.store import Store
 from tests.conftest import require
-
-REPO = Path(__file__).resolve().parents[1]
-PDCTL = [sys.executable, "-c", "from controller.cli import main; main()"]
+from tests.support.processes import hostport, sim_serve
 
 # The scenario's own traffic is off (--no-traffic): the only load is the calibration's. The
 # routers start all-decode-local (--policy local), so the first forced policy is a change.
@@ -59,38 +54,24 @@ tpot_s = 0.05
 """
 
 
-def _hostport(url: str) -> str:
-    return url.split("//", 1)[1].split("/", 1)[0]
-
-
 @pytest.fixture
 def live_sim(tmp_path: Path) -> Iterator[dict[str, Any] | None]:
+    """The live cluster's addresses; None when it cannot start (the tests then fail in CI
+    through ``require``, and skip locally)."""
     scenario = tmp_path / "scenario.toml"
     scenario.write_text(SCENARIO)
-    try:
-        proc = subprocess.Popen([*PDCTL, "sim", "serve", str(scenario), "--json",
-                                 "--no-traffic", "--policy", "local"], cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    except OSError:
-        yield None
-        return
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        line = proc.stdout.readline() if ready else ""
-        yield json.loads(line) if line else None
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    with ExitStack() as stack:
         try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+            addresses, _ = stack.enter_context(
+                sim_serve(scenario, "--no-traffic", "--policy", "local"))
+        except (OSError, RuntimeError):
+            addresses = None
+        yield addresses
 
 
 def _config(tmp_path: Path, sim: dict[str, Any]) -> Path:
-    prefill = [_hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "prefill"]
-    decode = [_hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "decode"]
+    prefill = [hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "prefill"]
+    decode = [hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "decode"]
     path = tmp_path / "pd-controller.toml"
     path.write_text(f"""
 [prefill_pool]
@@ -99,7 +80,7 @@ nodes = {json.dumps(prefill)}
 nodes = {json.dumps(decode)}
 [routers]
 targets = {json.dumps([r["grpc"] for r in sim["routers"]])}
-metrics_targets = {json.dumps([_hostport(r["metrics"]) for r in sim["routers"]])}
+metrics_targets = {json.dumps([hostport(r["metrics"]) for r in sim["routers"]])}
 [store]
 url = "sqlite:///{tmp_path / 'history.db'}"
 [slo]

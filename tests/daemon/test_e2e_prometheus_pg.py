@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-import select
-import signal
 import subprocess
 import time
 import urllib.parse
@@ -35,17 +33,18 @@ from controller.observe.source import Target
 from controller.policy import Policy, Route, Slo, dumps
 from controller.store import Store
 from tests.conftest import require
-from tests.daemon.test_run_live import (
+from tests.observe.promserver import HOW_TO_INSTALL, PROMETHEUS, PromServer
+from tests.support.processes import (
     PDCTL,
     REPO,
-    _free_port,
-    _get,
-    _hostport,
-    _start,
-    _stop,
-    _wait,
+    free_port,
+    hostport,
+    http_get,
+    sim_serve,
+    start_daemon,
+    stop_daemon,
+    wait_for,
 )
-from tests.observe.promserver import HOW_TO_INSTALL, PROMETHEUS, PromServer
 
 DEMO = REPO / "scenarios" / "demo.toml"
 SHIFT_AT_S = 33.0  # sim seconds: after the first policy is learned and rolled out
@@ -84,23 +83,8 @@ def _scenario(tmp_path: Path) -> Path:
 def _sim_serve(scenario: Path, policy: Path) -> Iterator[tuple[dict[str, Any], float]]:
     """`pdctl sim serve` with the routers on ``policy``: its addresses and the wall time its
     simulated clock started at (within the time it takes to print one line)."""
-    proc = subprocess.Popen([*PDCTL, "sim", "serve", str(scenario), "--policy", str(policy),
-                             "--json"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        line = proc.stdout.readline() if ready else ""
-        if not line:
-            raise RuntimeError("pdctl sim serve printed no addresses")
-        yield json.loads(line), time.time()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    with sim_serve(scenario, "--policy", str(policy)) as (addresses, _):
+        yield addresses, time.time()
 
 
 def _config(tmp_path: Path, sim: dict[str, Any], listen: str, store_url: str,
@@ -108,7 +92,7 @@ def _config(tmp_path: Path, sim: dict[str, Any], listen: str, store_url: str,
     """The demo's daemon settings (controller.demo.demo_settings) as a `pdctl run` file, on
     PostgreSQL and the Prometheus source."""
     def nodes(role: str) -> list[str]:
-        return [_hostport(w["metrics"]) for w in sim["workers"] if w["role"] == role]
+        return [hostport(w["metrics"]) for w in sim["workers"] if w["role"] == role]
 
     path = tmp_path / "pd-controller.toml"
     path.write_text(f"""
@@ -118,7 +102,7 @@ nodes = {json.dumps(nodes("prefill"))}
 nodes = {json.dumps(nodes("decode"))}
 [routers]
 targets = {json.dumps([r["grpc"] for r in sim["routers"]])}
-metrics_targets = {json.dumps([_hostport(r["metrics"]) for r in sim["routers"]])}
+metrics_targets = {json.dumps([hostport(r["metrics"]) for r in sim["routers"]])}
 [metrics]
 listen = "{listen}"
 [store]
@@ -272,9 +256,9 @@ def test_a_scripted_shift_is_detected_recalibrated_canaried_and_promoted(
     baseline.write_text(dumps(policy))
     with _sim_serve(_scenario(tmp_path), baseline) as (sim, t0):
         shift_at = t0 + SHIFT_AT_S
-        listen = f"127.0.0.1:{_free_port()}"
-        targets = [Target(_hostport(w["metrics"]), w["role"]) for w in sim["workers"]]
-        targets += [Target(_hostport(r["metrics"]), "router") for r in sim["routers"]]
+        listen = f"127.0.0.1:{free_port()}"
+        targets = [Target(hostport(w["metrics"]), w["role"]) for w in sim["workers"]]
+        targets += [Target(hostport(r["metrics"]), "router") for r in sim["routers"]]
         targets.append(Target(listen, "controller"))
         prom = PromServer(targets)
         store = Store(pg_url)
@@ -286,12 +270,12 @@ def test_a_scripted_shift_is_detected_recalibrated_canaried_and_promoted(
                 for r in sim["routers"]:
                     tx.set_desired(r["grpc"], 1)
             config = _config(tmp_path, sim, listen, pg_url, prom.url)
-            proc = _start(config, log)
+            proc = start_daemon(config, log)
             try:
-                _wait("/healthz", lambda: (r := _get(f"http://{listen}/healthz")) is not None
+                wait_for("/healthz", lambda: (r := http_get(f"http://{listen}/healthz")) is not None
                       and r.status_code == 200, 60, log)
                 try:
-                    version, promoted_at = _wait(
+                    version, promoted_at = wait_for(
                         "drift → approval → canary → promotion → every router acknowledging",
                         lambda: _recovered(store, shift_at),
                         SHIFT_AT_S + 2 * CALIBRATE_EVERY_S + 30, log)
@@ -300,7 +284,7 @@ def test_a_scripted_shift_is_detected_recalibrated_canaried_and_promoted(
                                          f"{_cycle_reasons(log, t0)}") from None
                 dashboards = _check_dashboards(prom)
             finally:
-                code = _stop(proc, 20)
+                code = stop_daemon(proc, 20)
             assert code == 0, log.read_text(errors="replace")[-3000:]
             story = _timeline(store, t0)
 
@@ -337,14 +321,14 @@ def test_a_scripted_shift_is_detected_recalibrated_canaried_and_promoted(
             # A restart resumes without re-pushing an acknowledged version.
             acked = max(r.acked_version or 0 for r in store.routers())
             pushes = len(store.pushes())
-            proc = _start(config, log)
+            proc = start_daemon(config, log)
             try:
-                _wait("/healthz after the restart",
-                      lambda: (r := _get(f"http://{listen}/healthz")) is not None
+                wait_for("/healthz after the restart",
+                      lambda: (r := http_get(f"http://{listen}/healthz")) is not None
                       and r.status_code == 200, 60, log)
                 time.sleep(2 * INTERVAL_S)
             finally:
-                assert _stop(proc, 20) == 0
+                assert stop_daemon(proc, 20) == 0
             assert [p for p in store.pushes()[pushes:] if p.version <= acked] == []
             assert re.search(r'"stopped"', log.read_text())
         finally:

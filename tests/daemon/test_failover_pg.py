@@ -13,16 +13,15 @@ from typing import Any
 import pytest
 
 from controller.store import Store
-from tests.daemon.test_run_live import (
+from tests.daemon.test_run_live import _all_acked, _config
+from tests.support.processes import (
     PDCTL,
     REPO,
-    _all_acked,
-    _config,
-    _free_port,
-    _get,
-    _start,
-    _stop,
-    _wait,
+    free_port,
+    http_get,
+    start_daemon,
+    stop_daemon,
+    wait_for,
 )
 
 
@@ -40,45 +39,45 @@ def test_killing_the_leader_hands_over_within_the_lease_time(
                              capture_output=True, text=True, timeout=60)
     assert upgrade.returncode == 0, upgrade.stderr
     store = Store(pg_url)
-    listen = {name: f"127.0.0.1:{_free_port()}" for name in ("a", "b")}
+    listen = {name: f"127.0.0.1:{free_port()}" for name in ("a", "b")}
     configs = {name: _config(tmp_path, live_sim, listen[name], pg_url, name)
                for name in ("a", "b")}
     logs = {name: tmp_path / f"{name}.log" for name in ("a", "b")}
-    a = _start(configs["a"], logs["a"])
+    a = start_daemon(configs["a"], logs["a"])
     b: subprocess.Popen[bytes] | None = None
     try:
-        _wait("replica a leading", lambda: _holder(store) == "a", 60, logs["a"])
-        b = _start(configs["b"], logs["b"])
-        _wait("every router acknowledging a's policy", lambda: _all_acked(store), 90, logs["a"])
-        _wait("replica b healthy (as a follower)",
-              lambda: (r := _get(f"http://{listen['b']}/healthz")) is not None
+        wait_for("replica a leading", lambda: _holder(store) == "a", 60, logs["a"])
+        b = start_daemon(configs["b"], logs["b"])
+        wait_for("every router acknowledging a's policy", lambda: _all_acked(store), 90, logs["a"])
+        wait_for("replica b healthy (as a follower)",
+              lambda: (r := http_get(f"http://{listen['b']}/healthz")) is not None
               and r.status_code == 200, 60, logs["b"])
         assert _holder(store) == "a"
-        metrics_b = _get(f"http://{listen['b']}/metrics")
+        metrics_b = http_get(f"http://{listen['b']}/metrics")
         assert metrics_b is not None and "pdctl_leader 0.0" in metrics_b.text
 
         a.send_signal(signal.SIGKILL)  # no release: the lock goes with the connection
         a.wait(10)
         killed_at = time.monotonic()
-        _wait("replica b taking over", lambda: _holder(store) == "b", 30, logs["b"])
+        wait_for("replica b taking over", lambda: _holder(store) == "b", 30, logs["b"])
         took_s = time.monotonic() - killed_at
         lease = store.lease()
         assert lease is not None and lease.term >= 2
         # Lease ttl 10 s + one 2 s interval + process scheduling slack.
         assert took_s < 10 + 2 * 2 + 5, f"takeover took {took_s:.1f} s"
         rid = store.add_request("recalibrate", {"force": True}, "test@failover", "after failover")
-        _wait("b acting on a request", lambda: (r := store.request(rid)) is not None
+        wait_for("b acting on a request", lambda: (r := store.request(rid)) is not None
               and r.status in ("done", "failed"), 60, logs["b"])
         request = store.request(rid)
         assert request is not None and request.claimed_by == "b"
-        metrics_b = _get(f"http://{listen['b']}/metrics")
+        metrics_b = http_get(f"http://{listen['b']}/metrics")
         assert metrics_b is not None and "pdctl_leader 1.0" in metrics_b.text
     finally:
         if a.poll() is None:
             a.kill()
             a.wait(5)
         if b is not None and b.poll() is None:
-            assert _stop(b, 15) == 0
+            assert stop_daemon(b, 15) == 0
     # Exactly one approval per decision: each approved policy that came from a calibration
     # has one calibration, and no calibration approved two policies.
     calibrations = store.calibrations()

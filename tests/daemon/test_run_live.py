@@ -4,12 +4,8 @@ scrape source, gRPC pushes, SQLite store, 2 s control interval. Every wait is bo
 from __future__ import annotations
 
 import json
-import os
-import select
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,9 +16,17 @@ import httpx
 import pytest
 
 from controller.store import Store
-
-REPO = Path(__file__).resolve().parents[2]
-PDCTL = [sys.executable, "-c", "from controller.cli import main; main()"]
+from tests.support.processes import (
+    PDCTL,
+    REPO,
+    free_port,
+    hostport,
+    http_get,
+    sim_serve,
+    start_daemon,
+    stop_daemon,
+    wait_for,
+)
 
 SCENARIO = """
 name = "daemon-live"
@@ -56,44 +60,20 @@ tpot_s = 0.05
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _hostport(url: str) -> str:
-    return url.split("//", 1)[1].split("/", 1)[0]
-
-
 @pytest.fixture
 def live_sim(tmp_path: Path) -> Iterator[dict[str, Any]]:
     scenario = tmp_path / "scenario.toml"
     scenario.write_text(SCENARIO)
-    proc = subprocess.Popen([*PDCTL, "sim", "serve", str(scenario), "--json"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        line = proc.stdout.readline() if ready else ""
-        if not line:
-            raise RuntimeError("pdctl sim serve printed no addresses")
-        yield json.loads(line)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    with sim_serve(scenario) as (addresses, _):
+        yield addresses
 
 
 def _config(tmp_path: Path, sim: dict[str, Any], listen: str, store_url: str | None = None,
             replica: str | None = None) -> Path:
-    prefill = [_hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "prefill"]
-    decode = [_hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "decode"]
+    prefill = [hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "prefill"]
+    decode = [hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "decode"]
     routers = [r["grpc"] for r in sim["routers"]]
-    router_metrics = [_hostport(r["metrics"]) for r in sim["routers"]]
+    router_metrics = [hostport(r["metrics"]) for r in sim["routers"]]
     path = tmp_path / f"pd-controller-{replica or 'single'}.toml"
     store_url = store_url or f"sqlite:///{tmp_path / 'history.db'}"
     replica_line = f'replica_id = "{replica}"' if replica else ""
@@ -132,42 +112,6 @@ interval_s = 4.0
     return path
 
 
-def _start(config: Path, log: Path, notify: str | None = None) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if notify is not None:  # as systemd would run it: Type=notify, WatchdogSec=2
-        env.update(NOTIFY_SOCKET=notify, WATCHDOG_USEC="2000000")
-    return subprocess.Popen([*PDCTL, "run", "--config", str(config), "--log-json"], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=log.open("ab"), env=env)
-
-
-def _wait(what: str, check: Any, timeout_s: float, log: Path) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.25)
-    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{tail}")
-
-
-def _get(url: str) -> httpx.Response | None:
-    try:
-        return httpx.get(url, timeout=2.0, trust_env=False)
-    except httpx.HTTPError:
-        return None
-
-
-def _stop(proc: subprocess.Popen[bytes], within_s: float) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(within_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-        raise AssertionError(f"pdctl run did not exit within {within_s} s of SIGTERM") from None
-
-
 def _recommended(metrics: httpx.Response | None) -> dict[str, int] | None:
     """``pdctl_recommended_workers`` by role from an exposition (None: not both roles)."""
     if metrics is None:
@@ -193,7 +137,7 @@ def _all_acked(store: Store) -> dict[str, int] | None:
 def test_pdctl_run_controls_a_live_simulated_cluster(
     tmp_path: Path, live_sim: dict[str, Any]
 ) -> None:
-    listen = f"127.0.0.1:{_free_port()}"
+    listen = f"127.0.0.1:{free_port()}"
     config = _config(tmp_path, live_sim, listen)
     log = tmp_path / "run.log"
     store = Store(f"sqlite:///{tmp_path / 'history.db'}")
@@ -214,28 +158,28 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
 
     drainer = threading.Thread(target=drain, daemon=True)
     drainer.start()
-    proc = _start(config, log, notify_path)
+    proc = start_daemon(config, log, notify_path)
     try:
-        _wait("/healthz 200 after the first cycle",
-              lambda: (r := _get(f"http://{listen}/healthz")) is not None
+        wait_for("/healthz 200 after the first cycle",
+              lambda: (r := http_get(f"http://{listen}/healthz")) is not None
               and r.status_code == 200, 60, log)
-        assert (r := _get(f"http://{listen}/readyz")) is not None and r.status_code == 200
-        metrics = _get(f"http://{listen}/metrics")
+        assert (r := http_get(f"http://{listen}/readyz")) is not None and r.status_code == 200
+        metrics = http_get(f"http://{listen}/metrics")
         assert metrics is not None and 'pdctl_cycles_total{result="ok"}' in metrics.text
-        desired = _wait("every router acknowledging its desired policy",
+        desired = wait_for("every router acknowledging its desired policy",
                         lambda: _all_acked(store), 90, log)
         assert set(desired) == {r["grpc"] for r in live_sim["routers"]}
         policies = store.policies(status="approved")
         assert policies and policies[0].reason
         assert store.calibrations(), "no calibration recorded"
-        metrics = _get(f"http://{listen}/metrics")
+        metrics = http_get(f"http://{listen}/metrics")
         assert metrics is not None and "pdctl_router_acked_version" in metrics.text
         # The capacity recommendation: stored with its inputs, exported for autoscalers.
-        recs = _wait("a stored capacity recommendation", store.recommendations, 30, log)
+        recs = wait_for("a stored capacity recommendation", store.recommendations, 30, log)
         assert recs[-1].body["demand"]["qps"] > 0 and recs[-1].window_ids
         assert (recs[-1].current_prefill, recs[-1].current_decode) == (1, 2)
-        exported = _wait("pdctl_recommended_workers exported",
-                         lambda: _recommended(_get(f"http://{listen}/metrics")), 30, log)
+        exported = wait_for("pdctl_recommended_workers exported",
+                         lambda: _recommended(http_get(f"http://{listen}/metrics")), 30, log)
         stored = {(r.prefill_workers, r.decode_workers) for r in store.recommendations()}
         assert (exported["prefill"], exported["decode"]) in stored
 
@@ -248,7 +192,7 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
         assert asked.returncode == 0, asked.stdout + asked.stderr
         outcome = json.loads(asked.stdout)
         assert outcome["status"] == "done" and "guardrail" in outcome["outcome"]
-        promoted = _wait("the new version promoted and acknowledged everywhere",
+        promoted = wait_for("the new version promoted and acknowledged everywhere",
                          lambda: (d := _all_acked(store)) and min(d.values()) > before and d,
                          60, log)
         version = max(promoted.values())
@@ -259,7 +203,7 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
         canary_router = min(first_push, key=lambda r: first_push[r])
         assert len(first_push) == 2 and first_push[canary_router] < max(first_push.values())
     finally:
-        code = _stop(proc, 15)
+        code = stop_daemon(proc, 15)
     assert code == 0, log.read_text(errors="replace")[-3000:]
     assert '"stopped"' in log.read_text()
     time.sleep(0.5)
@@ -271,18 +215,18 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
 
     acked_before = {r.router_id: r.acked_version for r in store.routers()}
     pushes_before = len(store.pushes())
-    proc = _start(config, log)
+    proc = start_daemon(config, log)
     try:
-        _wait("/healthz 200 after the restart",
-              lambda: (r := _get(f"http://{listen}/healthz")) is not None
+        wait_for("/healthz 200 after the restart",
+              lambda: (r := http_get(f"http://{listen}/healthz")) is not None
               and r.status_code == 200, 60, log)
         # The restarted leader exports a recommendation again (the stored one or a new one;
         # test_cycle_capacity checks the re-export of the stored one by itself).
-        assert _wait("a recommendation exported after the restart",
-                     lambda: _recommended(_get(f"http://{listen}/metrics")), 10, log)
+        assert wait_for("a recommendation exported after the restart",
+                     lambda: _recommended(http_get(f"http://{listen}/metrics")), 10, log)
         time.sleep(5)  # a couple more cycles
     finally:
-        code = _stop(proc, 15)
+        code = stop_daemon(proc, 15)
     assert code == 0
     newest_acked = max(v for v in acked_before.values() if v is not None)
     repushed = [p for p in store.pushes()[pushes_before:] if p.version <= newest_acked]
@@ -294,7 +238,7 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
 def test_the_lease_outlives_a_control_interval_longer_than_itself(tmp_path: Path) -> None:
     """Two replicas on one SQLite file, a 6 s interval and a 1.5 s lease: leadership stays
     with the first replica (renewed on its own clock), it does not alternate."""
-    listen = {name: f"127.0.0.1:{_free_port()}" for name in ("a", "b")}
+    listen = {name: f"127.0.0.1:{free_port()}" for name in ("a", "b")}
     configs = {}
     for name in ("a", "b"):
         configs[name] = tmp_path / f"{name}.toml"
@@ -312,13 +256,13 @@ lease_ttl_s = 1.5
 """)
     log = tmp_path / "run.log"
     store = Store(f"sqlite:///{tmp_path / 'history.db'}")
-    a = _start(configs["a"], log)
+    a = start_daemon(configs["a"], log)
     b = None
     try:
-        _wait("a leading", lambda: (r := _get(f"http://{listen['a']}/healthz")) is not None
+        wait_for("a leading", lambda: (r := http_get(f"http://{listen['a']}/healthz")) is not None
               and r.status_code == 200, 60, log)
-        b = _start(configs["b"], log)
-        _wait("b running", lambda: (r := _get(f"http://{listen['b']}/healthz")) is not None
+        b = start_daemon(configs["b"], log)
+        wait_for("b running", lambda: (r := http_get(f"http://{listen['b']}/healthz")) is not None
               and r.status_code == 200, 60, log)
         terms = set()
         for _ in range(16):  # 8 s: more than one interval, five lease lifetimes
@@ -328,7 +272,7 @@ lease_ttl_s = 1.5
             time.sleep(0.5)
         assert terms == {("a", 1)}, terms
     finally:
-        assert _stop(a, 15) == 0
+        assert stop_daemon(a, 15) == 0
         if b is not None:
-            assert _stop(b, 15) == 0
+            assert stop_daemon(b, 15) == 0
     store.close()

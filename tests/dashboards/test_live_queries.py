@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -33,17 +32,12 @@ from controller.rollout.agent_metrics import RouterMetrics
 from controller.sim.vllm_metrics import WorkerMetrics
 from tests.conftest import require
 from tests.dashboards.test_dashboards import build, committed, exprs
+from tests.support.processes import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 RULES = Path(__file__).parents[2] / "deploy" / "prometheus" / "rules.yml"
 PROMETHEUS = shutil.which("prometheus")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve(registry: CollectorRegistry) -> ThreadingHTTPServer:

@@ -30,9 +30,17 @@ import pytest
 
 from controller.policy import loads
 from controller.store import Store
-from tests.daemon.test_run_live import PDCTL, REPO, _free_port, _get, _start, _stop, _wait
 from tests.faults.harness import Routers, SlowAgent, applied_count
 from tests.support.postgres import fresh_schema
+from tests.support.processes import (
+    PDCTL,
+    REPO,
+    free_port,
+    http_get,
+    start_daemon,
+    stop_daemon,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration]
 
@@ -99,7 +107,7 @@ async def test_pdctl_run_killed_mid_push_and_restarted_converges_with_nothing_lo
     await routers.start()
     store = Store(store_url)
     store.upgrade()
-    listen = f"127.0.0.1:{_free_port()}"
+    listen = f"127.0.0.1:{free_port()}"
     config = _config(tmp_path, routers.addresses, listen, store_url)
     log = tmp_path / "run.log"
     slow_address = routers.addresses[1]
@@ -108,11 +116,11 @@ async def test_pdctl_run_killed_mid_push_and_restarted_converges_with_nothing_lo
     proc = None
     try:
         # The routers are served by this event loop: every blocking wait runs in a thread.
-        proc = _start(config, log)
-        await asyncio.to_thread(_wait, "/healthz", lambda: (r := _get(
+        proc = start_daemon(config, log)
+        await asyncio.to_thread(wait_for, "/healthz", lambda: (r := http_get(
             f"http://{listen}/healthz")) is not None and r.status_code == 200, 60, log)
         await asyncio.to_thread(_operator, store_url, "decision 1")
-        await asyncio.to_thread(_wait, "v1 acknowledged everywhere",
+        await asyncio.to_thread(wait_for, "v1 acknowledged everywhere",
                                 lambda: _acked(store, 1, routers.addresses), 30, log)
 
         slow.slow_applies, slow.delay_s = 1, 60.0  # held until released below
@@ -138,12 +146,12 @@ async def test_pdctl_run_killed_mid_push_and_restarted_converges_with_nothing_lo
         assert {a: versions[a] for a in fast} == dict.fromkeys(fast, 2)
         assert not any(r.acked_version == 2 for r in store.routers())
 
-        proc = _start(config, log)  # the restart; the stale call is still stuck
-        await asyncio.to_thread(_wait, "v2 acknowledged everywhere after the restart",
+        proc = start_daemon(config, log)  # the restart; the stale call is still stuck
+        await asyncio.to_thread(wait_for, "v2 acknowledged everywhere after the restart",
                                 lambda: _acked(store, 2, routers.addresses), 30, log)
         slow.release.set()  # the dead controller's call now lands: a no-op
         await asyncio.sleep(2.5)  # two more cycles
-        code = await asyncio.to_thread(_stop, proc, 20)
+        code = await asyncio.to_thread(stop_daemon, proc, 20)
         proc = None
         assert code == 0, log.read_text(errors="replace")[-3000:]
 

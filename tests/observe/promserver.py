@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,15 +18,10 @@ from datetime import datetime
 from pathlib import Path
 
 from controller.observe.source import Target
+from tests.support.processes import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 HOW_TO_INSTALL = "apt-get install -y --no-install-recommends prometheus"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ts(text: str) -> float:

@@ -3,13 +3,7 @@ Prometheus scraping it: the same interval gives the same counts and means."""
 
 from __future__ import annotations
 
-import json
-import select
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,44 +17,21 @@ from controller.observe.scrape import ScrapeSource
 from controller.observe.source import Target
 from tests.conftest import require
 from tests.observe.promserver import HOW_TO_INSTALL, PROMETHEUS, PromServer
+from tests.support.processes import REPO, hostport, sim_serve
 
-REPO = Path(__file__).resolve().parents[2]
 SCENARIO = REPO / "scenarios" / "ppd-2p2d.toml"
 CLOCK = WallClock()
 
 
 @pytest.fixture
 def live_sim() -> Iterator[dict[str, Any]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from controller.cli import main; main()", "sim", "serve",
-         str(SCENARIO), "--json",
-         "--no-traffic"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        line = proc.stdout.readline() if ready else ""
-        if not line:
-            proc.kill()
-            raise RuntimeError("pdctl sim serve printed no addresses: "
-                               + (proc.stderr.read() if proc.stderr else ""))
-        yield json.loads(line)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    with sim_serve(SCENARIO, "--no-traffic") as (addresses, _):
+        yield addresses
 
 
 def _targets(addresses: dict[str, Any]) -> list[Target]:
-    def name(url: str) -> str:
-        return url.split("//", 1)[1].split("/", 1)[0]
-
-    ts = [Target(name(w["metrics"]), w["role"]) for w in addresses["workers"]]
-    ts += [Target(name(r["metrics"]), "router") for r in addresses["routers"]]
+    ts = [Target(hostport(w["metrics"]), w["role"]) for w in addresses["workers"]]
+    ts += [Target(hostport(r["metrics"]), "router") for r in addresses["routers"]]
     return ts
 
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +12,8 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.processes import sim_serve
 
 pytestmark = pytest.mark.integration
 
@@ -43,25 +42,8 @@ think_s = 0.5
 def served(tmp_path: Path) -> Iterator[tuple[dict[str, Any], subprocess.Popen[str]]]:
     path = tmp_path / "live.toml"
     path.write_text(SCENARIO)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from controller.cli import main; main()", "sim", "serve",
-         str(path), "--json", "--policy", "local"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # the addresses, printed once everything listens
-        assert line, proc.stderr.read() if proc.stderr else ""
-        yield json.loads(line), proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+    with sim_serve(path, "--policy", "local") as served:
+        yield served
 
 
 def _scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
