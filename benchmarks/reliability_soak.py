@@ -30,6 +30,7 @@ import math
 import multiprocessing
 import os
 import random
+import sys
 import tempfile
 import tracemalloc
 from collections import Counter
@@ -190,6 +191,11 @@ async def soak(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 samples.append({"cycle": i, "sim_h": round(i * args.interval_s / 3600, 2),
                                 "rss_mb": round(rss_mb(), 1), "fds": open_fds(),
                                 "tasks": len(asyncio.all_tasks()), **row_counts(store)})
+                # progress on stderr, one JSON line per sample: a long soak shows its trend
+                # as it goes, and a soak stopped early still leaves its samples
+                print(json.dumps({**samples[-1], "of_cycles": cycles,
+                                  "wall_s": round(wall.monotonic() - started, 1)}),
+                      file=sys.stderr, flush=True)
                 if args.tracemalloc and len(samples) == 2:
                     warm_snapshot = tracemalloc.take_snapshot()
         if warm_snapshot is not None:
