@@ -248,21 +248,30 @@ class JumpingWallClock(VirtualClock):
         return datetime.fromtimestamp(self.now(), tz=UTC)
 
 
-async def test_wall_clock_jumps_keep_versions_unique_and_routers_converged(
-    tmp_path: Path,
-) -> None:
+def _cycle_on_a_jumping_clock(
+    tmp_path: Path, routers: int, min_policy_interval_s: float
+) -> tuple[JumpingWallClock, Store, dict[str, RouterAgent], ScriptedLearner, Cycle]:
+    """A real cycle (SQLite store, in-process agents, scripted learner) whose wall clock the
+    test steps back and forth."""
     clock = JumpingWallClock(1_800_000_000.0)
     store = Store(f"sqlite:///{tmp_path / 'history.db'}", clock)
     store.upgrade()
-    agents = {f"r{i}": RouterAgent(router_id=f"r{i}", clock=clock) for i in range(4)}
+    agents = {f"r{i}": RouterAgent(router_id=f"r{i}", clock=clock) for i in range(routers)}
     learner = ScriptedLearner()
     config = CycleConfig(interval_s=30.0, calibrate_every_s=None, min_training_windows=2,
-                         min_policy_interval_s=0.0, bake_windows=2, bake_min_requests=100.0,
-                         max_bake_windows=6)
+                         min_policy_interval_s=min_policy_interval_s, bake_windows=2,
+                         bake_min_requests=100.0, max_bake_windows=6)
     cycle = Cycle(clock=clock, source=PolicyAwareSource(agents), store=store, learner=learner,
                   reconciler=Reconciler(FakeRouterTransport(agents), clock, max_attempts=1),
                   metrics=ControllerMetrics(CollectorRegistry()), routers=list(agents),
                   config=config)
+    return clock, store, agents, learner, cycle
+
+
+async def test_wall_clock_jumps_keep_versions_unique_and_routers_converged(
+    tmp_path: Path,
+) -> None:
+    clock, store, agents, learner, cycle = _cycle_on_a_jumping_clock(tmp_path, 4, 0.0)
     try:
         results = []
         for step in range(14):
@@ -291,18 +300,7 @@ async def test_drift_after_the_wall_clock_stepped_back_still_recalibrates(
 ) -> None:
     """A policy approved 'in the future' (the clock was then stepped back) must not block
     the rate limit on policy changes until the wall clock catches up."""
-    clock = JumpingWallClock(1_800_000_000.0)
-    store = Store(f"sqlite:///{tmp_path / 'history.db'}", clock)
-    store.upgrade()
-    agents = {f"r{i}": RouterAgent(router_id=f"r{i}", clock=clock) for i in range(2)}
-    learner = ScriptedLearner()
-    config = CycleConfig(interval_s=30.0, calibrate_every_s=None, min_training_windows=2,
-                         min_policy_interval_s=600.0, bake_windows=2, bake_min_requests=100.0,
-                         max_bake_windows=6)
-    cycle = Cycle(clock=clock, source=PolicyAwareSource(agents), store=store, learner=learner,
-                  reconciler=Reconciler(FakeRouterTransport(agents), clock, max_attempts=1),
-                  metrics=ControllerMetrics(CollectorRegistry()), routers=list(agents),
-                  config=config)
+    clock, store, _agents, learner, cycle = _cycle_on_a_jumping_clock(tmp_path, 2, 600.0)
     try:
         for step in range(30):
             if step == 8:
