@@ -219,7 +219,7 @@ class ControllerConfig(_Section):
 
 
 class DriftSettings(_Section):
-    """Drift detectors (workload PSI/qps, performance CUSUM, SLO band)."""
+    """Drift detectors (workload PSI/qps/QPS CUSUM, performance CUSUM, SLO band)."""
 
     cooldown_s: float = Field(
         300.0, ge=0, description="After a detector fires or a recalibration, it stays quiet "
@@ -236,6 +236,15 @@ class DriftSettings(_Section):
     reference_windows: int = Field(
         10, ge=1, description="Newest windows of a calibration set that become the drift "
         "reference (what \"normal\" looks like after a shift)."
+    )
+    qps_cusum_allowance: float = Field(
+        1.0, ge=0, description="Workload detector's QPS CUSUM: allowance k, in standard "
+        "deviations of one window's log request rate (Poisson plus the calibration windows' "
+        "overdispersion), before the reference's own error is added; larger: less sensitive."
+    )
+    qps_cusum_threshold: float = Field(
+        5.0, gt=0, description="Workload detector's QPS CUSUM: threshold h, in the same "
+        "standard deviations (one window moves it by at most 0.8 h)."
     )
 
 

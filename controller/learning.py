@@ -109,6 +109,8 @@ class CoreLearner:
                                        base.performance.min_samples,
                                        base.performance.hysteresis, d.cooldown_s),
             slo=DetectorConfig(base.slo.threshold, d.min_requests, d.hysteresis, d.cooldown_s),
+            qps_cusum_allowance=d.qps_cusum_allowance,
+            qps_cusum_threshold=d.qps_cusum_threshold,
         )
         self._drift_onset: float | None = None  # when the last drift that fired began
         self._config = CalibrationConfig(

@@ -82,6 +82,8 @@ def drift_config(settings: Settings) -> DriftConfig:
         performance=DetectorConfig(base.performance.threshold, base.performance.min_samples,
                                    base.performance.hysteresis, d.cooldown_s),
         slo=DetectorConfig(base.slo.threshold, d.min_requests, d.hysteresis, d.cooldown_s),
+        qps_cusum_allowance=d.qps_cusum_allowance,
+        qps_cusum_threshold=d.qps_cusum_threshold,
     )
 
 

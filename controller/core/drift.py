@@ -9,10 +9,15 @@ is an argument) or keeps hidden state.
   (router histograms, fixed bins) against the calibration set, with a threshold that is the
   larger of an effect-size floor (0.2, the usual "significant shift") and a multiple of PSI's
   expected value under no change (``(bins - 1) (1/n + 1/N)``, so small windows do not
-  false-alarm); and ``|log(qps / calibration median)|`` (requests counted over the window)
+  false-alarm); ``|log(qps / calibration median)|`` (requests counted over the window)
   against the larger of ``log 1.2`` and four robust standard deviations of the calibration
-  windows. The statistic is the largest
-  ratio statistic / threshold over the three features (fires at 1).
+  windows; and a two-sided CUSUM of that log ratio, which accumulates a moderate step (QPS
+  x1.3 at ~120 requests a window is under three standard deviations, below any single-window
+  threshold that keeps false alarms away). The CUSUM standardises by a window's expected
+  spread: Poisson ``1 / expected count`` plus the calibration windows' variance beyond
+  Poisson (sessions and bursts overdisperse counts); its allowance also covers the
+  reference median's own error. The statistic is the largest ratio statistic / threshold
+  over the features (fires at 1).
 - **performance**: two-sided CUSUM (tabular Page–Hinkley) on standardised residuals
   ``log(observed / predicted)`` of per-route mean TTFT and TPOT, one accumulator per route and
   target; standardised by the calibration set's own residual mean and spread, clipped per
@@ -65,6 +70,15 @@ class DriftConfig:
     psi_null_multiple: float = 4.0
     qps_floor: float = math.log(1.2)
     qps_sd_multiple: float = 4.0
+    # QPS CUSUM, in standard deviations of one window's log rate. The allowance is also at
+    # least half of qps_floor (log units): with large windows a tiny, real but harmless rate
+    # change would otherwise accumulate. Under no change a two-sided CUSUM with k = 1, h = 5
+    # runs ~5e4 windows between false alarms (Siegmund's approximation), ~2 weeks of 30 s
+    # windows; one window moves it by at most max_step_share of its threshold, so one odd
+    # window cannot fire it alone.
+    qps_cusum_allowance: float = 1.0
+    qps_cusum_threshold: float = 5.0
+    qps_cusum_max_step_share: float = 0.8
     cusum_allowance: float = 1.0  # k, in standard deviations
     z_clip: float = 5.0  # one window moves a CUSUM by at most z_clip - k
     residual_sd_floor: float = 0.04
@@ -83,6 +97,10 @@ class DriftReference:
     io_counts: tuple[float, ...]
     qps_log_median: float
     qps_log_sd: float
+    # Variance of the calibration windows' log rate beyond Poisson (>= 0), and how many
+    # windows the median came from (its error widens the CUSUM's allowance).
+    qps_log_excess_var: float
+    qps_windows: int
     goodput_mean: float | None
     goodput_sd: float
     residual_mean: Mapping[str, float]
@@ -93,6 +111,7 @@ class DriftReference:
         return {
             "context_counts": list(self.context_counts), "io_counts": list(self.io_counts),
             "qps_log_median": self.qps_log_median, "qps_log_sd": self.qps_log_sd,
+            "qps_log_excess_var": self.qps_log_excess_var, "qps_windows": self.qps_windows,
             "goodput_mean": self.goodput_mean, "goodput_sd": self.goodput_sd,
             "residual_mean": dict(self.residual_mean), "residual_sd": dict(self.residual_sd),
             "window_range": list(self.window_range),
@@ -104,6 +123,11 @@ class DriftReference:
             context_counts=tuple(float(x) for x in d["context_counts"]),
             io_counts=tuple(float(x) for x in d["io_counts"]),
             qps_log_median=float(d["qps_log_median"]), qps_log_sd=float(d["qps_log_sd"]),
+            # References stored before the QPS CUSUM: take the whole robust spread as excess
+            # (a less sensitive CUSUM, never a noisier one).
+            qps_log_excess_var=float(d.get("qps_log_excess_var",
+                                           float(d["qps_log_sd"]) ** 2)),
+            qps_windows=int(d.get("qps_windows", 1)),
             goodput_mean=None if d.get("goodput_mean") is None else float(d["goodput_mean"]),
             goodput_sd=float(d["goodput_sd"]),
             residual_mean={str(k): float(v) for k, v in d["residual_mean"].items()},
@@ -239,9 +263,16 @@ def reference_from_windows(
             ctx += c
         if i.shape == io.shape:
             io += i
-    logq = np.log(np.maximum([window_qps(w) for w in windows], 1e-9))
+    rates = np.maximum([window_qps(w) for w in windows], 1e-9)
+    logq = np.log(rates)
     med = float(np.median(logq))
     mad = float(np.median(np.abs(logq - med))) * 1.4826
+    # Var(log count) of a Poisson count is ~1/count; what the windows scatter beyond that is
+    # the workload's own overdispersion.
+    poisson_var = float(np.mean(1.0 / np.maximum(rates * [w.interval_s for w in windows],
+                                                 1.0)))
+    excess = (max(float(np.var(logq, ddof=1)) - poisson_var, 0.0) if len(windows) > 1
+              else mad**2)
     goods = [g for g, n in (window_goodput(w) for w in windows) if g is not None and n > 0]
     res_mean: dict[str, float] = {}
     res_sd: dict[str, float] = {}
@@ -254,7 +285,8 @@ def reference_from_windows(
                 res_sd[key] = float(np.std(vals, ddof=1))
     return DriftReference(
         context_counts=tuple(float(x) for x in ctx), io_counts=tuple(float(x) for x in io),
-        qps_log_median=med, qps_log_sd=mad,
+        qps_log_median=med, qps_log_sd=mad, qps_log_excess_var=excess,
+        qps_windows=len(windows),
         goodput_mean=float(np.mean(goods)) if goods else None,
         goodput_sd=float(np.std(goods, ddof=1)) if len(goods) > 1 else 0.0,
         residual_mean=res_mean, residual_sd=res_sd,
@@ -317,15 +349,45 @@ def step_workload(
         details[name] = {"psi": value, "threshold": thr}
         ratios.append(value / thr)
     q = window_qps(window)
+    cusum = state.cusum
     if q > 0:
-        shift = abs(math.log(q) - ref.qps_log_median)
+        log_ratio = math.log(q) - ref.qps_log_median
         thr = max(c.qps_floor, c.qps_sd_multiple * ref.qps_log_sd)
-        details["qps"] = {"log_ratio": shift, "threshold": thr, "qps": q,
+        details["qps"] = {"log_ratio": abs(log_ratio), "threshold": thr, "qps": q,
                           "reference_qps": math.exp(ref.qps_log_median)}
-        ratios.append(shift / thr)
+        ratios.append(abs(log_ratio) / thr)
+        if samples >= c.workload.min_samples:  # a thin window adds no evidence
+            up, down, sd = _qps_cusum(cusum.get("qps", (0.0, 0.0)), ref, window, log_ratio, c)
+            cusum = {**cusum, "qps": (up, down)}
+            details["qps"] |= {"cusum_up": up, "cusum_down": down, "sd": sd,
+                               "cusum_threshold": c.qps_cusum_threshold}
+            ratios.append(max(up, down) / c.qps_cusum_threshold)
     stat = max(ratios) if ratios else math.nan
     return _advance("workload", c.workload, state, now, stat, c.workload.threshold, samples,
-                    details)
+                    details, cusum)
+
+
+# Var(median of n) ~ (pi/2) Var(x) / n for normal samples.
+_MEDIAN_VAR_FACTOR = math.pi / 2.0
+
+
+def _qps_cusum(
+    prev: tuple[float, float], ref: DriftReference, window: Window, log_ratio: float,
+    c: DriftConfig,
+) -> tuple[float, float, float]:
+    """One step of the two-sided CUSUM on a window's log rate ratio: (up, down, its sd)."""
+    expected = math.exp(ref.qps_log_median) * window.interval_s
+    sd = math.sqrt(ref.qps_log_excess_var + 1.0 / max(expected, 1.0))
+    z = log_ratio / sd
+    # The reference median's own error is the same offset in every window, which a CUSUM
+    # would accumulate (from 10 windows it is 0.4 sd, and a 0.6 sd offset makes k = 1, h = 5
+    # fire within 2 h about every other time): the allowance covers one standard error of it.
+    k = max(c.qps_cusum_allowance + math.sqrt(_MEDIAN_VAR_FACTOR / max(ref.qps_windows, 1)),
+            c.qps_floor / (2.0 * sd))
+    cap = c.qps_cusum_max_step_share * c.qps_cusum_threshold
+    up = max(0.0, prev[0] + min(z - k, cap))
+    down = max(0.0, prev[1] + min(-z - k, cap))
+    return up, down, sd
 
 
 def step_performance(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 from controller.core.drift import (
@@ -26,7 +28,7 @@ from controller.core.features import build_training_set
 from controller.core.latency_model import LatencyModel, fit_latency_model
 from controller.core.window import TargetFailure, Window
 from controller.policy.model import Slo
-from tests.core.synth import Mix, Truth, stationary, training_windows
+from tests.core.synth import Mix, Truth, make_window, stationary, training_windows
 
 SLO = Slo(ttft_s=1.0, tpot_s=0.05)
 QPS = 2.0
@@ -152,6 +154,75 @@ def test_psi_is_zero_for_identical_and_large_for_moved_mass() -> None:
 
 def test_reference_round_trips_through_json(reference: DriftReference) -> None:
     assert DriftReference.from_dict(reference.to_dict()) == reference
+
+
+def test_reference_stored_before_the_qps_cusum_loads_conservatively(
+    reference: DriftReference,
+) -> None:
+    old = {k: v for k, v in reference.to_dict().items()
+           if k not in ("qps_log_excess_var", "qps_windows")}
+    back = DriftReference.from_dict(old)
+    assert back.qps_log_excess_var == pytest.approx(reference.qps_log_sd**2)
+    assert back.qps_windows == 1
+
+
+def _workload_fires(windows: Sequence[Window], ref: DriftReference,
+                    cfg: DriftConfig | None = None) -> list[bool]:
+    state = DetectorState()
+    out = []
+    for w in windows:
+        state, v = step_workload(state, ref, w, w.end, cfg)
+        out.append(v.fired)
+    return out
+
+
+# With 2 routers x 2 req/s x 30 s (~120 requests a window) a x1.3 step is log 1.3 / (1/sqrt 120)
+# ~ 2.9 standard deviations: below the per-window threshold, so only the CUSUM sees it.
+NO_QPS_CUSUM = DriftConfig(qps_cusum_threshold=math.inf)
+QPS_X13_MAX_DELAY = 8  # measured 4-7 over seeds 0-4 (benchmarks/core_drift_table.py)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_qps_step_of_1_3_fires_the_workload_detector_within_bounded_windows(
+    seed: int, reference: DriftReference
+) -> None:
+    before = stationary(Truth(), Mix(), QPS, LOCAL, 10, seed=seed, slo=SLO,
+                        start=1_760_000_000.0)
+    after = stationary(Truth(), Mix(), QPS * 1.3, LOCAL, 15, seed=seed + 50, slo=SLO,
+                       start=before[-1].end)
+    fired = _workload_fires(before + after, reference)
+    assert not any(fired[:10])
+    delay = next((i + 1 for i, f in enumerate(fired[10:]) if f), None)
+    assert delay is not None and delay <= QPS_X13_MAX_DELAY, delay
+    # the per-window test alone does not see it: the CUSUM is what detects it
+    assert not any(_workload_fires(before + after, reference, NO_QPS_CUSUM))
+
+
+def test_a_falling_rate_fires_too(reference: DriftReference) -> None:
+    after = stationary(Truth(), Mix(), QPS / 1.3, LOCAL, 15, seed=31, slo=SLO,
+                       start=1_760_000_000.0)
+    assert any(_workload_fires(after, reference))
+
+
+def _overdispersed(n: int, seed: int, sd: float, start: float) -> list[Window]:
+    """Windows whose rate itself varies (log-normal, ``sd``) on top of Poisson counts:
+    sessions and bursts make real request counts scatter more than Poisson."""
+    rng = np.random.default_rng(seed)
+    return [make_window(Truth(), Mix(), QPS * math.exp(rng.normal(0.0, sd)), LOCAL, rng,
+                        start + i * 30.0, 30.0, SLO)[0] for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_overdispersed_stationary_counts_do_not_fire(seed: int) -> None:
+    calib = _overdispersed(40, seed=200 + seed, sd=0.15, start=1_750_000_000.0)
+    ref = reference_from_windows(calib)
+    # the overdispersion is estimated (injected 0.15^2 = 0.0225 beyond Poisson's ~0.008)
+    assert 0.008 < ref.qps_log_excess_var < 0.05
+    stream = _overdispersed(240, seed=seed, sd=0.15, start=1_760_000_000.0)
+    assert not any(_workload_fires(stream, ref))
+    # with Poisson's spread alone the same stream would look like drift
+    poisson_only = dataclasses.replace(ref, qps_log_excess_var=0.0)
+    assert any(_workload_fires(stream, poisson_only))
 
 
 def test_too_few_samples_never_fire(reference: DriftReference) -> None:
