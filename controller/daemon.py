@@ -223,6 +223,8 @@ class Daemon:
             leader = await self.parts.leadership.ensure()
         except Exception as e:  # the next renewal or cycle tries again
             log.warning("lease renewal failed: %s", e)
+            # Say who leads as the leadership says it now (a lost server took the lock).
+            self.parts.cycle.metrics.set_leader(self.parts.leadership.is_leader)
             return
         self.parts.cycle.metrics.set_leader(leader)
 

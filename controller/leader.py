@@ -10,6 +10,9 @@
   row on top of it supplies the term and the in-transaction fence. Advisory locks are per
   database, not per schema, so the key is derived from the schema holding the store: two
   stores in one database (two deployments, or parallel test runs) do not block each other.
+  The lock is bound to the server session: a restarted server has dropped it. ``ensure``
+  then reconnects and contends again; while the server cannot be reached it raises
+  :class:`StoreUnavailable` (the cycle fails, the replica does not lead).
 
 Time comes from the injected clock, so tests move leases forward without sleeping.
 """
@@ -24,7 +27,7 @@ from datetime import timedelta
 from typing import Any
 
 from controller.clock import Clock
-from controller.store import Lease, Store, Tx
+from controller.store import Lease, Store, StoreUnavailable, Tx
 
 log = logging.getLogger("pdctl.leader")
 
@@ -150,9 +153,13 @@ class PgAdvisoryLeadership(LeaseLeadership):
             cur = await self._conn.execute("SELECT pg_try_advisory_lock(%s)", (self.key,))
             row = await cur.fetchone()
         except psycopg.Error as e:
-            log.warning("cannot take the leader lock: %s", type(e).__name__)
+            # The server is unreachable (down, restarting, recovering): that is not "another
+            # replica leads". Raised, the cycle is counted failed with the store named, and
+            # health stops reporting a follower that is fine.
             await self._drop()
-            return False
+            raise StoreUnavailable(
+                f"cannot take the leader lock on {self.store.safe_url}: "
+                f"{type(e).__name__}: {str(e).strip()}") from None
         self.locked = bool(row and row[0])
         if not self.locked:
             await self._drop()  # do not keep an idle connection per follower
@@ -167,7 +174,12 @@ class PgAdvisoryLeadership(LeaseLeadership):
                 log.debug("closing the lock connection failed", exc_info=True)
 
     async def ensure(self) -> bool:
-        if not await self._lock():
+        try:
+            locked = await self._lock()
+        except StoreUnavailable:
+            self.lease = None  # the lock went with the server's session: we do not lead
+            raise
+        if not locked:
             self.lease = None
             return False
         return await super().ensure()

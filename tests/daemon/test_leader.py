@@ -1,14 +1,18 @@
 """Two replicas competing for leadership: the SQLite lease row, and the PostgreSQL advisory
-lock on the real server at 127.0.0.1:5432 (skipped locally without it, failing in CI)."""
+lock on the real server at 127.0.0.1:5432 (skipped locally without it, failing in CI), and
+on a private server the test stops and starts."""
 
 from __future__ import annotations
 
 import secrets
 from pathlib import Path
 
+import pytest
+
 from controller.clock import VirtualClock
 from controller.leader import LeaseLeadership, PgAdvisoryLeadership, advisory_key
-from controller.store import Store
+from controller.store import Store, StoreUnavailable
+from tests.support.postgres import private_postgres
 
 
 async def test_sqlite_lease_one_leader_then_takeover_after_expiry(tmp_path: Path) -> None:
@@ -87,3 +91,31 @@ async def test_postgres_leader_locks_of_stores_in_two_schemas_do_not_collide(
                 await leadership.release()
             for store in stores:
                 store.close()
+
+
+async def test_postgres_leader_with_its_server_down_fails_then_leads_again() -> None:
+    """The server itself stopped (a crash) under the leader: its lock went with the session.
+    ``ensure`` raises ``StoreUnavailable`` (a failed cycle, not a healthy follower), the
+    replica stops leading and fences its writes, and leads again once the server is back."""
+    clock = VirtualClock(1_800_000_000.0)
+    with private_postgres() as pg:
+        store = Store(pg.url, clock)
+        store.upgrade()
+        a = PgAdvisoryLeadership(store, clock, "a", ttl_s=15.0, connect_timeout_s=2)
+        try:
+            assert await a.ensure() and a.is_leader
+            term = a.term
+            pg.stop("immediate")
+            with pytest.raises(StoreUnavailable, match="leader lock"):
+                await a.ensure()
+            assert not a.is_leader and not a.locked and a.lease is None
+            with pytest.raises(StoreUnavailable, match="leader lock"):
+                await a.ensure()  # still down: still failing, never "a follower"
+            pg.start()
+            assert await a.ensure() and a.is_leader and a.locked
+            assert a.term == term  # the same holder re-took its own lease row
+            with store.read() as tx:
+                assert a.fence(tx)
+        finally:
+            await a.release()
+            store.close()
