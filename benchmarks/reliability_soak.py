@@ -46,6 +46,7 @@ from controller.clock import VirtualClock, WallClock
 from controller.config import load_settings
 from controller.core.window import RouteOutcome, Summary, Window, WorkerStats, Workload
 from controller.cycle import Cycle, CycleConfig
+from controller.heap import release_free_heap
 from controller.learning import CoreLearner
 from controller.metrics import ControllerMetrics
 from controller.observe.source import Target
@@ -185,11 +186,14 @@ async def soak(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             clock.advance(args.interval_s)
             report = await cycle.run_once()
             results[report.result] += 1
+            if args.malloc_trim:
+                release_free_heap()
             if i % compact_every == 0:
                 store.compact_windows(clock.utcnow() - timedelta(days=args.retention_days))
             if i % sample_every == 0 or i == cycles - 1:
                 samples.append({"cycle": i, "sim_h": round(i * args.interval_s / 3600, 2),
                                 "rss_mb": round(rss_mb(), 1), "fds": open_fds(),
+                                "py_blocks": sys.getallocatedblocks(),
                                 "tasks": len(asyncio.all_tasks()), **row_counts(store)})
                 # progress on stderr, one JSON line per sample: a long soak shows its trend
                 # as it goes, and a soak stopped early still leaves its samples
@@ -243,6 +247,10 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--retention-days", type=float, default=1.0)
     parser.add_argument("--sample-h", type=float, default=1.0)
+    parser.add_argument("--malloc-trim", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="Return freed heap pages to the OS after every cycle, as the "
+                             "daemon does (--no-malloc-trim to see the difference).")
     parser.add_argument("--tracemalloc", action="store_true",
                         help="Also list the Python allocations that grew most after warm-up.")
     args = parser.parse_args()

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -304,6 +305,23 @@ def canary_subset(routers: Sequence[str], fraction: float, version: int) -> tupl
     return tuple(sorted(ordered[(start + i) % n] for i in range(k)))
 
 
+class _RecentPolicies(OrderedDict[int, Policy]):
+    """The policies the cycle decoded or built lately, by version. Bounded: a long-running
+    daemon makes a candidate per calibration (one an hour in the soak), each with its whole
+    table. The oldest go first; any version evicted is read back from the store (and cached
+    again) when needed."""
+
+    def __init__(self, capacity: int = 32) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def __setitem__(self, version: int, policy: Policy) -> None:
+        super().__setitem__(version, policy)
+        self.move_to_end(version)
+        while len(self) > self.capacity:
+            self.popitem(last=False)
+
+
 async def _to_thread(fn: Callable[[], T]) -> T:
     return await asyncio.to_thread(fn)
 
@@ -348,7 +366,7 @@ class Cycle:
         self._state = LearnerState()
         self._state_for: int | None = None  # the policy version the learner state belongs to
         self._last_end: float | None = None
-        self._policies: dict[int, Policy] = {}
+        self._policies = _RecentPolicies()
         self._fit_failed_at: float | None = None  # automatic fits back off after a failure
         self._scaling = ScalingState()
         # Causes not yet recalibrated for (a deferred or rate-limited cycle keeps them).

@@ -35,6 +35,7 @@ from controller import sdnotify
 from controller.clock import Clock, WallClock
 from controller.config import Settings
 from controller.errors import ConfigError, TerminalError, TransientError
+from controller.heap import release_free_heap
 
 if TYPE_CHECKING:
     from controller.core.capacity import CapacityPlan
@@ -216,6 +217,8 @@ class Daemon:
         finally:
             if task.done():
                 self._inflight = None
+                # A calibration's freed arrays stay mapped by glibc otherwise: RSS ratchets.
+                release_free_heap()
 
     async def _renew_lease(self) -> None:
         assert self.parts is not None
