@@ -13,7 +13,11 @@ Every simulated ``--sample-h`` hours it samples this process's RSS, open file de
 asyncio tasks and the store's row counts, and prints one JSON object at the end: cycles by
 result, calibrations, approved versions, wall time, RSS after warm-up and at the end (growth
 in %), descriptors and tasks at the start and end, and the largest window count seen (bounded
-by the retention).
+by the retention). Each sample also splits RSS into anonymous and file-backed memory and
+gives Python's block count and glibc's heap in use / free (``controller/heap.py``): a leak
+grows "in use" or the blocks, fragmentation grows "free" or memory outside both. Like
+``pdctl run``, the soak allocates through glibc and trims the heap after every cycle;
+``PYTHONMALLOC=pymalloc`` and ``--no-malloc-trim`` show what each of those is worth.
 
     .venv/bin/python benchmarks/reliability_soak.py --days 0.25            # a quick look
     .venv/bin/python benchmarks/reliability_soak.py --days 7 --routers 512 --workers 256 \\
@@ -46,7 +50,7 @@ from controller.clock import VirtualClock, WallClock
 from controller.config import load_settings
 from controller.core.window import RouteOutcome, Summary, Window, WorkerStats, Workload
 from controller.cycle import Cycle, CycleConfig
-from controller.heap import release_free_heap
+from controller.heap import heap_stats, reexec_with_system_malloc, release_free_heap
 from controller.learning import CoreLearner
 from controller.metrics import ControllerMetrics
 from controller.observe.source import Target
@@ -123,6 +127,17 @@ def rss_mb() -> float:
     return math.nan
 
 
+def rss_parts_mb() -> dict[str, float]:
+    """Anonymous memory (heaps, arenas) apart from mapped files and shared memory."""
+    parts = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                key, value = line.split()[:2]
+                parts[f"{key[3:-1].lower()}_mb"] = round(int(value) / 1024, 1)
+    return parts
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -193,7 +208,9 @@ async def soak(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             if i % sample_every == 0 or i == cycles - 1:
                 samples.append({"cycle": i, "sim_h": round(i * args.interval_s / 3600, 2),
                                 "rss_mb": round(rss_mb(), 1), "fds": open_fds(),
-                                "py_blocks": sys.getallocatedblocks(),
+                                **rss_parts_mb(), "py_blocks": sys.getallocatedblocks(),
+                                **{f"malloc_{k}_mb": round(v, 1)
+                                   for k, v in (heap_stats() or {}).items()},
                                 "tasks": len(asyncio.all_tasks()), **row_counts(store)})
                 # progress on stderr, one JSON line per sample: a long soak shows its trend
                 # as it goes, and a soak stopped early still leaves its samples
@@ -239,6 +256,7 @@ async def soak(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 
 def main() -> None:
+    reexec_with_system_malloc()  # as `pdctl run` does (PYTHONMALLOC=pymalloc to compare)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--days", type=float, default=0.25)
     parser.add_argument("--interval-s", type=float, default=60.0)

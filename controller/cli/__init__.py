@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 
 from controller.cli._app import app
 
@@ -37,6 +38,12 @@ for _name in _COMMAND_MODULES:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["run"]:
+        # The long-running daemon allocates through glibc so freed memory goes back to the
+        # OS (controller/heap.py says why); a short command does not need it.
+        from controller.heap import reexec_with_system_malloc
+
+        reexec_with_system_malloc()
     app()
 
 

@@ -3,6 +3,8 @@ calibration's candidate policy cached for good), and freed heap goes back to the
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from controller.cycle import _RecentPolicies
 from controller.heap import _malloc_trim, release_free_heap
 from controller.policy import Policy, Route
+from tests.support.processes import REPO
 
 
 def test_recent_policies_keep_only_the_latest_versions() -> None:
@@ -48,3 +51,19 @@ def _rss_mb() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
+
+
+def test_reexec_switches_python_to_the_system_allocator() -> None:
+    # pymalloc counts its blocks; with PYTHONMALLOC=malloc there are none to count.
+    script = ("import os, sys; from controller.heap import reexec_with_system_malloc; "
+              "reexec_with_system_malloc(); "
+              "print(os.getpid(), os.environ['PYTHONMALLOC'], sys.getallocatedblocks())")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONMALLOC"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, check=True,
+                         capture_output=True, text=True, timeout=60).stdout.split()
+    assert out[1:] == ["malloc", "0"]
+    # an operator's explicit choice is kept
+    env["PYTHONMALLOC"] = "pymalloc"
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, check=True,
+                         capture_output=True, text=True, timeout=60).stdout.split()
+    assert out[1] == "pymalloc" and int(out[2]) > 0
