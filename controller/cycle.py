@@ -480,7 +480,7 @@ class Cycle:
         # Outcome rows with no requests are not routed requests: at start-up Prometheus
         # reports the routers' counters before they move, and a fit on such windows fails
         # (then backs off FIT_RETRY_INTERVALS instead of waiting for data).
-        if not any(o.requests > 0 for o in window.outcomes):
+        if not window.outcomes.total("requests") > 0:
             return False
         gone = {t for t, n in self._failing.items() if n >= SETTLED_FAILURES}
         return all(f.target in gone for f in window.failures)
@@ -1085,6 +1085,7 @@ class Cycle:
         at = self.clock.utcnow()
         with self.store.cycle() as tx:
             reissued: dict[int, int] = {}
+            acks: list[tuple[str, int, str]] = []
             for router, s in statuses.items():
                 if s.reissued_as is not None:
                     old = desired_versions[router]
@@ -1096,7 +1097,7 @@ class Cycle:
                     reissued[old] = s.reissued_as
                     tx.set_desired(router, s.reissued_as, at=at)
                 if s.ok and s.acked_version is not None and s.acked_checksum is not None:
-                    tx.record_ack(router, s.acked_version, s.acked_checksum, at=at)
+                    acks.append((router, s.acked_version, s.acked_checksum))
                 elif not s.ok:
                     tx.record_router_error(router, f"{s.outcome}: {s.last_error}", at=at)
                 if s.pushed:
@@ -1108,6 +1109,7 @@ class Cycle:
                 report.acked[router] = s.acked_version
                 desired = s.reissued_as or desired_versions[router]
                 self.metrics.set_router_versions(router, desired, s.acked_version or 0)
+            tx.record_acks(acks, at=at)
 
 
 class _LostLeadership(Exception):

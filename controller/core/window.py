@@ -509,6 +509,14 @@ class RouteOutcomes(Sequence[RouteOutcome]):
     def __len__(self) -> int:
         return len(self._items) if self._items is not None else self.columns.n
 
+    def total(self, name: str) -> float:
+        """The sum of one of ``requests, met, ttft_sum, ttft_count, tpot_sum, tpot_count``
+        over every outcome, from whichever form is at hand (a window read from the store
+        sums its packed column without making tens of thousands of objects)."""
+        if self._items is not None:
+            return math.fsum(map(attrgetter(name), self._items))
+        return math.fsum(self.columns.float_column(name))
+
     @overload
     def __getitem__(self, i: int) -> RouteOutcome: ...
     @overload

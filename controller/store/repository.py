@@ -275,6 +275,24 @@ class Tx:
         }
         self._upsert(RouterRow, ["router_id"], values)
 
+    def record_acks(
+        self, acks: Sequence[tuple[str, int, str]], at: datetime | None = None
+    ) -> None:
+        """:meth:`record_ack` for many ``(router, version, checksum)`` in one statement: a
+        cycle confirms every router it reconciles (1,000 single upserts took ~0.4 s)."""
+        if not acks:
+            return
+        when = self._at(at)
+        stmt = self._insert(RouterRow)
+        stmt = stmt.on_conflict_do_update(index_elements=["router_id"], set_={
+            k: stmt.excluded[k] for k in ("acked_version", "acked_checksum", "last_seen",
+                                          "last_error")})
+        self._s.execute(stmt, [
+            {"router_id": r, "acked_version": v, "acked_checksum": c, "last_seen": when,
+             "last_error": None}
+            for r, v, c in acks
+        ])
+
     def record_router_error(self, router_id: str, error: str, at: datetime | None = None) -> None:
         values = {"router_id": router_id, "last_error": error, "last_error_at": self._at(at)}
         self._upsert(RouterRow, ["router_id"], values)
@@ -736,6 +754,7 @@ class Store:
     desired_versions = _in_own_transaction(Tx.desired_versions)
     clear_desired = _in_own_transaction(Tx.clear_desired)
     record_ack = _in_own_transaction(Tx.record_ack)
+    record_acks = _in_own_transaction(Tx.record_acks)
     record_router_error = _in_own_transaction(Tx.record_router_error)
     routers = _in_own_transaction(Tx.routers)
     add_push = _in_own_transaction(Tx.add_push)

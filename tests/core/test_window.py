@@ -260,3 +260,14 @@ def test_round_trip_holds_for_any_finite_values(
     )
     text = json.dumps(w.to_dict(compact=compact), allow_nan=False)
     assert Window.from_dict(json.loads(text)) == w
+
+
+def test_outcome_totals_agree_in_both_forms_without_making_objects() -> None:
+    w = sample_window(random.Random(4), 1_800_000_000.0, n_routers=2, cells=5)
+    stored = json.loads(json.dumps(w.to_dict(compact=True), allow_nan=False))
+    back = Window.from_dict(stored).outcomes
+    for name in ("requests", "met", "ttft_sum", "tpot_count"):
+        assert back.total(name) == math.fsum(getattr(o, name) for o in w.outcomes) > 0
+        assert w.outcomes.total(name) == back.total(name)
+    assert back._items is None  # summed from the packed column
+    assert RouteOutcomes().total("requests") == 0

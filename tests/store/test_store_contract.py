@@ -235,6 +235,21 @@ def test_routers_record_acks_and_errors(store: Store) -> None:
     assert store.routers()[0].last_error is None and store.routers()[0].acked_version == 5
 
 
+def test_acks_recorded_in_one_statement_match_single_ones(store: Store) -> None:
+    store.record_router_error("r2", "connection refused", at=T0)
+    store.record_ack("r3", 1, "11" * 32, at=T0)
+    later = T0 + timedelta(seconds=30)
+    store.record_acks([("r1", 4, "aa" * 32), ("r2", 4, "aa" * 32), ("r3", 5, "bb" * 32)],
+                      at=later)
+    store.record_acks([], at=later)  # nothing to say: no statement
+    got = {r.router_id: (r.acked_version, r.acked_checksum, r.last_seen, r.last_error)
+           for r in store.routers()}
+    assert got == {"r1": (4, "aa" * 32, later, None), "r2": (4, "aa" * 32, later, None),
+                   "r3": (5, "bb" * 32, later, None)}
+    # the error's time stays: it says when the router last failed
+    assert next(r for r in store.routers() if r.router_id == "r2").last_error_at == T0
+
+
 def test_pushes_and_drift_events_are_listed_oldest_first(store: Store) -> None:
     for i in range(4):
         store.add_push(f"r{i}", 7, "applied" if i else "timeout", 0.002 * i or None,
