@@ -84,6 +84,12 @@ class CalibrationConfig:
     # needs a gain above the model's held-out goodput error (guardrail.py).
     guardrail_overload_goodput: float = 0.5
     exploration_budget: float = 0.005  # predicted goodput exploration may cost (above floor)
+    # Requests per second a cell may send the predicted-worse way, floor included: the model
+    # needs samples, not a share, and a busy cell pays for each explored request the most
+    # (after QPS x2 on ppd-2p2d, 1-2 % of the busiest cell cost ~1 point of measured goodput
+    # where the model predicted 0.2-0.5; benchmarks/core_sim_exploration_cost.py). 0.2/s is
+    # 120 samples per cell in 10 minutes.
+    exploration_max_rate: float = 0.2
     holdout_fraction: float = 0.2  # later windows held out to measure the model's error
     recent_windows: int = 20  # windows that define "the current mix" for predicted goodput
     overrides: Overrides = field(default_factory=Overrides)
@@ -494,6 +500,18 @@ def _cell_uncertainty(ts: TrainingSet, model: LatencyModel, axes: Axes
     return np.minimum(req_p, req_l), spread, (req_p + req_l) > 0
 
 
+def _rate_capped_share(grid: TableGrid, max_rate: float) -> FloatArray:
+    """Per cell (policy order), the exploration share that sends ``max_rate`` requests per
+    second of the traffic the table decides (overrides excluded) the other way."""
+    free = np.ones_like(grid.mix)
+    if grid.forced_p is not None and grid.forced_l is not None:
+        free = np.clip(1.0 - grid.forced_p - grid.forced_l, 0.0, 1.0)
+    rate = (grid.qps * grid.n_routers)[:, None] * (grid.mix * free)[None, :]  # [S, K]
+    cap = np.where(rate > 0, max_rate / np.where(rate > 0, rate, 1.0), np.inf)
+    out: FloatArray = cap.T.reshape(-1)
+    return out
+
+
 def _price_exploration(
     model: LatencyModel, grid: TableGrid, routes: Any, explore: FloatArray,
     seen: NDArray[np.bool_], floor: float, budget: float, slo: Slo,
@@ -625,6 +643,7 @@ def calibrate(
     samples, spread, seen = _cell_uncertainty(ts, model, cfg.axes)
     score_flat = fp.scores.T.reshape(-1)  # [(ctx*io), qps] -> policy order
     explore = exploration_fractions(samples, spread, score_flat, seen, cfg.exploration)
+    explore = np.minimum(explore, _rate_capped_share(grid, cfg.exploration_max_rate))
     explore, explore_scale = _price_exploration(
         model, grid, fp.routes, explore, seen, cfg.exploration.floor, cfg.exploration_budget, slo)
     routes_flat = fp.routes.T.reshape(-1)

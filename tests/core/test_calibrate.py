@@ -290,3 +290,27 @@ def test_explain_matches_the_table(result: CalibrationResult) -> None:
         assert out["predicted"][route]["ttft_s"] > 0 and out["predicted"][route]["tpot_s"] > 0
     first = explain(result, Features(1, 0.0, 2000.0, 200.0, 2.0))
     assert first["reason"] == "first_turn" and "predicted" not in first
+
+
+def test_exploration_is_capped_in_requests_per_second(train: list) -> None:
+    """A busy cell reaches its samples with a smaller share (and pays the most for each
+    explored request): no cell sends more than ``exploration_max_rate`` requests/s the
+    other way, even below the floor; uncapped, the same cells explore at least the floor."""
+    capped = calibrate(train, NOW, config=CalibrationConfig(slo=SLO, exploration_max_rate=0.005))
+    free = calibrate(train, NOW, config=CalibrationConfig(slo=SLO,
+                                                          exploration_max_rate=math.inf))
+    g = capped.grid
+    assert g.forced_p is not None and g.forced_l is not None
+    decided = g.mix * (1.0 - g.forced_p - g.forced_l)  # share of traffic the table decides
+    n_qps = g.qps.shape[0]
+    below_floor = 0
+    for idx, e in enumerate(capped.policy.table.exploration):
+        k, s = divmod(idx, n_qps)  # policy order: (ctx, io) cell, then qps row
+        rate = g.qps[s] * g.n_routers * decided[k]
+        assert e * rate <= 0.005 * (1 + 1e-9)
+        e_free = free.policy.table.exploration[idx]
+        if rate > 0.5 and e_free > 0:
+            assert e_free >= CalibrationConfig().exploration.floor
+            assert e < e_free
+            below_floor += 1
+    assert below_floor > 0
