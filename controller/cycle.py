@@ -59,7 +59,6 @@ from controller.core.capacity import CapacityPlan
 from controller.core.drift import ScalingEvent, ScalingState, step_scaling
 from controller.core.window import Window
 from controller.learning import (
-    MIN_REGIME_WINDOWS,
     CalibrationOutcome,
     DriftFinding,
     Learner,
@@ -247,7 +246,6 @@ class _Plan:
     recalibrate_request: OperatorRequest | None = None
     calibration_error: str | None = None
     too_few_windows: bool = False  # calibration_error is a lack of data, not a failed fit
-    drift_retry: bool = False  # this calibration is the retry of a refused drift calibration
     scaling: str | None = None  # the scaling event a "scaling" calibration answers
     scaling_recommendation: int | None = None  # ...and the recommendation it applied
     capacity: CapacityPlan | None = None
@@ -373,10 +371,6 @@ class Cycle:
         self._pending_scaling: str | None = None
         self._pending_recommendation: int | None = None  # the scaling reached this one
         self._pending_drift = False
-        # A refused drift calibration is retried once, when the learner can train on the
-        # windows since the change alone (see _write).
-        self._drift_retry_at: float | None = None
-        self._retrying_drift = False
         self.planner = planner
         self._plan_failed_at: float | None = None
         self._exported_recommendation = False
@@ -522,9 +516,6 @@ class Cycle:
             return "scaling"
         if self._pending_drift:
             return "drift"
-        if self._drift_retry_at is not None and now >= self._drift_retry_at:
-            self._retrying_drift = True
-            return "drift"
         if self._pending_scaling is not None:
             return "scaling"
         due = self.next_due()
@@ -585,8 +576,6 @@ class Cycle:
         self._pending_scaling = None  # this calibration sees the new capacity and mix
         self._pending_recommendation = None
         self._pending_drift = False
-        plan.drift_retry, self._retrying_drift = self._retrying_drift, False
-        self._drift_retry_at = None  # this calibration supersedes a pending retry
         if recal is not None and recal.reason:
             reason = f"{trigger}: {recal.reason}"
         elif plan.scaling is not None:  # the policy's provenance says which shape it is for
@@ -660,15 +649,6 @@ class Cycle:
             self._fit_failed_at = self.clock.now()
         elif plan.calibration is not None:
             self._fit_failed_at = None
-            if plan.trigger == "drift" and not plan.calibration.approved \
-                    and not plan.drift_retry and report.candidate_version is not None:
-                # Fitted before MIN_REGIME_WINDOWS windows since the change existed, a drift
-                # calibration trains across the change and is often refused; its windows
-                # then become the drift reference, so the drift does not fire again. Retry
-                # once when the learner can train on the new regime alone (the end-to-end
-                # test waited for the schedule instead).
-                self._drift_retry_at = (self.clock.now()
-                                        + MIN_REGIME_WINDOWS * self.config.interval_s)
         if plan.capacity is not None:  # exported once stored, never before
             self._export_recommendation(plan.capacity.to_dict(), self.clock.now())
 
@@ -722,8 +702,10 @@ class Cycle:
                 self._approve(tx, version, rollout, report)
                 self._state_for = version
         if not dry_run:
-            # Approved or not, the calibration set is what "normal" looks like now: drift is
-            # measured against it (else a refused candidate re-fires the same drift).
+            # The learner decides what drift is measured against now: a refused candidate
+            # trained across a shift does not hide it (see Learner.adopt), so that shift
+            # fires again after the detector's cooldown and is calibrated for on its own
+            # windows. (This replaced a one-off retry of a refused drift calibration.)
             self._state = self.learner.adopt(self._state, outcome, self.clock.now())
         report.calibration_id = tx.add_calibration(
             ids, outcome.heldout_error, outcome.predicted_goodput_new,

@@ -78,6 +78,8 @@ class Learner(Protocol):
     ) -> CalibrationOutcome: ...
 
     def adopt(self, state: LearnerState, outcome: CalibrationOutcome, now: float) -> LearnerState:
+        """What drift is measured against after ``outcome`` (called for every calibration,
+        approved or refused)."""
         ...
 
     def restore(self, details: Mapping[str, Any] | None) -> LearnerState: ...
@@ -156,7 +158,10 @@ class CoreLearner:
         from controller.core.calibrate import CalibrationError, calibrate
         from controller.core.guardrail import check
 
-        windows, config = self._regime(windows, reason)
+        trained, config = self._regime(windows, reason)
+        # Trained on the windows since a change alone: its verdict is about the new regime.
+        regime_only = len(trained) < len(windows)
+        windows = trained
         try:
             result = calibrate(windows, now, current, config, reason=reason)
         except CalibrationError as e:
@@ -170,6 +175,7 @@ class CoreLearner:
         details = result.to_dict()
         details["regime_windows"] = config.recent_windows if config is not self._config \
             else None
+        details["regime_only"] = regime_only
         details["verdict"] = verdict.to_dict()
         details["drift_reference"] = reference.to_dict()
         return CalibrationOutcome(
@@ -207,14 +213,25 @@ class CoreLearner:
         return windows, config
 
     def adopt(self, state: LearnerState, outcome: CalibrationOutcome, now: float) -> LearnerState:
+        """The drift reference after a calibration. Approved, trained on the windows since
+        a change alone (the running policy was judged on the new regime and kept), or no
+        reference yet: its calibration set, with fresh detectors in cooldown. Otherwise
+        refused: the workload and goodput reference stays the running policy's (a shift that
+        began in the candidate's windows keeps being measured, and fires again after the
+        cooldown); the performance detector takes the candidate's latency model and residual
+        scale, fitted on windows under the running policy."""
         from controller.core import drift
 
         if outcome.reference is None:
             return state
         reference, model = outcome.reference
         previous = state.drift if state.drift is not None else drift.DriftState()
-        return LearnerState(reference, drift.after_recalibration(previous, now, self._drift),
-                            model)
+        rearmed = drift.after_recalibration(previous, now, self._drift)
+        if outcome.approved or state.reference is None or outcome.details.get("regime_only"):
+            return LearnerState(reference, rearmed, model)
+        kept = replace(state.reference, residual_mean=reference.residual_mean,
+                       residual_sd=reference.residual_sd)
+        return LearnerState(kept, replace(previous, performance=rearmed.performance), model)
 
     def restore(self, details: Mapping[str, Any] | None) -> LearnerState:
         """After a restart: the reference stored with the current policy's calibration (the

@@ -85,6 +85,7 @@ class ScriptedLearner:
     calibrations: int = 0
     trained_on: list[int] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
+    adopted: list[bool] = field(default_factory=list)  # each adopted outcome's verdict
 
     def assess(self, state: LearnerState, window: Window, now: float
                ) -> tuple[LearnerState, list[DriftFinding]]:
@@ -112,6 +113,9 @@ class ScriptedLearner:
 
     def adopt(self, state: LearnerState, outcome: CalibrationOutcome, now: float
               ) -> LearnerState:
+        self.adopted.append(outcome.approved)
+        if not outcome.approved and state.reference is not None:
+            return state  # like CoreLearner: a refused candidate is not the new reference
         return LearnerState(reference=outcome.reference)
 
     def restore(self, details: Mapping[str, object] | None) -> LearnerState:

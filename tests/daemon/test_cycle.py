@@ -191,12 +191,14 @@ async def test_too_few_complete_windows_defer_a_calibration_without_the_fit_back
     assert _running(rig) == dict.fromkeys(rig.agents, 1)
 
 
-async def test_a_refused_drift_calibration_is_retried_once_when_the_regime_can_be_learned(
+async def test_a_refused_drift_calibration_goes_to_the_learner_and_is_not_retried_on_a_timer(
     tmp_path: Path,
 ) -> None:
-    """Its windows became the drift reference, so the drift will not fire again; the cycle
-    retries once, MIN_REGIME_WINDOWS windows later (the learner then trains on the windows
-    since the change alone), and not again if that one is refused too."""
+    """The learner keeps the running policy's workload reference when a candidate is refused
+    (CoreLearner: tests/daemon/test_drift_reference.py), so a shift that persists fires
+    again by itself after the cooldown; the cycle calibrates when drift fires, not on a
+    timer (a one-off retry 8 windows later added approvals on gains of 0.006-0.015 in the
+    bench, issue 7)."""
     from controller.learning import MIN_REGIME_WINDOWS
 
     rig = make_rig(tmp_path, routers=1)
@@ -205,15 +207,15 @@ async def test_a_refused_drift_calibration_is_retried_once_when_the_regime_can_b
     rig.learner.fire = True
     refused = await rig.step()
     assert refused.trigger == "drift" and refused.approved_version is None
+    assert rig.learner.adopted[-1] is False, "the refused outcome reaches the learner"
     calls = rig.learner.calibrations
-    for _ in range(MIN_REGIME_WINDOWS - 1):
+    for _ in range(2 * MIN_REGIME_WINDOWS):
         assert (await rig.step()).trigger is None
     assert rig.learner.calibrations == calls
-    retry = await rig.step()
-    assert retry.trigger == "drift" and rig.learner.reasons[-1].startswith("drift")
-    assert rig.learner.calibrations == calls + 1 and retry.approved_version is None
-    for _ in range(MIN_REGIME_WINDOWS + 2):  # refused again: no further retry
-        assert (await rig.step()).trigger is None
+    rig.learner.approve = True
+    rig.learner.fire = True  # the same shift, measured against the kept reference
+    again = await rig.step()
+    assert again.trigger == "drift" and again.approved_version == 3
     assert [c.details["trigger"] for c in rig.store.calibrations()][1:] == ["drift", "drift"]
 
 

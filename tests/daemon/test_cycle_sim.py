@@ -121,8 +121,16 @@ def test_the_daemons_cycle_runs_in_virtual_time_inside_the_simulator(tmp_path: P
     on_drift = [c for c in store.calibrations() if (c.details or {}).get("trigger") == "drift"]
     assert on_drift and on_drift[0].created_at >= events[0].at
     assert "predicted goodput" in on_drift[0].details["reason"]
-    # The refused candidate became the drift reference: the same shift does not re-fire.
-    assert len(events) == 1
+    # The first drift calibration trains across the shift and is refused: it does not become
+    # the drift reference (that hid shifts, issue 7), so the shift fires again after the
+    # cooldown (60 s) and is calibrated for on the windows since it alone. Refused again,
+    # those windows are the new normal: nothing fires after that.
+    assert len(events) >= 2 and events[1].kind == "workload"
+    assert _ts(events[1].at) >= _ts(events[0].at) + 60
+    assert on_drift[0].details["regime_only"] is False
+    judged = [c for c in on_drift if c.details["regime_only"]]
+    assert judged and not judged[0].details["approved"], [c.details for c in on_drift]
+    assert all(e.at <= judged[0].created_at for e in events)
     # The capacity planner ran on the simulator's windows through the real adapter: every
     # interval, without failing a cycle, on windows that exist, seeing the running shape.
     recs = store.recommendations()
@@ -149,3 +157,7 @@ def test_the_daemons_cycle_runs_in_virtual_time_inside_the_simulator(tmp_path: P
           f"drift={[(e.kind, round(e.statistic, 2)) for e in store.drift_events()]} "
           f"pushes={len(store.pushes())} canary={[r.canary for r in reports if r.canary]}")
     store.close()
+
+
+def _ts(at: Any) -> float:
+    return float(at.timestamp())

@@ -1,0 +1,103 @@
+"""What drift is measured against after a calibration (issue 7): the running policy's
+calibration set. A refused candidate trained across a shift does not become the reference
+(its windows hid the shift, and the bench's Mooncake scenarios then never adapted to a later
+rate step); only its latency model, fitted under the running policy, is taken."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from controller.config import load_settings
+from controller.core.drift import reference_from_windows
+from controller.core.window import Window
+from controller.learning import CalibrationOutcome, CoreLearner, LearnerState
+from controller.policy import Policy, Route, Slo
+from tests.core.synth import Mix, Truth, stationary
+
+SLO = Slo(ttft_s=1.0, tpot_s=0.05)
+T0 = 1_750_000_000.0
+INTERVAL = 30.0
+
+
+def _outcome(
+    windows: Sequence[Window], approved: bool, model: Any = None, **details: Any
+) -> CalibrationOutcome:
+    return CalibrationOutcome(
+        Policy.uniform(2, Route.PREFILL_NODE),
+        approved,
+        "scripted",
+        0.9,
+        0.9,
+        {},
+        details,
+        reference=(reference_from_windows(windows, None), model),
+    )
+
+
+def _fired(
+    learner: CoreLearner, state: LearnerState, windows: Sequence[Window]
+) -> tuple[LearnerState, list[float]]:
+    """Assess ``windows`` in order: the new state and the window ends where workload fired."""
+    fired = []
+    for w in windows:
+        state, findings = learner.assess(state, w, w.end)
+        fired += [w.end for f in findings if f.kind == "workload" and f.fired]
+    return state, fired
+
+
+def _streams() -> tuple[list[Window], list[Window]]:
+    before = stationary(Truth(), Mix(), 2.0, 0.6, 20, seed=1, start=T0, slo=SLO)
+    after = stationary(Truth(), Mix(), 6.0, 0.6, 40, seed=2, start=T0 + 20 * INTERVAL, slo=SLO)
+    return before, after
+
+
+def test_a_refused_candidate_leaves_the_workload_reference_so_the_shift_fires_again() -> None:
+    learner = CoreLearner(load_settings())  # cooldown 300 s: 10 windows; 10 reference windows
+    before, after = _streams()
+    state = learner.adopt(LearnerState(), _outcome(before, True), 0.0)
+    state, fired = _fired(learner, state, after[:8])
+    assert fired, "the tripled rate fires the workload detector"
+    # A drift calibration 8 windows after the change is refused; its newest 10 windows are
+    # mostly after the change.
+    across = before[-2:] + after[:8]
+    refused = learner.adopt(state, _outcome(across, False), after[7].end)
+    _, again = _fired(learner, refused, after[8:])
+    assert again and again[0] >= fired[0] + 300, "the same shift fires again after the cooldown"
+    # Taken as the reference (what the cycle did before), the refused candidate's windows
+    # hid the shift for the rest of the run.
+    hidden = learner.adopt(state, _outcome(across, True), after[7].end)
+    assert _fired(learner, hidden, after[8:])[1] == []
+
+
+def test_a_refused_candidate_gives_the_performance_detector_its_model() -> None:
+    learner = CoreLearner(load_settings())
+    before, after = _streams()
+    approved_model, candidate_model = object(), object()
+    state = learner.adopt(LearnerState(), _outcome(before, True, approved_model), 0.0)
+    refused = learner.adopt(state, _outcome(after[:10], False, candidate_model), 1.0)
+    assert refused.model is candidate_model
+    assert refused.reference.qps_log_median == state.reference.qps_log_median
+    assert refused.reference.context_counts == state.reference.context_counts
+
+
+def test_with_no_reference_yet_a_refused_candidate_is_the_reference() -> None:
+    """Else nothing would be measured at all until the first approval."""
+    learner = CoreLearner(load_settings())
+    before, _ = _streams()
+    state = learner.adopt(LearnerState(), _outcome(before, False), 0.0)
+    assert state.reference is not None
+
+
+def test_a_candidate_refused_on_the_windows_since_the_change_alone_is_the_new_normal() -> None:
+    """Judged on the new regime alone and refused, the running policy suits the new regime:
+    its windows become the reference, and the shift stops firing every cooldown."""
+    learner = CoreLearner(load_settings())
+    before, after = _streams()
+    state = learner.adopt(LearnerState(), _outcome(before, True), 0.0)
+    state, fired = _fired(learner, state, after[:12])
+    assert fired
+    judged = learner.adopt(state, _outcome(after[2:12], False, regime_only=True), after[11].end)
+    assert _fired(learner, judged, after[12:])[1] == []
+    across = learner.adopt(state, _outcome(after[2:12], False, regime_only=False), after[11].end)
+    assert _fired(learner, across, after[12:])[1], "kept reference: the shift fires again"
