@@ -363,7 +363,8 @@ class Cycle:
         self._run_blocking = run_blocking or _to_thread
         self._state = LearnerState()
         self._state_for: int | None = None  # the policy version the learner state belongs to
-        self._last_end: float | None = None
+        self._last_end: float | None = None  # while leading without a break
+        self._leading = False
         self._policies = _RecentPolicies()
         self._fit_failed_at: float | None = None  # automatic fits back off after a failure
         self._scaling = ScalingState()
@@ -386,6 +387,10 @@ class Cycle:
         try:
             report.leader = await self.leadership.ensure()
             self.metrics.set_leader(report.leader)
+            if report.leader and not self._leading:
+                # Leading (again): another replica may have stored windows meanwhile.
+                self._last_end = None
+            self._leading = report.leader
             if not report.leader and self._exported_recommendation:
                 self.metrics.clear_recommendation()  # only the leader feeds autoscalers
                 self._exported_recommendation = False
@@ -415,8 +420,7 @@ class Cycle:
         cfg = self.config
         now = self.clock.now()
         end = now
-        start = self._last_end if self._last_end is not None and self._last_end < end \
-            else end - cfg.interval_s
+        start = self._window_start(end)
         plan = _Plan()
         t0 = self.clock.monotonic()
         try:
@@ -462,6 +466,20 @@ class Cycle:
                 await self._calibrate(plan, current, now, recal, ops, report)
         await self._recommend(plan, now, report)
         self._write(plan, claimed, rollout, ops, current, report)
+
+    def _window_start(self, end: float) -> float:
+        """Windows tile time: continue from the last one, ours while leading without a
+        break, else the store's newest (a restart, or leading again after another replica:
+        a window overlapping stored ones would count that time twice in training and
+        drift). From the store, at most one interval back: after an outage the window
+        starts fresh rather than averaging over it."""
+        floor = end - self.config.interval_s
+        if self._last_end is not None:
+            return self._last_end if self._last_end < end else floor
+        with self.store.read() as tx:
+            stored = tx.last_window_end()
+        last = stored.timestamp() if stored is not None else None
+        return last if last is not None and floor < last < end else floor
 
     def _track_failures(self, window: Window) -> None:
         failed = {f.target for f in window.failures}

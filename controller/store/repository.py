@@ -141,6 +141,12 @@ class Tx:
             q = q.where(WindowRow.start_at < until)
         return _decode_windows(self._newest(q, WindowRow.start_at, WindowRow.id, limit))
 
+    def last_window_end(self) -> datetime | None:
+        """Where the newest stored window (by start) ends: a replica that starts or leads
+        again continues from there instead of re-observing time already stored."""
+        q = select(WindowRow.end_at).order_by(WindowRow.start_at.desc()).limit(1)
+        return self._s.execute(q).scalar_one_or_none()
+
     def windows_by_ids(self, ids: Sequence[int]) -> list[StoredWindow]:
         if not ids:
             return []

@@ -461,3 +461,52 @@ async def test_followers_reconcile_only_their_own_router_in_sidecar_mode(tmp_pat
     assert reissued is not None and "re-issued" in reissued.reason
     assert rig.store.desired_versions()["r2"] == 8
     assert rig.store.request(1) is not None and rig.store.request(1).status == "pending"  # type: ignore[union-attr]
+
+
+class _Toggle:
+    """Leadership that tests hand over by setting ``leading``."""
+
+    def __init__(self, holder: str, leading: bool) -> None:
+        self.holder, self.leading = holder, leading
+
+    async def ensure(self) -> bool:
+        return self.leading
+
+    def fence(self, tx: object) -> bool:
+        return self.leading
+
+
+async def test_windows_tile_time_when_leadership_moves_between_replicas(tmp_path: Path
+                                                                        ) -> None:
+    from controller.cycle import Cycle
+    from controller.metrics import ControllerMetrics
+    from controller.rollout.reconciler import Reconciler
+
+    rig = make_rig(tmp_path)
+    a, b = _Toggle("a", True), _Toggle("b", False)
+
+    def replica(lead: _Toggle) -> Cycle:
+        return Cycle(clock=rig.clock, source=rig.source, store=rig.store, learner=rig.learner,
+                     reconciler=Reconciler(rig.transport, rig.clock, max_attempts=1),
+                     metrics=ControllerMetrics(CollectorRegistry()), routers=list(rig.agents),
+                     config=rig.config, leadership=lead)
+
+    ca, cb = replica(a), replica(b)
+    step = rig.config.interval_s
+    for leader in ("a", "a", "b", "b", "a", "a"):  # a -> b -> a, one cycle each per step
+        a.leading, b.leading = leader == "a", leader == "b"
+        rig.clock.advance(step)
+        await ca.run_once()
+        await cb.run_once()
+    spans = [(s.window.start, s.window.end) for s in rig.store.windows()]
+    assert len(spans) == 6
+    # each window starts where the one before it ended: none overlaps, none leaves a gap
+    assert all(prev[1] == nxt[0] for prev, nxt in zip(spans, spans[1:], strict=False))
+    assert all(end - start == step for start, end in spans)
+
+    # A replica that starts after an outage longer than an interval begins one interval back.
+    rig.clock.advance(10 * step)
+    a.leading = True
+    await replica(a).run_once()
+    start, end = (lambda w: (w.start, w.end))(rig.store.windows()[-1].window)
+    assert end - start == step
