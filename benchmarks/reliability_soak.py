@@ -115,6 +115,9 @@ class SyntheticSource:
             answered=[*self.workers, *self.routers], source=self.name,
         )
 
+    def forget_baselines(self) -> None:
+        return None
+
     async def aclose(self) -> None:
         return None
 

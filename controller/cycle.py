@@ -388,7 +388,10 @@ class Cycle:
             report.leader = await self.leadership.ensure()
             self.metrics.set_leader(report.leader)
             if report.leader and not self._leading:
-                # Leading (again): another replica may have stored windows meanwhile.
+                # Leading (again): another replica may have stored windows meanwhile, and
+                # counters diffed across the gap would be counted in this window.
+                if self._last_end is not None:
+                    self.source.forget_baselines()
                 self._last_end = None
             self._leading = report.leader
             if not report.leader and self._exported_recommendation:
@@ -417,7 +420,6 @@ class Cycle:
     # -- deciding (leader only) -----------------------------------------------------------
 
     async def _decide(self, report: CycleReport) -> None:
-        cfg = self.config
         now = self.clock.now()
         end = now
         start = self._window_start(end)

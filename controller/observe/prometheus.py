@@ -372,6 +372,9 @@ class PrometheusSource:
                 out[instance] = str(t["lastError"])[:300]
         return out
 
+    def forget_baselines(self) -> None:
+        return None  # each window is a range query over exactly [start, end]
+
     async def aclose(self) -> None:
         await asyncio.to_thread(self._client.close)
 

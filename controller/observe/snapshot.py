@@ -84,5 +84,10 @@ class SnapshotSource(abc.ABC):
         self._previous[target.name] = snap
         return TargetResult(target.name, target.role, delta=delta)
 
+    def forget_baselines(self) -> None:
+        # Counters diffed from a snapshot older than the window would be divided by the
+        # window's length: without a baseline the first window has gauges only.
+        self._previous.clear()
+
     async def aclose(self) -> None:
         return None

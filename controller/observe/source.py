@@ -60,6 +60,10 @@ class MetricsSource(Protocol):
     async def window(self, start: float, end: float) -> Window:
         """The window ``[start, end]``; call it at ``end``."""
 
+    def forget_baselines(self) -> None:
+        """Drop any counter baselines: the next window starts fresh. Called when this
+        replica leads again after another one did (its baselines are from before)."""
+
     async def aclose(self) -> None:
         """Release connections."""
 
@@ -207,6 +211,9 @@ class FakeSource:
             workload=Workload(context_tokens=_hist(ctx), io_ratio=_hist(io), qps_by_router=qps),
             answered=answered, failures=failures, source=self.name,
         )
+
+    def forget_baselines(self) -> None:
+        return None  # every window is its own ledger
 
     async def aclose(self) -> None:
         return None

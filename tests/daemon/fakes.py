@@ -68,6 +68,9 @@ class PolicyAwareSource:
                             answered=[n for n in self.agents if n not in self.down],
                             failures=failures, source="fake")
 
+    def forget_baselines(self) -> None:
+        return None
+
     async def aclose(self) -> None:
         return None
 

@@ -3,6 +3,7 @@ router runs, in-memory router agents, a SQLite store, a scripted learner."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -501,7 +502,7 @@ async def test_windows_tile_time_when_leadership_moves_between_replicas(tmp_path
     spans = [(s.window.start, s.window.end) for s in rig.store.windows()]
     assert len(spans) == 6
     # each window starts where the one before it ended: none overlaps, none leaves a gap
-    assert all(prev[1] == nxt[0] for prev, nxt in zip(spans, spans[1:], strict=False))
+    assert all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(spans))
     assert all(end - start == step for start, end in spans)
 
     # A replica that starts after an outage longer than an interval begins one interval back.

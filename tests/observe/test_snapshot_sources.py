@@ -183,6 +183,24 @@ async def test_a_target_that_comes_back_starts_a_fresh_baseline() -> None:
     assert stats.ttft_s is not None and stats.ttft_s.count == 1 and stats.ttft_s.mean == 2.0
 
 
+async def test_forgotten_baselines_are_not_diffed_across_another_leaders_time() -> None:
+    cluster = Cluster.build(prefill=1, decode=1, routers=0)
+    source = InProcessSource(cluster.targets, cluster.registries())
+    name = cluster.targets[0].name
+    await source.window(0, 30)
+    # another replica leads from 30 to 90 and stores those windows; this one leads again
+    cluster.workers[name].hist["ttft_s"].observe(1.0)
+    source.forget_baselines()
+    back = await source.window(90, 120)
+    assert {(f.target, f.kind) for f in back.failures} == {
+        (t.name, "no_baseline") for t in cluster.targets}
+    assert {s.worker: s for s in back.workers}[name].ttft_s is None  # not 1.0 over 30 s
+    cluster.workers[name].hist["ttft_s"].observe(2.0)
+    later = await source.window(120, 150)
+    stats = {s.worker: s for s in later.workers}[name]
+    assert stats.ttft_s is not None and stats.ttft_s.count == 1 and stats.ttft_s.mean == 2.0
+
+
 @pytest.mark.integration
 async def test_scrape_reports_a_refused_connection_and_a_timeout() -> None:
     import socket
