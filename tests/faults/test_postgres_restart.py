@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import subprocess
 import threading
 import time
@@ -41,16 +40,14 @@ import pytest
 
 from controller.store import Store
 from tests.faults.harness import Routers, SlowAgent, applied_count
-from tests.support.postgres import PrivatePostgres, private_postgres
-from tests.support.processes import (
-    PDCTL,
-    REPO,
-    free_port,
-    http_get,
-    start_daemon,
-    stop_daemon,
-    wait_for,
+from tests.support.daemon import (
+    acked_everywhere,
+    decide_with_push_held,
+    operator_decision,
+    write_config,
 )
+from tests.support.postgres import PrivatePostgres, private_postgres
+from tests.support.processes import free_port, http_get, start_daemon, stop_daemon, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -62,33 +59,13 @@ REPLICAS = ("a", "b")
 
 def _config(tmp_path: Path, replica: str, routers: list[str], listen: str,
             store_url: str) -> Path:
-    path = tmp_path / f"pd-controller-{replica}.toml"
-    path.write_text(f"""
-[routers]
-targets = {json.dumps(routers)}
-[metrics]
-listen = "{listen}"
-[store]
-url = "{store_url}"
-[controller]
-replica_id = "{replica}"
-interval_s = {INTERVAL_S}
-lease_ttl_s = {LEASE_TTL_S}
-stalled_after_s = 2.0
-shutdown_timeout_s = 5
-[rollout]
-push_deadline_s = 30
-max_attempts = 2
-""")
-    return path
-
-
-def _operator(store_url: str, reason: str) -> None:
-    """`pdctl fallback prefill`: an operator decision the leader turns into a new version."""
-    done = subprocess.run([*PDCTL, "fallback", "prefill", "--reason", reason, "--who",
-                           "fault-test", "--url", store_url], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 0, done.stdout + done.stderr
+    return write_config(tmp_path / f"pd-controller-{replica}.toml", listen, store_url, {
+        "routers": {"targets": routers},
+        "controller": {"replica_id": replica, "interval_s": INTERVAL_S,
+                       "lease_ttl_s": LEASE_TTL_S, "stalled_after_s": 2.0,
+                       "shutdown_timeout_s": 5},
+        "rollout": {"push_deadline_s": 30, "max_attempts": 2},
+    })
 
 
 def _records(store: Store) -> dict[str, list[str]]:
@@ -127,11 +104,9 @@ def _assert_whole(store: Store) -> None:
 
 def _acked(store: Store, version: int, routers: list[str]) -> bool:
     try:
-        acked = {r.router_id: r.acked_version for r in store.routers()}
-        desired = store.desired_versions()
+        return acked_everywhere(store, version, routers)
     except Exception:  # the server may still be recovering
         return False
-    return all(desired.get(r) == version and acked.get(r) == version for r in routers)
 
 
 def _health(listen: str) -> dict[str, Any] | None:
@@ -226,7 +201,7 @@ async def _scenario(tmp_path: Path, pg: PrivatePostgres) -> None:
                         60, logs[name])
         with watch.running():
             # 1. v1 approved and acknowledged before any fault.
-            await asyncio.to_thread(_operator, pg.url, "decision 1")
+            await asyncio.to_thread(operator_decision, pg.url, "decision 1")
             await _wait("v1 acknowledged everywhere",
                         lambda: _acked(store, 1, routers.addresses), 30, log)
             before = await asyncio.to_thread(_records, store)
@@ -239,7 +214,7 @@ async def _scenario(tmp_path: Path, pg: PrivatePostgres) -> None:
             await _wait("windows stored again after the restart",
                         lambda: len(store.windows()) > n_windows + 2, 30, log)
             t_windows = time.monotonic()
-            await asyncio.to_thread(_operator, pg.url, "decision 2")
+            await asyncio.to_thread(operator_decision, pg.url, "decision 2")
             await _wait("v2 acknowledged everywhere after the restart",
                         lambda: _acked(store, 2, routers.addresses), 30, log)
             after_restart = await asyncio.to_thread(_records, store)
@@ -247,14 +222,7 @@ async def _scenario(tmp_path: Path, pg: PrivatePostgres) -> None:
             assert all(p.poll() is None for p in procs.values()), "a replica exited"
 
             # 3. A crash in the middle of a push: the cycle cannot record what it pushed.
-            slow.slow_applies, slow.delay_s = 1, 60.0  # held until released below
-            await asyncio.to_thread(_operator, pg.url, "decision 3")
-            assert await asyncio.to_thread(slow.entered.wait, 30), "the push never reached it"
-            fast = [a for a in routers.addresses if a != slow_address]
-            for _ in range(100):  # the same pass pushes to the fast routers concurrently
-                if all(routers.versions()[a] == 3 for a in fast):
-                    break
-                await asyncio.sleep(0.1)
+            await decide_with_push_held(routers, slow_address, pg.url, 3)
             at_crash = await asyncio.to_thread(_records, store)
             failed_before = {n: _cycles(listens[n], "failed") for n in REPLICAS}
             await asyncio.to_thread(pg.stop, "immediate")

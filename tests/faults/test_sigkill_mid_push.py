@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,16 +30,14 @@ import pytest
 from controller.policy import loads
 from controller.store import Store
 from tests.faults.harness import Routers, SlowAgent, applied_count
-from tests.support.postgres import fresh_schema
-from tests.support.processes import (
-    PDCTL,
-    REPO,
-    free_port,
-    http_get,
-    start_daemon,
-    stop_daemon,
-    wait_for,
+from tests.support.daemon import (
+    acked_everywhere,
+    decide_with_push_held,
+    operator_decision,
+    write_config,
 )
+from tests.support.postgres import fresh_schema
+from tests.support.processes import free_port, http_get, start_daemon, stop_daemon, wait_for
 
 pytestmark = [pytest.mark.integration]
 
@@ -55,32 +52,12 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 
 def _config(tmp_path: Path, routers: list[str], listen: str, store_url: str) -> Path:
-    path = tmp_path / "pd-controller.toml"
-    path.write_text(f"""
-[routers]
-targets = {routers!r}
-[metrics]
-listen = "{listen}"
-[store]
-url = "{store_url}"
-[controller]
-replica_id = "killed"
-interval_s = 1.0
-lease_ttl_s = 3
-shutdown_timeout_s = 5
-[rollout]
-push_deadline_s = 30
-max_attempts = 2
-""".replace("'", '"'))
-    return path
-
-
-def _operator(store_url: str, reason: str) -> None:
-    """`pdctl fallback prefill`: an operator decision the daemon turns into a new version."""
-    done = subprocess.run([*PDCTL, "fallback", "prefill", "--reason", reason, "--who",
-                           "fault-test", "--url", store_url], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 0, done.stdout + done.stderr
+    return write_config(tmp_path / "pd-controller.toml", listen, store_url, {
+        "routers": {"targets": routers},
+        "controller": {"replica_id": "killed", "interval_s": 1.0, "lease_ttl_s": 3,
+                       "shutdown_timeout_s": 5},
+        "rollout": {"push_deadline_s": 30, "max_attempts": 2},
+    })
 
 
 def _records(store: Store) -> dict[str, Any]:
@@ -92,12 +69,6 @@ def _records(store: Store) -> dict[str, Any]:
         "drift": [e.id for e in store.drift_events()],
         "calibrations": [c.id for c in store.calibrations()],
     }
-
-
-def _acked(store: Store, version: int, routers: list[str]) -> bool:
-    acked = {r.router_id: r.acked_version for r in store.routers()}
-    desired = store.desired_versions()
-    return all(desired.get(r) == version and acked.get(r) == version for r in routers)
 
 
 async def test_pdctl_run_killed_mid_push_and_restarted_converges_with_nothing_lost(
@@ -119,18 +90,11 @@ async def test_pdctl_run_killed_mid_push_and_restarted_converges_with_nothing_lo
         proc = start_daemon(config, log)
         await asyncio.to_thread(wait_for, "/healthz", lambda: (r := http_get(
             f"http://{listen}/healthz")) is not None and r.status_code == 200, 60, log)
-        await asyncio.to_thread(_operator, store_url, "decision 1")
+        await asyncio.to_thread(operator_decision, store_url, "decision 1")
         await asyncio.to_thread(wait_for, "v1 acknowledged everywhere",
-                                lambda: _acked(store, 1, routers.addresses), 30, log)
+                                lambda: acked_everywhere(store, 1, routers.addresses), 30, log)
 
-        slow.slow_applies, slow.delay_s = 1, 60.0  # held until released below
-        await asyncio.to_thread(_operator, store_url, "decision 2")
-        assert await asyncio.to_thread(slow.entered.wait, 30), "the push never reached it"
-        fast = [a for a in routers.addresses if a != slow_address]
-        for _ in range(100):  # the same pass pushes to the fast routers concurrently
-            if all(routers.versions()[a] == 2 for a in fast):
-                break
-            await asyncio.sleep(0.1)
+        fast = await decide_with_push_held(routers, slow_address, store_url, 2)
         os.kill(proc.pid, signal.SIGKILL)  # the controller dies with the push in flight
         assert await asyncio.to_thread(proc.wait, 10) == -signal.SIGKILL
         proc = None
@@ -148,7 +112,7 @@ async def test_pdctl_run_killed_mid_push_and_restarted_converges_with_nothing_lo
 
         proc = start_daemon(config, log)  # the restart; the stale call is still stuck
         await asyncio.to_thread(wait_for, "v2 acknowledged everywhere after the restart",
-                                lambda: _acked(store, 2, routers.addresses), 30, log)
+                                lambda: acked_everywhere(store, 2, routers.addresses), 30, log)
         slow.release.set()  # the dead controller's call now lands: a no-op
         await asyncio.sleep(2.5)  # two more cycles
         code = await asyncio.to_thread(stop_daemon, proc, 20)
