@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from controller.store import Store
+from tests.support.daemon import write_config
 from tests.support.processes import (
     PDCTL,
     REPO,
@@ -74,42 +75,31 @@ def _config(tmp_path: Path, sim: dict[str, Any], listen: str, store_url: str | N
     decode = [hostport(w["metrics"]) for w in sim["workers"] if w["role"] == "decode"]
     routers = [r["grpc"] for r in sim["routers"]]
     router_metrics = [hostport(r["metrics"]) for r in sim["routers"]]
-    path = tmp_path / f"pd-controller-{replica or 'single'}.toml"
-    store_url = store_url or f"sqlite:///{tmp_path / 'history.db'}"
-    replica_line = f'replica_id = "{replica}"' if replica else ""
-    path.write_text(f"""
-[prefill_pool]
-nodes = {json.dumps(prefill)}
-[decode_pool]
-nodes = {json.dumps(decode)}
-[routers]
-targets = {json.dumps(routers)}
-metrics_targets = {json.dumps(router_metrics)}
-[metrics]
-listen = "{listen}"
-[store]
-url = "{store_url}"
-[slo]
-ttft_s = 0.5
-tpot_s = 0.05
-[controller]
-{replica_line}
-interval_s = 2.0
-min_training_windows = 2
-min_policy_interval_s = 0
-calibrate_every_s = 3600
-bake_windows = 2
-bake_min_requests = 5
-promote_margin = 0.5
-lease_ttl_s = 10
-shutdown_timeout_s = 5
-[rollout]
-push_deadline_s = 2.0
-max_attempts = 2
-[capacity]
-interval_s = 4.0
-""")
-    return path
+    return write_config(
+        tmp_path / f"pd-controller-{replica or 'single'}.toml",
+        listen,
+        store_url or f"sqlite:///{tmp_path / 'history.db'}",
+        {
+            "prefill_pool": {"nodes": prefill},
+            "decode_pool": {"nodes": decode},
+            "routers": {"targets": routers, "metrics_targets": router_metrics},
+            "slo": {"ttft_s": 0.5, "tpot_s": 0.05},
+            "controller": {
+                "replica_id": replica,
+                "interval_s": 2.0,
+                "min_training_windows": 2,
+                "min_policy_interval_s": 0,
+                "calibrate_every_s": 3600,
+                "bake_windows": 2,
+                "bake_min_requests": 5,
+                "promote_margin": 0.5,
+                "lease_ttl_s": 10,
+                "shutdown_timeout_s": 5,
+            },
+            "rollout": {"push_deadline_s": 2.0, "max_attempts": 2},
+            "capacity": {"interval_s": 4.0},
+        },
+    )
 
 
 def _recommended(metrics: httpx.Response | None) -> dict[str, int] | None:
