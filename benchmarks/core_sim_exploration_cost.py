@@ -28,8 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
-from core_sim_experiment import explore  # noqa: E402
-from core_sim_shifts import shifts  # noqa: E402
+from core_sim_shifts import add_base_options, base_regime, explored, shifts  # noqa: E402
 
 from controller.core.calibrate import (  # noqa: E402
     CalibrationConfig,
@@ -40,34 +39,25 @@ from controller.core.calibrate import (  # noqa: E402
     table_grid,
 )
 from controller.core.features import build_training_set  # noqa: E402
-from controller.policy.model import LookupTable, Policy, Route, Slo  # noqa: E402
+from controller.policy.model import LookupTable, Policy, Route  # noqa: E402
 from controller.sim.run import run_scenario  # noqa: E402
-from controller.sim.scenario import load_scenario  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--scenario", default=str(ROOT / "scenarios/ppd-2p2d.toml"))
+    add_base_options(ap)
     ap.add_argument("--shift", default="QPS x2")
-    ap.add_argument("--ttft-slo", type=float, default=0.06)
-    ap.add_argument("--tpot-slo", type=float, default=0.012)
-    ap.add_argument("--explore-s", type=float, default=900.0)
-    ap.add_argument("--measure-s", type=float, default=600.0)
     ap.add_argument("--seeds", type=int, default=5, help="simulator seeds 1..N per row")
     ap.add_argument("--shares", default="0,0.0025,0.005,0.01,0.02",
                     help="exploration shares to try in P1's exploring cells")
     args = ap.parse_args()
 
-    base = dataclasses.replace(load_scenario(args.scenario), ttft_slo_s=args.ttft_slo,
-                               tpot_slo_s=args.tpot_slo, events=())
-    slo = Slo(args.ttft_slo, args.tpot_slo)
+    base, slo = base_regime(args)
     cfg = CalibrationConfig(slo=slo)
     regime = next(s for s in shifts(base) if s[0] == args.shift)[2](base)
     # The same exploration runs and calibrations as core_sim_shifts.py.
-    w0, _ = explore(dataclasses.replace(base, duration_s=args.explore_s), 0)
-    r0 = calibrate([w for w in w0 if w.outcomes], w0[-1].end, config=cfg)
-    w1, _ = explore(dataclasses.replace(regime, duration_s=args.explore_s), 1)
-    w1 = [w for w in w1 if w.outcomes]
+    r0 = calibrate(*explored(base, args.explore_s, 0), config=cfg)
+    w1, _ = explored(regime, args.explore_s, 1)
     r1 = calibrate(w1, w1[-1].end, current=r0.policy, config=cfg)
     p1 = r1.policy
     grid = table_grid(build_training_set(w1), cfg.axes, cfg.recent_windows,

@@ -51,6 +51,30 @@ from controller.sim.run import run_scenario  # noqa: E402
 from controller.sim.scenario import Event, Scenario, load_scenario  # noqa: E402
 
 
+def add_base_options(ap: argparse.ArgumentParser) -> None:
+    """The options the shift benchmarks share: the base scenario, its SLOs, and how long the
+    exploration and measurement runs last."""
+    ap.add_argument("--scenario", default=str(ROOT / "scenarios/ppd-2p2d.toml"))
+    ap.add_argument("--ttft-slo", type=float, default=0.06)
+    ap.add_argument("--tpot-slo", type=float, default=0.012)
+    ap.add_argument("--explore-s", type=float, default=900.0)
+    ap.add_argument("--measure-s", type=float, default=600.0)
+
+
+def base_regime(args: argparse.Namespace) -> tuple[Scenario, Slo]:
+    """The base scenario with the SLOs of ``args`` and no events, and those SLOs."""
+    base = dataclasses.replace(load_scenario(args.scenario), ttft_slo_s=args.ttft_slo,
+                               tpot_slo_s=args.tpot_slo, events=())
+    return base, Slo(args.ttft_slo, args.tpot_slo)
+
+
+def explored(regime: Scenario, duration_s: float, seed: int) -> tuple[list[Window], float]:
+    """An exploration run (random tables) of ``regime``: its windows that saw requests, and
+    the end of its last window."""
+    windows, _ = explore(dataclasses.replace(regime, duration_s=duration_s), seed)
+    return [w for w in windows if w.outcomes], windows[-1].end
+
+
 def with_params(s: Scenario, **changes: float) -> Scenario:
     params = dict(s.workload.params) | changes
     return dataclasses.replace(
@@ -183,24 +207,17 @@ def measure(scenario: Scenario, policy: Policy) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--scenario", default=str(ROOT / "scenarios/ppd-2p2d.toml"))
-    ap.add_argument("--ttft-slo", type=float, default=0.06)
-    ap.add_argument("--tpot-slo", type=float, default=0.012)
-    ap.add_argument("--explore-s", type=float, default=900.0)
+    add_base_options(ap)
     ap.add_argument("--shift-at", type=float, default=600.0)
     ap.add_argument("--after-s", type=float, default=300.0, help="run time after the shift")
-    ap.add_argument("--measure-s", type=float, default=600.0)
     ap.add_argument("--only", default=None, help="one shift by name ('none': no shift)")
     ap.add_argument("--steady-s", type=float, default=7200.0,
                     help="steady run after the reference to count false alarms (0: skip)")
     args = ap.parse_args()
 
-    base = dataclasses.replace(load_scenario(args.scenario), ttft_slo_s=args.ttft_slo,
-                               tpot_slo_s=args.tpot_slo, events=())
-    slo = Slo(args.ttft_slo, args.tpot_slo)
+    base, slo = base_regime(args)
     cfg = CalibrationConfig(slo=slo)
-    windows, _ = explore(dataclasses.replace(base, duration_s=args.explore_s), 0)
-    r0 = calibrate([w for w in windows if w.outcomes], windows[-1].end, config=cfg)
+    r0 = calibrate(*explored(base, args.explore_s, 0), config=cfg)
     p0 = r0.policy
     print(f"P0: weights {r0.weights.ratio:g}, decode-local share "
           f"{r0.details['decode_local_share']:.2f}, held-out MAPE {r0.heldout_mape()}")
@@ -220,8 +237,7 @@ def main() -> None:
                                   events=(event(base, args.shift_at),))
         fired = detect(run, p0, r0, args.shift_at, ref_from=120.0)
         regime = new_regime(base)
-        w1, _ = explore(dataclasses.replace(regime, duration_s=args.explore_s), 1)
-        r1 = calibrate([w for w in w1 if w.outcomes], w1[-1].end, current=p0, config=cfg)
+        r1 = calibrate(*explored(regime, args.explore_s, 1), current=p0, config=cfg)
         m = dataclasses.replace(regime, duration_s=args.measure_s)
         g = [measure(m, p) for p in (p0, r1.policy, all_p, all_l)]
 

@@ -25,49 +25,35 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
-from core_sim_experiment import explore  # noqa: E402
-from core_sim_shifts import shifts  # noqa: E402
+from core_sim_shifts import add_base_options, base_regime, explored, shifts  # noqa: E402
+from core_sim_shifts import measure as goodput  # noqa: E402
 
-from controller.bench.report import summarize  # noqa: E402
 from controller.core.calibrate import CalibrationConfig, calibrate  # noqa: E402
-from controller.policy.model import Policy, Route, Slo  # noqa: E402
-from controller.sim.run import run_scenario  # noqa: E402
-from controller.sim.scenario import Scenario, load_scenario  # noqa: E402
+from controller.policy.model import Policy, Route  # noqa: E402
+from controller.sim.scenario import Scenario  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--scenario", default=str(ROOT / "scenarios/ppd-2p2d.toml"))
-    ap.add_argument("--ttft-slo", type=float, default=0.06)
-    ap.add_argument("--tpot-slo", type=float, default=0.012)
-    ap.add_argument("--explore-s", type=float, default=900.0)
-    ap.add_argument("--measure-s", type=float, default=600.0)
+    add_base_options(ap)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--max-rates", default="inf,0.2",
                     help="exploration_max_rate values to compare (requests/s per cell)")
     ap.add_argument("--only", action="append", default=None, help="shift name (repeatable)")
     args = ap.parse_args()
 
-    base = dataclasses.replace(load_scenario(args.scenario), ttft_slo_s=args.ttft_slo,
-                               tpot_slo_s=args.tpot_slo, events=())
-    slo = Slo(args.ttft_slo, args.tpot_slo)
+    base, slo = base_regime(args)
     caps = [float(x) for x in args.max_rates.split(",")]
     seeds = range(1, args.seeds + 1)
-    w0, _ = explore(dataclasses.replace(base, duration_s=args.explore_s), 0)
-    w0 = [w for w in w0 if w.outcomes]
+    w0, _ = explored(base, args.explore_s, 0)
     configs = {cap: CalibrationConfig(slo=slo, exploration_max_rate=cap) for cap in caps}
     p0 = {cap: calibrate(w0, w0[-1].end, config=cfg).policy for cap, cfg in configs.items()}
     all_p = Policy.uniform(1, Route.PREFILL_NODE, slo=slo)
     all_l = Policy.uniform(1, Route.DECODE_LOCAL, slo=slo)
 
     def measure(regime: Scenario, policy: Policy) -> np.ndarray:
-        out = []
-        for seed in seeds:
-            run = dataclasses.replace(regime, duration_s=args.measure_s, seed=seed)
-            g = summarize(run_scenario(run, policy))["goodput"]
-            assert isinstance(g, float)
-            out.append(g)
-        return np.array(out)
+        runs = [dataclasses.replace(regime, duration_s=args.measure_s, seed=s) for s in seeds]
+        return np.array([goodput(run, policy) for run in runs])
 
     def fmt(a: np.ndarray) -> str:
         return ", ".join(f"{x:.4f}" for x in a)
@@ -79,8 +65,7 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         regime = new_regime(base)
-        w1, _ = explore(dataclasses.replace(regime, duration_s=args.explore_s), 1)
-        w1 = [w for w in w1 if w.outcomes]
+        w1, _ = explored(regime, args.explore_s, 1)
         bar = np.maximum(measure(regime, all_p), measure(regime, all_l)) - 0.01
         for cap, cfg in configs.items():
             r1 = calibrate(w1, w1[-1].end, current=p0[cap], config=cfg)
