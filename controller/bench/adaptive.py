@@ -73,6 +73,11 @@ class AdaptiveController:
             config=CycleConfig.from_settings(self.settings), run_blocking=run_inline,
         )
 
+    @property
+    def store(self) -> Any:
+        """The run's store (None before the first cycle; closed by :meth:`finish`)."""
+        return self._store
+
     def setup(self, cluster: Any) -> None:
         """``run_scenario(setup=...)``: store and cycle exist before the first request."""
         self._start(cluster)

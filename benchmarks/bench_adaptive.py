@@ -1,0 +1,138 @@
+"""Adaptive-only replays of the built-in bench scenarios: the forced runs behind the
+``ppd-static`` starting table (cached), then only the ``adaptive`` policy, printing its
+goodput, approvals and adaptation times and, with ``--log``, every calibration (trigger,
+verdict, predicted gain, held-out goodput error) and drift event from the run's store.
+Deterministic (the same seed and code give the same figures): what the cycle variants of
+issue 7 were compared with before a full ``bench_suite.py`` run.
+
+    .venv/bin/python benchmarks/bench_adaptive.py 1 3 5 --log
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from controller.bench.adaptive import AdaptiveController  # noqa: E402
+from controller.bench.baselines import static_policy  # noqa: E402
+from controller.bench.oracle import calibrated_table, windows_in  # noqa: E402
+from controller.bench.report import summarize  # noqa: E402
+from controller.bench.runner import (  # noqa: E402
+    WindowRecorder,
+    adaptation_times,
+    adaptive_settings,
+    quiet_logs,
+    slo_of,
+)
+from controller.clock import WallClock  # noqa: E402
+from controller.policy import Policy, Route, Weights, dumps, loads  # noqa: E402
+from controller.sim.run import run_scenario  # noqa: E402
+from controller.sim.scenario import Scenario, load_scenario  # noqa: E402
+
+
+def ppd_static(scenario: Scenario, cache: Path | None) -> Policy:
+    """The bench's ``ppd-static`` table (run_bench builds it the same way)."""
+    path = cache / f"{scenario.name}-ppd-static.json" if cache is not None else None
+    if path is not None and path.exists():
+        return loads(path.read_text())
+    slo = slo_of(scenario)
+    first = []
+    for route in (Route.PREFILL_NODE, Route.DECODE_LOCAL):
+        recorder = WindowRecorder()
+        run_scenario(
+            scenario,
+            static_policy(route, slo),
+            policy_key=route.name,
+            controller=recorder,
+            setup=recorder.setup,
+        )
+        recorder.close()
+        first += windows_in(recorder.windows, *scenario.phase_bounds()[0])
+    table = calibrated_table(
+        first,
+        slo,
+        Weights(1.0, 1.0),
+        1,
+        "ppd-static: forced runs on the first phase, weights 1:1",
+        tune_first_turn=False,
+    )
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(dumps(table))
+    return table
+
+
+def replay(scenario: Scenario, initial: Policy, log: bool) -> dict[str, object]:
+    wall = WallClock()
+    t0 = wall.perf_counter_ns()
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="pdctl-bench-adaptive-") as tmp:
+        hook = AdaptiveController(initial, adaptive_settings(scenario), Path(tmp) / "a.db")
+        result = run_scenario(
+            scenario, initial, policy_key="adaptive", controller=hook, setup=hook.setup
+        )
+        store = hook.store
+        if log and store is not None:
+            for c in store.calibrations():
+                d = c.details or {}
+                new, cur = c.predicted_goodput_new, c.predicted_goodput_current
+                gain = f"{new - cur:+.4f}" if new is not None and cur is not None else "n/a"
+                err = d.get("heldout_goodput_error")
+                error = f"{err:.4f}" if isinstance(err, float) else "n/a"
+                lines.append(
+                    f"  calibration {c.created_at.timestamp():.0f} s "
+                    f"{d.get('trigger')}: {'approved' if d.get('approved') else 'refused'}"
+                    f", gain {gain}, held-out goodput error "
+                    f"{error}, regime only "
+                    f"{d.get('regime_only')}"
+                )
+            lines += [
+                f"  drift {e.at.timestamp():.0f} s {e.kind} {e.statistic:.2f} > {e.threshold:.2f}"
+                for e in store.drift_events()
+            ]
+        outcome = hook.finish()
+    approvals = [t for t, _ in outcome.approvals[1:]]
+    summary = summarize(result)
+    doc: dict[str, object] = {
+        "scenario": scenario.name,
+        "goodput": round(summary["goodput"], 4),
+        "phases": [round(p["goodput"], 4) for p in summary["phases"]],
+        "policy_changes": len(approvals),
+        "approved_at_s": [round(a) for a in approvals],
+        "adaptation_s": adaptation_times(scenario.events, approvals),
+        "wall_s": round((wall.perf_counter_ns() - t0) / 1e9, 1),
+    }
+    print(json.dumps(doc), flush=True)
+    for line in lines:
+        print(line, flush=True)
+    return doc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("which", nargs="*", help="scenario numbers (default: all)")
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="directory for the ppd-static tables (skips the forced runs)",
+    )
+    ap.add_argument("--log", action="store_true", help="print calibrations and drift events")
+    args = ap.parse_args()
+    files = sorted((ROOT / "scenarios/bench").glob("*.toml"))
+    if args.which:
+        files = [f for f in files if f.name.split("-")[0] in args.which]
+    quiet_logs()
+    for f in files:
+        scenario = load_scenario(f)
+        replay(scenario, ppd_static(scenario, args.cache), args.log)
+
+
+if __name__ == "__main__":
+    main()
