@@ -114,6 +114,12 @@ def _health(listen: str) -> dict[str, Any] | None:
     return r.json() if r is not None else None
 
 
+def _leaders(listens: dict[str, str]) -> int:
+    """How many replicas say they lead, asked now (the watch thread's samples can be
+    seconds apart on a loaded machine)."""
+    return sum(bool((_health(listen) or {}).get("leader")) for listen in listens.values())
+
+
 def _cycles(listen: str, result: str) -> float:
     r = http_get(f"http://{listen}/metrics")
     assert r is not None, f"{listen}: no /metrics"
@@ -217,6 +223,8 @@ async def _scenario(tmp_path: Path, pg: PrivatePostgres) -> None:
             await asyncio.to_thread(operator_decision, pg.url, "decision 2")
             await _wait("v2 acknowledged everywhere after the restart",
                         lambda: _acked(store, 2, routers.addresses), 30, log)
+            await _wait("one replica leading after the restart",
+                        lambda: _leaders(listens) == 1, 15, log)
             after_restart = await asyncio.to_thread(_records, store)
             _assert_kept(before, after_restart, "the restart")
             assert all(p.poll() is None for p in procs.values()), "a replica exited"
@@ -239,6 +247,8 @@ async def _scenario(tmp_path: Path, pg: PrivatePostgres) -> None:
             await _wait("v3 acknowledged everywhere after the crash",
                         lambda: _acked(store, 3, routers.addresses), 30, log)
             t_converged = time.monotonic()
+            await _wait("one replica leading after the crash",
+                        lambda: _leaders(listens) == 1, 15, log)
             await asyncio.sleep(4 * INTERVAL_S)  # a few more cycles
             assert all(p.poll() is None for p in procs.values()), "a replica exited"
         codes = {n: await asyncio.to_thread(stop_daemon, p, 20) for n, p in procs.items()}
@@ -265,8 +275,6 @@ async def _scenario(tmp_path: Path, pg: PrivatePostgres) -> None:
                    for h in health_down.values()), health_down
         text = "".join(p.read_text(errors="replace") for p in logs.values())
         assert "StoreUnavailable" in text
-        for t0 in (t_restart, t_up):
-            assert any(sum(bool(v) for v in s.values()) == 1 for s in watch.since(t0)), t0
         # Versions 1, 2, 3, once each; one approval per decision; every router on v3.
         policies = store.policies()
         assert [(p.version, p.status) for p in policies] == [
