@@ -264,6 +264,8 @@ async def _scenario(tmp_path: Path, pg: PrivatePostgres) -> None:
               f"{ {k: len(v) for k, v in after.items()} }; overlapping windows "
               f"{_overlaps(store)}")
         _assert_kept(at_crash, after, "the crash")
+        # Leadership moved: the windows still tile time (none counted twice).
+        assert not _overlaps(store), _overlaps(store)
         await asyncio.to_thread(_assert_whole, store)
         # Never two leaders; none during the outage; one again after each fault.
         both = [s for _, s in watch.samples if all(s.values())]
