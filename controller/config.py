@@ -223,7 +223,8 @@ class DriftSettings(_Section):
 
     cooldown_s: float = Field(
         300.0, ge=0, description="After a detector fires or a recalibration, it stays quiet "
-        "this long (a refused drift calibration is retried after it)."
+        "this long (a shift whose calibration was refused fires again after it, measured "
+        "against the running policy's reference)."
     )
     hysteresis: int = Field(
         2, ge=1, description="Consecutive windows over threshold before the workload and "
