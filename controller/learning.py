@@ -19,8 +19,11 @@ from controller.policy import LookupTable, Policy
 
 # Windows after a shift that a drift or scaling calibration needs to train on them alone
 # (with 2, fits on a minute of a bursty trace flipped the table at every cooldown: 8
-# approvals in an hour of bench scenario 4).
-MIN_REGIME_WINDOWS = 8
+# approvals in an hour of bench scenario 4). 7, not 8: in the adaptive-only replays of bench
+# scenarios 1-5 (docs/bench.md, issue 7) every goodput is the same or better (within 0.0003
+# worse in 1) at MIN_MIX_WINDOWS 3, 4 and 5, and scenario 1 adapts 90 s sooner; 6 or fewer
+# trains the first phase's 600 s refinement on too few windows and costs 0.01-0.06.
+MIN_REGIME_WINDOWS = 7
 MIN_MIX_WINDOWS = 4
 
 
