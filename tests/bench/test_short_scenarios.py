@@ -8,19 +8,24 @@ static policies, measured on the simulator.
 - Scenario 3 (a prefill worker lost, then replaced): all prefill-node loses goodput when the
   worker is lost and gets it back when it is replaced; all decode-local loses less.
 
-The adaptive controller's goals (issue 7) hold at full length in scenarios 1-3 (adaptive
-above every static policy, >= 95 % of the oracle; docs/bench.md) but not at this size: 10 s
-windows hold fewer than the 50 requests the workload and SLO detectors need, and the first
-fits have only a few such windows (``bench_suite.py --scale 0.1 1 3``: adaptive 0.789 / 0.635
-against best static 0.849 / 0.848). They are therefore reported, not asserted here.
+The adaptive controller's goals (issue 7) are asserted on scenarios 1 and 2 at 0.7x length
+(``--duration-scale 0.7``, the controller's time constants scaled alike; ~30 s each on an
+idle machine): adaptive strictly above every static policy and >= 95 % of the oracle. At 0.1x
+they do not hold: 10 s windows hold fewer than the 50 requests the workload and SLO detectors
+need, and the first fits have only a few such windows (``bench_suite.py --scale 0.1 1 3``:
+adaptive 0.789 / 0.635 against best static 0.849 / 0.848); at 0.5x scenario 2 reaches 0.93
+of the oracle. Measured at 0.7x (commit 9087785): scenario 1 adaptive 0.9035 against local
+0.8647, oracle 0.9265; scenario 2 0.9020 against local 0.7344, oracle 0.9224.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from controller.bench.report import evaluation_document
-from controller.bench.runner import run_bench, scale_scenario
+from controller.bench.runner import quiet_logs, run_bench, scale_scenario
 from controller.sim.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,3 +57,22 @@ def test_prefill_worker_lost_then_replaced() -> None:
     assert pd[1] < pd[0] - 0.05, pd
     assert pd[2] > pd[1] + 0.05, pd
     assert local[0] - local[1] < pd[0] - pd[1], (local, pd)
+
+
+ADAPTIVE_SCALE = 0.7
+STATICS = ("pd", "local", "threshold", "ppd-static")
+
+
+@pytest.mark.parametrize("name", ["1-mooncake-rising-load", "2-mooncake-link-slowdown"])
+def test_adaptive_beats_every_static_policy_and_nears_the_oracle(name: str) -> None:
+    scenario = scale_scenario(load_scenario(ROOT / f"scenarios/bench/{name}.toml"),
+                              ADAPTIVE_SCALE)
+    quiet_logs()
+    doc = evaluation_document(run_bench(scenario, time_scale=ADAPTIVE_SCALE))
+    pol = doc["policies"]
+    best = max(STATICS, key=lambda k: pol[k]["goodput"])
+    assert pol["adaptive"]["goodput"] > pol[best]["goodput"], (best, pol[best]["goodput"],
+                                                               pol["adaptive"]["goodput"])
+    assert doc["oracle_ratio"] >= 0.95, doc["oracle_ratio"]
+    # The adaptive run is the daemon's cycle: it changed policy at least once.
+    assert pol["adaptive"]["policy_changes"] >= 1
