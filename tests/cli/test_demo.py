@@ -46,10 +46,15 @@ def test_demo_runs_the_closed_loop_to_a_promoted_policy_and_exits_0() -> None:
     # fallback, an operator's forced recalibration) after it, then a calibration whose
     # guardrail approved the final version, a canary and a promotion of that version.
     assert any(t.startswith("shift:") for t in texts), summary
-    # Drift was detected after the shift in every case; the approval came from the
-    # recalibration it triggered, a scheduled one after it, or (the documented fallback)
-    # an operator's forced recalibration, which the summary then says.
-    assert any(t.startswith("drift:") for _, t in after_shift), summary
+    # The approval came from the recalibration a drift triggered, a scheduled one, or (the
+    # documented fallback) an operator's forced recalibration, which the summary then says.
+    # A scheduled calibration due right after the shift can get there first: its approvals
+    # keep the detectors in their cooldown, so no drift need fire; then the approved table
+    # must have been trained on windows from after the shift alone.
+    if not any(t.startswith("drift:") for _, t in after_shift):
+        assert how == "schedule → guardrail approval", summary
+        post_shift_only = rf"candidate v{version} .*window\\(s\\), 0 from before the shift"
+        assert re.search(post_shift_only, summary), summary
     if how.startswith("forced"):
         assert "NOTE: the guardrail approved nothing" in summary, summary
         assert any(t.startswith("operator request: recalibrate") for _, t in after_shift)
