@@ -177,6 +177,11 @@ class ControllerConfig(_Section):
         0.5, ge=0, le=1, description="Where the current policy is predicted below this goodput "
         "(overloaded), a candidate's gain must also exceed the model's held-out goodput error.",
     )
+    exploration_max_rate: float = Field(
+        0.2, ge=0, description="Requests per second a table cell may send the predicted-worse "
+        "way to keep both routes measured (its exploration share is capped to this, floor "
+        "included: the model needs samples, and a busy cell pays most per explored request).",
+    )
     advisory: bool = Field(
         False, description="Everything but pushes: candidates are recorded as advisory."
     )

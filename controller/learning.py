@@ -123,6 +123,7 @@ class CoreLearner:
             pinned_weights=Weights(ppd.wtft, ppd.wtpot) if ppd.pin_weights else None,
             guardrail_margin=settings.controller.guardrail_margin,
             guardrail_overload_goodput=settings.controller.guardrail_overload_goodput,
+            exploration_max_rate=settings.controller.exploration_max_rate,
         )
 
     def assess(

@@ -102,3 +102,15 @@ def test_reference_lists_every_key() -> None:
 def test_committed_reference_is_current() -> None:
     doc = Path(__file__).parents[1] / "docs" / "config-reference.md"
     assert doc.read_text() == config_reference(), "regenerate docs/config-reference.md"
+
+
+def test_calibration_knobs_reach_the_learner(monkeypatch: pytest.MonkeyPatch) -> None:
+    from controller.learning import CoreLearner
+
+    monkeypatch.setenv("PDCTL_CONTROLLER__EXPLORATION_MAX_RATE", "0.05")
+    monkeypatch.setenv("PDCTL_CONTROLLER__GUARDRAIL_OVERLOAD_GOODPUT", "0.3")
+    config = CoreLearner(load_settings(None))._config
+    assert (config.exploration_max_rate, config.guardrail_overload_goodput) == (0.05, 0.3)
+    monkeypatch.setenv("PDCTL_CONTROLLER__EXPLORATION_MAX_RATE", "-1")
+    with pytest.raises(ConfigError, match="exploration_max_rate"):
+        load_settings(None)
