@@ -90,7 +90,7 @@ class CycleConfig:
     calibrate_every_s: float | None = 3600.0
     training_windows: int = 120
     min_training_windows: int = 4
-    min_policy_interval_s: float = 600.0
+    min_policy_interval_s: float = 300.0  # as [controller] min_policy_interval_s
     advisory: bool = False
     canary_fraction: float = 0.25
     bake_windows: int = 3
