@@ -50,7 +50,12 @@ from controller.clock import VirtualClock, WallClock
 from controller.config import load_settings
 from controller.core.window import RouteOutcome, Summary, Window, WorkerStats, Workload
 from controller.cycle import Cycle, CycleConfig
-from controller.heap import heap_stats, reexec_with_system_malloc, release_free_heap
+from controller.heap import (
+    heap_stats,
+    reexec_with_system_malloc,
+    release_free_heap,
+    resident_mb,
+)
 from controller.learning import CoreLearner
 from controller.metrics import ControllerMetrics
 from controller.observe.source import Target
@@ -122,25 +127,6 @@ class SyntheticSource:
         return None
 
 
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return math.nan
-
-
-def rss_parts_mb() -> dict[str, float]:
-    """Anonymous memory (heaps, arenas) apart from mapped files and shared memory."""
-    parts = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
-                key, value = line.split()[:2]
-                parts[f"{key[3:-1].lower()}_mb"] = round(int(value) / 1024, 1)
-    return parts
-
-
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -210,8 +196,8 @@ async def soak(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 store.compact_windows(clock.utcnow() - timedelta(days=args.retention_days))
             if i % sample_every == 0 or i == cycles - 1:
                 samples.append({"cycle": i, "sim_h": round(i * args.interval_s / 3600, 2),
-                                "rss_mb": round(rss_mb(), 1), "fds": open_fds(),
-                                **rss_parts_mb(), "py_blocks": sys.getallocatedblocks(),
+                                **{f"{k}_mb": round(v, 1) for k, v in resident_mb().items()},
+                                "fds": open_fds(), "py_blocks": sys.getallocatedblocks(),
                                 **{f"malloc_{k}_mb": round(v, 1)
                                    for k, v in (heap_stats() or {}).items()},
                                 "tasks": len(asyncio.all_tasks()), **row_counts(store)})

@@ -58,6 +58,23 @@ def reexec_with_system_malloc() -> None:
         log.warning("could not restart with PYTHONMALLOC=malloc: %s", e)
 
 
+def resident_mb() -> dict[str, float]:
+    """This process's resident memory in MB from ``/proc/self/status``: ``rss`` and its parts
+    ``anon`` (heaps, arenas), ``file`` (mapped files) and ``shmem``; empty where there is no
+    procfs."""
+    keys = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":", 1)[0] + ":"
+                if key in keys:
+                    out[keys[key]] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return out
+
+
 def release_free_heap() -> bool:
     """Return the free pages of every malloc arena to the OS; True if any were released,
     False if none were or the C library has no ``malloc_trim``."""

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from controller.cycle import _RecentPolicies
-from controller.heap import _malloc_trim, release_free_heap
+from controller.heap import _malloc_trim, release_free_heap, resident_mb
 from controller.policy import Policy, Route
 from tests.support.processes import REPO
 
@@ -39,18 +39,10 @@ def test_free_heap_goes_back_to_the_os_on_glibc() -> None:
     blocks = [bytearray(b"x" * (64 * 1024)) for _ in range(2000)]
     pin = blocks.pop()
     del blocks
-    before = _rss_mb()
+    before = resident_mb()["rss"]
     assert release_free_heap() is True
-    assert before - _rss_mb() > 50  # of the ~125 MB freed
+    assert before - resident_mb()["rss"] > 50  # of the ~125 MB freed
     del pin
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def test_reexec_switches_python_to_the_system_allocator() -> None:
