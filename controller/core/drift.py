@@ -209,15 +209,15 @@ def window_qps(window: Window) -> float:
     """Requests per second over the window: the routers' request counts when there are any
     (a count over the whole window is far steadier than the routers' sliding-window gauges,
     which the simulator showed swinging ±10 % at a constant rate), else the gauges."""
-    total = math.fsum(o.requests for o in window.outcomes)
+    total = window.outcomes.total("requests")
     if total > 0:
         return total / window.interval_s
     return math.fsum(window.workload.qps_by_router.values())
 
 
 def window_goodput(window: Window) -> tuple[float | None, float]:
-    req = math.fsum(o.requests for o in window.outcomes)
-    met = math.fsum(o.met for o in window.outcomes)
+    req = window.outcomes.total("requests")
+    met = window.outcomes.total("met")
     return (met / req if req > 0 else None), req
 
 
