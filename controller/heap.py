@@ -32,16 +32,24 @@ log = logging.getLogger(__name__)
 
 
 @functools.cache
-def _malloc_trim() -> ctypes._NamedFuncPointer | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
+def _libc_function(name: str) -> ctypes._NamedFuncPointer | None:
+    """``name`` from the C library, None where it has none (looked up once: finding the
+    library runs ``ldconfig``)."""
+    path = ctypes.util.find_library("c")
+    if path is None:
         return None
     try:
-        trim = ctypes.CDLL(name).malloc_trim
+        fn: ctypes._NamedFuncPointer = getattr(ctypes.CDLL(path), name)
     except (OSError, AttributeError):  # not glibc
         return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
+    return fn
+
+
+def _malloc_trim() -> ctypes._NamedFuncPointer | None:
+    trim = _libc_function("malloc_trim")
+    if trim is not None:
+        trim.argtypes = [ctypes.c_size_t]
+        trim.restype = ctypes.c_int
     return trim
 
 
@@ -95,12 +103,8 @@ def heap_stats() -> dict[str, float] | None:
     Python alike), ``free`` (freed but still held by malloc), ``mmapped`` (large blocks);
     None where the C library has no ``mallinfo2``. Tells a leak (in_use grows) from
     fragmentation (free grows)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        fn = ctypes.CDLL(name).mallinfo2
-    except (OSError, AttributeError):
+    fn = _libc_function("mallinfo2")
+    if fn is None:
         return None
     fn.restype = _MallInfo2
     info = fn()
