@@ -53,7 +53,7 @@ def test_demo_runs_the_closed_loop_to_a_promoted_policy_and_exits_0() -> None:
     # must have been trained on windows from after the shift alone.
     if not any(t.startswith("drift:") for _, t in after_shift):
         assert how == "schedule → guardrail approval", summary
-        post_shift_only = rf"candidate v{version} .*window\\(s\\), 0 from before the shift"
+        post_shift_only = rf"candidate v{version} .*window\(s\), 0 from before the shift"
         assert re.search(post_shift_only, summary), summary
     if how.startswith("forced"):
         assert "NOTE: the guardrail approved nothing" in summary, summary
