@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,8 @@ from controller.sim.scenario import Scenario, load_scenario  # noqa: E402
 
 def ppd_static(scenario: Scenario, cache: Path | None) -> Policy:
     """The bench's ``ppd-static`` table (run_bench builds it the same way)."""
-    path = cache / f"{scenario.name}-ppd-static.json" if cache is not None else None
+    name = f"{scenario.name}-seed{scenario.seed}-ppd-static.json"
+    path = cache / name if cache is not None else None
     if path is not None and path.exists():
         return loads(path.read_text())
     slo = slo_of(scenario)
@@ -124,6 +126,8 @@ def main() -> None:
         help="directory for the ppd-static tables (skips the forced runs)",
     )
     ap.add_argument("--log", action="store_true", help="print calibrations and drift events")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="replay with this seed instead of the scenario's")
     args = ap.parse_args()
     files = sorted((ROOT / "scenarios/bench").glob("*.toml"))
     if args.which:
@@ -131,6 +135,8 @@ def main() -> None:
     quiet_logs()
     for f in files:
         scenario = load_scenario(f)
+        if args.seed is not None:
+            scenario = replace(scenario, seed=args.seed)
         replay(scenario, ppd_static(scenario, args.cache), args.log)
 
 

@@ -4,6 +4,7 @@ and print, per scenario, the wall time and the headline figures (the issue 7 goa
     .venv/bin/python benchmarks/bench_suite.py                     # full length, all five
     .venv/bin/python benchmarks/bench_suite.py --scale 0.1 1 3     # CI size, scenarios 1, 3
     .venv/bin/python benchmarks/bench_suite.py --out results/bench # + report.md, PNGs
+    .venv/bin/python benchmarks/bench_suite.py --seed 2 1 2        # another draw of 1, 2
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +50,8 @@ def main() -> None:
     ap.add_argument("which", nargs="*", help="scenario numbers (default: all)")
     ap.add_argument("--scale", type=float, default=1.0, help="--duration-scale")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--seed", type=int, default=None,
+                    help="replay with this seed instead of each scenario's")
     args = ap.parse_args()
     files = sorted((ROOT / "scenarios/bench").glob("*.toml"))
     if args.which:
@@ -55,7 +59,10 @@ def main() -> None:
     wall = WallClock()
     total0 = wall.perf_counter_ns()
     for f in files:
-        scenario = scale_scenario(load_scenario(f), args.scale)
+        scenario = load_scenario(f)
+        if args.seed is not None:
+            scenario = replace(scenario, seed=args.seed)
+        scenario = scale_scenario(scenario, args.scale)
         t0 = wall.perf_counter_ns()
         quiet_logs()
         bench = run_bench(scenario, time_scale=args.scale)
@@ -66,11 +73,14 @@ def main() -> None:
             d.mkdir(parents=True, exist_ok=True)
             (d / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
             cmd = f"pdctl bench run {f.relative_to(ROOT)} --duration-scale {args.scale:g}"
+            if args.seed is not None:
+                cmd += f" --seed {args.seed}"
             (d / "report.md").write_text(markdown_report(doc, cmd))
             from controller.bench.plots import write_plots
 
             write_plots(d, bench, doc)
-        print(json.dumps({"scenario": scenario.name, "wall_s": round(seconds, 1),
+        print(json.dumps({"scenario": scenario.name, "seed": scenario.seed,
+                          "wall_s": round(seconds, 1),
                           "goodput": {k: round(v["goodput"], 4)
                                       for k, v in doc["policies"].items()},
                           **goals(doc)}), flush=True)

@@ -112,6 +112,7 @@ def evaluation_document(bench: Any) -> dict[str, Any]:
         policies[key] = entry
     doc: dict[str, Any] = {
         "scenario": scenario.name,
+        "seed": scenario.seed,
         "duration_s": scenario.duration_s,
         "interval_s": scenario.interval_s,
         "events": [{"at_s": e.at_s, "kind": e.kind} for e in scenario.events],

@@ -62,6 +62,9 @@ def bench_run(
     duration_scale: Annotated[float, typer.Option(
         "--duration-scale", help="Multiply duration and event times (and the control "
         "interval, not below 10 s) by this factor.")] = 1.0,
+    seed: Annotated[int | None, typer.Option(
+        "--seed", help="Replay with this seed instead of the scenario's (another draw of "
+        "the same workload: arrivals, lengths, think times).")] = None,
     short: Annotated[bool, typer.Option(
         "--short", help=f"CI-sized run: --duration-scale {SHORT_SCALE}.")] = False,
     threshold: Annotated[list[str] | None, typer.Option(
@@ -74,7 +77,7 @@ def bench_run(
     ] = None,
 ) -> None:
     """Replay SCENARIO.toml in virtual time under each policy and compare them."""
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     from controller.bench.baselines import threshold_from_options
     from controller.bench.plots import write_plots
@@ -85,6 +88,8 @@ def bench_run(
 
     try:
         scenario = load_scenario(scenario_path)
+        if seed is not None:
+            scenario = replace(scenario, seed=seed)
         time_scale = SHORT_SCALE if short else duration_scale
         scenario = scale_scenario(scenario, time_scale)
         names: list[str] = []
