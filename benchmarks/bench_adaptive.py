@@ -14,7 +14,6 @@ import argparse
 import json
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,13 +27,14 @@ from controller.bench.runner import (  # noqa: E402
     WindowRecorder,
     adaptation_times,
     adaptive_settings,
+    numbered_scenarios,
     quiet_logs,
     slo_of,
 )
 from controller.clock import WallClock  # noqa: E402
 from controller.policy import Policy, Route, Weights, dumps, loads  # noqa: E402
 from controller.sim.run import run_scenario  # noqa: E402
-from controller.sim.scenario import Scenario, load_scenario  # noqa: E402
+from controller.sim.scenario import Scenario  # noqa: E402
 
 
 def ppd_static(scenario: Scenario, cache: Path | None) -> Policy:
@@ -129,14 +129,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None,
                     help="replay with this seed instead of the scenario's")
     args = ap.parse_args()
-    files = sorted((ROOT / "scenarios/bench").glob("*.toml"))
-    if args.which:
-        files = [f for f in files if f.name.split("-")[0] in args.which]
     quiet_logs()
-    for f in files:
-        scenario = load_scenario(f)
-        if args.seed is not None:
-            scenario = replace(scenario, seed=args.seed)
+    for _, scenario in numbered_scenarios(ROOT / "scenarios/bench", args.which, args.seed):
         replay(scenario, ppd_static(scenario, args.cache), args.log)
 
 

@@ -23,7 +23,6 @@ import argparse
 import math
 import statistics
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,11 +30,15 @@ sys.path.insert(0, str(ROOT))
 
 from controller.bench.baselines import static_policy  # noqa: E402
 from controller.bench.oracle import windows_in  # noqa: E402
-from controller.bench.runner import WindowRecorder, quiet_logs, slo_of  # noqa: E402
+from controller.bench.runner import (  # noqa: E402
+    WindowRecorder,
+    numbered_scenarios,
+    quiet_logs,
+    slo_of,
+)
 from controller.core.drift import window_qps  # noqa: E402
 from controller.policy import Route  # noqa: E402
 from controller.sim.run import run_scenario  # noqa: E402
-from controller.sim.scenario import load_scenario  # noqa: E402
 
 
 def siegmund_arl(mu: float, k: float, h: float) -> float:
@@ -61,11 +64,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args()
     quiet_logs()
-    files = sorted((ROOT / "scenarios/bench").glob("*.toml"))
-    for f in (f for f in files if f.name.split("-")[0] in args.which):
-        scenario = load_scenario(f)
-        if args.seed is not None:
-            scenario = replace(scenario, seed=args.seed)
+    for _, scenario in numbered_scenarios(ROOT / "scenarios/bench", args.which, args.seed):
         recorder = WindowRecorder()
         run_scenario(scenario, static_policy(Route.PREFILL_NODE, slo_of(scenario)),
                      policy_key="pd", controller=recorder, setup=recorder.setup)

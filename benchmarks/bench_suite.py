@@ -12,16 +12,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from controller.bench.report import evaluation_document, markdown_report  # noqa: E402
-from controller.bench.runner import STATIC, quiet_logs, run_bench, scale_scenario  # noqa: E402
+from controller.bench.runner import (  # noqa: E402
+    STATIC,
+    numbered_scenarios,
+    quiet_logs,
+    run_bench,
+    scale_scenario,
+)
 from controller.clock import WallClock  # noqa: E402
-from controller.sim.scenario import load_scenario  # noqa: E402
 
 
 def goals(doc: dict[str, object]) -> dict[str, object]:
@@ -53,15 +57,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None,
                     help="replay with this seed instead of each scenario's")
     args = ap.parse_args()
-    files = sorted((ROOT / "scenarios/bench").glob("*.toml"))
-    if args.which:
-        files = [f for f in files if f.name.split("-")[0] in args.which]
     wall = WallClock()
     total0 = wall.perf_counter_ns()
-    for f in files:
-        scenario = load_scenario(f)
-        if args.seed is not None:
-            scenario = replace(scenario, seed=args.seed)
+    for f, scenario in numbered_scenarios(ROOT / "scenarios/bench", args.which, args.seed):
         scenario = scale_scenario(scenario, args.scale)
         t0 = wall.perf_counter_ns()
         quiet_logs()

@@ -35,7 +35,7 @@ from controller.bench.oracle import (
 from controller.core.window import Window
 from controller.policy import Policy, Route, Slo, Weights
 from controller.sim.run import RunResult, run_scenario
-from controller.sim.scenario import Event, Scenario
+from controller.sim.scenario import Event, Scenario, load_scenario
 
 POLICIES: tuple[str, ...] = ("pd", "local", "ppd-static", "threshold", "adaptive", "oracle")
 STATIC = ("pd", "local", "ppd-static", "threshold")
@@ -79,6 +79,20 @@ def scale_scenario(scenario: Scenario, factor: float, min_interval_s: float = 10
 
 def slo_of(scenario: Scenario) -> Slo:
     return Slo(ttft_s=scenario.ttft_slo_s, tpot_s=scenario.tpot_slo_s)
+
+
+def numbered_scenarios(directory: Path, which: Sequence[str] = (), seed: int | None = None
+                       ) -> list[tuple[Path, Scenario]]:
+    """The scenario files ``N-*.toml`` of ``directory`` (the built-in ones are
+    ``scenarios/bench``) whose number ``N`` is in ``which`` (all when empty), loaded, in file
+    order; with ``seed``, replayed with that seed instead of their own."""
+    out = []
+    for path in sorted(directory.glob("*.toml")):
+        if which and path.name.split("-")[0] not in which:
+            continue
+        scenario = load_scenario(path)
+        out.append((path, scenario if seed is None else replace(scenario, seed=seed)))
+    return out
 
 
 class WindowRecorder:

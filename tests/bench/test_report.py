@@ -167,3 +167,15 @@ def test_a_first_phase_too_short_to_calibrate_is_a_clear_error(tmp_path: Path) -
     result = CliRunner().invoke(app, ["bench", "run", str(path), "--policy", "ppd-static"])
     assert result.exit_code == 2
     assert "need at least 2 windows" in result.output
+
+
+def test_numbered_scenarios_pick_by_number_and_reseed() -> None:
+    from controller.bench.runner import numbered_scenarios
+
+    root = Path(__file__).resolve().parents[2] / "scenarios/bench"
+    picked = numbered_scenarios(root, ["2", "4"], seed=11)
+    assert [p.name.split("-")[0] for p, _ in picked] == ["2", "4"]
+    assert {s.seed for _, s in picked} == {11}
+    own = numbered_scenarios(root)
+    assert len(own) == 5 and [s.seed for _, s in own] == [
+        load_scenario(p).seed for p, _ in own]
