@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller.bench.adaptive import AdaptiveController  # noqa: E402
+from controller.bench.adaptive import AdaptiveController, adaptive_start  # noqa: E402
 from controller.bench.baselines import static_policy  # noqa: E402
 from controller.bench.oracle import calibrated_table, windows_in  # noqa: E402
 from controller.bench.report import summarize  # noqa: E402
@@ -74,8 +74,10 @@ def replay(scenario: Scenario, initial: Policy, log: bool) -> dict[str, object]:
     wall = WallClock()
     t0 = wall.perf_counter_ns()
     lines: list[str] = []
+    settings = adaptive_settings(scenario)
+    initial = adaptive_start(initial, settings)
     with tempfile.TemporaryDirectory(prefix="pdctl-bench-adaptive-") as tmp:
-        hook = AdaptiveController(initial, adaptive_settings(scenario), Path(tmp) / "a.db")
+        hook = AdaptiveController(initial, settings, Path(tmp) / "a.db")
         result = run_scenario(
             scenario, initial, policy_key="adaptive", controller=hook, setup=hook.setup
         )

@@ -64,6 +64,11 @@ class PpdConfig(_Section):
     bypass_append_tokens: int = Field(
         0, ge=0, description="Appends strictly shorter than this run decode-local (0 = off)."
     )
+    first_turn_busy_waiting: int = Field(
+        2, ge=0, le=2**32 - 1,
+        description="Turn 1 runs decode-local while every prefill worker has at least this "
+        "many requests waiting (0 = off; needs routers that report prefill_waiting).",
+    )
 
 
 class PoolConfig(_Section):

@@ -12,10 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from controller.core.window import Window
 from controller.policy import LookupTable, Policy
+
+if TYPE_CHECKING:
+    from controller.core.calibrate import CalibrationConfig
+    from controller.core.drift import DriftConfig
 
 # Windows after a shift that a drift or scaling calibration needs to train on them alone
 # (with 2, fits on a minute of a bursty trace flipped the table at every cooldown: 8
@@ -95,36 +99,52 @@ def without_exploration(policy: Policy) -> Policy:
     return replace(policy, table=table)
 
 
+def calibration_config(settings: Any) -> CalibrationConfig:
+    """The calibration settings of a :class:`controller.config.Settings` (also what
+    ``pdctl explain`` refits with)."""
+    from controller.core.calibrate import CalibrationConfig
+    from controller.policy import Overrides, Route, Slo, Weights
+
+    ppd = settings.ppd
+    return CalibrationConfig(
+        slo=Slo(settings.slo.ttft_s, settings.slo.tpot_s),
+        pinned_weights=Weights(ppd.wtft, ppd.wtpot) if ppd.pin_weights else None,
+        guardrail_margin=settings.controller.guardrail_margin,
+        guardrail_overload_goodput=settings.controller.guardrail_overload_goodput,
+        exploration_max_rate=settings.controller.exploration_max_rate,
+        overrides=Overrides(
+            first_turn_route=Route.parse(ppd.first_turn_route),
+            bypass_append_tokens=ppd.bypass_append_tokens,
+            first_turn_busy_waiting=ppd.first_turn_busy_waiting,
+        ),
+    )
+
+
+def drift_config(settings: Any) -> DriftConfig:
+    """The drift detector settings of a :class:`controller.config.Settings`."""
+    from controller.core.drift import DetectorConfig, DriftConfig
+
+    d = settings.drift
+    base = DriftConfig()
+    return DriftConfig(
+        workload=DetectorConfig(base.workload.threshold, d.min_requests, d.hysteresis,
+                                d.cooldown_s),
+        performance=DetectorConfig(base.performance.threshold, base.performance.min_samples,
+                                   base.performance.hysteresis, d.cooldown_s),
+        slo=DetectorConfig(base.slo.threshold, d.min_requests, d.hysteresis, d.cooldown_s),
+        qps_cusum_allowance=d.qps_cusum_allowance,
+        qps_cusum_threshold=d.qps_cusum_threshold,
+    )
+
+
 class CoreLearner:
     """The real learner: :mod:`controller.core` drift detectors and calibration."""
 
     def __init__(self, settings: Any) -> None:
-        from controller.core.calibrate import CalibrationConfig
-        from controller.core.drift import DetectorConfig, DriftConfig
-        from controller.policy import Slo, Weights
-
-        ppd = settings.ppd
-        d = settings.drift
-        self._reference_windows = d.reference_windows
-        base = DriftConfig()
-        self._drift = DriftConfig(
-            workload=DetectorConfig(base.workload.threshold, d.min_requests, d.hysteresis,
-                                    d.cooldown_s),
-            performance=DetectorConfig(base.performance.threshold,
-                                       base.performance.min_samples,
-                                       base.performance.hysteresis, d.cooldown_s),
-            slo=DetectorConfig(base.slo.threshold, d.min_requests, d.hysteresis, d.cooldown_s),
-            qps_cusum_allowance=d.qps_cusum_allowance,
-            qps_cusum_threshold=d.qps_cusum_threshold,
-        )
+        self._reference_windows = settings.drift.reference_windows
+        self._drift = drift_config(settings)
         self._drift_onset: float | None = None  # when the last drift that fired began
-        self._config = CalibrationConfig(
-            slo=Slo(settings.slo.ttft_s, settings.slo.tpot_s),
-            pinned_weights=Weights(ppd.wtft, ppd.wtpot) if ppd.pin_weights else None,
-            guardrail_margin=settings.controller.guardrail_margin,
-            guardrail_overload_goodput=settings.controller.guardrail_overload_goodput,
-            exploration_max_rate=settings.controller.exploration_max_rate,
-        )
+        self._config = calibration_config(settings)
 
     def assess(
         self, state: LearnerState, window: Window, now: float

@@ -6,17 +6,26 @@ workers' and routers' registries (the same parser and window builder as a scrape
 learner (:class:`controller.learning.CoreLearner`: drift detectors, calibration, guardrail),
 a :class:`Reconciler` pushing through :class:`FakeRouterTransport` to the simulated routers'
 own agents, and a SQLite store in a temporary file. It starts from the ``ppd-static`` table,
-stored as approved version 1 and desired by every router.
+stored as approved version 1 and desired by every router, with the controller's configured
+overrides (``[ppd] first_turn_busy_waiting``): an operator deploying pd-controller runs
+them from the start, and its later policies carry them too (:func:`adaptive_start`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from controller.policy import Policy, dumps, loads
+
+
+def adaptive_start(table: Policy, settings: Any) -> Policy:
+    """``table`` (the ``ppd-static`` policy) with the overrides ``settings`` configure."""
+    from controller.learning import calibration_config
+
+    return replace(table, overrides=calibration_config(settings).overrides)
 
 
 @dataclass

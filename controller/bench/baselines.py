@@ -11,7 +11,7 @@ it decode-local). It replaces the table through the simulated router's ``decider
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,17 +51,15 @@ def threshold_route(cfg: ThresholdConfig, prompt_tokens: float, uncached_tokens:
 
 
 class ThresholdDecider:
-    """A simulated router's ``decider``: the rule over the cluster's prefill workers."""
+    """A simulated router's ``decider``: the rule over the router's ``prefill_waiting``."""
 
-    def __init__(self, cfg: ThresholdConfig, prefill_waiting: Callable[[], Sequence[int]]
-                 ) -> None:
+    def __init__(self, cfg: ThresholdConfig) -> None:
         self.cfg = cfg
-        self._waiting = prefill_waiting
 
     def __call__(self, features: Features, prompt_tokens: int) -> Decision:
-        waiting = self._waiting()
+        waiting = features.prefill_waiting
         route = threshold_route(self.cfg, float(prompt_tokens), features.append_tokens,
-                                min(waiting) if waiting else None)
+                                None if waiting is None else int(waiting))
         return Decision(route=route, cell=None, reason=Reason.TABLE)
 
 
@@ -69,11 +67,8 @@ def install_threshold(cfg: ThresholdConfig) -> Callable[[Any], None]:
     """A ``run_scenario(setup=...)`` hook that puts the rule on every router of a cluster."""
 
     def setup(cluster: Any) -> None:
-        def waiting() -> list[int]:
-            return [len(e.waiting) for e in cluster.prefill]
-
         for router in cluster.routers:
-            router.decider = ThresholdDecider(cfg, waiting)
+            router.decider = ThresholdDecider(cfg)
 
     return setup
 

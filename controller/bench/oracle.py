@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from controller.core.window import Window
-from controller.policy import Policy, Slo, Weights
+from controller.policy import Overrides, Policy, Slo, Weights
 from controller.sim.run import RequestRecord, RunResult
 
 # wtft:wtpot ratios of the oracle's per-phase tables (issue 7).
@@ -29,9 +29,11 @@ def ratio_key(wtft: float, wtpot: float) -> str:
 
 
 def calibrated_table(windows: Sequence[Window], slo: Slo, weights: Weights, version: int,
-                     reason: str, tune_first_turn: bool = True) -> Policy:
+                     reason: str, tune_first_turn: bool = True,
+                     overrides: Overrides | None = None) -> Policy:
     """A table from ``windows`` (any order; sorted by end time) with ``weights`` pinned.
-    ``tune_first_turn=False`` keeps turn 1 on a prefill node (the PPD paper's table).
+    ``tune_first_turn=False`` keeps turn 1 on a prefill node (the PPD paper's table);
+    ``overrides``: the rules before the table (default: none).
 
     Raises :class:`controller.core.calibrate.CalibrationError` when the windows cannot
     support a fit (fewer than 2 windows with routed requests)."""
@@ -42,7 +44,8 @@ def calibrated_table(windows: Sequence[Window], slo: Slo, weights: Weights, vers
     # The whole phase is "the current mix" of a table calibrated in hindsight for it.
     cfg = CalibrationConfig(slo=slo, pinned_weights=weights,
                             recent_windows=max(len(usable), 1),
-                            tune_first_turn=tune_first_turn)
+                            tune_first_turn=tune_first_turn,
+                            overrides=overrides or Overrides())
     now = usable[-1].end if usable else 0.0
     result = calibrate(usable, now, None, cfg, reason=reason)
     return result.policy.with_version(version)

@@ -8,9 +8,11 @@ Order of the runs (each a full virtual-time replay of the scenario, same seed):
 2. ``ppd-static``: a table calibrated by the learning core on the first phase's windows of
    both forced runs, weights pinned at (1, 1), never changed.
 3. ``threshold``: the Dynamo-style rule (:mod:`controller.bench.baselines`).
-4. ``adaptive``: the daemon's cycle (:mod:`controller.bench.adaptive`) from ``ppd-static``.
+4. ``adaptive``: the daemon's cycle (:mod:`controller.bench.adaptive`) from ``ppd-static``
+   with the controller's configured overrides.
 5. Oracle candidates ``table-a:b``: per phase, a table calibrated on that phase's windows of
-   the forced runs with wtft:wtpot = a:b, pushed to the routers at the phase's start.
+   the forced runs with wtft:wtpot = a:b and the controller's configured overrides (turn 1's
+   busy override), pushed to the routers at the phase's start.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from controller.bench.adaptive import adaptive_start
 from controller.bench.baselines import ThresholdConfig, install_threshold, static_policy
 from controller.bench.oracle import (
     ORACLE_RATIOS,
@@ -222,15 +225,19 @@ def run_bench(
     for key, pol in (extra or {}).items():
         runs[key] = PolicyRun(replay(key, pol), tables=[(0.0, pol)],
                               adaptation_s=[None] * len(scenario.events))
+    if settings is None:
+        settings = adaptive_settings(scenario, time_scale)
     if "adaptive" in wanted:
         assert ppd_static is not None
-        if settings is None:
-            settings = adaptive_settings(scenario, time_scale)
-        runs["adaptive"] = _run_adaptive(scenario, ppd_static, settings, replay, workdir)
+        runs["adaptive"] = _run_adaptive(scenario, adaptive_start(ppd_static, settings),
+                                         settings, replay, workdir)
 
     candidates: dict[str, RunResult] = {k: runs[k].result for k in STATIC if k in runs}
     oracle: list[OraclePick] | None = None
     if "oracle" in wanted:
+        # The controller's own overrides: the oracle bounds what its tables could do.
+        oracle_overrides = adaptive_start(static_policy(Route.PREFILL_NODE, slo),
+                                          settings).overrides
         for wtft, wtpot in ORACLE_RATIOS:
             key = ratio_key(wtft, wtpot)
             tables: list[tuple[float, Policy]] = []
@@ -239,7 +246,8 @@ def run_bench(
                 try:
                     tables.append((start, calibrated_table(
                         mine, slo, Weights(wtft, wtpot), i + 1,
-                        f"oracle candidate: phase {i} windows, wtft:wtpot {wtft:g}:{wtpot:g}")))
+                        f"oracle candidate: phase {i} windows, wtft:wtpot {wtft:g}:{wtpot:g}",
+                        overrides=oracle_overrides)))
                 except ValueError as e:  # CalibrationError: too few windows in the phase
                     notes.append(f"{key}: phase {i} has no table ({e}); previous kept")
             if not tables:

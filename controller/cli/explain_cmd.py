@@ -26,8 +26,7 @@ from controller.cli._app import app, load_settings_or_exit
 
 if TYPE_CHECKING:
     from controller.config import Settings
-    from controller.core.calibrate import CalibrationConfig, CalibrationResult
-    from controller.core.drift import DriftConfig
+    from controller.core.calibrate import CalibrationResult
     from controller.core.window import Window
     from controller.policy import Policy
     from controller.store import Store
@@ -54,37 +53,6 @@ class Learned:
     policy: Policy | None  # the stored policy of that calibration (None: a dry run)
     windows: list[Window]  # its training windows, oldest first
     result: CalibrationResult  # refit; ``policy``/``predictions`` are the stored policy's
-
-
-def calibration_config(settings: Settings) -> CalibrationConfig:
-    """The calibration settings :class:`controller.learning.CoreLearner` uses."""
-    from controller.core.calibrate import CalibrationConfig
-    from controller.policy import Slo, Weights
-
-    ppd = settings.ppd
-    return CalibrationConfig(
-        slo=Slo(settings.slo.ttft_s, settings.slo.tpot_s),
-        pinned_weights=Weights(ppd.wtft, ppd.wtpot) if ppd.pin_weights else None,
-        guardrail_margin=settings.controller.guardrail_margin,
-        guardrail_overload_goodput=settings.controller.guardrail_overload_goodput,
-    )
-
-
-def drift_config(settings: Settings) -> DriftConfig:
-    """The detector settings :class:`controller.learning.CoreLearner` uses."""
-    from controller.core.drift import DetectorConfig, DriftConfig
-
-    d = settings.drift
-    base = DriftConfig()
-    return DriftConfig(
-        workload=DetectorConfig(base.workload.threshold, d.min_requests, d.hysteresis,
-                                d.cooldown_s),
-        performance=DetectorConfig(base.performance.threshold, base.performance.min_samples,
-                                   base.performance.hysteresis, d.cooldown_s),
-        slo=DetectorConfig(base.slo.threshold, d.min_requests, d.hysteresis, d.cooldown_s),
-        qps_cusum_allowance=d.qps_cusum_allowance,
-        qps_cusum_threshold=d.qps_cusum_threshold,
-    )
 
 
 def current_calibration(store: Store) -> tuple[CalibrationRecord, Policy | None,
@@ -116,6 +84,7 @@ def refit(store: Store, settings: Settings) -> Learned:
         policy_routes_on,
         predicted_goodput,
     )
+    from controller.learning import calibration_config
 
     record, policy, stored = current_calibration(store)
     windows = [s.window for s in stored]
@@ -247,6 +216,7 @@ def drift_doc(store: Store, settings: Settings, last: int, replay: int = 512
     """Replay the detectors over the windows stored after the current calibration (at most
     ``replay``, oldest first) from its drift reference; the last ``last`` are reported."""
     from controller.core import drift
+    from controller.learning import drift_config
 
     learned = refit(store, settings)
     details = learned.record.details or {}

@@ -118,6 +118,7 @@ def _header(policy: Policy) -> Any:
     explored = [e for e in t.exploration if e > 0]
     pv = policy.provenance
     bypass = policy.overrides.bypass_append_tokens
+    busy = policy.overrides.first_turn_busy_waiting
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
@@ -131,7 +132,10 @@ def _header(policy: Policy) -> Any:
                          if explored else "none")),
         ("weights", f"wtft={policy.weights.wtft:g}  wtpot={policy.weights.wtpot:g}"),
         ("SLOs", f"TTFT <= {policy.slo.ttft_s:g} s, TPOT <= {policy.slo.tpot_s:g} s"),
-        ("overrides", f"turn 1 -> {policy.overrides.first_turn_route.name}; "
+        ("overrides", f"turn 1 -> {policy.overrides.first_turn_route.name}"
+                      + (f" (DECODE_LOCAL while every prefill worker has >= {busy} waiting)"
+                         if busy and policy.overrides.first_turn_route is Route.PREFILL_NODE
+                         else "") + "; "
                       + (f"append_tokens < {bypass} -> DECODE_LOCAL" if bypass
                          else "no append bypass")),
         ("default route", f"{policy.default_route.name} (invalid input, timeouts)"),
@@ -232,6 +236,11 @@ def decide_cmd(
     append: Annotated[float, typer.Option("--append", help="New prompt tokens of this turn.")],
     output: Annotated[float, typer.Option("--output", help="Expected output tokens.")],
     qps: Annotated[float, typer.Option("--qps", help="The router's windowed arrival rate.")],
+    prefill_waiting: Annotated[
+        float | None,
+        typer.Option("--prefill-waiting",
+                     help="Requests waiting on the least-busy prefill worker (omit: unknown)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show the route a router would take for one request, and the cell, override or reason.
@@ -243,7 +252,7 @@ def decide_cmd(
 
     policy = load_policy_or_exit(policy_file)
     f = Features(turn=turn, context_tokens=context, append_tokens=append,
-                 expected_output_tokens=output, qps=qps)
+                 expected_output_tokens=output, qps=qps, prefill_waiting=prefill_waiting)
     report = explain(policy, f)
     if as_json:
         typer.echo(json.dumps(report, indent=1))
@@ -276,8 +285,13 @@ def explain(policy: Policy, f: Features) -> dict[str, Any]:
         report["why"] = ("invalid input (" + "; ".join(_invalid_features(f))
                          + f"): the default route {policy.default_route.name} is used")
     elif d.reason is Reason.FIRST_TURN:
-        report["why"] = (f"override: turn 1 has no cached context and always goes to "
+        report["why"] = (f"override: turn 1 has no cached context and goes to "
                          f"{policy.overrides.first_turn_route.name} (overrides.first_turn_route)")
+    elif d.reason is Reason.BUSY_PREFILL:
+        report["why"] = (f"override: turn 1 runs DECODE_LOCAL because the least-busy prefill "
+                         f"worker has {fmt_edge(float(f.prefill_waiting or 0))} request(s) "
+                         f"waiting, at least {policy.overrides.first_turn_busy_waiting} "
+                         "(overrides.first_turn_busy_waiting)")
     elif d.reason is Reason.BYPASS:
         report["why"] = (f"override: append_tokens {fmt_edge(f.append_tokens)} < "
                          f"{policy.overrides.bypass_append_tokens} "

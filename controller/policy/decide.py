@@ -19,6 +19,7 @@ class Reason(enum.StrEnum):
     TABLE = "table"  # the cell's route
     EXPLORE = "explore"  # the cell's other route, drawn with the cell's exploration fraction
     FIRST_TURN = "first_turn"  # override: turn 1
+    BUSY_PREFILL = "busy_prefill"  # override: turn 1 decode-local, every prefill worker busy
     BYPASS = "bypass"  # override: append below the bypass threshold
     INVALID_INPUT = "invalid_input"  # NaN, infinite, negative or zero-output features
     TIMEOUT = "timeout"  # set by the agent: the decision took longer than decision_timeout_ms
@@ -27,13 +28,18 @@ class Reason(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Features:
-    """What a router knows about a request when it must route it."""
+    """What a router knows about a request when it must route it.
+
+    ``prefill_waiting``: requests waiting on the least-busy prefill worker as the router sees
+    it (None: unknown, and the busy override never fires; so does a NaN or negative value).
+    """
 
     turn: int
     context_tokens: float
     append_tokens: float
     expected_output_tokens: float
     qps: float
+    prefill_waiting: float | None = None
 
     @property
     def io_ratio(self) -> float:
@@ -66,6 +72,15 @@ def features_valid(f: Features) -> bool:
         return False
 
 
+def prefill_busy(policy: Policy, prefill_waiting: float | None) -> bool:
+    """Whether the busy override fires: on, and the least-busy prefill worker has at least
+    ``first_turn_busy_waiting`` requests waiting (False for an unknown or invalid count)."""
+    need = policy.overrides.first_turn_busy_waiting
+    # A chained comparison is False for NaN; a value of another type counts as unknown.
+    return need > 0 and isinstance(prefill_waiting, (int, float)) \
+        and need <= prefill_waiting < math.inf
+
+
 def locate(policy: Policy, f: Features) -> tuple[int, int, int]:
     """The table cell of valid features."""
     axes = policy.table.axes
@@ -85,7 +100,10 @@ def decide(policy: Policy, f: Features, draw: Callable[[], float]) -> Decision:
     if not features_valid(f):
         return Decision(policy.default_route, None, Reason.INVALID_INPUT)
     if f.turn == 1:
-        return Decision(policy.overrides.first_turn_route, None, Reason.FIRST_TURN)
+        route = policy.overrides.first_turn_route
+        if route is Route.PREFILL_NODE and prefill_busy(policy, f.prefill_waiting):
+            return Decision(Route.DECODE_LOCAL, None, Reason.BUSY_PREFILL)
+        return Decision(route, None, Reason.FIRST_TURN)
     if f.append_tokens < policy.overrides.bypass_append_tokens:
         return Decision(Route.DECODE_LOCAL, None, Reason.BYPASS)
     cell = locate(policy, f)

@@ -8,7 +8,8 @@ Format (documented in ``docs/policy-format.md``)::
      "scores": [...], "exploration": [...],
      "weights": {"wtft": 1.0, "wtpot": 1.0},
      "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
-     "overrides": {"first_turn_route": "PREFILL_NODE", "bypass_append_tokens": 0},
+     "overrides": {"first_turn_route": "PREFILL_NODE", "bypass_append_tokens": 0,
+                   "first_turn_busy_waiting": 2},                # optional, omitted when 0
      "default_route": "PREFILL_NODE",
      "provenance": {"created_at": ISO-8601, "reason": "", "created_by": "",
                     "trained_from": ISO-8601 | null, "trained_to": ISO-8601 | null}}
@@ -65,6 +66,9 @@ def policy_to_dict(p: Policy) -> dict[str, Any]:
         "overrides": {
             "first_turn_route": p.overrides.first_turn_route.name,
             "bypass_append_tokens": p.overrides.bypass_append_tokens,
+            # Written only when on, so routers of earlier releases still read the file.
+            **({"first_turn_busy_waiting": p.overrides.first_turn_busy_waiting}
+               if p.overrides.first_turn_busy_waiting else {}),
         },
         "default_route": p.default_route.name,
         "provenance": {
@@ -201,7 +205,8 @@ def policy_from_dict(d: Any) -> Policy:
     wd = r.obj(top.get("weights", {}), "weights", {"wtft", "wtpot"})
     sd = r.obj(top.get("slo", {}), "slo", {"ttft_s", "tpot_s"})
     od = r.obj(
-        top.get("overrides", {}), "overrides", {"first_turn_route", "bypass_append_tokens"}
+        top.get("overrides", {}), "overrides",
+        {"first_turn_route", "bypass_append_tokens", "first_turn_busy_waiting"},
     )
     pd_ = r.obj(
         top.get("provenance", {}),
@@ -218,6 +223,7 @@ def policy_from_dict(d: Any) -> Policy:
         overrides=Overrides(
             r.route(od.get("first_turn_route", "PREFILL_NODE"), "overrides.first_turn_route"),
             r.integer(od, "bypass_append_tokens", "overrides", 0),
+            r.integer(od, "first_turn_busy_waiting", "overrides", 0),
         ),
         default_route=r.route(top.get("default_route", "PREFILL_NODE"), "default_route"),
         provenance=Provenance(

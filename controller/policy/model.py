@@ -133,11 +133,17 @@ class Overrides:
 
     ``first_turn_route``: turn 1 has no cached context, so by default it goes to a prefill
     node. ``bypass_append_tokens``: an append strictly shorter than this runs decode-local
-    (0 disables the bypass).
+    (0 disables the bypass). ``first_turn_busy_waiting``: turn 1 runs decode-local instead of
+    on a prefill node while every prefill worker has at least this many requests waiting
+    (the router's ``prefill_waiting`` feature; 0 disables it). A burst of new conversations
+    then spills onto the decode pool instead of queueing behind the prefill workers, like
+    the busyness clause of NVIDIA Dynamo's conditional disaggregation, but for turn 1 only:
+    later turns follow the table, which already accounts for the load.
     """
 
     first_turn_route: Route = Route.PREFILL_NODE
     bypass_append_tokens: int = 0
+    first_turn_busy_waiting: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from controller.policy.model import AXIS_NAMES, MAX_EDGES_PER_AXIS, MAX_EXPLORAT
 
 MAX_VERSION = 2**63 - 1
 MAX_BYPASS_TOKENS = 2**32 - 1
+MAX_BUSY_WAITING = 2**32 - 1  # a u32 in the canonical encoding
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,14 @@ def validate_policy(p: Policy) -> list[Problem]:
             Problem(
                 "overrides.bypass_append_tokens",
                 f"must be an integer in [0, {MAX_BYPASS_TOKENS}], got {b!r}",
+            )
+        )
+    n = p.overrides.first_turn_busy_waiting
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_BUSY_WAITING:
+        out.append(
+            Problem(
+                "overrides.first_turn_busy_waiting",
+                f"must be an integer in [0, {MAX_BUSY_WAITING}], got {n!r}",
             )
         )
     if not isinstance(p.default_route, Route):

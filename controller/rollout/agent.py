@@ -105,6 +105,8 @@ class PolicySnapshot:
         "_cells",
         "_tallies",
         "applied_at",
+        "busy_first_turn",
+        "busy_waiting",
         "bypass",
         "bypass_below",
         "checksum",
@@ -137,6 +139,14 @@ class PolicySnapshot:
             Decision(policy.overrides.first_turn_route, None, Reason.FIRST_TURN)
         )
         self.bypass = self._entry(Decision(Route.DECODE_LOCAL, None, Reason.BYPASS))
+        self.busy_first_turn = self._entry(
+            Decision(Route.DECODE_LOCAL, None, Reason.BUSY_PREFILL)
+        )
+        # 0 unless turn 1 goes to a prefill node and the busy override is on: one test decides.
+        self.busy_waiting = (
+            policy.overrides.first_turn_busy_waiting
+            if policy.overrides.first_turn_route is Route.PREFILL_NODE else 0
+        )
         self.bypass_below = policy.overrides.bypass_append_tokens
         axes = policy.table.axes
         n_ctx, n_io, n_qps = axes.shape
@@ -442,6 +452,12 @@ class RouterAgent:
                 self._last_qps = qps
                 if turn == 1:
                     entry = snap.first_turn
+                    if snap.busy_waiting:
+                        waiting = features.prefill_waiting
+                        # The chained comparison is False for NaN; another type is unknown.
+                        if isinstance(waiting, (int, float)) \
+                                and snap.busy_waiting <= waiting < _INF:
+                            entry = snap.busy_first_turn
                 elif append < snap.bypass_below:
                     entry = snap.bypass
                 else:

@@ -95,6 +95,7 @@ def policy_to_proto(policy: Policy, *, checksum: str | None = None) -> pb.Policy
         overrides=pb.Overrides(
             first_turn_route=int(policy.overrides.first_turn_route),  # type: ignore[arg-type]
             bypass_append_tokens=policy.overrides.bypass_append_tokens,
+            first_turn_busy_waiting=policy.overrides.first_turn_busy_waiting,
         ),
         default_route=int(policy.default_route),  # type: ignore[arg-type]
     )
@@ -173,6 +174,7 @@ def policy_from_proto(msg: pb.Policy) -> Policy:
                 msg.overrides.first_turn_route, "overrides.first_turn_route", problems
             ),
             bypass_append_tokens=msg.overrides.bypass_append_tokens,
+            first_turn_busy_waiting=msg.overrides.first_turn_busy_waiting,
         ),
         default_route=_route(msg.default_route, "default_route", problems),
         provenance=provenance,
@@ -204,6 +206,7 @@ def features_to_proto(f: Features) -> agent_pb.Features:
         append_tokens=f.append_tokens,
         expected_output_tokens=f.expected_output_tokens,
         qps=f.qps,
+        prefill_waiting=f.prefill_waiting,
     )
 
 
@@ -215,6 +218,7 @@ def features_from_proto(msg: agent_pb.Features) -> Features:
         append_tokens=msg.append_tokens,
         expected_output_tokens=msg.expected_output_tokens,
         qps=msg.qps,
+        prefill_waiting=msg.prefill_waiting if msg.HasField("prefill_waiting") else None,
     )
 
 

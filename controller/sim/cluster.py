@@ -276,7 +276,8 @@ class SimCluster:
         router = self.routers[req.router]
         ctx = d.usable_hit(req.session, req.prompt, req.shared_prefix)
         req.context_tokens = ctx
-        features, decision = router.decide(req.turn, ctx, req.prompt, req.max_tokens)
+        waiting = min((len(e.waiting) for e in self.prefill), default=None)
+        features, decision = router.decide(req.turn, ctx, req.prompt, req.max_tokens, waiting)
         req.features = features
         req.decision = decision
         req.route = decision.route

@@ -4,7 +4,9 @@ every decision through the policy issue's :class:`RouterAgent`.
 Features (DESIGN §2): ``context_tokens`` = prompt tokens the session's decode worker holds
 (its prefix-cache hit for this prompt), ``append_tokens`` = prompt - that,
 ``expected_output_tokens`` = the request's ``max_tokens`` (never the true output length),
-``qps`` = this router's arrival rate over a sliding window.
+``qps`` = this router's arrival rate over a sliding window, ``prefill_waiting`` = requests
+waiting on the least-busy prefill worker (what a router reads off the prefill workers'
+``vllm:num_requests_waiting``; exact here, where a real router's view lags by its scrape).
 
 ``decider`` (optional, default None): a rule that replaces the table for this router's
 decisions (the bench's ``threshold`` baseline). It gets the features and the full prompt
@@ -48,7 +50,8 @@ class SimRouter:
         self.decider: Decider | None = None
 
     def decide(self, turn: int, context_tokens: int, prompt_tokens: int,
-               max_tokens: int) -> tuple[Features, Decision]:
+               max_tokens: int, prefill_waiting: int | None = None
+               ) -> tuple[Features, Decision]:
         self.qps.note_arrival()
         features = Features(
             turn=turn,
@@ -56,6 +59,7 @@ class SimRouter:
             append_tokens=float(prompt_tokens - context_tokens),
             expected_output_tokens=float(max_tokens),
             qps=self.qps.rate(),
+            prefill_waiting=None if prefill_waiting is None else float(prefill_waiting),
         )
         self.decisions += 1
         if self.decider is not None:

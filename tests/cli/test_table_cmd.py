@@ -35,7 +35,7 @@ def mixed_policy(version: int = 4) -> Policy:
     return Policy(
         version=version,
         table=LookupTable(AXES, routes, scores, exploration),
-        overrides=Overrides(bypass_append_tokens=32),
+        overrides=Overrides(bypass_append_tokens=32, first_turn_busy_waiting=2),
     )
 
 
@@ -151,10 +151,10 @@ def test_decide_names_the_cell_and_agrees_with_the_contract(
 
 
 def test_decide_explains_overrides_and_invalid_input(policy_file: Path) -> None:
-    def run(turn: int, append: float, output: float) -> dict[str, object]:
+    def run(turn: int, append: float, output: float, *extra: str) -> dict[str, object]:
         result = runner.invoke(app, ["table", "decide", str(policy_file), "--turn", str(turn),
                                      "--context", "5000", "--append", str(append),
-                                     "--output", str(output), "--qps", "3", "--json"])
+                                     "--output", str(output), "--qps", "3", "--json", *extra])
         assert result.exit_code == 0, result.output
         report: dict[str, object] = json.loads(result.stdout)
         return report
@@ -163,6 +163,11 @@ def test_decide_explains_overrides_and_invalid_input(policy_file: Path) -> None:
     assert (first["route"], first["reason"], first["cell"]) == ("PREFILL_NODE",
                                                                 Reason.FIRST_TURN.value, None)
     assert "first_turn_route" in str(first["why"])
+    calm = run(1, 500, 100, "--prefill-waiting", "1")
+    assert calm["reason"] == Reason.FIRST_TURN.value
+    busy = run(1, 500, 100, "--prefill-waiting", "3")
+    assert (busy["route"], busy["reason"]) == ("DECODE_LOCAL", Reason.BUSY_PREFILL.value)
+    assert "3 request(s) waiting, at least 2" in str(busy["why"])
     bypass = run(2, 31, 100)
     assert (bypass["route"], bypass["reason"]) == ("DECODE_LOCAL", Reason.BYPASS.value)
     assert "31 < 32" in str(bypass["why"])

@@ -80,6 +80,13 @@ def test_checksum_covers_every_decision_field(policy: Policy) -> None:
                 t, axes=replace(t.axes, qps=(*t.axes.qps[:-1], t.axes.qps[-1] + 1.0))
             ),
         ),
+        replace(
+            policy,
+            overrides=replace(
+                policy.overrides,
+                first_turn_busy_waiting=(policy.overrides.first_turn_busy_waiting + 1) % 2**32,
+            ),
+        ),
     ]
     for v in variants:
         assert v.checksum != policy.checksum
@@ -87,3 +94,10 @@ def test_checksum_covers_every_decision_field(policy: Policy) -> None:
 
 def test_route_wire_values_are_stable() -> None:
     assert (int(Route.PREFILL_NODE), int(Route.DECODE_LOCAL)) == (1, 2)
+
+
+def test_the_busy_override_extends_the_encoding_only_when_on() -> None:
+    """Policies without it keep the bytes (and checksums) they had before it existed."""
+    off = Policy.uniform(3, Route.PREFILL_NODE)
+    on = replace(off, overrides=replace(off.overrides, first_turn_busy_waiting=2))
+    assert canonical_bytes(on) == canonical_bytes(off) + struct.pack("<I", 2)

@@ -36,6 +36,7 @@ def test_vector(name: str, policy_dict: dict[str, Any], case: dict[str, Any]) ->
         append_tokens=_num(f["append_tokens"]),
         expected_output_tokens=_num(f["expected_output_tokens"]),
         qps=_num(f["qps"]),
+        prefill_waiting=_num(f["prefill_waiting"]) if "prefill_waiting" in f else None,
     )
     d = decide(policy, features, lambda: case["draw"])
     exp = case["expect"]
@@ -47,4 +48,5 @@ def test_vector(name: str, policy_dict: dict[str, Any], case: dict[str, Any]) ->
 
 def test_vectors_cover_every_reason_a_table_can_give() -> None:
     reasons = {c["expect"]["reason"] for _, _, c in _cases()}
-    assert {"first_turn", "bypass", "table", "explore", "invalid_input"} <= reasons
+    assert {"first_turn", "busy_prefill", "bypass", "table", "explore",
+            "invalid_input"} <= reasons

@@ -26,6 +26,11 @@ def reference_decide(p: Policy, f: Features, draw_value: float) -> Decision:
     if f.expected_output_tokens == 0:
         return Decision(p.default_route, None, Reason.INVALID_INPUT)
     if f.turn == 1:
+        busy = p.overrides.first_turn_busy_waiting
+        w = f.prefill_waiting
+        if p.overrides.first_turn_route is Route.PREFILL_NODE and busy > 0 \
+                and w is not None and math.isfinite(w) and w >= busy:
+            return Decision(Route.DECODE_LOCAL, None, Reason.BUSY_PREFILL)
         return Decision(p.overrides.first_turn_route, None, Reason.FIRST_TURN)
     if f.append_tokens < p.overrides.bypass_append_tokens:
         return Decision(Route.DECODE_LOCAL, None, Reason.BYPASS)
@@ -57,12 +62,14 @@ def reference_decide(p: Policy, f: Features, draw_value: float) -> Decision:
     append=any_float,
     out=any_float,
     qps=any_float,
+    waiting=st.none() | any_float,
     draw_value=st.floats(0, 0.9999),
 )
 def test_decide_matches_reference(
-    policy: Policy, turn: int, ctx: float, append: float, out: float, qps: float, draw_value: float
+    policy: Policy, turn: int, ctx: float, append: float, out: float, qps: float,
+    waiting: float | None, draw_value: float,
 ) -> None:
-    f = Features(turn, ctx, append, out, qps)
+    f = Features(turn, ctx, append, out, qps, waiting)
     assert decide(policy, f, lambda: draw_value) == reference_decide(policy, f, draw_value)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 
 from controller.policy import (
+    Overrides,
     Policy,
     PolicyValidationError,
     Route,
@@ -60,6 +62,10 @@ def _problems(d: Any) -> dict[str, str]:
          "overrides.bypass_append_tokens"),
         (lambda d: d["overrides"].__setitem__("first_turn_route", 3),
          "overrides.first_turn_route"),
+        (lambda d: d["overrides"].__setitem__("first_turn_busy_waiting", -1),
+         "overrides.first_turn_busy_waiting"),
+        (lambda d: d["overrides"].__setitem__("first_turn_busy_waiting", True),
+         "overrides.first_turn_busy_waiting"),
         (lambda d: d.update(default_route="nowhere"), "default_route"),
         (lambda d: d.update(extra_field=1), "extra_field"),
         (lambda d: d["weights"].__setitem__("wtfft", 1), "weights.wtfft"),
@@ -108,3 +114,14 @@ def _refuse(constant: str) -> float:
 def test_output_is_strict_json() -> None:
     text = dumps(Policy.uniform(1, Route.PREFILL_NODE))
     assert json.loads(text, parse_constant=_refuse)["version"] == 1
+
+
+def test_the_busy_override_is_written_only_when_on() -> None:
+    """Routers of earlier releases refuse unknown keys: a file without the override must
+    stay readable by them."""
+    off = Policy.uniform(2, Route.PREFILL_NODE)
+    assert "first_turn_busy_waiting" not in policy_to_dict(off)["overrides"]
+    on = dataclasses.replace(off, overrides=Overrides(first_turn_busy_waiting=3))
+    d = policy_to_dict(on)
+    assert d["overrides"]["first_turn_busy_waiting"] == 3
+    assert policy_from_dict(d) == on

@@ -303,6 +303,30 @@ def test_bypass_override_routes_short_appends_decode_local() -> None:
     assert agent.decide(later_turn(append=64.0)).reason is Reason.TABLE
 
 
+def test_busy_override_sends_turn_1_decode_local_while_every_prefill_worker_is_busy() -> None:
+    policy = dataclasses.replace(checkerboard(1), overrides=Overrides(first_turn_busy_waiting=2))
+    agent = RouterAgent(clock=VirtualClock(), initial_policy=policy)
+
+    def turn_1(waiting: float | None) -> Features:
+        return Features(1, 0.0, 800.0, 100.0, 1.0, prefill_waiting=waiting)
+
+    busy = Decision(Route.DECODE_LOCAL, None, Reason.BUSY_PREFILL)
+    assert agent.decide(turn_1(2.0)) == busy
+    assert agent.decide(turn_1(7.0)) == busy
+    for calm in (1.0, None, float("nan")):  # below the bar, or unknown
+        assert agent.decide(turn_1(calm)).reason is Reason.FIRST_TURN
+    # Later turns follow the table whatever the prefill pool's queue.
+    assert agent.decide(dataclasses.replace(later_turn(), prefill_waiting=9.0)).reason \
+        is Reason.TABLE
+    assert agent.metrics.decisions(Route.DECODE_LOCAL, Reason.BUSY_PREFILL) == 2
+    # Turn 1 already decode-local: nothing to divert.
+    local_first = dataclasses.replace(
+        policy, version=2,
+        overrides=Overrides(first_turn_route=Route.DECODE_LOCAL, first_turn_busy_waiting=2))
+    agent.apply(local_first)
+    assert agent.decide(turn_1(5.0)).reason is Reason.FIRST_TURN
+
+
 class SlowClock(VirtualClock):
     """Every perf_counter_ns() read moves time on by ``step_ms``: each decision looks slow."""
 

@@ -52,7 +52,8 @@ def policies(draw: st.DrawFn) -> Policy:
     return Policy(
         version=draw(st.integers(1, 1000)),
         table=LookupTable(axes, routes, scores, exploration),
-        overrides=Overrides(draw(st.sampled_from(Route)), draw(st.integers(0, 300))),
+        overrides=Overrides(draw(st.sampled_from(Route)), draw(st.integers(0, 300)),
+                            draw(st.sampled_from([0, 1, 2, 3]))),
         default_route=draw(st.sampled_from(Route)),
     )
 
@@ -72,6 +73,8 @@ features = st.builds(
     append_tokens=feature_value(),
     expected_output_tokens=feature_value(),
     qps=feature_value(),
+    prefill_waiting=st.one_of(st.none(), st.integers(0, 5).map(float),
+                              st.sampled_from([1.5, -1.0, NAN, INF])),
 )
 
 

@@ -25,27 +25,27 @@ _sym_db = _symbol_database.Default()
 from controller._proto.pdcontrol.v1 import policy_pb2 as pdcontrol_dot_v1_dot_policy__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'pdcontrol/v1/router_agent_service.proto\x12\x0cpdcontrol.v1\x1a\x19pdcontrol/v1/policy.proto\"t\n\x08\x46\x65\x61tures\x12\x0c\n\x04turn\x18\x01 \x01(\x03\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\x01\x12\x15\n\rappend_tokens\x18\x03 \x01(\x01\x12\x1e\n\x16\x65xpected_output_tokens\x18\x04 \x01(\x01\x12\x0b\n\x03qps\x18\x05 \x01(\x01\"<\n\x04\x43\x65ll\x12\x13\n\x0b\x63ontext_bin\x18\x01 \x01(\r\x12\x0e\n\x06io_bin\x18\x02 \x01(\r\x12\x0f\n\x07qps_bin\x18\x03 \x01(\r\"r\n\x08\x44\x65\x63ision\x12\"\n\x05route\x18\x01 \x01(\x0e\x32\x13.pdcontrol.v1.Route\x12 \n\x04\x63\x65ll\x18\x02 \x01(\x0b\x32\x12.pdcontrol.v1.Cell\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08\x65xplored\x18\x04 \x01(\x08\"9\n\rDecideRequest\x12(\n\x08\x66\x65\x61tures\x18\x01 \x01(\x0b\x32\x16.pdcontrol.v1.Features\"R\n\x0e\x44\x65\x63ideResponse\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x16.pdcontrol.v1.Decision\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x94\x01\n\x0eObserveRequest\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x16.pdcontrol.v1.Decision\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x13\n\x06tpot_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12(\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x16.pdcontrol.v1.FeaturesB\t\n\x07_tpot_s\"\x1e\n\x0fObserveResponse\x12\x0b\n\x03slo\x18\x01 \x01(\t2\xa1\x01\n\x12RouterAgentService\x12\x43\n\x06\x44\x65\x63ide\x12\x1b.pdcontrol.v1.DecideRequest\x1a\x1c.pdcontrol.v1.DecideResponse\x12\x46\n\x07Observe\x12\x1c.pdcontrol.v1.ObserveRequest\x1a\x1d.pdcontrol.v1.ObserveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'pdcontrol/v1/router_agent_service.proto\x12\x0cpdcontrol.v1\x1a\x19pdcontrol/v1/policy.proto\"\xa6\x01\n\x08\x46\x65\x61tures\x12\x0c\n\x04turn\x18\x01 \x01(\x03\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\x01\x12\x15\n\rappend_tokens\x18\x03 \x01(\x01\x12\x1e\n\x16\x65xpected_output_tokens\x18\x04 \x01(\x01\x12\x0b\n\x03qps\x18\x05 \x01(\x01\x12\x1c\n\x0fprefill_waiting\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_prefill_waiting\"<\n\x04\x43\x65ll\x12\x13\n\x0b\x63ontext_bin\x18\x01 \x01(\r\x12\x0e\n\x06io_bin\x18\x02 \x01(\r\x12\x0f\n\x07qps_bin\x18\x03 \x01(\r\"r\n\x08\x44\x65\x63ision\x12\"\n\x05route\x18\x01 \x01(\x0e\x32\x13.pdcontrol.v1.Route\x12 \n\x04\x63\x65ll\x18\x02 \x01(\x0b\x32\x12.pdcontrol.v1.Cell\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08\x65xplored\x18\x04 \x01(\x08\"9\n\rDecideRequest\x12(\n\x08\x66\x65\x61tures\x18\x01 \x01(\x0b\x32\x16.pdcontrol.v1.Features\"R\n\x0e\x44\x65\x63ideResponse\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x16.pdcontrol.v1.Decision\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x94\x01\n\x0eObserveRequest\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x16.pdcontrol.v1.Decision\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x13\n\x06tpot_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12(\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x16.pdcontrol.v1.FeaturesB\t\n\x07_tpot_s\"\x1e\n\x0fObserveResponse\x12\x0b\n\x03slo\x18\x01 \x01(\t2\xa1\x01\n\x12RouterAgentService\x12\x43\n\x06\x44\x65\x63ide\x12\x1b.pdcontrol.v1.DecideRequest\x1a\x1c.pdcontrol.v1.DecideResponse\x12\x46\n\x07Observe\x12\x1c.pdcontrol.v1.ObserveRequest\x1a\x1d.pdcontrol.v1.ObserveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'controller._proto.pdcontrol.v1.router_agent_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FEATURES']._serialized_start=84
-  _globals['_FEATURES']._serialized_end=200
-  _globals['_CELL']._serialized_start=202
-  _globals['_CELL']._serialized_end=262
-  _globals['_DECISION']._serialized_start=264
-  _globals['_DECISION']._serialized_end=378
-  _globals['_DECIDEREQUEST']._serialized_start=380
-  _globals['_DECIDEREQUEST']._serialized_end=437
-  _globals['_DECIDERESPONSE']._serialized_start=439
-  _globals['_DECIDERESPONSE']._serialized_end=521
-  _globals['_OBSERVEREQUEST']._serialized_start=524
-  _globals['_OBSERVEREQUEST']._serialized_end=672
-  _globals['_OBSERVERESPONSE']._serialized_start=674
-  _globals['_OBSERVERESPONSE']._serialized_end=704
-  _globals['_ROUTERAGENTSERVICE']._serialized_start=707
-  _globals['_ROUTERAGENTSERVICE']._serialized_end=868
+  _globals['_FEATURES']._serialized_start=85
+  _globals['_FEATURES']._serialized_end=251
+  _globals['_CELL']._serialized_start=253
+  _globals['_CELL']._serialized_end=313
+  _globals['_DECISION']._serialized_start=315
+  _globals['_DECISION']._serialized_end=429
+  _globals['_DECIDEREQUEST']._serialized_start=431
+  _globals['_DECIDEREQUEST']._serialized_end=488
+  _globals['_DECIDERESPONSE']._serialized_start=490
+  _globals['_DECIDERESPONSE']._serialized_end=572
+  _globals['_OBSERVEREQUEST']._serialized_start=575
+  _globals['_OBSERVEREQUEST']._serialized_end=723
+  _globals['_OBSERVERESPONSE']._serialized_start=725
+  _globals['_OBSERVERESPONSE']._serialized_end=755
+  _globals['_ROUTERAGENTSERVICE']._serialized_start=758
+  _globals['_ROUTERAGENTSERVICE']._serialized_end=919
 # @@protoc_insertion_point(module_scope)

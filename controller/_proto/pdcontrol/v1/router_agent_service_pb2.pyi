@@ -30,6 +30,7 @@ class Features(_message.Message):
     APPEND_TOKENS_FIELD_NUMBER: _builtins.int
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     QPS_FIELD_NUMBER: _builtins.int
+    PREFILL_WAITING_FIELD_NUMBER: _builtins.int
     turn: _builtins.int
     """1 for the first turn of a conversation."""
     context_tokens: _builtins.float
@@ -40,6 +41,11 @@ class Features(_message.Message):
     """max_tokens, or a predicted output length."""
     qps: _builtins.float
     """The router's own arrival rate over a sliding window."""
+    prefill_waiting: _builtins.float
+    """Requests waiting on the least-busy prefill worker, as the router sees it (for example
+    vllm:num_requests_waiting of the prefill workers). Absent: unknown, the busy override
+    (Overrides.first_turn_busy_waiting) never fires.
+    """
     def __init__(
         self,
         *,
@@ -48,12 +54,15 @@ class Features(_message.Message):
         append_tokens: _builtins.float = ...,
         expected_output_tokens: _builtins.float = ...,
         qps: _builtins.float = ...,
+        prefill_waiting: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prefill_waiting", b"_prefill_waiting", "prefill_waiting", b"prefill_waiting"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_tokens", b"append_tokens", "context_tokens", b"context_tokens", "expected_output_tokens", b"expected_output_tokens", "qps", b"qps", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefill_waiting", b"_prefill_waiting", "append_tokens", b"append_tokens", "context_tokens", b"context_tokens", "expected_output_tokens", b"expected_output_tokens", "prefill_waiting", b"prefill_waiting", "qps", b"qps", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__prefill_waiting: _TypeAlias = _typing.Literal["prefill_waiting"]  # noqa: Y015
+    _WhichOneofArgType__prefill_waiting: _TypeAlias = _typing.Literal["_prefill_waiting", b"_prefill_waiting"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prefill_waiting) -> _WhichOneofReturnType__prefill_waiting | None: ...
 
 Global___Features: _TypeAlias = Features  # noqa: Y015
 
@@ -94,7 +103,7 @@ class Decision(_message.Message):
     EXPLORED_FIELD_NUMBER: _builtins.int
     route: _policy_pb2.Route.ValueType
     reason: _builtins.str
-    """table | explore | first_turn | bypass | invalid_input | timeout | no_policy"""
+    """table | explore | first_turn | busy_prefill | bypass | invalid_input | timeout | no_policy"""
     explored: _builtins.bool
     @_builtins.property
     def cell(self) -> Global___Cell:
