@@ -41,14 +41,21 @@ class _Section(BaseModel):
 class PpdConfig(_Section):
     """The seed PPD section, as operators already write it."""
 
-    enabled: bool = Field(True, description="Use PPD routing at all (false: classic P/D).")
+    enabled: bool = Field(
+        True,
+        description="Use PPD routing at all. false = classic P/D: every calibration yields "
+        "every turn to a prefill node, no overrides; applied at the next calibration.",
+    )
     first_turn_route: Literal["prefill", "decode"] = Field(
-        "prefill", description="Where turn 1 (no cached context) goes."
+        "prefill",
+        description="Where turn 1 (no cached context) goes to start with; a calibration moves "
+        "it to the other route when its model predicts a gain (not under a pin).",
     )
     append_prefill_route: Literal["prefill", "decode", "dynamic"] = Field(
         "dynamic",
-        description='Later turns: "prefill" = classic P/D (x=0), "decode" = all local (x=1), '
-        '"dynamic" = the lookup table.',
+        description='Later turns: "prefill" = classic P/D (x=0), "decode" = all local (x=1) '
+        '(pins: a uniform table, applied at the next calibration without the guardrail), '
+        '"dynamic" = the calibrated lookup table.',
     )
     wtft: float = Field(1.0, ge=0, description="TTFT weight; larger leans to decode-local.")
     wtpot: float = Field(1.0, ge=0, description="TPOT weight; larger leans to prefill-node.")

@@ -101,11 +101,25 @@ def without_exploration(policy: Policy) -> Policy:
 
 def calibration_config(settings: Any) -> CalibrationConfig:
     """The calibration settings of a :class:`controller.config.Settings` (also what
-    ``pdctl explain`` refits with)."""
+    ``pdctl explain`` refits with).
+
+    ``[ppd] enabled = false`` is classic P/D: every turn to a prefill node, no override that
+    sends anything decode-local. ``append_prefill_route = "prefill"`` / ``"decode"`` pins
+    every later turn to that route (``"dynamic"``: the calibrated table).
+    """
     from controller.core.calibrate import CalibrationConfig
     from controller.policy import Overrides, Route, Slo, Weights
 
     ppd = settings.ppd
+    pins = {"prefill": Route.PREFILL_NODE, "decode": Route.DECODE_LOCAL, "dynamic": None}
+    if not ppd.enabled:
+        return CalibrationConfig(
+            slo=Slo(settings.slo.ttft_s, settings.slo.tpot_s),
+            guardrail_margin=settings.controller.guardrail_margin,
+            guardrail_overload_goodput=settings.controller.guardrail_overload_goodput,
+            overrides=Overrides(Route.PREFILL_NODE, 0, 0),
+            pinned_route=Route.PREFILL_NODE,
+        )
     return CalibrationConfig(
         slo=Slo(settings.slo.ttft_s, settings.slo.tpot_s),
         pinned_weights=Weights(ppd.wtft, ppd.wtpot) if ppd.pin_weights else None,
@@ -117,7 +131,18 @@ def calibration_config(settings: Any) -> CalibrationConfig:
             bypass_append_tokens=ppd.bypass_append_tokens,
             first_turn_busy_waiting=ppd.first_turn_busy_waiting,
         ),
+        pinned_route=pins[ppd.append_prefill_route],
     )
+
+
+def follows_pin(policy: Policy, config: CalibrationConfig) -> bool:
+    """Whether ``policy`` already is what the operator's pin asks for (True: no pin)."""
+    pin = config.pinned_route
+    if pin is None:
+        return True
+    t = policy.table
+    return (all(r is pin for r in t.routes) and not any(t.exploration)
+            and policy.overrides == config.overrides)
 
 
 def drift_config(settings: Any) -> DriftConfig:
@@ -191,6 +216,8 @@ class CoreLearner:
         except CalibrationError as e:
             raise LearnerError(str(e)) from None
         verdict = result.verdict
+        # An operator's new pin is applied, not judged: the candidate is what they asked for.
+        force = force or (current is not None and not follows_pin(current, config))
         if force and not verdict.approved:
             verdict = check(result.predicted_goodput_candidate, result.predicted_goodput_current,
                             self._config.guardrail_margin, force=True)

@@ -132,3 +132,33 @@ def test_the_ppd_overrides_reach_the_calibrated_policies(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="first_turn_busy_waiting"):
         load_settings(write(tmp_path, SEED.replace("[prefill_pool]",
                                                    "first_turn_busy_waiting = -1\n[prefill_pool]")))
+
+
+@pytest.mark.parametrize(("ppd", "route"), [
+    ({"append_prefill_route": "decode"}, "DECODE_LOCAL"),
+    ({"enabled": False}, "PREFILL_NODE"),
+])
+def test_an_operator_pin_replaces_a_calibrated_table_at_the_next_calibration(
+    ppd: dict[str, object], route: str
+) -> None:
+    """[ppd] enabled = false (classic P/D) and append_prefill_route pins are applied, not
+    judged by the guardrail; a policy that already follows the pin is judged as usual."""
+    from controller.learning import CoreLearner
+    from controller.policy import Overrides, Route
+    from tests.core.synth import Mix, Truth, training_windows
+
+    slo = {"ttft_s": 1.0, "tpot_s": 0.05}
+    windows = training_windows(Truth(), Mix(), 60, seed=4)
+    free = CoreLearner(load_settings(None, slo=slo))
+    running = free.calibrate(windows, None, windows[-1].end, "initial").policy
+    assert len(set(running.table.routes)) == 2  # a mixed table is running
+
+    pinned = CoreLearner(load_settings(None, slo=slo, ppd=ppd))
+    outcome = pinned.calibrate(windows, running, windows[-1].end, "scheduled")
+    assert outcome.approved
+    assert set(outcome.policy.table.routes) == {Route[route]}
+    assert not any(outcome.policy.table.exploration)
+    if ppd.get("enabled") is False:
+        assert outcome.policy.overrides == Overrides(Route.PREFILL_NODE, 0, 0)
+    again = pinned.calibrate(windows, outcome.policy, windows[-1].end, "scheduled")
+    assert not again.approved  # the same uniform table: a predicted tie, refused

@@ -100,6 +100,10 @@ class CalibrationConfig:
     tune_first_turn: bool = True
     refit_on_all: bool = True  # after measuring held-out error, refit on every window
     seed: int = 0
+    # An operator's pin (``[ppd] append_prefill_route`` / ``enabled``): every later turn on
+    # this route, turn 1 on ``overrides.first_turn_route`` untuned, no exploration. The model
+    # is still fitted and the policy's goodput still predicted (drift, explain, guardrail).
+    pinned_route: Route | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,6 +441,17 @@ def fixed_point(
                       bool(stable.all()), g, stable)
 
 
+def pinned_point(model: LatencyModel, grid: TableGrid, weights: Weights, slo: Slo,
+                 route: Route) -> FixedPoint:
+    """Every cell on ``route`` (an operator's pin): its predictions and scores, no search."""
+    routes = np.full((grid.qps.shape[0], grid.context.shape[0]), route is Route.DECODE_LOCAL)
+    sc = grid.scenario(local_share(routes, 0.0))
+    pred = model.predict(sc)
+    g = evaluated_goodput(model, grid, routes, 0.0, slo)
+    return FixedPoint(routes, scores(pred, sc, weights), pred, (), True, g,
+                      np.ones(routes.shape[0], dtype=bool))
+
+
 def _damped(routes: Any, new: Any, sc_scores: FloatArray, rnd: int) -> Any:
     """Flip, per QPS row, only the most decided half (then quarter, ...) of changing cells.
 
@@ -626,10 +641,23 @@ def calibrate(
 
     first_route = cfg.overrides.first_turn_route
     grid = observed.with_first_turn(first_route)
-    choice, fp = search(grid)
+    pin = cfg.pinned_route
+    if pin is not None:
+        pinned: dict[float, FixedPoint] = {}
+
+        def pinned_goodput(ratio: float) -> float:
+            w = Weights(wtft=ratio, wtpot=1.0) if math.isfinite(ratio) else Weights(1.0, 0.0)
+            pinned[ratio] = pinned_point(model, grid, w, slo, pin)
+            return pinned[ratio].predicted_goodput
+
+        choice = choose_weights(pinned_goodput, cfg.weight_ratios,
+                                cfg.pinned_weights or Weights())
+        fp = pinned[choice.ratio]
+    else:
+        choice, fp = search(grid)
     first_turn_goodput: dict[str, float] = {first_route.name: fp.predicted_goodput}
     other = Route.DECODE_LOCAL if first_route is Route.PREFILL_NODE else Route.PREFILL_NODE
-    if cfg.tune_first_turn and _first_turn_measured(ts, other):
+    if pin is None and cfg.tune_first_turn and _first_turn_measured(ts, other):
         alt_grid = observed.with_first_turn(other)
         alt_choice, alt_fp = search(alt_grid)
         first_turn_goodput[other.name] = alt_fp.predicted_goodput
@@ -646,6 +674,8 @@ def calibrate(
     explore = np.minimum(explore, _rate_capped_share(grid, cfg.exploration_max_rate))
     explore, explore_scale = _price_exploration(
         model, grid, fp.routes, explore, seen, cfg.exploration.floor, cfg.exploration_budget, slo)
+    if pin is not None:
+        explore, explore_scale = np.zeros_like(explore), 0.0
     routes_flat = fp.routes.T.reshape(-1)
     explore_grid = explore.reshape(k, n_qps).T
 
@@ -691,6 +721,7 @@ def calibrate(
                  "exploration_mean": float(explore[seen].mean()) if seen.any() else 0.0,
                  "exploration_scale": explore_scale,
                  "first_turn_route": first_route.name,
+                 "pinned_route": pin.name if pin is not None else None,
                  "first_turn_goodput": first_turn_goodput,
                  "heldout_goodput_error": g_error},
     )

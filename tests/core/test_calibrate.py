@@ -314,3 +314,19 @@ def test_exploration_is_capped_in_requests_per_second(train: list) -> None:
             assert e < e_free
             below_floor += 1
     assert below_floor > 0
+
+
+@pytest.mark.parametrize("pin", list(Route))
+def test_a_pinned_route_gives_a_uniform_table_without_exploration(
+    train: list, heldout: list, result: CalibrationResult, pin: Route
+) -> None:
+    """[ppd] append_prefill_route = prefill | decode: every later turn on the pin, turn 1 on
+    the configured route (not tuned), no exploration; the model and its prediction remain."""
+    cfg = CalibrationConfig(slo=SLO, pinned_route=pin)
+    pinned = calibrate(train, NOW, config=cfg, heldout_windows=heldout)
+    table = pinned.policy.table
+    assert set(table.routes) == {pin}
+    assert set(table.exploration) == {0.0}
+    assert pinned.policy.overrides == cfg.overrides
+    assert pinned.details["pinned_route"] == pin.name
+    assert len(set(result.policy.table.routes)) == 2  # unpinned, the same windows give a mix
