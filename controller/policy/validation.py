@@ -111,22 +111,13 @@ def validate_policy(p: Policy) -> list[Problem]:
             out.append(Problem(f"slo.{name}", f"must be a finite number > 0, got {v!r}"))
     if not isinstance(p.overrides.first_turn_route, Route):
         out.append(Problem("overrides.first_turn_route", "unknown route"))
-    b = p.overrides.bypass_append_tokens
-    if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BYPASS_TOKENS:
-        out.append(
-            Problem(
-                "overrides.bypass_append_tokens",
-                f"must be an integer in [0, {MAX_BYPASS_TOKENS}], got {b!r}",
+    for name, top in (("bypass_append_tokens", MAX_BYPASS_TOKENS),
+                      ("first_turn_busy_waiting", MAX_BUSY_WAITING)):
+        v = getattr(p.overrides, name)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
+            out.append(
+                Problem(f"overrides.{name}", f"must be an integer in [0, {top}], got {v!r}")
             )
-        )
-    n = p.overrides.first_turn_busy_waiting
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_BUSY_WAITING:
-        out.append(
-            Problem(
-                "overrides.first_turn_busy_waiting",
-                f"must be an integer in [0, {MAX_BUSY_WAITING}], got {n!r}",
-            )
-        )
     if not isinstance(p.default_route, Route):
         out.append(Problem("default_route", "unknown route"))
     return out
