@@ -10,6 +10,7 @@ import pytest
 from controller.bench.baselines import (
     ThresholdConfig,
     install_threshold,
+    static_policy,
     threshold_from_options,
     threshold_route,
 )
@@ -96,3 +97,19 @@ def test_routers_apply_the_rule_through_the_decider_hook(tmp_path: Path) -> None
     # The workload has both kinds: turn 2 appends 1200 to a 1056-token context (ratio 0.53:
     # prefill), turn 3 appends 1200 to 2288 (ratio 0.34: decode-local).
     assert seen == {"PREFILL_NODE", "DECODE_LOCAL"}
+
+
+def test_adaptive_starts_from_the_table_with_the_controllers_overrides() -> None:
+    """The bench's adaptive loop runs what an operator would deploy: the ppd-static table
+    with ``[ppd]``'s overrides (turn 1's busy override on by default), not the paper's bare
+    table; ``first_turn_busy_waiting = 0`` gives the bare one back."""
+    from controller.bench.adaptive import adaptive_start
+    from controller.config import load_settings
+    from controller.policy import Overrides, Slo
+
+    table = static_policy(Route.PREFILL_NODE, Slo())
+    on = adaptive_start(table, load_settings(None))
+    assert on.table == table.table
+    assert on.overrides == Overrides(Route.PREFILL_NODE, 0, 2)
+    off = adaptive_start(table, load_settings(None, ppd={"first_turn_busy_waiting": 0}))
+    assert off.overrides == table.overrides
