@@ -224,7 +224,12 @@ def routing() -> dashboard.Dashboard:
              f" / sum(rate({decisions}[{RATE}]))", "decode-local"),
             (f'sum(rate({decisions}{{reason="explore"}}[{RATE}]))'
              f" / sum(rate({decisions}[{RATE}]))", "exploration"),
-        ], min_val=0, max_val=1))
+            # Turn 1 sent decode-local because every prefill worker was busy, over all turn 1.
+            (f'sum(rate({decisions}{{reason="busy_prefill"}}[{RATE}]))'
+             f' / sum(rate({decisions}{{reason=~"first_turn|busy_prefill"}}[{RATE}]))',
+             "turn 1 diverted (busy prefill)"),
+        ], "Turn 1 diverted: the share of first turns the busy override "
+           "(overrides.first_turn_busy_waiting) sent decode-local.", min_val=0, max_val=1))
         .with_panel(series(lay, "Exploration share per router", "percentunit", [
             (f'sum by (instance) (rate({decisions}{{reason="explore"}}[{RATE}]))'
              f" / sum by (instance) (rate({decisions}[{RATE}]))", "{{instance}}"),
