@@ -155,6 +155,17 @@ class AgentConfig(_Section):
     metrics_listen: str | None = Field(
         None, description="HOST:PORT for the agent's /metrics (None: not served)."
     )
+    prefill_poll_interval_s: float = Field(
+        1.0, ge=0,
+        description="Poll the [prefill_pool] nodes' /metrics this often for the waiting count "
+        "turn 1's busy override needs, used when a router's request leaves prefill_waiting "
+        "out (0 = off).",
+    )
+    prefill_stale_after_s: float = Field(
+        5.0, gt=0,
+        description="A prefill worker's polled waiting count older than this is unknown; with "
+        "none known the busy override does not fire.",
+    )
 
 
 class RolloutConfig(_Section):

@@ -4,7 +4,9 @@ Serves ``RouterPolicyService`` (the controller pushes policies), ``RouterAgentSe
 (routers not written in Python ask for decisions and report outcomes) and gRPC health on
 ``--listen``; exports the ``pdrouter_*`` metrics on ``--metrics-listen``. The applied policy
 is persisted to ``--state-file`` and loaded on start; without one, ``[ppd] lookup_table`` is
-the starting policy. Stops cleanly on SIGTERM / SIGINT.
+the starting policy. With ``[prefill_pool] nodes`` set it polls their ``/metrics`` every
+``[agent] prefill_poll_interval_s`` for the queue turn 1's busy override reads, when a
+router's request does not carry ``prefill_waiting``. Stops cleanly on SIGTERM / SIGINT.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import typer
 from controller.cli._app import app
 
 if TYPE_CHECKING:
+    from controller.clock import Clock
     from controller.config import Settings
     from controller.policy import Policy
+    from controller.rollout.prefill_watch import PrefillQueueWatch
 
 # How often the agent checks (and logs) policy staleness while idle.
 STALENESS_CHECK_S = 30.0
@@ -37,6 +41,21 @@ def _initial_policy(settings: Settings) -> Policy | None:
         return loads(path.read_bytes())
     except (OSError, PolicyValidationError) as e:
         raise ConfigError(f"ppd.lookup_table {path}: {e}") from None
+
+
+async def _prefill_watch(settings: Settings, clock: Clock) -> PrefillQueueWatch | None:
+    """The poller of the prefill workers' queues, when configured (``[agent]
+    prefill_poll_interval_s`` > 0 and ``[prefill_pool] nodes`` not empty)."""
+    from controller.observe.discovery import static_targets_async
+    from controller.rollout.prefill_watch import PrefillQueueWatch
+
+    a = settings.agent
+    if a.prefill_poll_interval_s <= 0 or not settings.prefill_pool.nodes:
+        return None
+    targets = await static_targets_async(settings.prefill_pool.nodes, [], [])
+    return PrefillQueueWatch([t.metrics_url for t in targets], clock,
+                             interval_s=a.prefill_poll_interval_s,
+                             stale_after_s=a.prefill_stale_after_s)
 
 
 async def serve_agent(
@@ -58,6 +77,7 @@ async def serve_agent(
     from controller.rollout.server import RouterServer
 
     clock = WallClock()
+    watch = await _prefill_watch(settings, clock)
     agent = RouterAgent(
         router_id=router_id or socket.gethostname(),
         clock=clock,
@@ -65,6 +85,7 @@ async def serve_agent(
         decision_timeout_ms=settings.ppd.decision_timeout_ms,
         stale_after_s=settings.agent.stale_after_s,
         initial_policy=_initial_policy(settings),
+        prefill_waiting=watch.value if watch is not None else None,
     )
     server = RouterServer(
         agent,
@@ -93,12 +114,19 @@ async def serve_agent(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watching = asyncio.create_task(watch.run(stop)) if watch is not None else None
+    if watch is not None:
+        typer.echo(f"prefill queue: polling {len(watch.urls)} prefill worker(s) every "
+                   f"{watch.interval_s:g} s")
     try:
         while not stop.is_set():
             agent.is_stale()  # logs once when the policy turns stale
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), STALENESS_CHECK_S)
     finally:
+        stop.set()
+        if watching is not None:
+            await watching
         await server.stop(grace=2.0)
         if metrics_server is not None:
             metrics_server.shutdown()

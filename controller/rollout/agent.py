@@ -12,6 +12,8 @@ One :class:`RouterAgent` per router process. It
   :class:`Decision` objects and counter ticks, so the hot path is three bisections, one dict
   lookup and one lock-free tick. ``decide()`` gives the same answers as
   :func:`controller.policy.decide` (a property test holds it to that);
+* fills ``Features.prefill_waiting`` (turn 1's busy override) from an injected source when a
+  router leaves it out (:class:`controller.rollout.prefill_watch.PrefillQueueWatch`);
 * judges completed requests against the running policy's SLOs (``observe``) and exports the
   ``pdrouter_*`` metrics (see :mod:`controller.rollout.agent_metrics`).
 
@@ -228,6 +230,7 @@ class RouterAgent:
         initial_policy: Policy | None = None,
         logger: logging.Logger | None = None,
         writer: Callable[[Path, bytes], None] | None = None,
+        prefill_waiting: Callable[[], float | None] | None = None,
     ) -> None:
         if not decision_timeout_ms > 0:
             raise ValueError(f"decision_timeout_ms must be > 0, got {decision_timeout_ms!r}")
@@ -247,6 +250,8 @@ class RouterAgent:
         self._last_error_log: float | None = None
         self._stale_logged = False
         self._last_qps = 0.0
+        # Fills ``Features.prefill_waiting`` when a router leaves it out (PrefillQueueWatch).
+        self._prefill_waiting = prefill_waiting
 
         self.metrics = RouterMetrics(self._registry)
         self._tallies = self.metrics.decision_tallies
@@ -454,6 +459,8 @@ class RouterAgent:
                     entry = snap.first_turn
                     if snap.busy_waiting:
                         waiting = features.prefill_waiting
+                        if waiting is None and self._prefill_waiting is not None:
+                            waiting = self._prefill_waiting()
                         # The chained comparison is False for NaN; another type is unknown.
                         if isinstance(waiting, (int, float)) \
                                 and snap.busy_waiting <= waiting < _INF:

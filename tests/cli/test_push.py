@@ -237,3 +237,57 @@ def test_agent_exports_its_metrics_and_counts_refusals(
     assert samples['pdrouter_updates_total{result="applied"}'] == 1
     assert samples['pdrouter_auth_refusals_total{reason="missing_token"}'] == 1
     assert samples['pdrouter_auth_refusals_total{reason="wrong_token"}'] == 0
+
+
+def test_the_sidecar_polls_the_prefill_workers_for_the_busy_override(
+    tmp_path: Path, agents: list[AgentProcess]
+) -> None:
+    """A router that does not report prefill_waiting: ``pdctl router-agent`` polls the
+    ``[prefill_pool]`` nodes' vLLM metrics (a real HTTP server on loopback) and turn 1 goes
+    decode-local while the worker's queue is at the policy's bar, back when it drains."""
+    import asyncio
+    import dataclasses
+
+    from prometheus_client import start_http_server
+
+    from controller.policy import Features, Overrides, Reason
+    from controller.rollout.client import GrpcRouterTransport
+    from controller.sim.vllm_metrics import WorkerMetrics
+
+    worker = WorkerMetrics(model_name="m", kv_role="kv_producer", num_gpu_blocks=1000,
+                           block_size=16, max_model_len=8192)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=worker.registry)
+    try:
+        policy = dataclasses.replace(Policy.uniform(3, Route.PREFILL_NODE),
+                                     overrides=Overrides(first_turn_busy_waiting=2))
+        (tmp_path / "policy.json").write_text(dumps(policy))
+        config = tmp_path / "pd.toml"
+        config.write_text(
+            f'[ppd]\nlookup_table = "{tmp_path / "policy.json"}"\n'
+            f'[prefill_pool]\nnodes = ["127.0.0.1:{server.server_address[1]}"]\n'
+            "[agent]\nprefill_poll_interval_s = 0.05\n")
+        agent = start(agents, "--config", str(config))
+        assert "policy: v3" in agent.banner
+
+        async def reasons_until(want: Reason) -> Reason:
+            transport = GrpcRouterTransport()
+            try:
+                got = Reason.NO_POLICY
+                for _ in range(100):  # bounded: 100 x 0.05 s
+                    decision, _ = await transport.decide(
+                        agent.address, Features(1, 0.0, 500.0, 100.0, 1.0), 5.0)
+                    got = decision.reason
+                    if got is want:
+                        break
+                    await asyncio.sleep(0.05)
+                return got
+            finally:
+                await transport.close()
+
+        worker.waiting_capacity = 2
+        assert asyncio.run(reasons_until(Reason.BUSY_PREFILL)) is Reason.BUSY_PREFILL
+        worker.waiting_capacity = 1
+        assert asyncio.run(reasons_until(Reason.FIRST_TURN)) is Reason.FIRST_TURN
+    finally:
+        server.shutdown()
+        thread.join(5.0)
