@@ -157,7 +157,9 @@ def router_agent(
         ),
     ] = False,
 ) -> None:
-    """Serve the router agent over gRPC (policy push, decisions, health)."""
+    """Serve the router agent over gRPC (policy push, decisions, health); with [prefill_pool]
+    nodes set, also poll their queues for turn 1's busy override ([agent]
+    prefill_poll_interval_s)."""
     import asyncio
 
     from controller.config import load_settings
