@@ -643,16 +643,10 @@ def calibrate(
     grid = observed.with_first_turn(first_route)
     pin = cfg.pinned_route
     if pin is not None:
-        pinned: dict[float, FixedPoint] = {}
-
-        def pinned_goodput(ratio: float) -> float:
-            w = Weights(wtft=ratio, wtpot=1.0) if math.isfinite(ratio) else Weights(1.0, 0.0)
-            pinned[ratio] = pinned_point(model, grid, w, slo, pin)
-            return pinned[ratio].predicted_goodput
-
-        choice = choose_weights(pinned_goodput, cfg.weight_ratios,
-                                cfg.pinned_weights or Weights())
-        fp = pinned[choice.ratio]
+        # The routes do not depend on the weights: one point, under the pinned weights.
+        weights = cfg.pinned_weights or Weights()
+        fp = pinned_point(model, grid, weights, slo, pin)
+        choice = choose_weights(lambda _: fp.predicted_goodput, cfg.weight_ratios, weights)
     else:
         choice, fp = search(grid)
     first_turn_goodput: dict[str, float] = {first_route.name: fp.predicted_goodput}
