@@ -112,26 +112,23 @@ def calibration_config(settings: Any) -> CalibrationConfig:
 
     ppd = settings.ppd
     pins = {"prefill": Route.PREFILL_NODE, "decode": Route.DECODE_LOCAL, "dynamic": None}
-    if not ppd.enabled:
-        return CalibrationConfig(
-            slo=Slo(settings.slo.ttft_s, settings.slo.tpot_s),
-            guardrail_margin=settings.controller.guardrail_margin,
-            guardrail_overload_goodput=settings.controller.guardrail_overload_goodput,
-            overrides=Overrides(Route.PREFILL_NODE, 0, 0),
-            pinned_route=Route.PREFILL_NODE,
+    if ppd.enabled:
+        overrides = Overrides(
+            first_turn_route=Route.parse(ppd.first_turn_route),
+            bypass_append_tokens=ppd.bypass_append_tokens,
+            first_turn_busy_waiting=ppd.first_turn_busy_waiting,
         )
+        pin = pins[ppd.append_prefill_route]
+    else:  # classic P/D: nothing decode-local
+        overrides, pin = Overrides(Route.PREFILL_NODE, 0, 0), Route.PREFILL_NODE
     return CalibrationConfig(
         slo=Slo(settings.slo.ttft_s, settings.slo.tpot_s),
         pinned_weights=Weights(ppd.wtft, ppd.wtpot) if ppd.pin_weights else None,
         guardrail_margin=settings.controller.guardrail_margin,
         guardrail_overload_goodput=settings.controller.guardrail_overload_goodput,
         exploration_max_rate=settings.controller.exploration_max_rate,
-        overrides=Overrides(
-            first_turn_route=Route.parse(ppd.first_turn_route),
-            bypass_append_tokens=ppd.bypass_append_tokens,
-            first_turn_busy_waiting=ppd.first_turn_busy_waiting,
-        ),
-        pinned_route=pins[ppd.append_prefill_route],
+        overrides=overrides,
+        pinned_route=pin,
     )
 
 
