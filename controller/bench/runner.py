@@ -36,6 +36,7 @@ from controller.bench.oracle import (
     windows_in,
 )
 from controller.core.window import Window
+from controller.learning import calibration_config
 from controller.policy import Policy, Route, Slo, Weights
 from controller.sim.run import RunResult, run_scenario
 from controller.sim.scenario import Event, Scenario, load_scenario
@@ -236,8 +237,7 @@ def run_bench(
     oracle: list[OraclePick] | None = None
     if "oracle" in wanted:
         # The controller's own overrides: the oracle bounds what its tables could do.
-        oracle_overrides = adaptive_start(static_policy(Route.PREFILL_NODE, slo),
-                                          settings).overrides
+        oracle_overrides = calibration_config(settings).overrides
         for wtft, wtpot in ORACLE_RATIOS:
             key = ratio_key(wtft, wtpot)
             tables: list[tuple[float, Policy]] = []
