@@ -166,6 +166,7 @@ class CoreLearner:
         self._reference_windows = settings.drift.reference_windows
         self._drift = drift_config(settings)
         self._drift_onset: float | None = None  # when the last drift that fired began
+        self._link_changed_at: float | None = None  # ... when it was the KV link's
         self._config = calibration_config(settings)
 
     def assess(
@@ -186,6 +187,10 @@ class CoreLearner:
             # The earliest onset among the detectors that fired (None: not known).
             known = [t for t in onsets if t is not None]
             self._drift_onset = min(known) if known else None
+            self._link_changed_at = (
+                drift.drift_onset(new.performance, self._drift.performance.threshold)
+                if any(v.fired and _link_fired(v.details, v.threshold) for v in verdicts)
+                else None)
         findings = [
             DriftFinding(v.kind, v.fired, v.statistic, v.threshold, v.reason, dict(v.details))
             for v in verdicts
@@ -256,6 +261,10 @@ class CoreLearner:
         # The mix and load of a window or two are noise (a bursty trace swings 2x between
         # windows): the current mix takes at least MIN_MIX_WINDOWS, the newest first.
         config = replace(self._config, recent_windows=max(len(post), MIN_MIX_WINDOWS))
+        if reason.startswith("drift") and self._link_changed_at is not None:
+            # The link is measured directly: a minute of transfers fits it, and every window
+            # still explains the rest of the model.
+            config = replace(config, link_changed_at=self._link_changed_at)
         if len(post) >= MIN_REGIME_WINDOWS:
             return post, config
         return windows, config
@@ -290,6 +299,13 @@ class CoreLearner:
             return LearnerState()
         return LearnerState(drift.DriftReference.from_dict(details["drift_reference"]),
                             drift.DriftState(), None)
+
+
+def _link_fired(details: Mapping[str, Any], threshold: float) -> bool:
+    """Whether a performance verdict's KV link statistic is over ``threshold``."""
+    kv = details.get("KV.transfer")
+    return isinstance(kv, Mapping) and max(kv.get("cusum_up", 0.0),
+                                           kv.get("cusum_down", 0.0)) > threshold
 
 
 def shape_change(windows: Sequence[Window]) -> float | None:

@@ -52,7 +52,6 @@ from controller.core.latency_model import (
     Scenario,
     fit_latency_model,
     heldout_error,
-    training_scenario,
 )
 from controller.core.weights import DEFAULT_RATIOS, WeightChoice, choose_weights
 from controller.core.window import Window
@@ -95,6 +94,9 @@ class CalibrationConfig:
     overrides: Overrides = field(default_factory=Overrides)
     default_route: Route = Route.PREFILL_NODE
     residual_model: bool = True
+    # The KV link changed then (a performance drift on its transfers): the link is fitted on
+    # the transfers since, the windows before keep their own (latency_model.fit_link_change).
+    link_changed_at: float | None = None
     # Also build a table with turn 1 decode-local (the override's other route) and keep it
     # when its predicted goodput beats turn 1 on a prefill node by ``guardrail_margin``.
     tune_first_turn: bool = True
@@ -355,7 +357,7 @@ def goodput_error(model: LatencyModel, ts: TrainingSet, slo: Slo) -> float | Non
     predicted under its own load and routing (None: no window with requests)."""
     if ts.n_windows == 0:
         return None
-    sc, _ = training_scenario(ts)
+    sc, _ = model.scenario_of(ts)
     predicted = goodput_rows(model.predict(sc), sc, slo, model)
     requests = ts.cluster_qps * ts.interval_s
     ok = np.isfinite(ts.goodput) & (requests > 0)
@@ -598,7 +600,8 @@ def calibrate(
     if heldout_windows is not None:
         hold = build_training_set(heldout_windows)
         model = fit_latency_model(ts, slo.ttft_s, slo.tpot_s, seed=cfg.seed,
-                                  residual=cfg.residual_model)
+                                  residual=cfg.residual_model,
+                                  link_changed_at=cfg.link_changed_at)
         heldout = heldout_error(model, hold)
         g_error = goodput_error(model, hold, slo)
         n_hold = hold.n_windows
@@ -608,12 +611,14 @@ def calibrate(
         early = ts.subset(np.arange(cut))
         late = ts.subset(np.arange(cut, ts.n_windows))
         model = fit_latency_model(early, slo.ttft_s, slo.tpot_s, seed=cfg.seed,
-                                  residual=cfg.residual_model)
+                                  residual=cfg.residual_model,
+                                  link_changed_at=cfg.link_changed_at)
         heldout = heldout_error(model, late)
         g_error = goodput_error(model, late, slo)
         if cfg.refit_on_all:
             model = fit_latency_model(ts, slo.ttft_s, slo.tpot_s, seed=cfg.seed,
-                                      residual=cfg.residual_model)
+                                      residual=cfg.residual_model,
+                                      link_changed_at=cfg.link_changed_at)
 
     live_first = current.overrides.first_turn_route if current is not None \
         else cfg.overrides.first_turn_route

@@ -45,7 +45,7 @@ from controller.core.window import Histogram, Window
 KINDS = ("workload", "performance", "slo")
 HISTORY = 32  # statistics kept per detector for `pdctl drift`
 RESIDUAL_KEYS = ("PREFILL_NODE.ttft", "PREFILL_NODE.tpot", "DECODE_LOCAL.ttft",
-                 "DECODE_LOCAL.tpot")
+                 "DECODE_LOCAL.tpot", "KV.transfer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,12 +224,11 @@ def window_goodput(window: Window) -> tuple[float | None, float]:
 def performance_residuals(
     model: LatencyModel, windows: Sequence[Window]
 ) -> list[dict[str, tuple[float, float]]]:
-    """Per window and route/target: (count-weighted mean log(observed/predicted), count)."""
+    """Per window and key: (count-weighted mean log(observed/predicted), count). Keys:
+    ``ROUTE.ttft`` / ``ROUTE.tpot`` per route, and ``KV.transfer`` for the KV link."""
     ts = build_training_set(windows)
     out: list[dict[str, tuple[float, float]]] = [{} for _ in windows]
-    if ts.n_rows == 0:
-        return out
-    ttft, tpot = model.predict_rows(ts)
+    ttft, tpot = model.predict_rows(ts) if ts.n_rows else (np.empty(0), np.empty(0))
     for name, pred, obs, cnt in (("ttft", ttft, ts.row_ttft, ts.row_ttft_count),
                                  ("tpot", tpot, ts.row_tpot, ts.row_tpot_count)):
         ok = np.isfinite(obs) & (obs > 0) & (cnt > 0)
@@ -242,6 +241,18 @@ def performance_residuals(
                              minlength=len(windows))
             for i in np.flatnonzero(sw > 0):
                 out[i][f"{route}.{name}"] = (float(sr[i] / sw[i]), float(sw[i]))
+    # The KV link on its own: a transfer's time is physics (bytes over bandwidth), far less
+    # noisy than a TTFT that carries queueing, so a slower link shows within a window or two.
+    kv = ts.kv_transfer
+    if kv.window.size:
+        pred = model.transfer_s(ts)
+        ok = np.isfinite(kv.value) & (kv.value > 0) & (kv.weight > 0) & (pred > 0)
+        logr = np.where(ok, np.log(np.where(ok, kv.value, 1.0) / np.where(ok, pred, 1.0)), 0.0)
+        w = np.where(ok, kv.weight, 0.0)
+        sw = np.bincount(kv.window, weights=w, minlength=len(windows))
+        sr = np.bincount(kv.window, weights=w * logr, minlength=len(windows))
+        for i in np.flatnonzero(sw > 0):
+            out[i]["KV.transfer"] = (float(sr[i] / sw[i]), float(sw[i]))
     return out
 
 

@@ -42,6 +42,7 @@ from controller.core.features import (
     ROUTER_IO_EDGES,
     FloatArray,
     TrainingSet,
+    WorkerRows,
     cell_tokens,
     forced_shares,
 )
@@ -76,6 +77,13 @@ class ComponentParams:
     def to_dict(self) -> dict[str, float]:
         return {k: float(getattr(self, k)) for k in self.__slots__}
 
+    def transfer_s(self, nbytes: FloatArray, busy: FloatArray) -> FloatArray:
+        """One KV transfer's time: ``nbytes`` over a link ``busy`` of the time (as fitted)."""
+        b = np.minimum(busy, 0.95)
+        out: FloatArray = self.xfer_setup_s + self.xfer_per_byte_s * nbytes * (
+            1.0 + self.xfer_contention_scale * b / (1.0 - b))
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
@@ -88,13 +96,32 @@ class Scenario:
     output_tokens: FloatArray
     n_prefill: FloatArray
     n_decode: FloatArray
+    # [S] multiplier of every KV transfer's time (None: 1). Windows from before a known change
+    # of the link are explained with the link as it was (see LinkChange).
+    xfer_scale: FloatArray | None = None
 
     @classmethod
     def from_training(cls, ts: TrainingSet) -> Scenario:
         return training_scenario(ts)[0]
 
 
-def training_scenario(ts: TrainingSet) -> tuple[Scenario, NDArray[np.int64]]:
+@dataclass(frozen=True, slots=True)
+class LinkChange:
+    """The KV link changed at ``at`` (epoch s): windows that began before it moved KV at
+    ``before_scale`` times the fitted (current) transfer time. A calibration right after a
+    link drift fits the link on the transfers since the change and keeps every window for
+    the rest of the model, instead of averaging two links into one."""
+
+    at: float
+    before_scale: float
+
+    def window_scale(self, ts: TrainingSet) -> FloatArray:
+        out: FloatArray = np.where(ts.start < self.at - 1e-6, self.before_scale, 1.0)
+        return out
+
+
+def training_scenario(ts: TrainingSet, link: LinkChange | None = None
+                      ) -> tuple[Scenario, NDArray[np.int64]]:
     """The windows' loads as a scenario over the router cells that carry traffic, and the
     column of each router cell in it (-1 for cells never seen)."""
     context, append = cell_tokens(ts.output_tokens)
@@ -107,6 +134,7 @@ def training_scenario(ts: TrainingSet) -> tuple[Scenario, NDArray[np.int64]]:
         np.ascontiguousarray(context[:, active]), np.ascontiguousarray(append[:, active]),
         np.ascontiguousarray(ts.rate[:, active, 0]), np.ascontiguousarray(ts.rate[:, active, 1]),
         ts.output_tokens, np.maximum(ts.n_prefill, 1.0), np.maximum(ts.n_decode, 1.0),
+        None if link is None else link.window_scale(ts),
     )
     return sc, column
 
@@ -156,6 +184,8 @@ def physics(p: ComponentParams, sc: Scenario) -> Physics:
         + (lam * second)[:, None] * prefill_s / (2.0 * (1.0 - rho_c[:, None]) ** 2))
 
     xfer = p.xfer_setup_s + p.xfer_per_byte_s * p.kv_bytes_per_token * prompt
+    if sc.xfer_scale is not None:
+        xfer = xfer * sc.xfer_scale[:, None]
     busy = (sc.rate_p * xfer).sum(axis=1) / sc.n_decode
     busy_c = np.minimum(busy, 0.95)
     xfer_loaded = xfer * (1.0 + p.xfer_contention_scale * (busy_c / (1.0 - busy_c)))[:, None]
@@ -271,15 +301,9 @@ def fit_components(
             report["prefill_queue"] = {"rows": int(pq.window.size), "scale": p.prefill_queue_scale}
     kv = ts.kv_transfer
     if kv.window.size:
-        busy = np.minimum(kv.x[:, 1], 0.95)
-        x = np.column_stack([kv.x[:, 0], kv.x[:, 0] * busy / (1.0 - busy)])
-        fit = _positive_fit(x, kv.value, kv.weight)
-        if fit is not None and fit[1][0] > 0:
-            setup, coef = fit
-            p = replace(p, xfer_setup_s=max(setup, 0.0), xfer_per_byte_s=float(coef[0]),
-                        xfer_contention_scale=float(coef[1] / coef[0]))
-            report["kv_transfer"] = {"rows": int(kv.window.size), "setup_s": p.xfer_setup_s,
-                                     "bandwidth_Bps": 1.0 / p.xfer_per_byte_s}
+        p = _fit_link(p, kv, np.ones(kv.window.size, dtype=bool))
+        report["kv_transfer"] = {"rows": int(kv.window.size), "setup_s": p.xfer_setup_s,
+                                 "bandwidth_Bps": 1.0 / p.xfer_per_byte_s}
     if ts.kv_bytes_per_token:
         p = replace(p, kv_bytes_per_token=ts.kv_bytes_per_token)
     ds = ts.decode_step
@@ -297,6 +321,75 @@ def fit_components(
                                      "per_ctx_token_s": p.step_per_ctx_token_s,
                                      "per_prefill_token_s": p.step_per_prefill_token_s}
     return p, report
+
+
+def _fit_link(p: ComponentParams, kv: WorkerRows, rows: NDArray[np.bool_]) -> ComponentParams:
+    """The KV link's setup, per-byte time and contention from ``rows`` (``p``'s elsewhere)."""
+    busy = np.minimum(kv.x[rows, 1], 0.95)
+    x = np.column_stack([kv.x[rows, 0], kv.x[rows, 0] * busy / (1.0 - busy)])
+    fit = _positive_fit(x, kv.value[rows], kv.weight[rows])
+    if fit is None or fit[1][0] <= 0:
+        return p
+    setup, coef = fit
+    return replace(p, xfer_setup_s=max(setup, 0.0), xfer_per_byte_s=float(coef[0]),
+                   xfer_contention_scale=float(coef[1] / coef[0]))
+
+
+def _scale_to(pred: FloatArray, value: FloatArray, weight: FloatArray) -> float | None:
+    """Least-squares ``s`` in ``value ~ s * pred`` (None: no usable row)."""
+    ok = np.isfinite(value) & (value > 0) & (pred > 0) & (weight > 0)
+    den = float(np.sum(weight[ok] * pred[ok] ** 2))
+    return float(np.sum(weight[ok] * value[ok] * pred[ok]) / den) if den > 0 else None
+
+
+# Windows before the detector's onset searched for the link's change point.
+LINK_CHANGE_SEARCH_WINDOWS = 10
+
+
+def _link_split(p: ComponentParams, kv: WorkerRows, after: NDArray[np.bool_]
+                ) -> tuple[ComponentParams, float, float] | None:
+    """The link fitted before the split, the scale of the transfers after it, and the
+    weighted squared log error of that two-link description (None: nothing to scale)."""
+    before = _fit_link(p, kv, ~after)
+    pred = before.transfer_s(kv.x[:, 0], kv.x[:, 1])
+    scale = _scale_to(pred[after], kv.value[after], kv.weight[after])
+    if scale is None:
+        return None
+    ok = np.isfinite(kv.value) & (kv.value > 0) & (kv.weight > 0) & (pred > 0)
+    fitted = np.where(after, pred * scale, pred)
+    err = np.log(np.where(ok, kv.value, 1.0) / np.where(ok, fitted, 1.0))
+    return before, scale, float(np.sum(np.where(ok, kv.weight * err**2, 0.0)))
+
+
+def fit_link_change(
+    ts: TrainingSet, p: ComponentParams, at: float
+) -> tuple[ComponentParams, LinkChange | None]:
+    """The link as it is since its change, and how the windows before the change saw it.
+
+    The change is the window start, at most ``LINK_CHANGE_SEARCH_WINDOWS`` before ``at``
+    (the detector's onset: its last window within threshold can already be after the
+    change), that best splits the transfers into one link before and a scaled one after.
+    The link's shape (setup, contention) is fitted on the transfers before and scaled to
+    those since: a minute of transfers pins one scale, not a fresh fit (with six windows
+    of them a fresh fit was 40 % off; one fit over both links explains a slower link as
+    contention). Every window keeps explaining the rest of the model.
+    """
+    kv = ts.kv_transfer
+    starts = ts.start[(ts.start <= at + 1e-6) & (ts.start > ts.start[0])]
+    best: tuple[float, ComponentParams, float, float] | None = None
+    for start in starts[-LINK_CHANGE_SEARCH_WINDOWS:]:
+        after = ts.start[kv.window] >= start - 1e-6
+        if not after.any() or after.all():
+            continue
+        split = _link_split(p, kv, after)
+        if split is not None and (best is None or split[2] < best[3]):
+            best = (float(start), *split)
+    if best is None:
+        return p, None
+    change, before, scale, _ = best
+    now = replace(before, xfer_setup_s=before.xfer_setup_s * scale,
+                  xfer_per_byte_s=before.xfer_per_byte_s * scale)
+    return now, LinkChange(change, 1.0 / scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,7 +491,20 @@ class LatencyModel:
     # Probit shift of P(both SLOs met) per [route, context bin, io bin] (see
     # :func:`_fit_goodput_shift`); None: the log-normal spread alone.
     goodput_shift: FloatArray | None = None
+    link_change: LinkChange | None = None
     report: dict[str, Any] = field(default_factory=dict)
+
+    def scenario_of(self, ts: TrainingSet) -> tuple[Scenario, NDArray[np.int64]]:
+        """:func:`training_scenario` of windows this model explains (its link change applied)."""
+        return training_scenario(ts, self.link_change)
+
+    def transfer_s(self, ts: TrainingSet) -> FloatArray:
+        """Predicted time of each of ``ts``'s KV transfer rows."""
+        kv = ts.kv_transfer
+        out = self.params.transfer_s(kv.x[:, 0], kv.x[:, 1])
+        if self.link_change is not None:
+            out = out * self.link_change.window_scale(ts)[kv.window]
+        return out
 
     def met_probability(self, pred: Predictions, sc: Scenario, slo_ttft: float,
                         slo_tpot: float) -> FloatArray:
@@ -433,7 +539,7 @@ class LatencyModel:
 
     def predict_rows(self, ts: TrainingSet) -> tuple[FloatArray, FloatArray]:
         """Predicted mean TTFT and TPOT for every outcome row of ``ts``."""
-        sc, column = training_scenario(ts)
+        sc, column = self.scenario_of(ts)
         pred = self.predict(sc)
         idx = (ts.row_window, column[ts.row_cell], ts.row_route)
         return pred.ttft[idx], pred.tpot[idx]
@@ -511,7 +617,7 @@ def _fit_residual(model: LatencyModel, ts: TrainingSet) -> dict[str, Residual]:
     """Ridge on log(observed / base prediction); kept only if later windows agree."""
     from sklearn.linear_model import Ridge
 
-    sc, column = training_scenario(ts)
+    sc, column = model.scenario_of(ts)
     ttft, tpot, ph = model.base(sc)
     idx = (ts.row_window, column[ts.row_cell], ts.row_route)
     x_all = _design(ts, ph)
@@ -652,23 +758,34 @@ def fit_latency_model(
     prior: ComponentParams | None = None,
     seed: int = 0,
     residual: bool = True,
+    link_changed_at: float | None = None,
 ) -> LatencyModel:
-    """Fit components, route maps, the residual regressor and the goodput spread."""
+    """Fit components, route maps, the residual regressor and the goodput spread.
+
+    ``link_changed_at``: the KV link changed then (a performance drift on it); see
+    :func:`fit_link_change`."""
     from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
     # The fits are small and many: one BLAS thread is faster than threads fighting over two
     # shared cores (measured: X^T X of 20k x 50 went from 66 ms to a few ms).
     with threadpool_limits(1):
-        return _fit_latency_model(ts, slo_ttft, slo_tpot, prior, residual)
+        return _fit_latency_model(ts, slo_ttft, slo_tpot, prior, residual, link_changed_at)
 
 
 def _fit_latency_model(
     ts: TrainingSet, slo_ttft: float, slo_tpot: float, prior: ComponentParams | None,
-    residual: bool,
+    residual: bool, link_changed_at: float | None,
 ) -> LatencyModel:
     params, report = fit_components(ts, prior)
-    model = LatencyModel(params=params, report={"components": report})
-    sc, column = training_scenario(ts)
+    link = None
+    if link_changed_at is not None:
+        params, link = fit_link_change(ts, params, link_changed_at)
+        if link is not None:
+            report["kv_transfer"] = {"changed_at": link.at, "before_scale": link.before_scale,
+                                     "setup_s": params.xfer_setup_s,
+                                     "bandwidth_Bps": 1.0 / params.xfer_per_byte_s}
+    model = LatencyModel(params=params, link_change=link, report={"components": report})
+    sc, column = model.scenario_of(ts)
     model.maps = _fit_route_maps(ts, physics(params, sc), sc, column)
     if residual:
         model.residual = _fit_residual(model, ts)
