@@ -110,6 +110,7 @@ def replay(scenario: Scenario, initial: Policy, log: bool) -> dict[str, object]:
         "policy_changes": len(approvals),
         "approved_at_s": [round(a) for a in approvals],
         "adaptation_s": adaptation_times(scenario.events, approvals),
+        "detection_s": adaptation_times(scenario.events, outcome.reactions),
         "wall_s": round((wall.perf_counter_ns() - t0) / 1e9, 1),
     }
     print(json.dumps(doc), flush=True)

@@ -37,9 +37,15 @@ class AdaptiveOutcome:
     failed_cycles: list[str] = field(default_factory=list)
     windows: int = 0
     drift_events: list[tuple[float, str]] = field(default_factory=list)
+    scaling_calibrations: list[float] = field(default_factory=list)  # virtual s
     calibrations: int = 0
     pushes: int = 0
     store_url: str = ""
+
+    @property
+    def reactions(self) -> list[float]:
+        """When the loop noticed a change: every drift event and scaling calibration."""
+        return sorted([t for t, _ in self.drift_events] + self.scaling_calibrations)
 
 
 class AdaptiveController:
@@ -110,7 +116,11 @@ class AdaptiveController:
         out.approvals = [(p.created_at.timestamp(), loads(p.body_json)) for p in approved]
         out.windows = len(store.windows())
         out.drift_events = [(e.at.timestamp(), e.kind) for e in store.drift_events()]
-        out.calibrations = len(store.calibrations())
+        calibrations = store.calibrations()
+        out.calibrations = len(calibrations)
+        out.scaling_calibrations = sorted(
+            c.created_at.timestamp() for c in calibrations
+            if (c.details or {}).get("trigger") == "scaling")
         out.pushes = len(store.pushes())
         store.close()
         return out

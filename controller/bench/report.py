@@ -80,7 +80,8 @@ def bench_document(scenario: str, results: dict[str, RunResult]) -> dict[str, An
 
 # --------------------------------------------------------------------------- issue 7
 # The evaluation's document: the simulator issue's schema plus, per policy,
-# ``policy_changes`` and ``adaptation_s``, an ``oracle`` entry and top-level
+# ``policy_changes`` and ``adaptation_s`` (adaptive also ``detection_s``: per event, seconds
+# to its first drift event or scaling calibration), an ``oracle`` entry and top-level
 # ``oracle_ratio``, ``events`` and ``oracle_picks``.
 
 
@@ -108,7 +109,9 @@ def evaluation_document(bench: Any) -> dict[str, Any]:
                 "windows": a.windows, "calibrations": a.calibrations, "pushes": a.pushes,
                 "drift_events": [{"at_s": t, "kind": k} for t, k in a.drift_events],
                 "approved_at_s": [t for t, _ in a.approvals],
+                "scaling_calibrations_at_s": list(a.scaling_calibrations),
             }
+            entry["detection_s"] = list(run.detection_s)
         policies[key] = entry
     doc: dict[str, Any] = {
         "scenario": scenario.name,
@@ -145,13 +148,18 @@ def _ms(v: Any, digits: int = 1) -> str:
     return "-" if v is None else f"{v * 1e3:.{digits}f}"
 
 
+def seconds_list(values: Any) -> str:
+    """Per-event seconds as ``"510, -"`` (``-``: none; the whole cell ``-`` when absent)."""
+    return ", ".join("-" if a is None else f"{a:.0f}" for a in values or []) or "-"
+
+
 def _num(v: Any, digits: int = 3) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
 def markdown_report(doc: dict[str, Any], command: str | None = None) -> str:
     """Per policy: the whole scenario, then each phase (goodput, Turn-2+ TTFT, TPOT, KV,
-    policy changes, adaptation time per event)."""
+    policy changes, adaptation and detection time per event)."""
     lines = [f"### Scenario `{doc['scenario']}`", ""]
     if command:
         lines += [f"`{command}`", ""]
@@ -160,23 +168,23 @@ def markdown_report(doc: dict[str, Any], command: str | None = None) -> str:
         lines += ["Events: " + ", ".join(f"{e['kind']} at {e['at_s']:g} s" for e in events), ""]
     lines += [
         "| policy | phase | goodput | T2+ TTFT mean ms | T2+ TTFT p99 ms | TPOT mean ms "
-        "| TPOT p99 ms | KV GiB | policy changes | adaptation s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| TPOT p99 ms | KV GiB | policy changes | adaptation s | detection s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, s in doc["policies"].items():
-        adapt = s.get("adaptation_s") or []
-        adapt_txt = ", ".join("-" if a is None else f"{a:.0f}" for a in adapt) or "-"
+        adapt_txt = seconds_list(s.get("adaptation_s"))
+        detect_txt = seconds_list(s.get("detection_s"))
         lines.append(
             f"| {key} | all | {_num(s['goodput'])} | {_ms(s['turn2_ttft_mean_s'])} "
             f"| {_ms(s['turn2_ttft_p99_s'])} | {_ms(s['tpot_mean_s'], 2)} "
             f"| {_ms(s['tpot_p99_s'], 2)} | {_num(s['kv_bytes'] / 2**30, 2)} "
-            f"| {s.get('policy_changes', 0)} | {adapt_txt} |")
+            f"| {s.get('policy_changes', 0)} | {adapt_txt} | {detect_txt} |")
         for i, p in enumerate(s["phases"]):
             lines.append(
                 f"| {key} | {i} ({p['start_s']:g}-{p['end_s']:g} s) | {_num(p['goodput'])} "
                 f"| {_ms(p['turn2_ttft_mean_s'])} | {_ms(p['turn2_ttft_p99_s'])} "
                 f"| {_ms(p['tpot_mean_s'], 2)} | {_ms(p['tpot_p99_s'], 2)} "
-                f"| {_num(p['kv_bytes'] / 2**30, 2)} | | |")
+                f"| {_num(p['kv_bytes'] / 2**30, 2)} | | | |")
     lines.append("")
     if doc.get("oracle_picks"):
         lines.append("Oracle picks per phase: " + ", ".join(

@@ -55,6 +55,8 @@ class PolicyRun:
     tables: list[tuple[float, Policy]] = field(default_factory=list)  # (from s, table)
     policy_changes: int = 0
     adaptation_s: list[float | None] = field(default_factory=list)
+    # Per event: seconds to the loop's first drift event or scaling calibration (adaptive).
+    detection_s: list[float | None] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     adaptive: Any = None  # AdaptiveOutcome for "adaptive"
 
@@ -125,7 +127,7 @@ class WindowRecorder:
 def adaptation_times(events: Sequence[Event], approvals: Sequence[float]
                      ) -> list[float | None]:
     """Per event: seconds from it to the first approval at or after it (None: none before
-    the next event, or ever)."""
+    the next event, or ever). With reaction times instead of approvals: detection times."""
     times = sorted({e.at_s for e in events})
     out: list[float | None] = []
     for ev in sorted(events, key=lambda e: e.at_s):
@@ -310,6 +312,7 @@ def _run_adaptive(scenario: Scenario, initial: Policy, settings: Any,
         res, tables=[(max(0.0, t), p) for t, p in outcome.approvals],
         policy_changes=len(approvals),
         adaptation_s=adaptation_times(scenario.events, approvals),
+        detection_s=adaptation_times(scenario.events, outcome.reactions),
         notes=[f"cycle failed: {r}" for r in outcome.failed_cycles[:5]],
         adaptive=outcome,
     )

@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from controller.bench.report import seconds_list
 from controller.bench.runner import POLICIES, STATIC
 
 README_BEGIN = "<!-- bench-results: begin (benchmarks/bench_summary.py --readme; do not edit) -->"
@@ -24,7 +25,7 @@ def _best_static(policies: Mapping[str, Any]) -> str:
 
 def run_row(doc: Mapping[str, Any]) -> str:
     """One run: goodput per policy, adaptive against the best static policy and the
-    oracle, the adaptive loop's policy changes and adaptation time per event."""
+    oracle, the adaptive loop's policy changes, adaptation and detection time per event."""
     pol = doc["policies"]
     cells = [f"`{doc['scenario']}`", str(doc.get("seed", "-"))]
     cells += [f"{pol[k]['goodput']:.3f}" if k in pol else "-" for k in POLICIES]
@@ -35,11 +36,11 @@ def run_row(doc: Mapping[str, Any]) -> str:
             f"{pol['adaptive']['goodput'] - pol[best]['goodput']:+.3f} ({best})",
             "-" if ratio is None else f"{ratio:.3f}",
             str(pol["adaptive"]["policy_changes"]),
-            ", ".join("-" if a is None else f"{a:.0f}"
-                      for a in pol["adaptive"]["adaptation_s"]) or "-",
+            seconds_list(pol["adaptive"]["adaptation_s"]),
+            seconds_list(pol["adaptive"].get("detection_s")),
         ]
     else:
-        cells += ["-"] * 4
+        cells += ["-"] * 5
     return "| " + " | ".join(cells) + " |"
 
 
@@ -71,8 +72,8 @@ def suite_markdown(docs: Iterable[Mapping[str, Any]]) -> str:
     ordered = sorted(docs, key=lambda d: (str(d["scenario"]), int(d.get("seed", 0))))
     lines = ["| scenario | seed | " + " | ".join(POLICIES)
              + " | adaptive - best static | adaptive / oracle | adaptive changes "
-               "| adaptation s per event |",
-             "|---" * (len(POLICIES) + 6) + "|"]
+               "| adaptation s per event | detection s per event |",
+             "|---" * (len(POLICIES) + 7) + "|"]
     lines += [run_row(d) for d in ordered]
     seeds = seed_rows(ordered)
     if seeds:

@@ -168,17 +168,18 @@ def _print_table(doc: dict[str, Any], bench: Any) -> None:
     table = Table(title=f"scenario {doc['scenario']}")
     for col in ("policy", "goodput", "phases", "requests", "T2+ TTFT mean ms",
                 "T2+ TTFT p99 ms", "TPOT mean ms", "TPOT p99 ms", "KV GiB", "changes",
-                "adapt s", "wall s"):
+                "adapt s", "detect s", "wall s"):
         table.add_column(col, justify="right")
     for key, s in doc["policies"].items():
         phases = " ".join(_fmt(p["goodput"], 1.0, 2) for p in s["phases"])
         adapt = " ".join("-" if a is None else f"{a:.0f}" for a in s.get("adaptation_s", []))
+        detect = " ".join("-" if a is None else f"{a:.0f}" for a in s.get("detection_s", []))
         run = bench.runs.get(key)
         table.add_row(key, _fmt(s["goodput"]), phases, str(s["requests"]),
                       _fmt(s["turn2_ttft_mean_s"], 1e3, 1), _fmt(s["turn2_ttft_p99_s"], 1e3, 1),
                       _fmt(s["tpot_mean_s"], 1e3, 2), _fmt(s["tpot_p99_s"], 1e3, 2),
                       _fmt(s["kv_bytes"], 1 / 2**30, 2), str(s.get("policy_changes", 0)),
-                      adapt or "-", "-" if run is None else f"{run.result.wall_s:.1f}")
+                      adapt or "-", detect or "-", "-" if run is None else f"{run.result.wall_s:.1f}")
     console = Console()
     console.print(table)
     ratio = doc.get("oracle_ratio")

@@ -78,6 +78,7 @@ def test_cli_writes_json_markdown_and_plots(scenario_file: Path, tmp_path: Path)
         assert all(set(p) == PHASE_KEYS for p in entry["phases"])
         assert len(entry["adaptation_s"]) == 1
         assert 0.0 <= entry["goodput"] <= 1.0
+    assert len(doc["policies"]["adaptive"]["detection_s"]) == 1
     for key in ("pd", "local", "ppd-static", "threshold"):
         assert doc["policies"][key]["policy_changes"] == 0
         assert doc["policies"][key]["adaptation_s"] == [None]
@@ -133,6 +134,14 @@ def test_adaptive_is_the_daemons_cycle_with_its_store(scenario_file: Path,
         assert [(e.at.timestamp(), e.kind) for e in store.drift_events()] \
             == outcome.drift_events
         assert len(store.pushes()) == outcome.pushes
+        # Detection: the first drift event or scaling calibration after each event.
+        reactions = sorted([e.at.timestamp() for e in store.drift_events()]
+                           + [c.created_at.timestamp() for c in store.calibrations()
+                              if (c.details or {}).get("trigger") == "scaling"])
+        assert outcome.reactions == reactions
+        event = scenario.events[0].at_s
+        first = next((t for t in reactions if t >= event), None)
+        assert run.detection_s == [None if first is None else first - event]
         # Every router ended on its desired version, as the store records it.
         acked = {r.router_id: r.acked_version for r in store.routers()}
         assert acked == store.desired_versions()

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _doc(scenario: str, seed: int, adaptive: float, local: float, threshold: float,
          oracle_ratio: float | None = 0.97) -> dict[str, Any]:
     def entry(goodput: float) -> dict[str, Any]:
-        return {"goodput": goodput, "policy_changes": 2, "adaptation_s": [300.0, None]}
+        return {"goodput": goodput, "policy_changes": 2, "adaptation_s": [300.0, None],
+                "detection_s": [60.0, 90.0]}
 
     return {"scenario": scenario, "seed": seed, "oracle_ratio": oracle_ratio,
             "policies": {"pd": entry(0.5), "local": entry(local),
@@ -34,7 +35,7 @@ def test_a_run_row_compares_adaptive_with_the_best_static_policy() -> None:
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:2] == ["`s`", "1"]
     assert "+0.030 (threshold)" in cells
-    assert cells[-3:] == ["0.970", "2", "300, -"]
+    assert cells[-4:] == ["0.970", "2", "300, -", "60, 90"]
 
 
 def test_the_seed_table_counts_the_seeds_adaptive_won_and_orders_runs() -> None:
