@@ -165,6 +165,8 @@ def _print_table(doc: dict[str, Any], bench: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from controller.bench.report import seconds_list
+
     table = Table(title=f"scenario {doc['scenario']}")
     for col in ("policy", "goodput", "phases", "requests", "T2+ TTFT mean ms",
                 "T2+ TTFT p99 ms", "TPOT mean ms", "TPOT p99 ms", "KV GiB", "changes",
@@ -172,14 +174,13 @@ def _print_table(doc: dict[str, Any], bench: Any) -> None:
         table.add_column(col, justify="right")
     for key, s in doc["policies"].items():
         phases = " ".join(_fmt(p["goodput"], 1.0, 2) for p in s["phases"])
-        adapt = " ".join("-" if a is None else f"{a:.0f}" for a in s.get("adaptation_s", []))
-        detect = " ".join("-" if a is None else f"{a:.0f}" for a in s.get("detection_s", []))
+        adapt, detect = seconds_list(s.get("adaptation_s")), seconds_list(s.get("detection_s"))
         run = bench.runs.get(key)
         table.add_row(key, _fmt(s["goodput"]), phases, str(s["requests"]),
                       _fmt(s["turn2_ttft_mean_s"], 1e3, 1), _fmt(s["turn2_ttft_p99_s"], 1e3, 1),
                       _fmt(s["tpot_mean_s"], 1e3, 2), _fmt(s["tpot_p99_s"], 1e3, 2),
                       _fmt(s["kv_bytes"], 1 / 2**30, 2), str(s.get("policy_changes", 0)),
-                      adapt or "-", detect or "-", "-" if run is None else f"{run.result.wall_s:.1f}")
+                      adapt, detect, "-" if run is None else f"{run.result.wall_s:.1f}")
     console = Console()
     console.print(table)
     ratio = doc.get("oracle_ratio")
