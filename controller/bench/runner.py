@@ -126,13 +126,16 @@ class WindowRecorder:
 
 def adaptation_times(events: Sequence[Event], approvals: Sequence[float]
                      ) -> list[float | None]:
-    """Per event: seconds from it to the first approval at or after it (None: none before
-    the next event, or ever). With reaction times instead of approvals: detection times."""
+    """Per event: seconds from it to the first approval after it (None: none up to the
+    next event, or ever). With reaction times instead of approvals: detection times.
+
+    Strictly after: the cycle at the event's own time reads the window that ends there,
+    which holds nothing of the event (an approval then answers an earlier change)."""
     times = sorted({e.at_s for e in events})
     out: list[float | None] = []
     for ev in sorted(events, key=lambda e: e.at_s):
         nxt = next((t for t in times if t > ev.at_s), float("inf"))
-        first = next((a for a in sorted(approvals) if ev.at_s <= a < nxt), None)
+        first = next((a for a in sorted(approvals) if ev.at_s < a <= nxt), None)
         out.append(None if first is None else first - ev.at_s)
     return out
 

@@ -55,7 +55,9 @@ def test_ties_go_to_the_first_candidate() -> None:
 def test_adaptation_time_per_event() -> None:
     events = [Event(100.0, "rate_scale", 2.0), Event(200.0, "link_bandwidth", 0.5),
               Event(300.0, "rate_scale", 1.0)]
-    # approvals: one before any event, one 45 s after the first, none in [200, 300), one
+    # approvals: one before any event, one 45 s after the first, none in (200, 300], one
     # 10 s after the third.
     assert adaptation_times(events, [50.0, 145.0, 150.0, 310.0]) == [45.0, None, 10.0]
+    # One at an event's own time answers what came before it (its window ends there).
+    assert adaptation_times(events, [100.0, 200.0, 230.0]) == [100.0, 30.0, None]
     assert adaptation_times(events, []) == [None, None, None]
