@@ -422,9 +422,13 @@ def step_performance(
         down = max(0.0, down - z - c.cusum_allowance)
         cusum[key] = (up, down)
         details[key] = {"z": z, "cusum_up": up, "cusum_down": down}
-        stat = max(up, down) if math.isnan(stat) else max(stat, up, down)
-    return _advance("performance", c.performance, state, now, stat, c.performance.threshold,
-                    samples, details, cusum)
+        if math.isnan(stat) or max(up, down) > stat:
+            stat, lead = max(up, down), key
+    new, verdict = _advance("performance", c.performance, state, now, stat,
+                            c.performance.threshold, samples, details, cusum)
+    if stat > c.performance.threshold:  # which residual: the KV link, or a route's latency
+        verdict = replace(verdict, reason=f"{verdict.reason} (led by {lead})")
+    return new, verdict
 
 
 def step_slo(

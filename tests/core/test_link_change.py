@@ -59,6 +59,7 @@ def test_the_link_residual_sees_a_quarter_bandwidth_at_once(seed: int, model: La
         if perf.fired:
             fired_at = i
             assert perf.details["KV.transfer"]["cusum_up"] > perf.threshold
+            assert perf.reason.endswith("(led by KV.transfer)"), perf.reason
             break
     assert fired_at is not None and 10 <= fired_at <= 11
 
