@@ -56,7 +56,12 @@ from typing import Any, Protocol, TypeVar
 
 from controller.clock import Clock
 from controller.core.capacity import CapacityPlan
-from controller.core.drift import ScalingEvent, ScalingState, step_scaling
+from controller.core.drift import (
+    ScalingEvent,
+    ScalingState,
+    feature_statistics,
+    step_scaling,
+)
 from controller.core.window import Window
 from controller.learning import (
     CalibrationOutcome,
@@ -677,6 +682,10 @@ class Cycle:
         for f in findings:
             if not math.isnan(f.statistic):
                 self.metrics.set_drift(f.kind, "all", f.statistic, f.threshold)
+                # Which feature drives it (the dashboard's drift panel draws each).
+                for feature, value in feature_statistics(f.kind, f.details).items():
+                    if math.isfinite(value):
+                        self.metrics.set_drift(f.kind, feature, value, f.threshold)
             if f.fired:
                 tx.add_drift_event(f.kind, f.statistic, f.threshold, window_ids,
                                    {"reason": f.reason, **_plain(f.details)})

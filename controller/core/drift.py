@@ -462,6 +462,27 @@ def assess(
     return DriftState(w_state, p_state, s_state), tuple(verdicts)
 
 
+def feature_statistics(kind: str, details: Mapping[str, Any]) -> dict[str, float]:
+    """Per feature, a verdict's share in its detector's units (what its statistic is the
+    maximum of): the workload detector's context / io-ratio PSI and QPS as ratios to their
+    thresholds, the performance detector's CUSUM per residual (``KV.transfer``,
+    ``PREFILL_NODE.ttft``, ...). Empty for the SLO detector (one statistic)."""
+    out: dict[str, float] = {}
+    for feature, d in details.items():
+        if not isinstance(d, Mapping):
+            continue
+        if kind == "performance" and "cusum_up" in d:
+            out[feature] = max(float(d["cusum_up"]), float(d["cusum_down"]))
+        elif kind == "workload" and "threshold" in d:
+            value = d["psi"] if "psi" in d else d.get("log_ratio", math.nan)
+            ratio = float(value) / float(d["threshold"])
+            if "cusum_threshold" in d:
+                ratio = max(ratio, max(float(d["cusum_up"]), float(d["cusum_down"]))
+                            / float(d["cusum_threshold"]))
+            out[feature] = ratio
+    return out
+
+
 def drift_onset(state: DetectorState, threshold: float) -> float | None:
     """When the run of windows that made a detector fire began: the end of the newest window
     in its history whose statistic was within ``threshold`` (None: the history holds none).

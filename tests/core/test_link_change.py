@@ -11,6 +11,7 @@ from controller.config import load_settings
 from controller.core.drift import (
     DriftState,
     assess,
+    feature_statistics,
     performance_residuals,
     reference_from_windows,
 )
@@ -60,6 +61,14 @@ def test_the_link_residual_sees_a_quarter_bandwidth_at_once(seed: int, model: La
             fired_at = i
             assert perf.details["KV.transfer"]["cusum_up"] > perf.threshold
             assert perf.reason.endswith("(led by KV.transfer)"), perf.reason
+            shares = feature_statistics("performance", perf.details)
+            assert shares["KV.transfer"] == perf.statistic
+            assert set(shares) <= {"KV.transfer", "PREFILL_NODE.ttft", "PREFILL_NODE.tpot",
+                                   "DECODE_LOCAL.ttft", "DECODE_LOCAL.tpot"}
+            work = next(v for v in verdicts if v.kind == "workload")
+            work_shares = feature_statistics("workload", work.details)
+            assert set(work_shares) == {"context_tokens", "io_ratio", "qps"}
+            assert max(work_shares.values()) == pytest.approx(work.statistic)
             break
     assert fired_at is not None and 10 <= fired_at <= 11
 

@@ -94,7 +94,9 @@ class ScriptedLearner:
                ) -> tuple[LearnerState, list[DriftFinding]]:
         fired, self.fire = self.fire, False
         return state, [DriftFinding("workload", fired, 2.0 if fired else 0.5, 1.0,
-                                    "scripted", {"n": len(window.outcomes)})]
+                                    "scripted", {"n": len(window.outcomes),
+                                                 "qps": {"log_ratio": 0.6 if fired else 0.15,
+                                                         "threshold": 0.3}})]
 
     def calibrate(self, windows: Sequence[Window], current: Policy | None, now: float,
                   reason: str, force: bool = False) -> CalibrationOutcome:

@@ -47,6 +47,11 @@ async def test_drift_calibrate_canary_promote_all_acked(tmp_path: Path) -> None:
     report = await rig.step()
     assert report.drift == ["workload"] and report.trigger == "drift"
     assert report.approved_version == 2
+    # The drift panel's series: the detector's statistic, and per feature its share.
+    labels = {"detector": "workload"}
+    assert _metric(rig.registry, "pdctl_drift_statistic", labels | {"feature": "all"}) == 2.0
+    assert _metric(rig.registry, "pdctl_drift_statistic",
+                   labels | {"feature": "qps"}) == pytest.approx(2.0)
     canary = canary_subset(list(rig.agents), 0.25, 2)
     assert len(canary) == 1
     assert _desired(rig) == {r: (2 if r in canary else 1) for r in rig.agents}
