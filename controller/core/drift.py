@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from controller.core.features import build_training_set
-from controller.core.latency_model import LatencyModel
+from controller.core.latency_model import LatencyModel, log_ratio
 from controller.core.window import Histogram, Window
 
 KINDS = ("workload", "performance", "slo")
@@ -228,31 +228,25 @@ def performance_residuals(
     ``ROUTE.ttft`` / ``ROUTE.tpot`` per route, and ``KV.transfer`` for the KV link."""
     ts = build_training_set(windows)
     out: list[dict[str, tuple[float, float]]] = [{} for _ in windows]
+
+    def add(key: str, window: Any, obs: Any, pred: Any, count: Any) -> None:
+        logr, w = log_ratio(obs, pred, count)
+        sw = np.bincount(window, weights=w, minlength=len(windows))
+        sr = np.bincount(window, weights=w * logr, minlength=len(windows))
+        for i in np.flatnonzero(sw > 0):
+            out[i][key] = (float(sr[i] / sw[i]), float(sw[i]))
+
     ttft, tpot = model.predict_rows(ts) if ts.n_rows else (np.empty(0), np.empty(0))
     for name, pred, obs, cnt in (("ttft", ttft, ts.row_ttft, ts.row_ttft_count),
                                  ("tpot", tpot, ts.row_tpot, ts.row_tpot_count)):
-        ok = np.isfinite(obs) & (obs > 0) & (cnt > 0)
-        logr = np.where(ok, np.log(np.where(ok, obs, 1.0) / pred), 0.0)
-        w = np.where(ok, cnt, 0.0)
         for col, route in ((0, "PREFILL_NODE"), (1, "DECODE_LOCAL")):
             sel = ts.row_route == col
-            sw = np.bincount(ts.row_window[sel], weights=w[sel], minlength=len(windows))
-            sr = np.bincount(ts.row_window[sel], weights=(w * logr)[sel],
-                             minlength=len(windows))
-            for i in np.flatnonzero(sw > 0):
-                out[i][f"{route}.{name}"] = (float(sr[i] / sw[i]), float(sw[i]))
+            add(f"{route}.{name}", ts.row_window[sel], obs[sel], pred[sel], cnt[sel])
     # The KV link on its own: a transfer's time is physics (bytes over bandwidth), far less
     # noisy than a TTFT that carries queueing, so a slower link shows within a window or two.
     kv = ts.kv_transfer
     if kv.window.size:
-        pred = model.transfer_s(ts)
-        ok = np.isfinite(kv.value) & (kv.value > 0) & (kv.weight > 0) & (pred > 0)
-        logr = np.where(ok, np.log(np.where(ok, kv.value, 1.0) / np.where(ok, pred, 1.0)), 0.0)
-        w = np.where(ok, kv.weight, 0.0)
-        sw = np.bincount(kv.window, weights=w, minlength=len(windows))
-        sr = np.bincount(kv.window, weights=w * logr, minlength=len(windows))
-        for i in np.flatnonzero(sw > 0):
-            out[i]["KV.transfer"] = (float(sr[i] / sw[i]), float(sw[i]))
+        add("KV.transfer", kv.window, kv.value, model.transfer_s(ts), kv.weight)
     return out
 
 

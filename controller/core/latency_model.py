@@ -335,6 +335,17 @@ def _fit_link(p: ComponentParams, kv: WorkerRows, rows: NDArray[np.bool_]) -> Co
                    xfer_contention_scale=float(coef[1] / coef[0]))
 
 
+def log_ratio(value: FloatArray, pred: FloatArray, weight: FloatArray
+              ) -> tuple[FloatArray, FloatArray]:
+    """``log(value / pred)`` per row and its weight, both 0 where a row is unusable (not
+    finite, not positive, or weightless)."""
+    ok = np.isfinite(value) & (value > 0) & (pred > 0) & (weight > 0)
+    logr: FloatArray = np.where(
+        ok, np.log(np.where(ok, value, 1.0) / np.where(ok, pred, 1.0)), 0.0)
+    w: FloatArray = np.where(ok, weight, 0.0)
+    return logr, w
+
+
 def _scale_to(pred: FloatArray, value: FloatArray, weight: FloatArray) -> float | None:
     """Least-squares ``s`` in ``value ~ s * pred`` (None: no usable row)."""
     ok = np.isfinite(value) & (value > 0) & (pred > 0) & (weight > 0)
@@ -355,10 +366,8 @@ def _link_split(p: ComponentParams, kv: WorkerRows, after: NDArray[np.bool_]
     scale = _scale_to(pred[after], kv.value[after], kv.weight[after])
     if scale is None:
         return None
-    ok = np.isfinite(kv.value) & (kv.value > 0) & (kv.weight > 0) & (pred > 0)
-    fitted = np.where(after, pred * scale, pred)
-    err = np.log(np.where(ok, kv.value, 1.0) / np.where(ok, fitted, 1.0))
-    return before, scale, float(np.sum(np.where(ok, kv.weight * err**2, 0.0)))
+    err, w = log_ratio(kv.value, np.where(after, pred * scale, pred), kv.weight)
+    return before, scale, float(np.sum(w * err**2))
 
 
 def fit_link_change(
