@@ -187,10 +187,12 @@ class CoreLearner:
             # The earliest onset among the detectors that fired (None: not known).
             known = [t for t in onsets if t is not None]
             self._drift_onset = min(known) if known else None
+            # A link drift: the KV transfers' own CUSUM is over the threshold.
+            link = any(v.fired and drift.feature_statistics(v.kind, v.details).get(
+                "KV.transfer", 0.0) > v.threshold for v in verdicts)
             self._link_changed_at = (
                 drift.drift_onset(new.performance, self._drift.performance.threshold)
-                if any(v.fired and _link_fired(v.details, v.threshold) for v in verdicts)
-                else None)
+                if link else None)
         findings = [
             DriftFinding(v.kind, v.fired, v.statistic, v.threshold, v.reason, dict(v.details))
             for v in verdicts
@@ -299,13 +301,6 @@ class CoreLearner:
             return LearnerState()
         return LearnerState(drift.DriftReference.from_dict(details["drift_reference"]),
                             drift.DriftState(), None)
-
-
-def _link_fired(details: Mapping[str, Any], threshold: float) -> bool:
-    """Whether a performance verdict's KV link statistic is over ``threshold``."""
-    kv = details.get("KV.transfer")
-    return isinstance(kv, Mapping) and max(kv.get("cusum_up", 0.0),
-                                           kv.get("cusum_down", 0.0)) > threshold
 
 
 def shape_change(windows: Sequence[Window]) -> float | None:
