@@ -25,11 +25,11 @@ from controller.bench.oracle import calibrated_table, windows_in  # noqa: E402
 from controller.bench.report import summarize  # noqa: E402
 from controller.bench.runner import (  # noqa: E402
     WindowRecorder,
-    adaptation_times,
     adaptive_settings,
     numbered_scenarios,
     quiet_logs,
     slo_of,
+    times_to_first,
 )
 from controller.clock import WallClock  # noqa: E402
 from controller.policy import Policy, Route, Weights, dumps, loads  # noqa: E402
@@ -109,8 +109,8 @@ def replay(scenario: Scenario, initial: Policy, log: bool) -> dict[str, object]:
         "phases": [round(p["goodput"], 4) for p in summary["phases"]],
         "policy_changes": len(approvals),
         "approved_at_s": [round(a) for a in approvals],
-        "adaptation_s": adaptation_times(scenario.events, approvals),
-        "detection_s": adaptation_times(scenario.events, outcome.reactions),
+        "adaptation_s": times_to_first(scenario.events, approvals),
+        "detection_s": times_to_first(scenario.events, outcome.reactions),
         "wall_s": round((wall.perf_counter_ns() - t0) / 1e9, 1),
     }
     print(json.dumps(doc), flush=True)

@@ -124,18 +124,18 @@ class WindowRecorder:
         self._loop.close()
 
 
-def adaptation_times(events: Sequence[Event], approvals: Sequence[float]
-                     ) -> list[float | None]:
-    """Per event: seconds from it to the first approval after it (None: none up to the
-    next event, or ever). With reaction times instead of approvals: detection times.
+def times_to_first(events: Sequence[Event], times: Sequence[float]) -> list[float | None]:
+    """Per event: seconds from it to the first of ``times`` after it (None: none up to the
+    next event, or ever). Approval times give ``adaptation_s``; drift events and scaling
+    calibrations give ``detection_s``.
 
     Strictly after: the cycle at the event's own time reads the window that ends there,
     which holds nothing of the event (an approval then answers an earlier change)."""
-    times = sorted({e.at_s for e in events})
+    starts = sorted({e.at_s for e in events})
     out: list[float | None] = []
     for ev in sorted(events, key=lambda e: e.at_s):
-        nxt = next((t for t in times if t > ev.at_s), float("inf"))
-        first = next((a for a in sorted(approvals) if ev.at_s < a <= nxt), None)
+        nxt = next((t for t in starts if t > ev.at_s), float("inf"))
+        first = next((a for a in sorted(times) if ev.at_s < a <= nxt), None)
         out.append(None if first is None else first - ev.at_s)
     return out
 
@@ -314,8 +314,8 @@ def _run_adaptive(scenario: Scenario, initial: Policy, settings: Any,
     return PolicyRun(
         res, tables=[(max(0.0, t), p) for t, p in outcome.approvals],
         policy_changes=len(approvals),
-        adaptation_s=adaptation_times(scenario.events, approvals),
-        detection_s=adaptation_times(scenario.events, outcome.reactions),
+        adaptation_s=times_to_first(scenario.events, approvals),
+        detection_s=times_to_first(scenario.events, outcome.reactions),
         notes=[f"cycle failed: {r}" for r in outcome.failed_cycles[:5]],
         adaptive=outcome,
     )

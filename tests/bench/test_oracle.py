@@ -6,7 +6,7 @@ from typing import Any
 
 from controller.bench.oracle import oracle_records, pick_per_phase
 from controller.bench.report import summarize_records
-from controller.bench.runner import adaptation_times
+from controller.bench.runner import times_to_first
 from controller.sim.run import RequestRecord, RunResult
 from controller.sim.scenario import Event
 
@@ -57,7 +57,7 @@ def test_adaptation_time_per_event() -> None:
               Event(300.0, "rate_scale", 1.0)]
     # approvals: one before any event, one 45 s after the first, none in (200, 300], one
     # 10 s after the third.
-    assert adaptation_times(events, [50.0, 145.0, 150.0, 310.0]) == [45.0, None, 10.0]
+    assert times_to_first(events, [50.0, 145.0, 150.0, 310.0]) == [45.0, None, 10.0]
     # One at an event's own time answers what came before it (its window ends there).
-    assert adaptation_times(events, [100.0, 200.0, 230.0]) == [100.0, 30.0, None]
-    assert adaptation_times(events, []) == [None, None, None]
+    assert times_to_first(events, [100.0, 200.0, 230.0]) == [100.0, 30.0, None]
+    assert times_to_first(events, []) == [None, None, None]
