@@ -130,3 +130,30 @@ def test_the_learner_calibrates_a_link_drift_with_the_change_located() -> None:
     # A scheduled calibration is not about a change: one link over every window.
     plain = learner.calibrate(windows, base.policy, fired.end, "schedule")
     assert "changed_at" not in plain.details["model"]["components"]["kv_transfer"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_change_is_found_where_the_link_did_not_change(seed: int) -> None:
+    # E.g. the held-out fit of a calibration after a link drift: its earlier windows can
+    # end before the change, and a best split among them is noise with a scale near 1.
+    stream = _stream(20, 0, seed)
+    ts = build_training_set(stream)
+    mixed = fit_latency_model(ts, SLO.ttft_s, SLO.tpot_s)
+    params, link = fit_link_change(ts, mixed.params, stream[-1].start)
+    assert link is None
+    assert params == mixed.params
+    model = fit_latency_model(ts, SLO.ttft_s, SLO.tpot_s, link_changed_at=stream[-1].start)
+    assert model.link_change is None
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_smaller_slowdown_is_still_a_change(seed: int) -> None:
+    slower = Truth(link_bw=Truth().link_bw / 1.3)
+    before = stationary(Truth(), Mix(), 2.0, 0.6, 20, seed=seed, slo=SLO, start=T0)
+    after = stationary(slower, Mix(), 2.0, 0.6, 4, seed=seed + 50, slo=SLO,
+                       start=before[-1].end)
+    ts = build_training_set(before + after)
+    mixed = fit_latency_model(ts, SLO.ttft_s, SLO.tpot_s)
+    _, link = fit_link_change(ts, mixed.params, after[-1].start)
+    assert link is not None and link.at == after[0].start
+    assert link.before_scale == pytest.approx(1 / 1.3, rel=0.1)
