@@ -32,6 +32,7 @@ from controller.bench.runner import (  # noqa: E402
     times_to_first,
 )
 from controller.clock import WallClock  # noqa: E402
+from controller.core.drift import feature_statistics  # noqa: E402
 from controller.policy import Policy, Route, Weights, dumps, loads  # noqa: E402
 from controller.sim.run import run_scenario  # noqa: E402
 from controller.sim.scenario import Scenario  # noqa: E402
@@ -70,6 +71,15 @@ def ppd_static(scenario: Scenario, cache: Path | None) -> Policy:
     return table
 
 
+def _led_by(kind: str, details: object) -> str:
+    """`` (led by FEATURE 1.23)``: the feature with the largest share of the statistic."""
+    shares = feature_statistics(kind, details) if isinstance(details, dict) else {}
+    if not shares:
+        return ""
+    feature = max(shares, key=lambda k: shares[k])
+    return f" (led by {feature} {shares[feature]:.2f})"
+
+
 def replay(scenario: Scenario, initial: Policy, log: bool) -> dict[str, object]:
     wall = WallClock()
     t0 = wall.perf_counter_ns()
@@ -98,6 +108,7 @@ def replay(scenario: Scenario, initial: Policy, log: bool) -> dict[str, object]:
                 )
             lines += [
                 f"  drift {e.at.timestamp():.0f} s {e.kind} {e.statistic:.2f} > {e.threshold:.2f}"
+                f"{_led_by(e.kind, e.details)}"
                 for e in store.drift_events()
             ]
         outcome = hook.finish()
