@@ -371,12 +371,8 @@ def _link_split(p: ComponentParams, kv: WorkerRows, after: NDArray[np.bool_]
     scale = _scale_to(pred[after], kv.value[after], kv.weight[after])
     if scale is None:
         return None
-    return before, scale, _squared_log_error(kv, np.where(after, pred * scale, pred))
-
-
-def _squared_log_error(kv: WorkerRows, pred: FloatArray) -> float:
-    err, w = log_ratio(kv.value, pred, kv.weight)
-    return float(np.sum(w * err**2))
+    err, w = log_ratio(kv.value, np.where(after, pred * scale, pred), kv.weight)
+    return before, scale, float(np.sum(w * err**2))
 
 
 def fit_link_change(
@@ -409,9 +405,10 @@ def fit_link_change(
     change, before, scale, two_links = best
     # No significance test would always find a "change": a held-out fit on the earlier
     # windows, which may end before the change, got a spurious split with a scale near 1.
-    one_link = _squared_log_error(kv, p.transfer_s(kv.x[:, 0], kv.x[:, 1]))
-    usable = int(np.count_nonzero(np.isfinite(kv.value) & (kv.value > 0) & (kv.weight > 0)))
-    dof = max(usable - 5, 1)  # setup, per byte, contention, scale, the change point
+    err, w = log_ratio(kv.value, p.transfer_s(kv.x[:, 0], kv.x[:, 1]), kv.weight)
+    one_link = float(np.sum(w * err**2))
+    # Rows in the error, less setup, per byte, contention, scale and the change point.
+    dof = max(int(np.count_nonzero(w)) - 5, 1)
     if two_links <= 0 or (one_link - two_links) * dof < LINK_CHANGE_MIN_F * two_links:
         return p, None
     now = replace(before, xfer_setup_s=before.xfer_setup_s * scale,

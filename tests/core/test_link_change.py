@@ -33,9 +33,9 @@ def model() -> LatencyModel:
     return fit_latency_model(build_training_set(windows), SLO.ttft_s, SLO.tpot_s)
 
 
-def _stream(n_before: int, n_after: int, seed: int) -> list[Window]:
+def _stream(n_before: int, n_after: int, seed: int, slow: Truth = SLOW) -> list[Window]:
     before = stationary(Truth(), Mix(), 2.0, 0.6, n_before, seed=seed, slo=SLO, start=T0)
-    after = stationary(SLOW, Mix(), 2.0, 0.6, n_after, seed=seed + 50, slo=SLO,
+    after = stationary(slow, Mix(), 2.0, 0.6, n_after, seed=seed + 50, slo=SLO,
                        start=before[-1].end)
     return before + after
 
@@ -148,12 +148,9 @@ def test_no_change_is_found_where_the_link_did_not_change(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(2))
 def test_a_smaller_slowdown_is_still_a_change(seed: int) -> None:
-    slower = Truth(link_bw=Truth().link_bw / 1.3)
-    before = stationary(Truth(), Mix(), 2.0, 0.6, 20, seed=seed, slo=SLO, start=T0)
-    after = stationary(slower, Mix(), 2.0, 0.6, 4, seed=seed + 50, slo=SLO,
-                       start=before[-1].end)
-    ts = build_training_set(before + after)
+    stream = _stream(20, 4, seed, slow=Truth(link_bw=Truth().link_bw / 1.3))
+    ts = build_training_set(stream)
     mixed = fit_latency_model(ts, SLO.ttft_s, SLO.tpot_s)
-    _, link = fit_link_change(ts, mixed.params, after[-1].start)
-    assert link is not None and link.at == after[0].start
+    _, link = fit_link_change(ts, mixed.params, stream[-1].start)
+    assert link is not None and link.at == stream[20].start
     assert link.before_scale == pytest.approx(1 / 1.3, rel=0.1)
