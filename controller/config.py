@@ -219,6 +219,11 @@ class ControllerConfig(_Section):
         12, ge=1, description="A canary still short of requests after this many windows is "
         "rolled back (no evidence, no promotion).",
     )
+    canary_refit: bool = Field(
+        True, description="When a canary's bake ends, refit on windows that include its own "
+        "traffic; a refit the guardrail prefers to the canary bakes in its place (the fleet "
+        "changes once, not twice). A refit is not refitted.",
+    )
     promote_margin: float = Field(
         0.02, ge=0, description="Canary goodput may be this much below control's and still "
         "be promoted.",

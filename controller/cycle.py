@@ -82,6 +82,8 @@ T = TypeVar("T")
 log = logging.getLogger("pdctl.cycle")
 
 FALLBACK_PREFILL = "fallback-prefill"
+REFIT_PREFIX = "canary refit of v"  # a refit's policy reason starts so (never refitted)
+SUPERSEDED = "superseded by its canary refit"  # a canary's rolled-back reason starts so
 MAX_REQUESTS_PER_CYCLE = 16
 FIT_RETRY_INTERVALS = 10  # control intervals between automatic retries of a failed fit
 SETTLED_FAILURES = 2  # windows a target must have failed in a row to count as gone
@@ -101,6 +103,7 @@ class CycleConfig:
     bake_windows: int = 3
     bake_min_requests: float = 100.0
     max_bake_windows: int = 12
+    canary_refit: bool = True
     promote_margin: float = 0.02
     promote_alpha: float = 0.05
     request_stale_after_s: float = 300.0
@@ -117,6 +120,7 @@ class CycleConfig:
             advisory=c.advisory if advisory is None else advisory,
             canary_fraction=c.canary_fraction, bake_windows=c.bake_windows,
             bake_min_requests=c.bake_min_requests, max_bake_windows=c.max_bake_windows,
+            canary_refit=c.canary_refit,
             promote_margin=c.promote_margin, promote_alpha=c.promote_alpha,
             capacity_interval_s=settings.capacity.interval_s,
             capacity_min_windows=settings.capacity.min_windows,
@@ -257,6 +261,8 @@ class _Plan:
     capacity_windows: list[int] = field(default_factory=list)  # stored ids it was planned on
     capacity_with_window: bool = False  # ...plus this cycle's window
     applied_recommendation: int | None = None  # the scaling just confirmed reached it
+    refit_of: int | None = None  # a "canary" calibration: the baking version it refits
+    canary_verdict: str | None = None  # the judge's action this cycle
 
 
 def read_rollout(tx: Tx, routers: Sequence[str] | None = None) -> Rollout:
@@ -464,6 +470,13 @@ class Cycle:
                 self._pending_drift = True
         recal = next((r for r in claimed if r.kind == "recalibrate"), None)
         plan.trigger = self._trigger(plan, rollout, ops, recal, now)
+        if plan.trigger == "canary":
+            # Refit on the bake's windows (the candidate's own traffic on its routers) and
+            # judge the refit against the candidate, not the fleet's policy.
+            assert rollout.canary_version is not None
+            plan.refit_of = rollout.canary_version
+            with self.store.read() as tx:
+                current = self._policy(tx, rollout.canary_version)
         if plan.trigger is not None:
             if not complete and recal is None:
                 report.reason = _join(report.reason, f"calibration ({plan.trigger}) deferred: "
@@ -524,6 +537,8 @@ class Cycle:
             # Routers run a mix of two policies while a canary bakes: its drift says nothing
             # about the fleet's policy. The judge decides instead.
             self._pending_drift = False
+            if self.config.canary_refit and not ops.holding and self._bake_ends(rollout, now):
+                return "canary"
             return None
         if ops.holding:
             return None
@@ -547,6 +562,19 @@ class Cycle:
         if due is not None and now >= due:
             return "schedule"
         return None
+
+    def _bake_ends(self, rollout: Rollout, now: float) -> bool:
+        """Whether this cycle's window completes the baking canary's windows (so the judge
+        may decide now), for a canary that is not itself a refit."""
+        assert rollout.canary_version is not None
+        with self.store.read() as tx:
+            record = tx.policy(rollout.canary_version)
+            if record is None or record.reason.startswith(REFIT_PREFIX):
+                return False
+            baked = len(self._bake_windows(tx, record))
+        # This cycle's window is stored with the verdict: it counts too.
+        return baked + 1 >= self.config.bake_windows \
+            and now >= record.created_at.timestamp() + 0.5 * self.config.interval_s
 
     def next_due(self) -> float | None:
         """When the next scheduled calibration is due (epoch s), from the store."""
@@ -598,10 +626,17 @@ class Cycle:
         if trigger == "scaling":
             plan.scaling = self._pending_scaling
             plan.scaling_recommendation = self._pending_recommendation
-        self._pending_scaling = None  # this calibration sees the new capacity and mix
-        self._pending_recommendation = None
-        self._pending_drift = False
-        if recal is not None and recal.reason:
+        if trigger != "canary":
+            self._pending_scaling = None  # this calibration sees the new capacity and mix
+            self._pending_recommendation = None
+            self._pending_drift = False
+        if trigger == "canary":
+            # The candidate's own reason: the learner trains the refit on the same regime's
+            # windows (since the drift or the scaling it answered), the bake's included.
+            assert current is not None
+            reason = f"{current.provenance.reason or 'schedule'} " \
+                     f"({REFIT_PREFIX}{plan.refit_of})"
+        elif recal is not None and recal.reason:
             reason = f"{trigger}: {recal.reason}"
         elif plan.scaling is not None:  # the policy's provenance says which shape it is for
             reason = f"{trigger}: {plan.scaling}"
@@ -651,7 +686,8 @@ class Cycle:
             rollout = self._rollout(tx)
             ops = operator_state(tx.requests(status="done"))
             if rollout.canary_version is not None and plan.window is not None:
-                self._judge_canary(tx, rollout, report)
+                refit = plan.calibration if plan.refit_of == rollout.canary_version else None
+                plan.canary_verdict = self._judge_canary(tx, rollout, report, refit)
                 rollout = self._rollout(tx)
             if plan.trigger is not None:
                 report.trigger = plan.trigger
@@ -671,7 +707,8 @@ class Cycle:
                                   f"{plan.calibration_error}")
         elif plan.calibration_error is not None:
             report.reason = _join(report.reason, f"calibration skipped: {plan.calibration_error}")
-            self._fit_failed_at = self.clock.now()
+            if plan.refit_of is None:  # a failed refit leaves the candidate to the judge
+                self._fit_failed_at = self.clock.now()
         elif plan.calibration is not None:
             self._fit_failed_at = None
         if plan.capacity is not None:  # exported once stored, never before
@@ -700,6 +737,8 @@ class Cycle:
         ids = list(plan.calibration_windows) + ([report.window_id] if report.window_id else [])
         dry_run = bool(plan.recalibrate_request is not None
                        and (plan.recalibrate_request.args or {}).get("dry_run"))
+        if plan.refit_of is not None and plan.canary_verdict not in ("promote", "superseded"):
+            dry_run = True  # the canary was not judged good: its refit is only recorded
         decision = "approved" if outcome.approved else "rejected"
         self.metrics.guardrail_decision(decision, "forced" if "forced" in outcome.reason
                                         else decision, self.clock.now())
@@ -712,6 +751,8 @@ class Cycle:
             version = tx.next_version()
             policy = outcome.policy.with_version(version)
             reason = outcome.reason
+            if plan.refit_of is not None:
+                reason = f"{REFIT_PREFIX}{plan.refit_of}: {reason}"
             if self.config.advisory:
                 status = "advisory"
             elif not outcome.approved:
@@ -730,7 +771,11 @@ class Cycle:
             if status == "approved":
                 self._approve(tx, version, rollout, report)
                 self._state_for = version
-        if not dry_run:
+        # A refused refit leaves drift measured as it was: it was trained on windows where
+        # two policies ran, and the candidate it refitted keeps running. (Adopting its model
+        # for the performance detector moved later detections and cost goodput in 15 replays:
+        # docs/bench.md, "The canary refit".)
+        if not dry_run and (plan.refit_of is None or outcome.approved):
             # The learner decides what drift is measured against now: a refused candidate
             # trained across a shift does not hide it (see Learner.adopt), so that shift
             # fires again after the detector's cooldown and is calibrated for on its own
@@ -742,7 +787,7 @@ class Cycle:
             # The cycle's own keys last: the learner's details carry the unforced verdict.
             {**_plain(outcome.details), "trigger": plan.trigger, "dry_run": dry_run,
              "approved": outcome.approved, "reason": outcome.reason,
-             **_scaling_details(plan)},
+             "refit_of": plan.refit_of, **_scaling_details(plan)},
         )
 
     def _approve(self, tx: Tx, version: int, rollout: Rollout, report: CycleReport) -> None:
@@ -761,7 +806,8 @@ class Cycle:
         canary = canary_subset(self.routers, self.config.canary_fraction, version)
         for r in canary:
             tx.set_desired(r, version)
-        report.canary = f"baking v{version} on {', '.join(canary)}"
+        # After a superseded canary the report says so first.
+        report.canary = _join(report.canary or "", f"baking v{version} on {', '.join(canary)}")
         self.metrics.set_canary_state("baking")
 
     # -- capacity -------------------------------------------------------------------------
@@ -870,12 +916,23 @@ class Cycle:
 
     # -- canary ---------------------------------------------------------------------------
 
-    def _judge_canary(self, tx: Tx, rollout: Rollout, report: CycleReport) -> None:
+    def _judge_canary(self, tx: Tx, rollout: Rollout, report: CycleReport,
+                      refit: CalibrationOutcome | None = None) -> str:
         assert rollout.canary_version is not None
         record = tx.policy(rollout.canary_version)
         assert record is not None
         verdict = self.judge_canary(tx, rollout, record)
         report.canary = f"v{rollout.canary_version}: {verdict.reason}"
+        if verdict.action == "promote" and refit is not None and refit.approved \
+                and rollout.fleet_version is not None:
+            # Refitted on the candidate's own traffic, the model prefers another table: that
+            # table bakes instead, and the fleet changes once, not twice.
+            tx.set_policy_status(rollout.canary_version, "rolled_back",
+                                 f"{SUPERSEDED}: {verdict.reason}")
+            for r in rollout.canary_routers:
+                tx.set_desired(r, rollout.fleet_version)
+            report.canary = f"v{rollout.canary_version}: superseded by its refit"
+            return "superseded"
         if verdict.action == "promote":
             for r in self.routers:
                 tx.set_desired(r, rollout.canary_version)
@@ -888,18 +945,14 @@ class Cycle:
                     tx.set_desired(r, rollout.fleet_version)
                 self.metrics.desired_version.set(rollout.fleet_version)
             self.metrics.set_canary_state("rolled_back")
+        return verdict.action
 
     def judge_canary(self, tx: Tx, rollout: Rollout, record: PolicyRecord) -> CanaryVerdict:
         """Compare canary and control routers' goodput over the windows since approval.
 
         Canary and control share the workers, so this compares routing, not load."""
         cfg = self.config
-        # Windows that ended at least half an interval after the approval: the one the
-        # approval happened in saw the old policy everywhere.
-        approved_at = record.created_at.timestamp()
-        since = record.created_at - timedelta(seconds=cfg.interval_s)
-        windows = [w.window for w in tx.windows(since=since)
-                   if w.window.end >= approved_at + 0.5 * cfg.interval_s]
+        windows = self._bake_windows(tx, record)
         canary_names = {self.outcome_names[r] for r in rollout.canary_routers}
         control_names = {self.outcome_names[r] for r in rollout.control_routers}
         met_c = n_c = met_k = n_k = 0.0
@@ -927,6 +980,14 @@ class Cycle:
             return CanaryVerdict("roll_back", f"canary worse than control: {numbers}, "
                                  f"z {z:.2f} < {critical:.2f}", pc, pk, n_c, n_k, z)
         return CanaryVerdict("promote", f"promoted: {numbers}, z {_num(z)}", pc, pk, n_c, n_k, z)
+
+    def _bake_windows(self, tx: Tx, record: PolicyRecord) -> list[Window]:
+        """Stored windows that ended at least half an interval after ``record``'s approval:
+        the one the approval happened in saw the old policy everywhere."""
+        approved_at = record.created_at.timestamp()
+        since = record.created_at - timedelta(seconds=self.config.interval_s)
+        return [w.window for w in tx.windows(since=since)
+                if w.window.end >= approved_at + 0.5 * self.config.interval_s]
 
     # -- operator requests ----------------------------------------------------------------
 

@@ -33,6 +33,9 @@ class AdaptiveOutcome:
     """What the cycle did over a run (read back from its store)."""
 
     approvals: list[tuple[float, Policy]] = field(default_factory=list)  # (virtual s, policy)
+    # Approved canaries a refit replaced before they reached the fleet (virtual s): not
+    # policy changes (the fleet never ran them), reported beside them.
+    superseded: list[float] = field(default_factory=list)
     cycles: int = 0
     failed_cycles: list[str] = field(default_factory=list)
     windows: int = 0
@@ -104,6 +107,8 @@ class AdaptiveController:
 
     def finish(self) -> AdaptiveOutcome:
         """Read the run's history back from the store, then close it."""
+        from controller.cycle import SUPERSEDED
+
         self._loop.close()
         out = AdaptiveOutcome(cycles=len(self.reports),
                               failed_cycles=[r.reason for r in self.reports
@@ -114,6 +119,9 @@ class AdaptiveController:
         out.store_url = f"sqlite:///{self.db_path}"
         approved = sorted(store.policies(status="approved"), key=lambda p: p.version)
         out.approvals = [(p.created_at.timestamp(), loads(p.body_json)) for p in approved]
+        out.superseded = sorted(p.created_at.timestamp()
+                                for p in store.policies(status="rolled_back")
+                                if p.reason.startswith(SUPERSEDED))
         out.windows = len(store.windows())
         out.drift_events = [(e.at.timestamp(), e.kind) for e in store.drift_events()]
         calibrations = store.calibrations()

@@ -109,6 +109,7 @@ def evaluation_document(bench: Any) -> dict[str, Any]:
                 "windows": a.windows, "calibrations": a.calibrations, "pushes": a.pushes,
                 "drift_events": [{"at_s": t, "kind": k} for t, k in a.drift_events],
                 "approved_at_s": [t for t, _ in a.approvals],
+                "superseded_at_s": list(a.superseded),
                 "scaling_calibrations_at_s": list(a.scaling_calibrations),
             }
             entry["detection_s"] = list(run.detection_s)

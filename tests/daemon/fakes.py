@@ -11,11 +11,11 @@ from prometheus_client import CollectorRegistry
 
 from controller.clock import VirtualClock
 from controller.core.window import RouteOutcome, TargetFailure, Window, WorkerStats, Workload
-from controller.cycle import CapacityPlanner, Cycle, CycleConfig, CycleReport
+from controller.cycle import REFIT_PREFIX, CapacityPlanner, Cycle, CycleConfig, CycleReport
 from controller.learning import CalibrationOutcome, DriftFinding, LearnerState
 from controller.metrics import ControllerMetrics
 from controller.observe.source import Target
-from controller.policy import Policy, Route
+from controller.policy import Policy, Provenance, Route
 from controller.rollout.agent import RouterAgent
 from controller.rollout.reconciler import FakeRouterTransport, Reconciler
 from controller.store import Store
@@ -78,10 +78,13 @@ class PolicyAwareSource:
 @dataclass
 class ScriptedLearner:
     """``fire`` makes the next assessed window fire a workload drift; ``approve`` and
-    ``route`` shape the next candidate; ``fail`` makes calibrate raise."""
+    ``route`` shape the next candidate; ``fail`` makes calibrate raise. A canary's refit
+    (its reason names the refit) is approved only with ``approve_refit``: by default the
+    refit finds nothing better than the candidate it refits."""
 
     fire: bool = False
     approve: bool = True
+    approve_refit: bool = False
     route: Route = Route.DECODE_LOCAL
     exploration: float = 0.05
     fail: bool = False
@@ -108,12 +111,15 @@ class ScriptedLearner:
         self.trained_on.append(len(windows))
         self.reasons.append(reason)
         version = (current.version + 1) if current else 1
-        policy = Policy.uniform(version, self.route, exploration=self.exploration)
-        ok = self.approve or force
+        # Like the real learner, the candidate's provenance keeps the reason it was fitted for.
+        policy = Policy.uniform(version, self.route, exploration=self.exploration,
+                                provenance=Provenance(reason=reason))
+        approve = self.approve_refit if REFIT_PREFIX in reason else self.approve
+        ok = approve or force
         # Like the real learner, the details keep the unforced verdict.
         return CalibrationOutcome(policy, ok, "approved: scripted" if ok else "rejected: scripted",
                                   0.95, 0.9 if current else None, {"mape": 0.1},
-                                  {"scripted": True, "approved": self.approve},
+                                  {"scripted": True, "approved": approve},
                                   reference="ref")
 
     def adopt(self, state: LearnerState, outcome: CalibrationOutcome, now: float

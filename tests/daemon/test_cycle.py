@@ -73,8 +73,11 @@ async def test_drift_calibrate_canary_promote_all_acked(tmp_path: Path) -> None:
     events = rig.store.drift_events()
     assert [(e.kind, e.statistic > e.threshold) for e in events] == [("workload", True)]
     cals = rig.store.calibrations()
-    assert [c.policy_version for c in cals] == [1, 2]
-    assert cals[1].details["trigger"] == "drift"
+    # The bootstrap, the drift, and the canary's refit at the end of its bake: refused (the
+    # scripted refit finds nothing better), kept as history, never desired.
+    assert [c.policy_version for c in cals] == [1, 2, 3]
+    assert [c.details["trigger"] for c in cals[1:]] == ["drift", "canary"]
+    assert rig.store.policy(3).status == "rejected"  # type: ignore[union-attr]
     # Exactly one approval per decision: the bootstrap and the drift.
     assert [p.version for p in rig.store.policies(status="approved")] == [1, 2]
     assert _metric(rig.registry, "pdctl_policy_changes_total") == 2
@@ -82,6 +85,118 @@ async def test_drift_calibrate_canary_promote_all_acked(tmp_path: Path) -> None:
         assert (_metric(rig.registry, "pdctl_job_duration_seconds_count", {"job": phase})
                 or 0) >= 1, phase
     assert (_metric(rig.registry, "pdctl_cycles_total", {"result": "ok"}) or 0) >= 6
+
+
+async def test_a_refit_that_beats_its_canary_bakes_in_its_place(tmp_path: Path) -> None:
+    """At the end of a bake the candidate is refitted on the windows that include its own
+    traffic; a refit the guardrail prefers replaces it on the canary routers and bakes in
+    turn (it is not refitted again). The fleet goes from v1 to v3 once, never through v2."""
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.source.goodput = {1: 0.90, 2: 0.96, 3: 0.97}
+    rig.learner.approve_refit = True
+    rig.learner.fire = True
+    assert (await rig.step()).approved_version == 2
+    first_canary = canary_subset(list(rig.agents), 0.25, 2)
+    superseded = None
+    for _ in range(6):
+        report = await rig.step()
+        if report.canary and "superseded" in report.canary:
+            superseded = report
+            break
+        assert {v for r, v in _desired(rig).items() if r not in first_canary} == {1}
+    assert superseded is not None, "the bake never ended"
+    assert superseded.approved_version == 3 and superseded.trigger == "canary"
+    v2 = rig.store.policy(2)
+    assert v2 is not None and v2.status == "rolled_back"
+    assert v2.reason.startswith("superseded by its canary refit")
+    canary = canary_subset(list(rig.agents), 0.25, 3)
+    assert _desired(rig) == {r: (3 if r in canary else 1) for r in rig.agents}
+    assert _running(rig) == {r: (3 if r in canary else 1) for r in rig.agents}
+    # The refit trained as its candidate did (the learner picks the regime by the reason).
+    assert rig.learner.reasons[-1] == "drift (canary refit of v2)"
+    calibrations = len(rig.store.calibrations())
+    promoted = None
+    for _ in range(6):
+        report = await rig.step()
+        if report.canary and "promoted" in report.canary:
+            promoted = report
+            break
+    assert promoted is not None
+    assert _desired(rig) == dict.fromkeys(rig.agents, 3)
+    assert len(rig.store.calibrations()) == calibrations  # a refit is not refitted
+    assert [p.version for p in rig.store.policies(status="approved")] == [1, 3]
+
+
+async def _bake_to_verdict(rig: Rig) -> CycleReport:
+    for _ in range(6):
+        report = await rig.step()
+        if report.canary and "baking:" not in report.canary:
+            return report
+    raise AssertionError("the canary was never judged")
+
+
+async def test_a_refused_refit_leaves_drift_measured_as_it_was(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.source.goodput = {1: 0.90, 2: 0.96}
+    rig.learner.fire = True
+    await rig.step()
+    adopted = list(rig.learner.adopted)
+    report = await _bake_to_verdict(rig)
+    assert report.trigger == "canary" and "promoted" in (report.canary or "")
+    assert rig.learner.adopted == adopted  # the refit was fitted, judged, and not adopted
+    assert rig.learner.reasons[-1] == "drift (canary refit of v2)"
+
+
+async def test_a_failed_refit_promotes_the_canary_and_backs_nothing_off(tmp_path: Path
+                                                                        ) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.source.goodput = {1: 0.90, 2: 0.96}
+    rig.learner.fire = True
+    await rig.step()
+    rig.learner.fail = True
+    report = await _bake_to_verdict(rig)
+    assert "promoted" in (report.canary or "") and "scripted fit failure" in report.reason
+    assert _desired(rig) == dict.fromkeys(rig.agents, 2)
+    rig.learner.fail = False
+    rig.learner.fire = True
+    assert (await rig.step()).trigger == "drift"  # no FIT_RETRY_INTERVALS wait
+
+
+async def test_no_refit_when_canary_refit_is_off(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, canary_refit=False)
+    await _bootstrap(rig)
+    rig.source.goodput = {1: 0.90, 2: 0.96}
+    rig.learner.approve_refit = True
+    rig.learner.fire = True
+    await rig.step()
+    report = await _bake_to_verdict(rig)
+    assert report.trigger is None and "promoted" in (report.canary or "")
+    assert [c.details["trigger"] for c in rig.store.calibrations()][1:] == ["drift"]
+
+
+async def test_the_refit_of_a_canary_that_is_not_promoted_is_only_recorded(tmp_path: Path
+                                                                           ) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.source.goodput = {1: 0.90, 2: 0.55}
+    rig.learner.approve_refit = True
+    rig.learner.fire = True
+    assert (await rig.step()).approved_version == 2
+    for _ in range(4):
+        report = await rig.step()
+        if report.canary and "worse" in report.canary:
+            break
+    else:
+        raise AssertionError("the canary was never judged")
+    assert report.trigger == "canary" and report.candidate_version is None
+    assert rig.store.policy(2).status == "rolled_back"  # type: ignore[union-attr]
+    assert _desired(rig) == dict.fromkeys(rig.agents, 1)
+    refit = rig.store.calibrations()[-1]
+    assert refit.details["trigger"] == "canary" and refit.policy_version is None
+    assert rig.store.next_version() == 3
 
 
 async def test_a_regressing_canary_is_rolled_back_with_its_reason(tmp_path: Path) -> None:
@@ -311,7 +426,8 @@ async def test_pin_holds_a_version_until_unpinned(tmp_path: Path) -> None:
     await rig.step()
     assert operator_state(rig.store.requests()).pinned is None
     rig.learner.fire = True
-    assert (await rig.step()).approved_version == 3
+    # v3 is the refused refit of v2's canary, kept as history.
+    assert (await rig.step()).approved_version == 4
 
 
 async def test_fallback_prefill_reaches_every_router_at_once(tmp_path: Path) -> None:
