@@ -119,7 +119,7 @@ class ControllerMetrics:
         )
         self.recalibrations = Counter(
             "pdctl_recalibrations",
-            "Recalibrations started, by trigger (drift, schedule, scaling, operator).",
+            "Recalibrations started, by trigger (drift, schedule, scaling, operator, canary).",
             ["trigger"], registry=registry,
         )
         self.guardrail_decisions = Counter(

@@ -4,6 +4,7 @@ router runs, in-memory router agents, a SQLite store, a scripted learner."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,29 @@ async def _bootstrap(rig: Rig) -> None:
         if report.approved_version == 1:
             break
     assert _running(rig) == dict.fromkeys(rig.agents, 1)
+
+
+async def _until_canary(rig: Rig, done: Callable[[str], bool],
+                        between: Callable[[], None] | None = None) -> CycleReport:
+    """Step until a cycle's canary report satisfies ``done``; ``between`` checks the cycles
+    before it."""
+    for _ in range(6):
+        report = await rig.step()
+        if report.canary and done(report.canary):
+            return report
+        if between is not None:
+            between()
+    raise AssertionError("the canary never got there")
+
+
+async def _canary_v2(rig: Rig, goodput: dict[int, float], approve_refit: bool = False
+                    ) -> None:
+    """Bootstrap v1, then a drift whose candidate v2 starts baking on the canary share."""
+    await _bootstrap(rig)
+    rig.source.goodput = goodput
+    rig.learner.approve_refit = approve_refit
+    rig.learner.fire = True
+    assert (await rig.step()).approved_version == 2
 
 
 async def test_drift_calibrate_canary_promote_all_acked(tmp_path: Path) -> None:
@@ -92,20 +116,13 @@ async def test_a_refit_that_beats_its_canary_bakes_in_its_place(tmp_path: Path) 
     traffic; a refit the guardrail prefers replaces it on the canary routers and bakes in
     turn (it is not refitted again). The fleet goes from v1 to v3 once, never through v2."""
     rig = make_rig(tmp_path)
-    await _bootstrap(rig)
-    rig.source.goodput = {1: 0.90, 2: 0.96, 3: 0.97}
-    rig.learner.approve_refit = True
-    rig.learner.fire = True
-    assert (await rig.step()).approved_version == 2
+    await _canary_v2(rig, {1: 0.90, 2: 0.96, 3: 0.97}, approve_refit=True)
     first_canary = canary_subset(list(rig.agents), 0.25, 2)
-    superseded = None
-    for _ in range(6):
-        report = await rig.step()
-        if report.canary and "superseded" in report.canary:
-            superseded = report
-            break
+
+    def fleet_on_v1() -> None:
         assert {v for r, v in _desired(rig).items() if r not in first_canary} == {1}
-    assert superseded is not None, "the bake never ended"
+
+    superseded = await _until_canary(rig, lambda text: "superseded" in text, fleet_on_v1)
     assert superseded.approved_version == 3 and superseded.trigger == "canary"
     v2 = rig.store.policy(2)
     assert v2 is not None and v2.status == "rolled_back"
@@ -116,32 +133,19 @@ async def test_a_refit_that_beats_its_canary_bakes_in_its_place(tmp_path: Path) 
     # The refit trained as its candidate did (the learner picks the regime by the reason).
     assert rig.learner.reasons[-1] == "drift (canary refit of v2)"
     calibrations = len(rig.store.calibrations())
-    promoted = None
-    for _ in range(6):
-        report = await rig.step()
-        if report.canary and "promoted" in report.canary:
-            promoted = report
-            break
-    assert promoted is not None
+    await _until_canary(rig, lambda text: "promoted" in text)
     assert _desired(rig) == dict.fromkeys(rig.agents, 3)
     assert len(rig.store.calibrations()) == calibrations  # a refit is not refitted
     assert [p.version for p in rig.store.policies(status="approved")] == [1, 3]
 
 
 async def _bake_to_verdict(rig: Rig) -> CycleReport:
-    for _ in range(6):
-        report = await rig.step()
-        if report.canary and "baking:" not in report.canary:
-            return report
-    raise AssertionError("the canary was never judged")
+    return await _until_canary(rig, lambda text: "baking:" not in text)
 
 
 async def test_a_refused_refit_leaves_drift_measured_as_it_was(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
-    await _bootstrap(rig)
-    rig.source.goodput = {1: 0.90, 2: 0.96}
-    rig.learner.fire = True
-    await rig.step()
+    await _canary_v2(rig, {1: 0.90, 2: 0.96})
     adopted = list(rig.learner.adopted)
     report = await _bake_to_verdict(rig)
     assert report.trigger == "canary" and "promoted" in (report.canary or "")
@@ -152,10 +156,7 @@ async def test_a_refused_refit_leaves_drift_measured_as_it_was(tmp_path: Path) -
 async def test_a_failed_refit_promotes_the_canary_and_backs_nothing_off(tmp_path: Path
                                                                         ) -> None:
     rig = make_rig(tmp_path)
-    await _bootstrap(rig)
-    rig.source.goodput = {1: 0.90, 2: 0.96}
-    rig.learner.fire = True
-    await rig.step()
+    await _canary_v2(rig, {1: 0.90, 2: 0.96})
     rig.learner.fail = True
     report = await _bake_to_verdict(rig)
     assert "promoted" in (report.canary or "") and "scripted fit failure" in report.reason
@@ -167,11 +168,7 @@ async def test_a_failed_refit_promotes_the_canary_and_backs_nothing_off(tmp_path
 
 async def test_no_refit_when_canary_refit_is_off(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, canary_refit=False)
-    await _bootstrap(rig)
-    rig.source.goodput = {1: 0.90, 2: 0.96}
-    rig.learner.approve_refit = True
-    rig.learner.fire = True
-    await rig.step()
+    await _canary_v2(rig, {1: 0.90, 2: 0.96}, approve_refit=True)
     report = await _bake_to_verdict(rig)
     assert report.trigger is None and "promoted" in (report.canary or "")
     assert [c.details["trigger"] for c in rig.store.calibrations()][1:] == ["drift"]
@@ -180,11 +177,7 @@ async def test_no_refit_when_canary_refit_is_off(tmp_path: Path) -> None:
 async def test_the_refit_of_a_canary_that_is_not_promoted_is_only_recorded(tmp_path: Path
                                                                            ) -> None:
     rig = make_rig(tmp_path)
-    await _bootstrap(rig)
-    rig.source.goodput = {1: 0.90, 2: 0.55}
-    rig.learner.approve_refit = True
-    rig.learner.fire = True
-    assert (await rig.step()).approved_version == 2
+    await _canary_v2(rig, {1: 0.90, 2: 0.55}, approve_refit=True)
     for _ in range(4):
         report = await rig.step()
         if report.canary and "worse" in report.canary:
@@ -201,18 +194,9 @@ async def test_the_refit_of_a_canary_that_is_not_promoted_is_only_recorded(tmp_p
 
 async def test_a_regressing_canary_is_rolled_back_with_its_reason(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
-    await _bootstrap(rig)
-    rig.source.goodput = {1: 0.90, 2: 0.55}
-    rig.learner.fire = True
-    assert (await rig.step()).approved_version == 2
+    await _canary_v2(rig, {1: 0.90, 2: 0.55})
     canary = canary_subset(list(rig.agents), 0.25, 2)
-    verdict = None
-    for _ in range(4):
-        report = await rig.step()
-        if report.canary and "worse" in report.canary:
-            verdict = report
-            break
-    assert verdict is not None
+    await _until_canary(rig, lambda text: "worse" in text)
     v2 = rig.store.policy(2)
     assert v2 is not None and v2.status == "rolled_back"
     assert "canary worse than control" in v2.reason and "z " in v2.reason
