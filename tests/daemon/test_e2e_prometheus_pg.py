@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from controller.cycle import SUPERSEDED
 from controller.observe.source import Target
 from controller.policy import Policy, Route, Slo, dumps
 from controller.store import Store
@@ -293,13 +294,22 @@ def test_a_scripted_shift_is_detected_recalibrated_canaried_and_promoted(
             assert windows and all(w.window.source.startswith("prometheus") for w in windows)
             # The shift produced a drift event, and the version now everywhere came from a
             # calibration after it: the drift one, its retry (trigger "drift" too) or the
-            # next scheduled one, when the first was trained across the shift and refused.
+            # next scheduled one, when the first was trained across the shift and refused;
+            # or the canary refit of such a candidate, which then baked in its place.
             first_drift = min(_ts(e.at) for e in store.drift_events() if _ts(e.at) >= shift_at)
             calibration = store.calibration_for(version)
             assert calibration is not None, story
             details = calibration.details or {}
-            assert details.get("approved") and details.get("trigger") in ("drift", "schedule"), \
-                story
+            assert details.get("approved"), story
+            origin = details
+            if details.get("trigger") == "canary":
+                superseded = store.policy(int(details["refit_of"]))
+                assert superseded is not None and superseded.status == "rolled_back", story
+                assert superseded.reason.startswith(SUPERSEDED), story
+                refitted = store.calibration_for(superseded.version)
+                assert refitted is not None, story
+                origin = refitted.details or {}
+            assert origin.get("trigger") in ("drift", "schedule"), story
             assert _ts(calibration.created_at) >= first_drift, story
             assert not store.requests(), "an operator request was made"
             # Canary, then promotion: one router first, the other only after the bake.
