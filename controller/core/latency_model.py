@@ -371,8 +371,14 @@ def _link_split(p: ComponentParams, kv: WorkerRows, after: NDArray[np.bool_]
     scale = _scale_to(pred[after], kv.value[after], kv.weight[after])
     if scale is None:
         return None
-    err, w = log_ratio(kv.value, np.where(after, pred * scale, pred), kv.weight)
-    return before, scale, float(np.sum(w * err**2))
+    sse, _ = _squared_log_error(kv, np.where(after, pred * scale, pred))
+    return before, scale, sse
+
+
+def _squared_log_error(kv: WorkerRows, pred: FloatArray) -> tuple[float, int]:
+    """Weighted squared log error of ``pred`` against the transfers, and the rows it used."""
+    err, w = log_ratio(kv.value, pred, kv.weight)
+    return float(np.sum(w * err**2)), int(np.count_nonzero(w))
 
 
 def fit_link_change(
@@ -405,10 +411,9 @@ def fit_link_change(
     change, before, scale, two_links = best
     # No significance test would always find a "change": a held-out fit on the earlier
     # windows, which may end before the change, got a spurious split with a scale near 1.
-    err, w = log_ratio(kv.value, p.transfer_s(kv.x[:, 0], kv.x[:, 1]), kv.weight)
-    one_link = float(np.sum(w * err**2))
+    one_link, rows = _squared_log_error(kv, p.transfer_s(kv.x[:, 0], kv.x[:, 1]))
     # Rows in the error, less setup, per byte, contention, scale and the change point.
-    dof = max(int(np.count_nonzero(w)) - 5, 1)
+    dof = max(rows - 5, 1)
     if two_links <= 0 or (one_link - two_links) * dof < LINK_CHANGE_MIN_F * two_links:
         return p, None
     now = replace(before, xfer_setup_s=before.xfer_setup_s * scale,
