@@ -626,22 +626,23 @@ class Cycle:
         if trigger == "scaling":
             plan.scaling = self._pending_scaling
             plan.scaling_recommendation = self._pending_recommendation
-        if trigger != "canary":
-            self._pending_scaling = None  # this calibration sees the new capacity and mix
-            self._pending_recommendation = None
-            self._pending_drift = False
         if trigger == "canary":
             # The candidate's own reason: the learner trains the refit on the same regime's
             # windows (since the drift or the scaling it answered), the bake's included.
+            # Causes pending for the fleet's policy stay pending.
             assert current is not None
             reason = f"{current.provenance.reason or 'schedule'} " \
                      f"({REFIT_PREFIX}{plan.refit_of})"
-        elif recal is not None and recal.reason:
-            reason = f"{trigger}: {recal.reason}"
-        elif plan.scaling is not None:  # the policy's provenance says which shape it is for
-            reason = f"{trigger}: {plan.scaling}"
         else:
-            reason = trigger
+            self._pending_scaling = None  # this calibration sees the new capacity and mix
+            self._pending_recommendation = None
+            self._pending_drift = False
+            if recal is not None and recal.reason:
+                reason = f"{trigger}: {recal.reason}"
+            elif plan.scaling is not None:  # the policy's provenance says which shape
+                reason = f"{trigger}: {plan.scaling}"
+            else:
+                reason = trigger
 
         def fit() -> CalibrationOutcome:
             return self.learner.calibrate(windows, current, now, reason, force)
