@@ -117,6 +117,9 @@ class DemoState:
     final_version: int | None = None  # approved after the shift
     final_promoted_at: float | None = None
     final_trigger: str | None = None  # what triggered the calibration behind final_version
+    # final_version's origin when it is a canary refit: the canary it superseded, whose own
+    # calibration's trigger is final_trigger (a refit's trigger is the bake's end, "canary").
+    final_refit_of: int | None = None
     forced: bool = False
     force_requested_at: float | None = None
     phases: list[Phase] = field(default_factory=list)
@@ -175,12 +178,17 @@ class DemoWatcher:
             self._add(("drift", e.id), self._rel(e.at), "drift",
                       f"drift: {e.kind} detector fired (statistic {e.statistic:.2f} > "
                       f"threshold {e.threshold:.2f})")
+        from controller.cycle import SUPERSEDED
+
         policies = {p.version: p for p in store.policies()}
         triggers: dict[int, str] = {}
+        refit_of: dict[int, int] = {}
         for c in store.calibrations():
             d = c.details or {}
             if c.policy_version is not None:
                 triggers[c.policy_version] = str(d.get("trigger"))
+                if isinstance(d.get("refit_of"), int):
+                    refit_of[c.policy_version] = d["refit_of"]
             changed = d.get("changed_cells")
             n_changed = len(changed) if isinstance(changed, list) else changed
             verdict = "approved" if d.get("approved") else "refused"
@@ -224,7 +232,8 @@ class DemoWatcher:
                           f"({len(canary)} of {len(s.routers)} routers)")
             if rec.status == "rolled_back":
                 self._add(("rollback", version), self._rel(rec.updated_at), "rollback",
-                          f"rolled back v{version}: {rec.reason}")
+                          f"canary v{version} {rec.reason}" if rec.reason.startswith(SUPERSEDED)
+                          else f"rolled back v{version}: {rec.reason}")
                 continue
             promoted_at = max(pushed.values()) if len(pushed) == len(s.routers) else None
             if promoted_at is not None:
@@ -236,7 +245,11 @@ class DemoWatcher:
                 s.final_version, s.final_promoted_at = version, promoted_at
             elif promoted_at is not None:
                 s.learned_version = version
-        s.final_trigger = triggers.get(s.final_version) if s.final_version else None
+        origin = s.final_version
+        while origin in refit_of:  # a refit is never refitted; the loop is for clarity only
+            origin = refit_of[origin]
+        s.final_refit_of = origin if origin != s.final_version else None
+        s.final_trigger = triggers.get(origin) if origin else None
         s.events.sort(key=lambda e: e.at)
         s.phases = self.phases()
 
@@ -416,6 +429,8 @@ def summary_lines(state: DemoState) -> list[str]:
         final = state.final_version
         how = ("forced by an operator request" if state.final_trigger == "operator"
                else f"{state.final_trigger} → guardrail approval")
+        if state.final_refit_of is not None:
+            how += f" → canary refit of v{state.final_refit_of}"
         lines.append(f"demo: shift at {state.shift_at:g} s, v{final} ({how}) promoted at "
                      f"{state.final_promoted_at:.1f} s, every router acked v{final}; goodput "
                      f"{_pct(state.phases[0].goodput)} → {_pct(state.phases[1].goodput)} → "

@@ -9,12 +9,14 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from controller.cli.demo_cmd import ppd_policy
-from controller.demo import DemoState, Event, Phase, summary_lines
+from controller.demo import DemoState, DemoWatcher, Event, Phase, summary_lines
 from controller.policy import Features, Reason, Route, decide
+from tests.daemon.fakes import make_rig
 
 
 def _events(out: str) -> list[tuple[float, str]]:
@@ -39,6 +41,11 @@ def test_demo_runs_the_closed_loop_to_a_promoted_policy_and_exits_0() -> None:
     assert final, summary
     shift_at, version, how, promoted_at = (int(final[1]), int(final[2]), final[3],
                                            float(final[4]))
+    # A canary refit (the bake's end re-fitting the canary on its own windows) names the
+    # canary it superseded; the trigger in front is that canary's calibration's.
+    refit = re.fullmatch(r"(.+) → canary refit of v(\d+)", how)
+    origin = int(refit[2]) if refit else version
+    how = refit[1] if refit else how
     events = _events(summary)
     texts = [t for _, t in events]
     after_shift = [(at, t) for at, t in events if at >= shift_at]
@@ -53,7 +60,7 @@ def test_demo_runs_the_closed_loop_to_a_promoted_policy_and_exits_0() -> None:
     # must have been trained on windows from after the shift alone.
     if not any(t.startswith("drift:") for _, t in after_shift):
         assert how == "schedule → guardrail approval", summary
-        post_shift_only = rf"candidate v{version} .*window\(s\), 0 from before the shift"
+        post_shift_only = rf"candidate v{origin} .*window\(s\), 0 from before the shift"
         assert re.search(post_shift_only, summary), summary
     if how.startswith("forced"):
         assert "NOTE: the guardrail approved nothing" in summary, summary
@@ -65,6 +72,11 @@ def test_demo_runs_the_closed_loop_to_a_promoted_policy_and_exits_0() -> None:
                 if re.match(rf"recalibration \(\w+\): candidate v{version} .*guardrail approved "
                             r"→ approved", t)]
     assert approval, summary
+    if refit:
+        assert origin < version, summary
+        assert any(re.match(rf"recalibration \(canary\): candidate v{version} ", t)
+                   for _, t in after_shift), summary
+        assert f"canary v{origin} superseded by its canary refit" in summary, summary
     canary = [at for at, t in after_shift if t.startswith(f"canary: v{version} pushed to")]
     promotion = [at for at, t in after_shift
                  if t == f"promotion: v{version} acknowledged by every router"]
@@ -120,3 +132,33 @@ def test_ppd_policy_is_a_ppd_table() -> None:
     assert (short.route, short.reason) == (Route.DECODE_LOCAL, Reason.TABLE)
     assert long_.route is Route.PREFILL_NODE
     assert heavy_append.route is Route.PREFILL_NODE
+
+
+async def test_the_story_follows_a_canary_refit_back_to_the_drift_behind_it(
+        tmp_path: Path) -> None:
+    # The real cycle on its fakes: v1 learned, a drift's v2 baking on the canary, then the
+    # bake's end refits v2 into v3, which supersedes v2 and is promoted everywhere.
+    rig = make_rig(tmp_path)
+    for _ in range(4):
+        if (await rig.step()).approved_version == 1:
+            break
+    t0 = rig.clock.now() - 1000.0
+    shift_at = rig.clock.now() - t0
+    rig.source.goodput = {1: 0.90, 2: 0.96, 3: 0.97}
+    rig.learner.approve_refit = rig.learner.fire = True
+    assert (await rig.step()).approved_version == 2
+    for _ in range(8):
+        if ((await rig.step()).canary or "").startswith("promoted"):
+            break
+    assert rig.store.desired_versions() == dict.fromkeys(rig.agents, 3)
+    state = DemoState("demo", shift_at, "shift: scripted", list(rig.agents))
+    DemoWatcher(rig.store, state, t0).poll(rig.clock.now())
+    state.phases = [Phase("before the shift", 1, 10, 9), Phase("after", 1, 10, 5),
+                    Phase("recovery", 1, 10, 9)]
+    state.done = True
+    text = "\n".join(summary_lines(state))
+    assert (state.final_version, state.final_refit_of, state.final_trigger) == (3, 2, "drift")
+    assert "(drift → guardrail approval → canary refit of v2) promoted at" in text, text
+    assert "canary v2 superseded by its canary refit" in text, text
+    assert re.search(r"recalibration \(canary\): candidate v3 .* guardrail approved → approved",
+                     text), text
