@@ -83,7 +83,7 @@ log = logging.getLogger("pdctl.cycle")
 
 FALLBACK_PREFILL = "fallback-prefill"
 REFIT_PREFIX = "canary refit of v"  # a refit's policy reason starts so (never refitted)
-SUPERSEDED = "superseded by its canary refit"  # a canary's rolled-back reason starts so
+SUPERSEDED = "superseded by its canary refit"  # a superseded canary's reason starts so
 MAX_REQUESTS_PER_CYCLE = 16
 FIT_RETRY_INTERVALS = 10  # control intervals between automatic retries of a failed fit
 SETTLED_FAILURES = 2  # windows a target must have failed in a row to count as gone
@@ -928,7 +928,7 @@ class Cycle:
                 and rollout.fleet_version is not None:
             # Refitted on the candidate's own traffic, the model prefers another table: that
             # table bakes instead, and the fleet changes once, not twice.
-            tx.set_policy_status(rollout.canary_version, "rolled_back",
+            tx.set_policy_status(rollout.canary_version, "superseded",
                                  f"{SUPERSEDED}: {verdict.reason}")
             for r in rollout.canary_routers:
                 tx.set_desired(r, rollout.fleet_version)

@@ -41,6 +41,7 @@ RECOVERY_WINDOWS = 3  # windows measured after the promotion before the demo end
 RECOVERY_TOLERANCE = 0.10
 DEMO_WHO = "pdctl demo (operator)"
 BASELINE_EXPLORATION = 0.2
+SHOWN_STATUSES = ("approved", "rolled_back", "superseded")  # policies that reached routers
 
 
 def demo_settings(addresses: dict[str, Any], store_url: str, ttft_s: float, tpot_s: float,
@@ -178,8 +179,6 @@ class DemoWatcher:
             self._add(("drift", e.id), self._rel(e.at), "drift",
                       f"drift: {e.kind} detector fired (statistic {e.statistic:.2f} > "
                       f"threshold {e.threshold:.2f})")
-        from controller.cycle import SUPERSEDED
-
         policies = {p.version: p for p in store.policies()}
         triggers: dict[int, str] = {}
         refit_of: dict[int, int] = {}
@@ -220,7 +219,7 @@ class DemoWatcher:
         s.final_version = None
         s.final_promoted_at = None
         for version, rec in sorted(policies.items()):
-            if version == s.baseline_version or rec.status not in ("approved", "rolled_back"):
+            if version == s.baseline_version or rec.status not in SHOWN_STATUSES:
                 continue
             after_shift = self._rel(rec.created_at) >= s.shift_at
             pushed = first_ok.get(version, {})
@@ -230,10 +229,13 @@ class DemoWatcher:
                 self._add(("canary", version), first, "canary",
                           f"canary: v{version} pushed to {', '.join(canary)} "
                           f"({len(canary)} of {len(s.routers)} routers)")
+            if rec.status == "superseded":
+                self._add(("superseded", version), self._rel(rec.updated_at), "superseded",
+                          f"canary v{version} {rec.reason}")
+                continue
             if rec.status == "rolled_back":
                 self._add(("rollback", version), self._rel(rec.updated_at), "rollback",
-                          f"canary v{version} {rec.reason}" if rec.reason.startswith(SUPERSEDED)
-                          else f"rolled back v{version}: {rec.reason}")
+                          f"rolled back v{version}: {rec.reason}")
                 continue
             promoted_at = max(pushed.values()) if len(pushed) == len(s.routers) else None
             if promoted_at is not None:

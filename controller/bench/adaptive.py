@@ -107,8 +107,6 @@ class AdaptiveController:
 
     def finish(self) -> AdaptiveOutcome:
         """Read the run's history back from the store, then close it."""
-        from controller.cycle import SUPERSEDED
-
         self._loop.close()
         out = AdaptiveOutcome(cycles=len(self.reports),
                               failed_cycles=[r.reason for r in self.reports
@@ -120,8 +118,7 @@ class AdaptiveController:
         approved = sorted(store.policies(status="approved"), key=lambda p: p.version)
         out.approvals = [(p.created_at.timestamp(), loads(p.body_json)) for p in approved]
         out.superseded = sorted(p.created_at.timestamp()
-                                for p in store.policies(status="rolled_back")
-                                if p.reason.startswith(SUPERSEDED))
+                                for p in store.policies(status="superseded"))
         out.windows = len(store.windows())
         out.drift_events = [(e.at.timestamp(), e.kind) for e in store.drift_events()]
         calibrations = store.calibrations()

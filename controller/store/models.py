@@ -33,7 +33,8 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-POLICY_STATUSES = ("candidate", "approved", "rejected", "rolled_back", "advisory")
+# superseded: an approved canary replaced by its canary refit (not a regression: 0003).
+POLICY_STATUSES = ("candidate", "approved", "rejected", "rolled_back", "advisory", "superseded")
 REQUEST_KINDS = ("recalibrate", "rollback", "pause", "resume")
 REQUEST_STATUSES = ("pending", "claimed", "done", "failed")
 DRIFT_KINDS = ("workload", "performance", "slo")

@@ -80,9 +80,10 @@ LEADER = "leader"
 POLICY_TRANSITIONS: Mapping[str, frozenset[str]] = {
     "candidate": frozenset({"approved", "rejected", "advisory"}),
     "advisory": frozenset({"approved", "rejected"}),
-    "approved": frozenset({"rolled_back"}),
+    "approved": frozenset({"rolled_back", "superseded"}),
     "rejected": frozenset(),
     "rolled_back": frozenset(),
+    "superseded": frozenset(),
 }
 _CLAIM_ATTEMPTS = 8
 

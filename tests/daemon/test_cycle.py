@@ -125,7 +125,7 @@ async def test_a_refit_that_beats_its_canary_bakes_in_its_place(tmp_path: Path) 
     superseded = await _until_canary(rig, lambda text: "superseded" in text, fleet_on_v1)
     assert superseded.approved_version == 3 and superseded.trigger == "canary"
     v2 = rig.store.policy(2)
-    assert v2 is not None and v2.status == "rolled_back"
+    assert v2 is not None and v2.status == "superseded"
     assert v2.reason.startswith("superseded by its canary refit")
     canary = canary_subset(list(rig.agents), 0.25, 3)
     assert _desired(rig) == {r: (3 if r in canary else 1) for r in rig.agents}

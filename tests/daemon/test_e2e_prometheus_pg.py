@@ -304,7 +304,7 @@ def test_a_scripted_shift_is_detected_recalibrated_canaried_and_promoted(
             origin = details
             if details.get("trigger") == "canary":
                 superseded = store.policy(int(details["refit_of"]))
-                assert superseded is not None and superseded.status == "rolled_back", story
+                assert superseded is not None and superseded.status == "superseded", story
                 assert superseded.reason.startswith(SUPERSEDED), story
                 refitted = store.calibration_for(superseded.version)
                 assert refitted is not None, story

@@ -76,7 +76,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "9001"
-down_revision = "0002"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 
@@ -105,14 +105,14 @@ def test_batch_migration_of_a_parent_table_keeps_its_children(
     cfg = migrate.alembic_config(db_url)
     cfg.set_main_option("script_location", str(scripts))
 
-    command.upgrade(cfg, "0002")
+    command.upgrade(cfg, "0003")
     with Store(db_url) as store:
         store.add_policy(1, "aa" * 32, "{}", "approved", "seed")
         store.set_desired("r1", 1)
         store.add_calibration([1], {"mape": 0.1}, 0.9, None, policy_version=1)
 
     command.upgrade(cfg, "9001")
-    command.downgrade(cfg, "0002")
+    command.downgrade(cfg, "0003")
 
     with Store(db_url) as store:
         assert store.desired_versions() == {"r1": 1}
@@ -172,9 +172,7 @@ def test_upgrade_from_0001_adds_recommendations_and_downgrade_removes_only_them(
 
     migrate.upgrade(db_url, "0002")
     assert migrate.current_revision(db_url) == "0002"
-    migrate.check(db_url)
     with Store(db_url) as store:
-        store.require_schema()
         rid = _recommend(store)
         assert [r.id for r in store.recommendations()] == [rid]
         assert store.desired_versions() == {"r1": 1}  # 0001's rows are untouched
@@ -184,7 +182,7 @@ def test_upgrade_from_0001_adds_recommendations_and_downgrade_removes_only_them(
     with Store(db_url) as store:
         assert store.desired_versions() == {"r1": 1}
         assert [c.policy_version for c in store.calibrations()] == [1]
-        with pytest.raises(StoreError, match="needs 0002"):
+        with pytest.raises(StoreError, match=f"needs {migrate.head_revision()}"):
             store.require_schema()
 
     migrate.upgrade(db_url)  # and up again: the table comes back empty
@@ -198,3 +196,51 @@ def test_upgrade_from_0001_adds_recommendations_and_downgrade_removes_only_them(
                 assert conn.exec_driver_sql("PRAGMA foreign_key_check").all() == []
         finally:
             engine.dispose()
+
+
+def _refused(url: str, statement: str) -> None:
+    """The CHECK constraint refuses ``statement`` (raw SQL: past the store's own checks)."""
+    engine = make_engine(url)
+    try:
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+            conn.execute(sa.text(statement))
+    finally:
+        engine.dispose()
+
+
+def _status_of(url: str) -> dict[int, str]:
+    with Store(url) as store:
+        return {p.version: p.status for p in store.policies()}
+
+
+def test_0003_gives_superseded_canaries_their_own_status_and_back(db_url: str) -> None:
+    migrate.upgrade(db_url, "0002")
+    with Store(db_url) as store:  # a 0002 build's history: superseded was a rollback reason
+        for version in (1, 2, 3):
+            store.add_policy(version, f"{version:02x}" * 32, "{}", "approved", "learned")
+        store.set_policy_status(2, "rolled_back", "superseded by its canary refit: promoted")
+        store.set_policy_status(3, "rolled_back", "canary rolled back: canary worse")
+        store.set_desired("r1", 1)
+
+    migrate.upgrade(db_url, "0003")
+    migrate.check(db_url)
+    assert _status_of(db_url) == {1: "approved", 2: "superseded", 3: "rolled_back"}
+    with Store(db_url) as store:
+        store.require_schema()
+        store.add_policy(4, "04" * 32, "{}", "approved", "learned")
+        assert store.set_policy_status(4, "superseded", "superseded by its canary refit: x"
+                                       ).status == "superseded"
+        with pytest.raises(StoreError, match="cannot go from superseded to approved"):
+            store.set_policy_status(4, "approved", "again")
+        assert store.desired_versions() == {"r1": 1}
+    _refused(db_url, "UPDATE policies SET status = 'bogus' WHERE version = 1")
+
+    migrate.downgrade(db_url, "0002")
+    assert _status_of(db_url) == {1: "approved", 2: "rolled_back", 3: "rolled_back",
+                                  4: "rolled_back"}
+    # The old CHECK is back: 0002 code never sees the new status.
+    _refused(db_url, "UPDATE policies SET status = 'superseded' WHERE version = 1")
+    with Store(db_url) as store:
+        assert store.desired_versions() == {"r1": 1}
+    migrate.upgrade(db_url)
+    assert _status_of(db_url)[2] == "superseded"
