@@ -537,7 +537,8 @@ class Cycle:
             # Routers run a mix of two policies while a canary bakes: its drift says nothing
             # about the fleet's policy. The judge decides instead.
             self._pending_drift = False
-            if self.config.canary_refit and not ops.holding and self._bake_ends(rollout, now):
+            if self.config.canary_refit and not ops.holding \
+                    and self._refit_due(rollout, plan.window):
                 return "canary"
             return None
         if ops.holding:
@@ -563,18 +564,18 @@ class Cycle:
             return "schedule"
         return None
 
-    def _bake_ends(self, rollout: Rollout, now: float) -> bool:
-        """Whether this cycle's window completes the baking canary's windows (so the judge
-        may decide now), for a canary that is not itself a refit."""
+    def _refit_due(self, rollout: Rollout, window: Window | None) -> bool:
+        """Whether to refit the baking canary now: it is not itself a refit, and the judge,
+        with this cycle's window (stored with the verdict), will promote it. A canary that
+        waits for traffic or is rolled back is not refitted: its refit would be discarded."""
         assert rollout.canary_version is not None
+        if window is None:
+            return False
         with self.store.read() as tx:
             record = tx.policy(rollout.canary_version)
             if record is None or record.reason.startswith(REFIT_PREFIX):
                 return False
-            baked = len(self._bake_windows(tx, record))
-        # This cycle's window is stored with the verdict: it counts too.
-        return baked + 1 >= self.config.bake_windows \
-            and now >= record.created_at.timestamp() + 0.5 * self.config.interval_s
+            return self.judge_canary(tx, rollout, record, window).action == "promote"
 
     def next_due(self) -> float | None:
         """When the next scheduled calibration is due (epoch s), from the store."""
@@ -739,7 +740,9 @@ class Cycle:
         dry_run = bool(plan.recalibrate_request is not None
                        and (plan.recalibrate_request.args or {}).get("dry_run"))
         if plan.refit_of is not None and plan.canary_verdict not in ("promote", "superseded"):
-            dry_run = True  # the canary was not judged good: its refit is only recorded
+            # The judge was asked before the refit; only an operator action in this cycle
+            # (a rollback, a pause) changes its answer. The refit is then only recorded.
+            dry_run = True
         decision = "approved" if outcome.approved else "rejected"
         self.metrics.guardrail_decision(decision, "forced" if "forced" in outcome.reason
                                         else decision, self.clock.now())
@@ -948,12 +951,14 @@ class Cycle:
             self.metrics.set_canary_state("rolled_back")
         return verdict.action
 
-    def judge_canary(self, tx: Tx, rollout: Rollout, record: PolicyRecord) -> CanaryVerdict:
-        """Compare canary and control routers' goodput over the windows since approval.
+    def judge_canary(self, tx: Tx, rollout: Rollout, record: PolicyRecord,
+                     unstored: Window | None = None) -> CanaryVerdict:
+        """Compare canary and control routers' goodput over the windows since approval
+        (``unstored``: this cycle's window, before it is stored).
 
         Canary and control share the workers, so this compares routing, not load."""
         cfg = self.config
-        windows = self._bake_windows(tx, record)
+        windows = self._bake_windows(tx, record, unstored)
         canary_names = {self.outcome_names[r] for r in rollout.canary_routers}
         control_names = {self.outcome_names[r] for r in rollout.control_routers}
         met_c = n_c = met_k = n_k = 0.0
@@ -982,13 +987,17 @@ class Cycle:
                                  f"z {z:.2f} < {critical:.2f}", pc, pk, n_c, n_k, z)
         return CanaryVerdict("promote", f"promoted: {numbers}, z {_num(z)}", pc, pk, n_c, n_k, z)
 
-    def _bake_windows(self, tx: Tx, record: PolicyRecord) -> list[Window]:
-        """Stored windows that ended at least half an interval after ``record``'s approval:
-        the one the approval happened in saw the old policy everywhere."""
+    def _bake_windows(self, tx: Tx, record: PolicyRecord, unstored: Window | None = None
+                      ) -> list[Window]:
+        """Stored windows (and ``unstored``) that ended at least half an interval after
+        ``record``'s approval: the one the approval happened in saw the old policy
+        everywhere."""
         approved_at = record.created_at.timestamp()
         since = record.created_at - timedelta(seconds=self.config.interval_s)
-        return [w.window for w in tx.windows(since=since)
-                if w.window.end >= approved_at + 0.5 * self.config.interval_s]
+        windows = [w.window for w in tx.windows(since=since)]
+        if unstored is not None:
+            windows.append(unstored)
+        return [w for w in windows if w.end >= approved_at + 0.5 * self.config.interval_s]
 
     # -- operator requests ----------------------------------------------------------------
 

@@ -174,22 +174,38 @@ async def test_no_refit_when_canary_refit_is_off(tmp_path: Path) -> None:
     assert [c.details["trigger"] for c in rig.store.calibrations()][1:] == ["drift"]
 
 
-async def test_the_refit_of_a_canary_that_is_not_promoted_is_only_recorded(tmp_path: Path
-                                                                           ) -> None:
+async def test_a_canary_that_is_not_promoted_is_not_refitted(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     await _canary_v2(rig, {1: 0.90, 2: 0.55}, approve_refit=True)
+    calibrations = len(rig.store.calibrations())
     for _ in range(4):
         report = await rig.step()
         if report.canary and "worse" in report.canary:
             break
     else:
         raise AssertionError("the canary was never judged")
-    assert report.trigger == "canary" and report.candidate_version is None
+    assert report.trigger is None and report.candidate_version is None
     assert rig.store.policy(2).status == "rolled_back"  # type: ignore[union-attr]
     assert _desired(rig) == dict.fromkeys(rig.agents, 1)
-    refit = rig.store.calibrations()[-1]
-    assert refit.details["trigger"] == "canary" and refit.policy_version is None
+    assert len(rig.store.calibrations()) == calibrations  # no refit was fitted or recorded
     assert rig.store.next_version() == 3
+
+
+async def test_a_canary_waiting_for_traffic_is_refitted_only_when_the_judge_promotes(
+        tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _canary_v2(rig, {1: 0.90, 2: 0.96}, approve_refit=True)
+    requests = rig.source.requests
+    rig.source.requests = 5  # too few per window to judge: the bake waits past its windows
+    waits = 0
+    for _ in range(4):
+        report = await rig.step()
+        assert report.trigger is None, report  # waiting: no refit fitted, none recorded
+        waits += "baking:" in (report.canary or "")
+    assert waits == 4 and [c.details["trigger"] for c in rig.store.calibrations()][-1] == "drift"
+    rig.source.requests = requests
+    report = await _until_canary(rig, lambda text: "superseded" in text)
+    assert report.trigger == "canary" and report.approved_version == 3
 
 
 async def test_a_regressing_canary_is_rolled_back_with_its_reason(tmp_path: Path) -> None:
