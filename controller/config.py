@@ -220,9 +220,9 @@ class ControllerConfig(_Section):
         "rolled back (no evidence, no promotion).",
     )
     canary_refit: bool = Field(
-        True, description="When a canary's bake ends, refit on windows that include its own "
-        "traffic; a refit the guardrail prefers to the canary bakes in its place (the fleet "
-        "changes once, not twice). A refit is not refitted.",
+        True, description="When the judge is about to promote a canary, refit on windows that "
+        "include its own traffic; a refit the guardrail prefers to the canary bakes in its "
+        "place (the fleet changes once, not twice). A refit is not refitted.",
     )
     promote_margin: float = Field(
         0.02, ge=0, description="Canary goodput may be this much below control's and still "
