@@ -154,8 +154,8 @@ def _timeline(store: Store, t0: float) -> str:
                      f"v{c.policy_version}: {d.get('reason')}"))
     for p in store.policies():
         rows.append((_ts(p.created_at), f"policy v{p.version} {p.status}: {p.reason}"))
-    for p in store.pushes():
-        rows.append((_ts(p.at), f"push v{p.version} -> {p.router_id}: {p.result}"))
+    for push in store.pushes():
+        rows.append((_ts(push.at), f"push v{push.version} -> {push.router_id}: {push.result}"))
     return "\n".join(f"{t - t0:7.1f} s  {text}" for t, text in sorted(rows))
 
 
@@ -260,8 +260,7 @@ def test_a_scripted_shift_is_detected_recalibrated_canaried_and_promoted(
         listen = f"127.0.0.1:{free_port()}"
         targets = [Target(hostport(w["metrics"]), w["role"]) for w in sim["workers"]]
         targets += [Target(hostport(r["metrics"]), "router") for r in sim["routers"]]
-        targets.append(Target(listen, "controller"))
-        prom = PromServer(targets)
+        prom = PromServer(targets, also=[(listen, "controller")])
         store = Store(pg_url)
         log = tmp_path / "e2e.log"
         try:

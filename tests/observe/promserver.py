@@ -35,7 +35,10 @@ def _ts(text: str) -> float:
 
 
 class PromServer:
-    def __init__(self, targets: Sequence[Target], scrape_interval_s: int = 1) -> None:
+    def __init__(self, targets: Sequence[Target], scrape_interval_s: int = 1,
+                 also: Sequence[tuple[str, str]] = ()) -> None:
+        """``also``: (HOST:PORT, role) scraped too that are not observation targets (the
+        controller's own /metrics)."""
         assert PROMETHEUS is not None
         self.targets = list(targets)
         self.port = free_port()
@@ -43,7 +46,7 @@ class PromServer:
         self._dir = Path(tempfile.mkdtemp(prefix="pdctl-prom-"))
         groups = [
             {"targets": [t.name], "labels": {"role": t.role}} for t in self.targets
-        ]
+        ] + [{"targets": [name], "labels": {"role": role}} for name, role in also]
         config = {
             "global": {"scrape_interval": f"{scrape_interval_s}s",
                        "evaluation_interval": f"{scrape_interval_s}s",
