@@ -278,7 +278,8 @@ class CoreLearner:
         refused: the workload and goodput reference stays the running policy's (a shift that
         began in the candidate's windows keeps being measured, and fires again after the
         cooldown); the performance detector takes the candidate's latency model and residual
-        scale, fitted on windows under the running policy."""
+        scale, fitted on windows under the running policy, with fresh accumulators and only
+        the cooldown it was already in."""
         from controller.core import drift
 
         if outcome.reference is None:
@@ -290,7 +291,13 @@ class CoreLearner:
             return LearnerState(reference, rearmed, model)
         kept = replace(state.reference, residual_mean=reference.residual_mean,
                        residual_sd=reference.residual_sd)
-        return LearnerState(kept, replace(previous, performance=rearmed.performance), model)
+        # Fresh accumulators for the new model, but no new cooldown: a refusal must not
+        # silence a detector that did not ask for it (a workload calibration refused 90 s
+        # before a KV-link slowdown delayed its detection by 60 s: docs/bench.md, "A refusal
+        # does not silence the performance detector"). Its own firing's cooldown still holds.
+        performance = replace(rearmed.performance,
+                              cooldown_until=previous.performance.cooldown_until)
+        return LearnerState(kept, replace(previous, performance=performance), model)
 
     def restore(self, details: Mapping[str, Any] | None) -> LearnerState:
         """After a restart: the reference stored with the current policy's calibration (the

@@ -101,3 +101,31 @@ def test_a_candidate_refused_on_the_windows_since_the_change_alone_is_the_new_no
     assert _fired(learner, judged, after[12:])[1] == []
     across = learner.adopt(state, _outcome(after[2:12], False, regime_only=False), after[11].end)
     assert _fired(learner, across, after[12:])[1], "kept reference: the shift fires again"
+
+
+def test_a_refusal_does_not_silence_a_performance_detector_that_did_not_fire() -> None:
+    """The performance detector restarts on the candidate's model after a refusal, in the
+    cooldown of its own last firing, not in a new one (a workload calibration refused just
+    before a KV-link slowdown used to hide the slowdown for a whole cooldown)."""
+    from dataclasses import replace
+
+    from controller.core.drift import DetectorState
+
+    learner = CoreLearner(load_settings())  # cooldown 300 s
+    before, after = _streams()
+    state = learner.adopt(LearnerState(), _outcome(before, True, object()), 0.0)
+    assert state.drift is not None
+    now = after[9].end
+    quiet = replace(state, drift=replace(state.drift, performance=DetectorState(
+        consecutive=0, cooldown_until=now - 1.0, cusum={"KV.transfer": (3.0, 0.0)})))
+    refused = learner.adopt(quiet, _outcome(after[:10], False, object()), now)
+    assert refused.drift is not None
+    assert refused.drift.performance.cooldown_until < now  # may fire on the next windows
+    assert refused.drift.performance.cusum == {}  # but starts over on the new model
+    assert refused.drift.workload == quiet.drift.workload  # the others are left as they were
+    fired = replace(quiet, drift=replace(quiet.drift, performance=DetectorState(
+        consecutive=0, cooldown_until=now + 200.0)))
+    refused = learner.adopt(fired, _outcome(after[:10], False, object()), now)
+    assert refused.drift is not None and refused.drift.performance.cooldown_until == now + 200.0
+    approved = learner.adopt(quiet, _outcome(after[:10], True, object()), now)
+    assert approved.drift is not None and approved.drift.performance.cooldown_until == now + 300.0
