@@ -247,10 +247,9 @@ class DemoWatcher:
                 s.final_version, s.final_promoted_at = version, promoted_at
             elif promoted_at is not None:
                 s.learned_version = version
-        origin = s.final_version
-        while origin in refit_of:  # a refit is never refitted; the loop is for clarity only
-            origin = refit_of[origin]
-        s.final_refit_of = origin if origin != s.final_version else None
+        # A refit is never refitted: one step back reaches the calibration a trigger started.
+        s.final_refit_of = refit_of.get(s.final_version) if s.final_version else None
+        origin = s.final_refit_of or s.final_version
         s.final_trigger = triggers.get(origin) if origin else None
         s.events.sort(key=lambda e: e.at)
         s.phases = self.phases()
