@@ -485,7 +485,7 @@ class Cycle:
             else:
                 await self._calibrate(plan, current, now, recal, ops, report)
         await self._recommend(plan, now, report)
-        self._write(plan, claimed, rollout, ops, current, report)
+        self._write(plan, claimed, rollout, ops, report)
 
     def _window_start(self, end: float) -> float:
         """Windows tile time: continue from the last one, ours while leading without a
@@ -666,7 +666,7 @@ class Cycle:
     # -- the one write transaction --------------------------------------------------------
 
     def _write(self, plan: _Plan, claimed: list[OperatorRequest], rollout: Rollout,
-               ops: OperatorState, current: Policy | None, report: CycleReport) -> None:
+               ops: OperatorState, report: CycleReport) -> None:
         now_dt = self.clock.utcnow()
         with self.store.cycle() as tx:
             if not self.leadership.fence(tx):
@@ -693,7 +693,7 @@ class Cycle:
                 rollout = self._rollout(tx)
             if plan.trigger is not None:
                 report.trigger = plan.trigger
-                self._record_calibration(tx, plan, rollout, ops, current, report)
+                self._record_calibration(tx, plan, rollout, ops, report)
             for r in claimed:
                 if r.kind == "recalibrate":
                     ok = plan.calibration is not None
@@ -732,7 +732,7 @@ class Cycle:
                 report.drift.append(f.kind)
 
     def _record_calibration(self, tx: Tx, plan: _Plan, rollout: Rollout, ops: OperatorState,
-                            current: Policy | None, report: CycleReport) -> None:
+                            report: CycleReport) -> None:
         outcome = plan.calibration
         if outcome is None:
             return
