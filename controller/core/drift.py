@@ -79,6 +79,13 @@ class DriftConfig:
     qps_cusum_allowance: float = 1.0
     qps_cusum_threshold: float = 5.0
     qps_cusum_max_step_share: float = 0.8
+    # The KV link's residual needs fewer transfers a window than a route's latency needs
+    # requests: a transfer's time is bytes over bandwidth, not a heavy-tailed queueing delay.
+    # A window with fewer transfers than the reference windows averaged has its spread
+    # widened by sqrt(reference count / count), the spread of a mean. (At 20, windows of
+    # 15-19 transfers after a link slowdown were skipped: detection took 4-8 windows instead
+    # of 2; docs/bench.md, "The KV link's own minimum sample".)
+    kv_min_samples: float = 5.0
     cusum_allowance: float = 1.0  # k, in standard deviations
     z_clip: float = 5.0  # one window moves a CUSUM by at most z_clip - k
     residual_sd_floor: float = 0.04
@@ -106,6 +113,9 @@ class DriftReference:
     residual_mean: Mapping[str, float]
     residual_sd: Mapping[str, float]
     window_range: tuple[float, float]
+    # Mean samples a window behind each residual (its spread is that of a mean of so many).
+    # Empty in a reference stored before it was kept.
+    residual_count: Mapping[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -115,6 +125,7 @@ class DriftReference:
             "goodput_mean": self.goodput_mean, "goodput_sd": self.goodput_sd,
             "residual_mean": dict(self.residual_mean), "residual_sd": dict(self.residual_sd),
             "window_range": list(self.window_range),
+            "residual_count": dict(self.residual_count),
         }
 
     @classmethod
@@ -133,6 +144,8 @@ class DriftReference:
             residual_mean={str(k): float(v) for k, v in d["residual_mean"].items()},
             residual_sd={str(k): float(v) for k, v in d["residual_sd"].items()},
             window_range=(float(d["window_range"][0]), float(d["window_range"][1])),
+            residual_count={str(k): float(v)
+                            for k, v in d.get("residual_count", {}).items()},
         )
 
 
@@ -281,6 +294,7 @@ def reference_from_windows(
     goods = [g for g, n in (window_goodput(w) for w in windows) if g is not None and n > 0]
     res_mean: dict[str, float] = {}
     res_sd: dict[str, float] = {}
+    res_count: dict[str, float] = {}
     if model is not None:
         per = performance_residuals(model, windows)
         for key in RESIDUAL_KEYS:
@@ -288,6 +302,7 @@ def reference_from_windows(
             if vals.size >= 3:
                 res_mean[key] = float(np.mean(vals))
                 res_sd[key] = float(np.std(vals, ddof=1))
+                res_count[key] = float(np.mean([p[key][1] for p in per if key in p]))
     return DriftReference(
         context_counts=tuple(float(x) for x in ctx), io_counts=tuple(float(x) for x in io),
         qps_log_median=med, qps_log_sd=mad, qps_log_excess_var=excess,
@@ -296,6 +311,7 @@ def reference_from_windows(
         goodput_sd=float(np.std(goods, ddof=1)) if len(goods) > 1 else 0.0,
         residual_mean=res_mean, residual_sd=res_sd,
         window_range=(min(w.start for w in windows), max(w.end for w in windows)),
+        residual_count=res_count,
     )
 
 
@@ -405,11 +421,17 @@ def step_performance(
     details: dict[str, Any] = {}
     samples = 0.0
     stat = math.nan
+    nominal = c.performance.min_samples
+    floor = nominal
     for key, (value, count) in residuals.items():
-        if key not in ref.residual_mean or count < c.performance.min_samples:
+        need = c.kv_min_samples if key == "KV.transfer" else nominal
+        if key not in ref.residual_mean or count < need:
             continue
         samples = max(samples, count)
+        floor = min(floor, need)
         sd = max(ref.residual_sd.get(key, 0.0) * c.residual_sd_inflation, c.residual_sd_floor)
+        if key == "KV.transfer":  # a mean of fewer transfers scatters more
+            sd *= math.sqrt(max(1.0, ref.residual_count.get(key, nominal) / count))
         z = min(max((value - ref.residual_mean[key]) / sd, -c.z_clip), c.z_clip)
         up, down = cusum.get(key, (0.0, 0.0))
         up = max(0.0, up + z - c.cusum_allowance)
@@ -418,8 +440,9 @@ def step_performance(
         details[key] = {"z": z, "cusum_up": up, "cusum_down": down}
         if math.isnan(stat) or max(up, down) > stat:
             stat, lead = max(up, down), key
-    new, verdict = _advance("performance", c.performance, state, now, stat,
-                            c.performance.threshold, samples, details, cusum)
+    # Every residual used met its own minimum: the detector advances on any of them.
+    new, verdict = _advance("performance", replace(c.performance, min_samples=floor), state,
+                            now, stat, c.performance.threshold, samples, details, cusum)
     if stat > c.performance.threshold:  # which residual: the KV link, or a route's latency
         verdict = replace(verdict, reason=f"{verdict.reason} (led by {lead})")
     return new, verdict

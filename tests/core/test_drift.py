@@ -22,6 +22,7 @@ from controller.core.drift import (
     psi,
     reference_from_windows,
     scaling_event,
+    step_performance,
     step_workload,
 )
 from controller.core.features import build_training_set
@@ -223,6 +224,67 @@ def test_overdispersed_stationary_counts_do_not_fire(seed: int) -> None:
     # with Poisson's spread alone the same stream would look like drift
     poisson_only = dataclasses.replace(ref, qps_log_excess_var=0.0)
     assert any(_workload_fires(stream, poisson_only))
+
+
+# ~0.4 requests/s per router: 10-13 KV transfers a window, and fewer than the 20 requests a
+# route's latency residual needs; the KV link's own residual is what watches the link here.
+THIN_QPS = 0.4
+
+
+@pytest.fixture(scope="module")
+def thin_reference(model: LatencyModel) -> DriftReference:
+    """A calibration set at the thin windows' own load."""
+    return reference_from_windows(
+        stationary(Truth(), Mix(), THIN_QPS, LOCAL, 40, seed=101, slo=SLO), model)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_slower_link_fires_on_windows_too_thin_for_route_latencies(
+    seed: int, model: LatencyModel, thin_reference: DriftReference
+) -> None:
+    before = stationary(Truth(), Mix(), THIN_QPS, LOCAL, 10, seed=seed, slo=SLO,
+                        start=1_760_000_000.0)
+    after = stationary(Truth(link_bw=Truth().link_bw / 4), Mix(), THIN_QPS, LOCAL, 10,
+                       seed=seed + 50, slo=SLO, start=before[-1].end)
+    flags = run(before + after, thin_reference, model)
+    assert first_fire(flags[:10], "performance") is None
+    delay = first_fire(flags[10:], "performance")
+    assert delay is not None and delay <= 3, delay
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_thin_stationary_windows_never_fire(
+    seed: int, model: LatencyModel, thin_reference: DriftReference
+) -> None:
+    stream = stationary(Truth(), Mix(), THIN_QPS, LOCAL, 200, seed=seed + 200, slo=SLO,
+                        start=1_760_000_000.0)
+    flags = run(stream, thin_reference, model)
+    fired = [(i, k) for i, f in enumerate(flags) for k, v in f.items() if v]
+    assert fired == []
+
+
+def test_a_thin_kv_window_counts_with_a_wider_spread_and_route_keys_still_need_their_minimum(
+    reference: DriftReference,
+) -> None:
+    c = DriftConfig()
+    key = "KV.transfer"
+    sd = max(reference.residual_sd[key] * c.residual_sd_inflation, c.residual_sd_floor)
+    shift = reference.residual_mean[key] + 2.0 * sd
+
+    def z(count: float) -> float | None:
+        _, v = step_performance(DetectorState(), reference, {key: (shift, count)}, 0.0, c)
+        return v.details[key]["z"] if key in v.details else None
+
+    typical = reference.residual_count[key]
+    assert typical >= 4 * c.kv_min_samples
+    assert z(typical) == pytest.approx(2.0)
+    assert z(2 * typical) == pytest.approx(2.0)  # never narrower than the reference's
+    assert z(typical / 4) == pytest.approx(1.0)  # the spread of a mean of 4x fewer
+    assert z(c.kv_min_samples - 1) is None
+    route = "PREFILL_NODE.ttft"
+    _, v = step_performance(DetectorState(), reference,
+                            {route: (reference.residual_mean[route] + 10.0, 15.0)}, 0.0, c)
+    assert route not in v.details and math.isnan(v.statistic)
 
 
 def test_too_few_samples_never_fire(reference: DriftReference) -> None:
