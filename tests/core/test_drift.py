@@ -49,6 +49,18 @@ def reference(model: LatencyModel) -> DriftReference:
     return reference_from_windows(calib, model)
 
 
+# ~0.4 requests/s per router: 10-13 KV transfers a window, and fewer than the 20 requests a
+# route's latency residual needs; the KV link's own residual is what watches the link here.
+THIN_QPS = 0.4
+
+
+@pytest.fixture(scope="module")
+def thin_reference(model: LatencyModel) -> DriftReference:
+    """A calibration set at the thin windows' own load."""
+    return reference_from_windows(
+        stationary(Truth(), Mix(), THIN_QPS, LOCAL, 40, seed=101, slo=SLO), model)
+
+
 def run(windows: Sequence[Window], ref: DriftReference, model: LatencyModel,
         cfg: DriftConfig | None = None, state: DriftState | None = None
         ) -> list[dict[str, bool]]:
@@ -69,13 +81,15 @@ def first_fire(flags: list[dict[str, bool]], kind: str) -> int | None:
     return None
 
 
+@pytest.mark.parametrize("thin", [False, True], ids=["calibration-load", "thin"])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_stationary_streams_never_fire(
-    seed: int, model: LatencyModel, reference: DriftReference
+    seed: int, thin: bool, model: LatencyModel, request: pytest.FixtureRequest
 ) -> None:
-    stream = stationary(Truth(), Mix(), QPS, LOCAL, 200, seed=seed, slo=SLO,
+    qps, reference = (THIN_QPS, "thin_reference") if thin else (QPS, "reference")
+    stream = stationary(Truth(), Mix(), qps, LOCAL, 200, seed=seed + 200 * thin, slo=SLO,
                         start=1_760_000_000.0)
-    flags = run(stream, reference, model)
+    flags = run(stream, request.getfixturevalue(reference), model)
     fired = [(i, k) for i, f in enumerate(flags) for k, v in f.items() if v]
     assert fired == []
 
@@ -226,18 +240,6 @@ def test_overdispersed_stationary_counts_do_not_fire(seed: int) -> None:
     assert any(_workload_fires(stream, poisson_only))
 
 
-# ~0.4 requests/s per router: 10-13 KV transfers a window, and fewer than the 20 requests a
-# route's latency residual needs; the KV link's own residual is what watches the link here.
-THIN_QPS = 0.4
-
-
-@pytest.fixture(scope="module")
-def thin_reference(model: LatencyModel) -> DriftReference:
-    """A calibration set at the thin windows' own load."""
-    return reference_from_windows(
-        stationary(Truth(), Mix(), THIN_QPS, LOCAL, 40, seed=101, slo=SLO), model)
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_slower_link_fires_on_windows_too_thin_for_route_latencies(
     seed: int, model: LatencyModel, thin_reference: DriftReference
@@ -250,17 +252,6 @@ def test_a_slower_link_fires_on_windows_too_thin_for_route_latencies(
     assert first_fire(flags[:10], "performance") is None
     delay = first_fire(flags[10:], "performance")
     assert delay is not None and delay <= 3, delay
-
-
-@pytest.mark.parametrize("seed", SEEDS)
-def test_thin_stationary_windows_never_fire(
-    seed: int, model: LatencyModel, thin_reference: DriftReference
-) -> None:
-    stream = stationary(Truth(), Mix(), THIN_QPS, LOCAL, 200, seed=seed + 200, slo=SLO,
-                        start=1_760_000_000.0)
-    flags = run(stream, thin_reference, model)
-    fired = [(i, k) for i, f in enumerate(flags) for k, v in f.items() if v]
-    assert fired == []
 
 
 def test_a_thin_kv_window_counts_with_a_wider_spread_and_route_keys_still_need_their_minimum(
