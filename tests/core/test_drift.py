@@ -272,6 +272,12 @@ def test_a_thin_kv_window_counts_with_a_wider_spread_and_route_keys_still_need_t
     assert z(2 * typical) == pytest.approx(2.0)  # never narrower than the reference's
     assert z(typical / 4) == pytest.approx(1.0)  # the spread of a mean of 4x fewer
     assert z(c.kv_min_samples - 1) is None
+    # A reference stored before it kept counts: the routes' minimum stands in for the mean.
+    stored = {k: v for k, v in reference.to_dict().items() if k != "residual_count"}
+    old = DriftReference.from_dict(stored)
+    assert old.residual_count == {}
+    _, v = step_performance(DetectorState(), old, {key: (shift, 5.0)}, 0.0, c)
+    assert v.details[key]["z"] == pytest.approx(2.0 / math.sqrt(c.performance.min_samples / 5))
     route = "PREFILL_NODE.ttft"
     _, v = step_performance(DetectorState(), reference,
                             {route: (reference.residual_mean[route] + 10.0, 15.0)}, 0.0, c)
