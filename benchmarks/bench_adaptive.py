@@ -6,6 +6,7 @@ Deterministic (the same seed and code give the same figures): what the cycle var
 issue 7 were compared with before a full ``bench_suite.py`` run.
 
     .venv/bin/python benchmarks/bench_adaptive.py 1 3 5 --log
+    .venv/bin/python benchmarks/bench_adaptive.py --set controller.guardrail_margin=0.008
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from controller.bench.runner import (  # noqa: E402
     WindowRecorder,
     adaptive_settings,
     numbered_scenarios,
+    parse_setting_overrides,
     quiet_logs,
     slo_of,
     times_to_first,
 )
 from controller.clock import WallClock  # noqa: E402
 from controller.core.drift import feature_statistics  # noqa: E402
+from controller.errors import ConfigError  # noqa: E402
 from controller.policy import Policy, Route, Weights, dumps, loads  # noqa: E402
 from controller.sim.run import run_scenario  # noqa: E402
 from controller.sim.scenario import Scenario  # noqa: E402
@@ -80,11 +83,15 @@ def _led_by(kind: str, details: object) -> str:
     return f" (led by {feature} {shares[feature]:.2f})"
 
 
-def replay(scenario: Scenario, initial: Policy, log: bool) -> dict[str, object]:
+def replay(scenario: Scenario, initial: Policy, log: bool,
+           sets: dict[str, dict[str, object]] | None = None) -> dict[str, object]:
     wall = WallClock()
     t0 = wall.perf_counter_ns()
     lines: list[str] = []
-    settings = adaptive_settings(scenario)
+    try:
+        settings = adaptive_settings(scenario, overrides=sets)
+    except ConfigError as e:
+        raise SystemExit(f"--set: {e}") from None
     initial = adaptive_start(initial, settings)
     with tempfile.TemporaryDirectory(prefix="pdctl-bench-adaptive-") as tmp:
         hook = AdaptiveController(initial, settings, Path(tmp) / "a.db")
@@ -142,10 +149,17 @@ def main() -> None:
     ap.add_argument("--log", action="store_true", help="print calibrations and drift events")
     ap.add_argument("--seed", type=int, default=None,
                     help="replay with this seed instead of the scenario's")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one pdctl setting for adaptive (repeatable), e.g. "
+                    "controller.bake_windows=5")
     args = ap.parse_args()
+    try:
+        sets = parse_setting_overrides(args.set)
+    except ValueError as e:
+        raise SystemExit(f"--set: {e}") from None
     quiet_logs()
     for _, scenario in numbered_scenarios(ROOT / "scenarios/bench", args.which, args.seed):
-        replay(scenario, ppd_static(scenario, args.cache), args.log)
+        replay(scenario, ppd_static(scenario, args.cache), args.log, sets)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ Order of the runs (each a full virtual-time replay of the scenario, same seed):
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from controller.bench.oracle import (
     windows_in,
 )
 from controller.core.window import Window
+from controller.errors import ConfigError
 from controller.learning import calibration_config
 from controller.policy import Policy, Route, Slo, Weights
 from controller.sim.run import RunResult, run_scenario
@@ -272,25 +274,51 @@ def run_bench(
     return BenchRun(scenario, report_runs, candidates, oracle, notes)
 
 
-def adaptive_settings(scenario: Scenario, time_scale: float = 1.0) -> Any:
+def adaptive_settings(scenario: Scenario, time_scale: float = 1.0,
+                      overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Any:
     """pdctl's defaults with the scenario's SLOs and control interval; in a scenario
     shortened by ``time_scale`` the approval rate limit, the drift cooldown and the
     scheduled recalibration period shrink with it (a 6-minute CI run would otherwise allow
-    one change at most)."""
+    one change at most). ``overrides`` (section -> key -> value, as
+    :func:`parse_setting_overrides` gives) go on top; a bad one raises ConfigError."""
     from controller.config import load_settings
 
     slo = {"ttft_s": scenario.ttft_slo_s, "tpot_s": scenario.tpot_slo_s}
     base = load_settings(slo=slo, controller={"interval_s": scenario.interval_s})
-    if time_scale == 1.0:
+    if time_scale != 1.0:
+        c, d = base.controller, base.drift
+        every = c.calibrate_every_s * time_scale if c.calibrate_every_s is not None else None
+        base = load_settings(
+            slo=slo,
+            controller={"interval_s": scenario.interval_s,
+                        "min_policy_interval_s": c.min_policy_interval_s * time_scale,
+                        "calibrate_every_s": every},
+            drift={"cooldown_s": d.cooldown_s * time_scale})
+    if not overrides:
         return base
-    c, d = base.controller, base.drift
-    every = c.calibrate_every_s * time_scale if c.calibrate_every_s is not None else None
-    return load_settings(
-        slo=slo,
-        controller={"interval_s": scenario.interval_s,
-                    "min_policy_interval_s": c.min_policy_interval_s * time_scale,
-                    "calibrate_every_s": every},
-        drift={"cooldown_s": d.cooldown_s * time_scale})
+    doc = base.model_dump()
+    for section, values in overrides.items():
+        if not isinstance(doc.get(section), dict):
+            raise ConfigError(f"unknown settings section {section!r}")
+        doc[section].update(values)
+    return load_settings(**doc)
+
+
+def parse_setting_overrides(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``SECTION.KEY=VALUE`` items to section -> key -> value; VALUE is read as JSON when it
+    parses (numbers, booleans, null), else kept as a string. ValueError names a bad item."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        section, dot, key = name.partition(".")
+        if not sep or not dot or not section or not key:
+            raise ValueError(f"{item!r}: expected SECTION.KEY=VALUE")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out.setdefault(section, {})[key] = value
+    return out
 
 
 def _run_adaptive(scenario: Scenario, initial: Policy, settings: Any,
