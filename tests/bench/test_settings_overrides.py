@@ -32,7 +32,7 @@ def test_values_are_read_as_json_where_they_parse() -> None:
 @pytest.mark.parametrize("item", ["controller.bake_windows", "bake_windows=5", ".x=1",
                                   "controller.=1"])
 def test_a_malformed_item_is_refused(item: str) -> None:
-    with pytest.raises(ValueError, match="SECTION.KEY=VALUE"):
+    with pytest.raises(ValueError, match=r"SECTION\.KEY=VALUE"):
         parse_setting_overrides([item])
 
 
