@@ -37,7 +37,6 @@ from controller.bench.oracle import (
     windows_in,
 )
 from controller.core.window import Window
-from controller.errors import ConfigError
 from controller.learning import calibration_config
 from controller.policy import Policy, Route, Slo, Weights
 from controller.sim.run import RunResult, run_scenario
@@ -283,25 +282,22 @@ def adaptive_settings(scenario: Scenario, time_scale: float = 1.0,
     :func:`parse_setting_overrides` gives) go on top; a bad one raises ConfigError."""
     from controller.config import load_settings
 
-    slo = {"ttft_s": scenario.ttft_slo_s, "tpot_s": scenario.tpot_slo_s}
-    base = load_settings(slo=slo, controller={"interval_s": scenario.interval_s})
+    sections: dict[str, dict[str, Any]] = {
+        "slo": {"ttft_s": scenario.ttft_slo_s, "tpot_s": scenario.tpot_slo_s},
+        "controller": {"interval_s": scenario.interval_s},
+    }
+    base = load_settings(None, **sections)
+    if time_scale == 1.0 and not overrides:
+        return base
     if time_scale != 1.0:
         c, d = base.controller, base.drift
         every = c.calibrate_every_s * time_scale if c.calibrate_every_s is not None else None
-        base = load_settings(
-            slo=slo,
-            controller={"interval_s": scenario.interval_s,
-                        "min_policy_interval_s": c.min_policy_interval_s * time_scale,
-                        "calibrate_every_s": every},
-            drift={"cooldown_s": d.cooldown_s * time_scale})
-    if not overrides:
-        return base
-    doc = base.model_dump()
-    for section, values in overrides.items():
-        if not isinstance(doc.get(section), dict):
-            raise ConfigError(f"unknown settings section {section!r}")
-        doc[section].update(values)
-    return load_settings(**doc)
+        sections["controller"] |= {"min_policy_interval_s": c.min_policy_interval_s * time_scale,
+                                   "calibrate_every_s": every}
+        sections["drift"] = {"cooldown_s": d.cooldown_s * time_scale}
+    for section, values in (overrides or {}).items():
+        sections[section] = {**sections.get(section, {}), **values}
+    return load_settings(None, **sections)
 
 
 def parse_setting_overrides(items: Sequence[str]) -> dict[str, dict[str, Any]]:
