@@ -189,7 +189,7 @@ class CoreLearner:
             self._drift_onset = min(known) if known else None
             # A link drift: the KV transfers' own CUSUM is over the threshold.
             link = any(v.fired and drift.feature_statistics(v.kind, v.details).get(
-                "KV.transfer", 0.0) > v.threshold for v in verdicts)
+                drift.KV_RESIDUAL, 0.0) > v.threshold for v in verdicts)
             self._link_changed_at = (
                 drift.drift_onset(new.performance, self._drift.performance.threshold)
                 if link else None)

@@ -44,8 +44,9 @@ from controller.core.window import Histogram, Window
 
 KINDS = ("workload", "performance", "slo")
 HISTORY = 32  # statistics kept per detector for `pdctl drift`
+KV_RESIDUAL = "KV.transfer"  # the KV link's own residual (the others are per route)
 RESIDUAL_KEYS = ("PREFILL_NODE.ttft", "PREFILL_NODE.tpot", "DECODE_LOCAL.ttft",
-                 "DECODE_LOCAL.tpot", "KV.transfer")
+                 "DECODE_LOCAL.tpot", KV_RESIDUAL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +260,7 @@ def performance_residuals(
     # noisy than a TTFT that carries queueing, so a slower link shows within a window or two.
     kv = ts.kv_transfer
     if kv.window.size:
-        add("KV.transfer", kv.window, kv.value, model.transfer_s(ts), kv.weight)
+        add(KV_RESIDUAL, kv.window, kv.value, model.transfer_s(ts), kv.weight)
     return out
 
 
@@ -424,13 +425,14 @@ def step_performance(
     nominal = c.performance.min_samples
     floor = nominal
     for key, (value, count) in residuals.items():
-        need = c.kv_min_samples if key == "KV.transfer" else nominal
+        link = key == KV_RESIDUAL
+        need = c.kv_min_samples if link else nominal
         if key not in ref.residual_mean or count < need:
             continue
         samples = max(samples, count)
         floor = min(floor, need)
         sd = max(ref.residual_sd.get(key, 0.0) * c.residual_sd_inflation, c.residual_sd_floor)
-        if key == "KV.transfer":  # a mean of fewer transfers scatters more
+        if link:  # a mean of fewer transfers scatters more
             sd *= math.sqrt(max(1.0, ref.residual_count.get(key, nominal) / count))
         z = min(max((value - ref.residual_mean[key]) / sd, -c.z_clip), c.z_clip)
         up, down = cusum.get(key, (0.0, 0.0))
