@@ -5,6 +5,8 @@ several seeds (``--seed``), a second table per scenario over its seeds.
 
     .venv/bin/python benchmarks/bench_summary.py results/bench/*/*/summary.json
     .venv/bin/python benchmarks/bench_summary.py --readme README.md results/bench/*/*/summary.json
+    .venv/bin/python benchmarks/bench_summary.py --readme README.md --block bench-heldout \
+        results/bench-heldout/*/*/summary.json
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller.bench.summary import suite_markdown, with_readme_block  # noqa: E402
+from controller.bench.summary import (  # noqa: E402
+    RESULTS_BLOCK,
+    suite_markdown,
+    with_readme_block,
+)
 
 
 def main() -> None:
@@ -25,16 +31,19 @@ def main() -> None:
     ap.add_argument("summaries", nargs="+", type=Path, help="summary.json files")
     ap.add_argument("--readme", type=Path, default=None,
                     help="rewrite this file's generated results block instead of printing")
+    ap.add_argument("--block", default=RESULTS_BLOCK,
+                    help=f"which generated block of --readme (default {RESULTS_BLOCK}; the "
+                    "held-out seeds' is bench-heldout)")
     args = ap.parse_args()
     table = suite_markdown(json.loads(p.read_text()) for p in args.summaries)
     if args.readme is None:
         sys.stdout.write(table)
         return
     try:
-        args.readme.write_text(with_readme_block(args.readme.read_text(), table))
+        args.readme.write_text(with_readme_block(args.readme.read_text(), table, args.block))
     except ValueError as e:
         sys.exit(f"error: {args.readme}: {e}")
-    print(f"{args.readme}: results block rewritten from {len(args.summaries)} run(s)")
+    print(f"{args.readme}: {args.block} block rewritten from {len(args.summaries)} run(s)")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """The evaluation's results over several runs: one Markdown table of every run (a scenario
 and a seed each) and, for a scenario run with several seeds, one line over its seeds.
 
-The README's results block is this module's output over the committed
-``results/bench/*/*/summary.json`` (``benchmarks/bench_summary.py --readme README.md``
-writes it; a test checks the README still matches the committed summaries).
+The README's results blocks are this module's output over the committed runs:
+``bench-results`` over ``results/bench/*/*/summary.json`` (the seeds the defaults were tuned
+on) and ``bench-heldout`` over ``results/bench-heldout/*/*/summary.json`` (seeds never replayed
+while tuning). ``benchmarks/bench_summary.py --readme README.md [--block NAME]`` writes one; a
+test checks the README still matches the committed summaries.
 """
 
 from __future__ import annotations
@@ -15,38 +17,59 @@ from typing import Any
 from controller.bench.report import seconds_list
 from controller.bench.runner import POLICIES, STATIC
 
-README_BEGIN = "<!-- bench-results: begin (benchmarks/bench_summary.py --readme; do not edit) -->"
-README_END = "<!-- bench-results: end -->"
+RESULTS_BLOCK = "bench-results"
+HELDOUT_BLOCK = "bench-heldout"
+
+
+def _markers(block: str) -> tuple[str, str]:
+    return (f"<!-- {block}: begin (benchmarks/bench_summary.py --readme; do not edit) -->",
+            f"<!-- {block}: end -->")
 
 
 def _best_static(policies: Mapping[str, Any]) -> str:
     return max((k for k in STATIC if k in policies), key=lambda k: policies[k]["goodput"])
 
 
+def lowest_phase_margin(policies: Mapping[str, Any]) -> float | None:
+    """Adaptive's goodput minus the best static policy's, in its worst phase (each phase
+    against the static policy best in that phase; None: no phases recorded)."""
+    statics = [k for k in STATIC if k in policies]
+    phases = policies["adaptive"].get("phases") or []
+    if not phases or any(len(policies[k].get("phases") or []) != len(phases) for k in statics):
+        return None
+    return min(float(p["goodput"]) - max(float(policies[k]["phases"][i]["goodput"])
+                                         for k in statics)
+               for i, p in enumerate(phases))
+
+
 def run_row(doc: Mapping[str, Any]) -> str:
-    """One run: goodput per policy, adaptive against the best static policy and the
-    oracle, the adaptive loop's policy changes, adaptation and detection time per event."""
+    """One run: goodput per policy, adaptive against the best static policy (over the run
+    and in its worst phase) and the oracle, the adaptive loop's policy changes, adaptation
+    and detection time per event."""
     pol = doc["policies"]
     cells = [f"`{doc['scenario']}`", str(doc.get("seed", "-"))]
     cells += [f"{pol[k]['goodput']:.3f}" if k in pol else "-" for k in POLICIES]
     if "adaptive" in pol and any(k in pol for k in STATIC):
         best = _best_static(pol)
         ratio = doc.get("oracle_ratio")
+        lowest = lowest_phase_margin(pol)
         cells += [
             f"{pol['adaptive']['goodput'] - pol[best]['goodput']:+.3f} ({best})",
+            "-" if lowest is None else f"{lowest:+.3f}",
             "-" if ratio is None else f"{ratio:.3f}",
             str(pol["adaptive"]["policy_changes"]),
             seconds_list(pol["adaptive"]["adaptation_s"]),
             seconds_list(pol["adaptive"].get("detection_s")),
         ]
     else:
-        cells += ["-"] * 5
+        cells += ["-"] * 6
     return "| " + " | ".join(cells) + " |"
 
 
 def seed_rows(docs: Iterable[Mapping[str, Any]]) -> list[str]:
     """Per scenario run with two or more seeds: adaptive's margin over the best static
-    policy per seed, on how many seeds it was above, the mean margin, the oracle ratios."""
+    policy per seed, on how many seeds it was above, the mean margin, its worst phase over
+    the seeds, the oracle ratios."""
     by_scenario: dict[str, list[Mapping[str, Any]]] = {}
     for doc in docs:
         if "adaptive" in doc["policies"]:
@@ -59,11 +82,13 @@ def seed_rows(docs: Iterable[Mapping[str, Any]]) -> list[str]:
                    - d["policies"][_best_static(d["policies"])]["goodput"] for d in runs]
         ratios = [float(d["oracle_ratio"]) for d in runs if d.get("oracle_ratio") is not None]
         ratio_range = f"{min(ratios):.3f}–{max(ratios):.3f}" if ratios else "-"
+        lows = [m for d in runs if (m := lowest_phase_margin(d["policies"])) is not None]
         rows.append(
             f"| `{name}` | {', '.join(str(d.get('seed', '-')) for d in runs)} "
             f"| {', '.join(f'{m:+.3f}' for m in margins)} "
             f"| {sum(m > 0 for m in margins)} of {len(runs)} "
-            f"| {sum(margins) / len(runs):+.3f} | {ratio_range} |")
+            f"| {sum(margins) / len(runs):+.3f} | {f'{min(lows):+.3f}' if lows else '-'} "
+            f"| {ratio_range} |")
     return rows
 
 
@@ -71,29 +96,33 @@ def suite_markdown(docs: Iterable[Mapping[str, Any]]) -> str:
     """Both tables, runs ordered by scenario then seed."""
     ordered = sorted(docs, key=lambda d: (str(d["scenario"]), int(d.get("seed", 0))))
     lines = ["| scenario | seed | " + " | ".join(POLICIES)
-             + " | adaptive - best static | adaptive / oracle | adaptive changes "
-               "| adaptation s per event | detection s per event |",
-             "|---" * (len(POLICIES) + 7) + "|"]
+             + " | adaptive - best static | lowest phase | adaptive / oracle "
+               "| adaptive changes | adaptation s per event | detection s per event |",
+             "|---" * (len(POLICIES) + 8) + "|"]
     lines += [run_row(d) for d in ordered]
     seeds = seed_rows(ordered)
     if seeds:
         lines += ["", "| scenario | seeds | adaptive - best static, per seed | adaptive above "
-                  "| mean | adaptive / oracle |", "|---|---|---|---|---|---|", *seeds]
+                  "| mean | lowest phase | adaptive / oracle |", "|---|---|---|---|---|---|---|",
+                  *seeds]
     return "\n".join(lines) + "\n"
 
 
-_BLOCK = re.compile(re.escape(README_BEGIN) + r"\n(.*?)" + re.escape(README_END), re.S)
+def _block_pattern(block: str) -> re.Pattern[str]:
+    begin, end = _markers(block)
+    return re.compile(re.escape(begin) + r"\n(.*?)" + re.escape(end), re.S)
 
 
-def readme_block(text: str) -> str | None:
-    """The generated block of a README (None: it has no markers)."""
-    m = _BLOCK.search(text)
+def readme_block(text: str, block: str = RESULTS_BLOCK) -> str | None:
+    """The generated block named ``block`` of a README (None: it has no markers)."""
+    m = _block_pattern(block).search(text)
     return m.group(1) if m else None
 
 
-def with_readme_block(text: str, block: str) -> str:
-    """``text`` with its generated block replaced; ValueError if it has no markers."""
-    if readme_block(text) is None:
-        raise ValueError(f"no results block: expected the lines {README_BEGIN!r} and "
-                         f"{README_END!r}")
-    return _BLOCK.sub(lambda _: f"{README_BEGIN}\n{block}{README_END}", text, count=1)
+def with_readme_block(text: str, table: str, block: str = RESULTS_BLOCK) -> str:
+    """``text`` with its generated block named ``block`` replaced by ``table``; ValueError
+    if it has no such markers."""
+    begin, end = _markers(block)
+    if readme_block(text, block) is None:
+        raise ValueError(f"no {block} block: expected the lines {begin!r} and {end!r}")
+    return _block_pattern(block).sub(lambda _: f"{begin}\n{table}{end}", text, count=1)

@@ -1,5 +1,6 @@
 """The evaluation's summary tables (``controller.bench.summary``) and the README's results
-block, which must be what those tables say of the committed runs under ``results/bench``."""
+blocks, which must be what those tables say of the committed runs under ``results/bench``
+(the seeds the defaults were tuned on) and ``results/bench-heldout`` (seeds kept out of it)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typing import Any
 import pytest
 
 from controller.bench.summary import (
+    HELDOUT_BLOCK,
+    RESULTS_BLOCK,
+    lowest_phase_margin,
     readme_block,
     run_row,
     suite_markdown,
@@ -46,24 +50,57 @@ def test_the_seed_table_counts_the_seeds_adaptive_won_and_orders_runs() -> None:
     # Runs by scenario then seed; then one line for "b", the only scenario with two seeds.
     assert [r.split("|")[1:3] for r in rows[:3]] == [
         [" `a` ", " 1 "], [" `b` ", " 1 "], [" `b` ", " 3 "]]
-    assert rows[3] == "| `b` | 1, 3 | +0.050, -0.050 | 1 of 2 | +0.000 | 0.950–0.990 |"
+    assert rows[3] == "| `b` | 1, 3 | +0.050, -0.050 | 1 of 2 | +0.000 | - | 0.950–0.990 |"
     assert len(rows) == 4
 
 
-def test_the_readme_block_is_replaced_between_its_markers_only() -> None:
+def _with_phases(doc: dict[str, Any], phases: dict[str, list[float]]) -> dict[str, Any]:
+    for name, goodputs in phases.items():
+        doc["policies"][name]["phases"] = [{"goodput": g} for g in goodputs]
+    return doc
+
+
+def test_the_lowest_phase_is_against_each_phases_own_best_static_policy() -> None:
+    doc = _with_phases(_doc("s", 1, adaptive=0.90, local=0.85, threshold=0.87), {
+        "adaptive": [0.95, 0.80], "pd": [0.90, 0.70], "local": [0.96, 0.75],
+        "threshold": [0.90, 0.83]})
+    # Phase 1: 0.95 - local 0.96; phase 2: 0.80 - threshold 0.83 (the worse of the two).
+    assert lowest_phase_margin(doc["policies"]) == pytest.approx(-0.03)
+    assert run_row(doc).split("|")[-6].strip() == "-0.030"
+    # A run recorded without phases, or with a static policy missing one, says "-".
+    assert lowest_phase_margin(_doc("s", 1, 0.9, 0.85, 0.87)["policies"]) is None
+    doc["policies"]["pd"]["phases"] = doc["policies"]["pd"]["phases"][:1]
+    assert lowest_phase_margin(doc["policies"]) is None
+    seeds = suite_markdown([
+        _with_phases(_doc("b", 1, 0.9, 0.85, 0.8), {
+            "adaptive": [0.9], "pd": [0.5], "local": [0.85], "threshold": [0.8]}),
+        _with_phases(_doc("b", 2, 0.9, 0.85, 0.8), {
+            "adaptive": [0.9], "pd": [0.5], "local": [0.92], "threshold": [0.8]}),
+    ]).splitlines()[-1]
+    assert seeds.split("|")[-3].strip() == "-0.020"
+
+
+@pytest.mark.parametrize("block", [RESULTS_BLOCK, HELDOUT_BLOCK])
+def test_a_readme_block_is_replaced_between_its_own_markers_only(block: str) -> None:
     text = ROOT.joinpath("README.md").read_text()
-    replaced = with_readme_block(text, "| new |\n")
-    assert readme_block(replaced) == "| new |\n"
-    before, after = text.split(readme_block(text) or "<missing>")
+    replaced = with_readme_block(text, "| new |\n", block)
+    assert readme_block(replaced, block) == "| new |\n"
+    before, after = text.split(readme_block(text, block) or "<missing>")
     assert replaced.startswith(before) and replaced.endswith(after)
-    with pytest.raises(ValueError, match="no results block"):
-        with_readme_block("# a README without markers\n", "| new |\n")
+    other = HELDOUT_BLOCK if block == RESULTS_BLOCK else RESULTS_BLOCK
+    assert readme_block(replaced, other) == readme_block(text, other)
+    with pytest.raises(ValueError, match=f"no {block} block"):
+        with_readme_block("# a README without markers\n", "| new |\n", block)
 
 
-def test_the_readme_results_are_those_of_the_committed_runs() -> None:
-    summaries = sorted(ROOT.glob("results/bench/*/*/summary.json"))
-    assert len(summaries) >= 15, "results/bench/*/*/summary.json: the committed runs are missing"
+@pytest.mark.parametrize(("block", "directory", "at_least"), [
+    (RESULTS_BLOCK, "results/bench", 15), (HELDOUT_BLOCK, "results/bench-heldout", 15)])
+def test_the_readme_results_are_those_of_the_committed_runs(
+        block: str, directory: str, at_least: int) -> None:
+    summaries = sorted(ROOT.glob(f"{directory}/*/*/summary.json"))
+    assert len(summaries) >= at_least, (
+        f"{directory}/*/*/summary.json: the committed runs are missing")
     expected = suite_markdown(json.loads(p.read_text()) for p in summaries)
-    assert readme_block(ROOT.joinpath("README.md").read_text()) == expected, (
-        "README.md's results block is stale: run .venv/bin/python benchmarks/bench_summary.py "
-        "--readme README.md results/bench/*/*/summary.json")
+    assert readme_block(ROOT.joinpath("README.md").read_text(), block) == expected, (
+        f"README.md's {block} block is stale: run .venv/bin/python benchmarks/bench_summary.py "
+        f"--readme README.md --block {block} {directory}/*/*/summary.json")
