@@ -148,6 +148,16 @@ SGLANG = EngineSpec(
 )
 
 ENGINES: tuple[EngineSpec, ...] = (VLLM, VLLM_LEGACY, SGLANG)
+
+# SGLang labels a scheduler's series with its parallel ranks. The ranks of one attention
+# group run the same batch, so with --enable-metrics-for-all-schedulers each of them reports
+# the same requests, transfers and queue (seen on a TP 4 prefill node: four copies of every
+# KV-transfer histogram). Series that differ only in these labels are one series (the
+# largest counts it once); dp_rank, a scheduler of its own, is summed like vLLM's engine.
+REPLICA_RANK_LABELS: frozenset[str] = frozenset({"tp_rank", "pp_rank", "moe_ep_rank"})
+# The families that carry them (a prefix test per family keeps the per-series work off
+# every vLLM window).
+REPLICA_RANK_FAMILIES: tuple[str, ...] = ("sglang:",)
 ENGINES_BY_NAME: Mapping[str, EngineSpec] = {e.name: e for e in ENGINES}
 
 

@@ -41,7 +41,7 @@ from urllib3.util.retry import Retry
 
 from controller.core.window import TargetFailure, Window
 from controller.errors import ControllerError, TerminalError, TransientError
-from controller.observe.catalog import ENGINES, ROUTER, HistogramSpec
+from controller.observe.catalog import ENGINES, REPLICA_RANK_LABELS, ROUTER, HistogramSpec
 from controller.observe.exposition import LabelKey, Snapshot, base_name
 from controller.observe.source import Target
 from controller.observe.window_builder import (
@@ -226,6 +226,9 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
         inner = selector(series, match)
         if cumulative and window_ms is not None:
             inner = f"increase({inner}[{window_ms}ms])"
+        # One value per scheduler before summing: SGLang's rank replicas report the same
+        # requests (window_builder.collapse_replicas does the same for the direct sources).
+        inner = f"max without ({', '.join(sorted(REPLICA_RANK_LABELS))}) ({inner})"
         grouped = f"{aggregate} by ({', '.join(('instance', *labels))}) ({inner})"
         return f'label_replace({grouped}, "{SERIES_LABEL}", "{series}", "instance", ".*")'
 

@@ -64,11 +64,11 @@ vllm:prompt_tokens_total{model_name="m"} 500
 
 SGLANG_TEXT = """\
 # TYPE sglang:token_usage gauge
-sglang:token_usage{engine_type="prefill",tp_rank="0"} 0.5
-sglang:token_usage{engine_type="prefill",tp_rank="1"} 0.7
+sglang:token_usage{dp_rank="0",engine_type="prefill",tp_rank="0"} 0.5
+sglang:token_usage{dp_rank="1",engine_type="prefill",tp_rank="4"} 0.7
 # TYPE sglang:num_running_reqs gauge
-sglang:num_running_reqs{engine_type="prefill",tp_rank="0"} 2
-sglang:num_running_reqs{engine_type="prefill",tp_rank="1"} 3
+sglang:num_running_reqs{dp_rank="0",engine_type="prefill",tp_rank="0"} 2
+sglang:num_running_reqs{dp_rank="1",engine_type="prefill",tp_rank="4"} 3
 # TYPE sglang:kv_transfer_latency_ms histogram
 sglang:kv_transfer_latency_ms_bucket{le="10.0"} 1
 sglang:kv_transfer_latency_ms_bucket{le="+Inf"} 2
@@ -118,8 +118,8 @@ def test_sglang_units_labels_and_aggregation() -> None:
     assert stats.kv_transfer_s is not None and stats.kv_transfer_s.mean == pytest.approx(0.015)
     assert stats.prefill_s is not None and stats.prefill_s.count == 2  # only prefill_forward
     assert stats.prefill_s.mean == pytest.approx(0.25)
-    assert stats.running == 5  # summed over ranks
-    assert stats.kv_cache_usage == pytest.approx(0.6)  # averaged over ranks
+    assert stats.running == 5  # summed over DP ranks (schedulers of their own)
+    assert stats.kv_cache_usage == pytest.approx(0.6)  # averaged over them
 
 
 def test_vllm_spec_names_come_from_the_reference() -> None:
