@@ -155,9 +155,31 @@ ENGINES: tuple[EngineSpec, ...] = (VLLM, VLLM_LEGACY, SGLANG)
 # KV-transfer histogram). Series that differ only in these labels are one series (the
 # largest counts it once); dp_rank, a scheduler of its own, is summed like vLLM's engine.
 REPLICA_RANK_LABELS: frozenset[str] = frozenset({"tp_rank", "pp_rank", "moe_ep_rank"})
-# The families that carry them (a prefix test per family keeps the per-series work off
-# every vLLM window).
-REPLICA_RANK_FAMILIES: tuple[str, ...] = ("sglang:",)
+REPLICA_RANK_FAMILIES: tuple[str, ...] = ("sglang:",)  # the families that carry them
+Labels = tuple[tuple[str, str], ...]  # a series' sorted (name, value) pairs
+
+
+def has_replica_ranks(family: str) -> bool:
+    """Whether ``family``'s series may carry :data:`REPLICA_RANK_LABELS` (a prefix test, so
+    the per-series work stays off every vLLM window)."""
+    return family.startswith(REPLICA_RANK_FAMILIES)
+
+
+def collapse_replicas(series: Mapping[Labels, float]) -> dict[Labels, float]:
+    """Series that differ only in a replica rank label (:data:`REPLICA_RANK_LABELS`) as one
+    series without those labels, valued at the largest: each replica reports the same
+    scheduler, so summing them would count its requests once per rank. A family without
+    such labels comes back as it is."""
+    if not any(k in REPLICA_RANK_LABELS for labels in series for k, _ in labels):
+        return dict(series)
+    out: dict[Labels, float] = {}
+    for labels, value in series.items():
+        key = tuple(pair for pair in labels if pair[0] not in REPLICA_RANK_LABELS)
+        before = out.get(key)
+        out[key] = value if before is None or value > before else before
+    return out
+
+
 ENGINES_BY_NAME: Mapping[str, EngineSpec] = {e.name: e for e in ENGINES}
 
 

@@ -227,7 +227,7 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
         if cumulative and window_ms is not None:
             inner = f"increase({inner}[{window_ms}ms])"
         # One value per scheduler before summing: SGLang's rank replicas report the same
-        # requests (window_builder.collapse_replicas does the same for the direct sources).
+        # requests (catalog.collapse_replicas does the same for the direct sources).
         inner = f"max without ({', '.join(sorted(REPLICA_RANK_LABELS))}) ({inner})"
         grouped = f"{aggregate} by ({', '.join(('instance', *labels))}) ({inner})"
         return f'label_replace({grouped}, "{SERIES_LABEL}", "{series}", "instance", ".*")'

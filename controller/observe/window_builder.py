@@ -34,13 +34,13 @@ from controller.core.window import (
 )
 from controller.observe.catalog import (
     HISTOGRAM_KEYS,
-    REPLICA_RANK_FAMILIES,
-    REPLICA_RANK_LABELS,
     ROUTER,
     EngineSpec,
     GaugeSpec,
     HistogramSpec,
+    collapse_replicas,
     detect_engine,
+    has_replica_ranks,
 )
 from controller.observe.exposition import (
     ExpositionError,
@@ -130,21 +130,6 @@ def split_le(labels: LabelKey, name: str) -> tuple[LabelKey, float]:
     return hit
 
 
-def collapse_replicas(series: Mapping[LabelKey, float]) -> dict[LabelKey, float]:
-    """Series that differ only in a replica rank label (:data:`REPLICA_RANK_LABELS`) as one
-    series without those labels, valued at the largest: each replica reports the same
-    scheduler, so summing them would count its requests once per rank. A family without
-    such labels comes back as it is."""
-    if not any(k in REPLICA_RANK_LABELS for labels in series for k, _ in labels):
-        return dict(series)
-    out: dict[LabelKey, float] = {}
-    for labels, value in series.items():
-        key = tuple(pair for pair in labels if pair[0] not in REPLICA_RANK_LABELS)
-        before = out.get(key)
-        out[key] = value if before is None or value > before else before
-    return out
-
-
 def diff_snapshots(prev: Snapshot | None, cur: Snapshot) -> TargetDelta:
     """Increases from ``prev`` to ``cur`` (``prev`` None: gauges only, no baseline)."""
     delta = TargetDelta(target=cur.target, families=cur.families, has_baseline=prev is not None)
@@ -154,7 +139,7 @@ def diff_snapshots(prev: Snapshot | None, cur: Snapshot) -> TargetDelta:
         if not is_cumulative(name):
             gauges = {k: v for k, v in series.items() if not math.isnan(v)}
             delta.gauges[name] = collapse_replicas(gauges) \
-                if name.startswith(REPLICA_RANK_FAMILIES) else gauges
+                if has_replica_ranks(name) else gauges
             continue
         by_family.setdefault(base_name(name), []).append(name)
     if prev is None:
@@ -186,7 +171,7 @@ def diff_snapshots(prev: Snapshot | None, cur: Snapshot) -> TargetDelta:
             # Increases per replica, then one per scheduler: a replica that restarted alone
             # still counts from its own baseline.
             delta.increases[name] = collapse_replicas(inc) \
-                if name.startswith(REPLICA_RANK_FAMILIES) else inc
+                if has_replica_ranks(name) else inc
     if reset_families:
         delta.notes.append(TargetFailure(
             target=cur.target, kind="counter_reset",

@@ -8,7 +8,8 @@ queue within seconds, the controller's 30 s scrape is far too slow) and fills th
 when a decision arrives without it.
 
 The queue is the engine's waiting gauge (``vllm:num_requests_waiting``,
-``sglang:num_queue_reqs``; summed over a worker's series, e.g. data-parallel engines). A
+``sglang:num_queue_reqs``; summed over a worker's series, e.g. data-parallel engines, with
+SGLang's rank replicas of one scheduler counted once: ``catalog.collapse_replicas``). A
 worker whose last good answer is older than ``stale_after_s`` counts as unknown; the value
 is the minimum over the known workers, and None (the override never fires) when none is
 known: an unreachable pool must not send every first turn decode-local.
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 import httpx
 
 from controller.clock import Clock
-from controller.observe.catalog import ENGINES
+from controller.observe.catalog import ENGINES, collapse_replicas, has_replica_ranks
 from controller.observe.exposition import ExpositionError, parse_exposition
 
 log = logging.getLogger(__name__)
@@ -43,10 +44,11 @@ def waiting_in(text: str, target: str) -> float | None:
     """Requests waiting on one worker from its exposition text (None: no waiting gauge)."""
     snap = parse_exposition(text, target=target, taken_at=0.0, keep=frozenset(WAITING_FAMILIES))
     for family in WAITING_FAMILIES:
-        series = snap.series(family)
-        values = [v for v in series.values() if math.isfinite(v)]
-        if values:
-            return math.fsum(values)
+        series = {k: v for k, v in snap.series(family).items() if math.isfinite(v)}
+        if has_replica_ranks(family):
+            series = collapse_replicas(series)
+        if series:
+            return math.fsum(series.values())
     return None
 
 

@@ -15,12 +15,12 @@ import pytest
 
 from controller.clock import WallClock
 from controller.core.window import WorkerStats
-from controller.observe.catalog import REPLICA_RANK_LABELS
+from controller.observe.catalog import REPLICA_RANK_LABELS, collapse_replicas
 from controller.observe.exposition import parse_exposition
 from controller.observe.prometheus import PrometheusClient, PrometheusSource, build_queries
 from controller.observe.scrape import ScrapeSource
 from controller.observe.source import Target
-from controller.observe.window_builder import collapse_replicas, diff_snapshots, worker_stats
+from controller.observe.window_builder import diff_snapshots, worker_stats
 from tests.conftest import require
 from tests.observe.promserver import HOW_TO_INSTALL, PROMETHEUS, PromServer
 

@@ -37,6 +37,18 @@ def test_waiting_is_the_engines_gauge_summed_over_its_series() -> None:
     assert waiting_in("# TYPE other gauge\nother 1\n", "p0") is None
 
 
+def test_sglang_rank_replicas_are_one_queue_and_dp_ranks_are_summed() -> None:
+    # --enable-metrics-for-all-schedulers: every TP rank of a scheduler reports its queue.
+    tp4 = "# TYPE sglang:num_queue_reqs gauge\n" + "".join(
+        f'sglang:num_queue_reqs{{model_name="m",tp_rank="{r}"}} {q}\n'
+        for r, q in enumerate((3, 3, 4, 3)))
+    assert waiting_in(tp4, "p0") == 4.0
+    dp2 = "# TYPE sglang:num_queue_reqs gauge\n" + "".join(
+        f'sglang:num_queue_reqs{{dp_rank="{d}",model_name="m",tp_rank="{r}"}} {q}\n'
+        for d, r, q in ((0, 0, 2), (0, 1, 2), (1, 2, 5), (1, 3, 5)))
+    assert waiting_in(dp2, "p0") == 7.0
+
+
 class Workers:
     """Answers each URL with its queue; a URL in ``down`` refuses the connection."""
 
