@@ -6,10 +6,7 @@ once, and still sum DP ranks, which are schedulers of their own."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import ClassVar
 
 import pytest
 
@@ -23,6 +20,7 @@ from controller.observe.source import Target
 from controller.observe.window_builder import diff_snapshots, worker_stats
 from tests.conftest import require
 from tests.observe.promserver import HOW_TO_INSTALL, PROMETHEUS, PromServer
+from tests.observe.textserver import TextServer
 
 CLOCK = WallClock()
 EDGES_MS = (5.0, 50.0, 500.0)
@@ -112,49 +110,31 @@ def test_every_prometheus_term_takes_one_value_per_scheduler(window_ms: int | No
         assert terms and all(wrapper in term for term in terms), query.name
 
 
-class _Exposition(BaseHTTPRequestHandler):
-    body: ClassVar[str] = ""
-
-    def do_GET(self) -> None:
-        data = self.body.encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        return
-
-
 @pytest.fixture
-def sglang_node() -> Iterator[Target]:
-    _Exposition.body = sglang_text(TP4_BEFORE, 1000)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Exposition)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    address = f"127.0.0.1:{server.server_port}"
+def sglang_node() -> Iterator[TextServer]:
+    server = TextServer(sglang_text(TP4_BEFORE, 1000))
     try:
-        yield Target(address, "prefill", f"http://{address}/metrics")
+        yield server
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 @pytest.mark.integration
-async def test_scrape_and_a_real_prometheus_count_tp_replicas_once(sglang_node: Target) -> None:
+async def test_scrape_and_a_real_prometheus_count_tp_replicas_once(
+        sglang_node: TextServer) -> None:
     require("prometheus", PROMETHEUS is not None, HOW_TO_INSTALL)
-    prom = PromServer([sglang_node])
+    node = Target(sglang_node.address, "prefill", f"http://{sglang_node.address}/metrics")
+    prom = PromServer([node])
     client = PrometheusClient(prom.url, timeout_s=5.0, retries=1)
-    edges = PrometheusSource(client, [sglang_node], mode="edges")
-    scrape = ScrapeSource([sglang_node], timeout_s=2.0)
+    edges = PrometheusSource(client, [node], mode="edges")
+    scrape = ScrapeSource([node], timeout_s=2.0)
     try:
         start = CLOCK.now()
         prom.wait_scraped_after(start)
         await scrape.window(start - 30, start)  # the scrape source's baseline
         start = CLOCK.now()
         prom.wait_scraped_after(start)
-        _Exposition.body = sglang_text(TP4_AFTER, 1100)
+        sglang_node.default = sglang_text(TP4_AFTER, 1100)
         end = CLOCK.now()
         prom.wait_scraped_after(end)
         end = CLOCK.now()

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import ClassVar
 
 import pytest
 from prometheus_client import generate_latest
@@ -18,6 +15,7 @@ from controller.observe.inprocess import InProcessSource
 from controller.observe.scrape import ScrapeSource
 from controller.observe.source import Target
 from tests.observe.cluster import Cluster, VllmWorker, serve_http, stop_http
+from tests.observe.textserver import TextServer
 
 
 def _comparable(d: dict) -> dict:  # type: ignore[type-arg]
@@ -53,25 +51,8 @@ async def test_inprocess_and_scrape_agree_exactly_over_the_same_registries() -> 
             stop_http(s)
 
 
-class _Garbage(BaseHTTPRequestHandler):
-    good = ""
-    bodies: ClassVar[dict[str, tuple[int, str, str]]] = {}
-
-    def do_GET(self) -> None:
-        status, ctype, body = self.bodies.get(self.path, (200, "text/plain", self.good))
-        data = body.encode()
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        return
-
-
 @pytest.fixture
-def garbage_server() -> Iterator[tuple[str, VllmWorker]]:
+def garbage_server() -> Iterator[tuple[TextServer, VllmWorker]]:
     worker = VllmWorker()
     worker.hist["ttft_s"].observe(0.2)
     good = generate_latest(worker.registry).decode()
@@ -80,8 +61,8 @@ def garbage_server() -> Iterator[tuple[str, VllmWorker]]:
                     if line.startswith("vllm:time_to_first_token_seconds_bucket")
                     and "+Inf" in line)
     sample = next(line for line in lines if line.startswith("vllm:num_requests_running"))
-    _Garbage.good = good
-    _Garbage.bodies = {
+    server = TextServer(good, content_type="text/plain")
+    server.bodies = {
         "/truncated": (200, "text/plain", good[: len(good) // 2]),
         "/cut_at_line": (200, "text/plain", "".join(lines[: inf_line])),
         "/duplicate": (200, "text/plain", good + sample),
@@ -91,21 +72,18 @@ def garbage_server() -> Iterator[tuple[str, VllmWorker]]:
         "/html_as_text": (200, "text/plain", "<!DOCTYPE html>\n<html></html>\n"),
         "/error": (503, "text/plain", "overloaded\n"),
     }
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Garbage)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield f"127.0.0.1:{server.server_port}", worker
+        yield server, worker
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 @pytest.mark.integration
 async def test_garbage_in_is_a_per_target_failure_and_the_rest_is_computed(
-    garbage_server: tuple[str, VllmWorker],
+    garbage_server: tuple[TextServer, VllmWorker],
 ) -> None:
-    address, worker = garbage_server
+    server, worker = garbage_server
+    address = server.address
     expected = {
         "/truncated": "parse", "/cut_at_line": "parse", "/duplicate": "duplicate_series",
         "/non_numeric": "non_numeric", "/html": "parse", "/html_as_text": "parse",
@@ -117,7 +95,7 @@ async def test_garbage_in_is_a_per_target_failure_and_the_rest_is_computed(
     try:
         await source.window(0, 30)
         worker.hist["ttft_s"].observe(0.4)
-        _Garbage.good = generate_latest(worker.registry).decode()
+        server.default = generate_latest(worker.registry).decode()
         w = await source.window(30, 60)
     finally:
         await source.aclose()
