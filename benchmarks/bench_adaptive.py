@@ -7,6 +7,14 @@ issue 7 were compared with before a full ``bench_suite.py`` run.
 
     .venv/bin/python benchmarks/bench_adaptive.py 1 3 5 --log
     .venv/bin/python benchmarks/bench_adaptive.py --set controller.guardrail_margin=0.008
+    .venv/bin/python benchmarks/bench_adaptive.py --runs all --jobs 2 --cache /tmp/ppd \
+        --set controller.calibrate_every_s=900
+
+``--runs tuning|heldout|all`` replays the committed runs (each with its seed) and ends with
+issue 7's goal figures (``controller.bench.goals``) of the committed adaptive runs and of the
+replays, against the committed static policies and oracle of each run. Judge a variant on
+both sets: the defaults were tuned on ``results/bench``, ``results/bench-heldout`` was kept
+out of it.
 """
 
 from __future__ import annotations
@@ -15,13 +23,18 @@ import argparse
 import json
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from controller.bench.adaptive import AdaptiveController, adaptive_start  # noqa: E402
 from controller.bench.baselines import static_policy  # noqa: E402
+from controller.bench.goals import AdaptiveRun, goal_figures  # noqa: E402
 from controller.bench.oracle import calibrated_table, windows_in  # noqa: E402
 from controller.bench.report import summarize  # noqa: E402
 from controller.bench.runner import (  # noqa: E402
@@ -38,7 +51,7 @@ from controller.core.drift import feature_statistics  # noqa: E402
 from controller.errors import ConfigError  # noqa: E402
 from controller.policy import Policy, Route, Weights, dumps, loads  # noqa: E402
 from controller.sim.run import run_scenario  # noqa: E402
-from controller.sim.scenario import Scenario  # noqa: E402
+from controller.sim.scenario import Scenario, load_scenario  # noqa: E402
 
 
 def ppd_static(scenario: Scenario, cache: Path | None) -> Policy:
@@ -84,7 +97,8 @@ def _led_by(kind: str, details: object) -> str:
 
 
 def replay(scenario: Scenario, initial: Policy, log: bool,
-           sets: dict[str, dict[str, object]] | None = None) -> dict[str, object]:
+           sets: dict[str, dict[str, object]] | None = None
+           ) -> tuple[dict[str, object], list[str]]:
     wall = WallClock()
     t0 = wall.perf_counter_ns()
     lines: list[str] = []
@@ -131,10 +145,29 @@ def replay(scenario: Scenario, initial: Policy, log: bool,
         "detection_s": times_to_first(scenario.events, outcome.reactions),
         "wall_s": round((wall.perf_counter_ns() - t0) / 1e9, 1),
     }
-    print(json.dumps(doc), flush=True)
-    for line in lines:
-        print(line, flush=True)
-    return doc
+    return doc, lines
+
+
+def _replay_job(job: tuple[Path, int | None, Path | None, bool,
+                           dict[str, dict[str, object]] | None]
+                ) -> tuple[dict[str, object], list[str]]:
+    path, seed, cache, log, sets = job  # a path, not a Scenario: jobs cross processes
+    scenario = load_scenario(path)
+    if seed is not None:
+        scenario = replace(scenario, seed=seed)
+    quiet_logs()
+    return replay(scenario, ppd_static(scenario, cache), log, sets)
+
+
+RUN_SETS = {"tuning": "results/bench", "heldout": "results/bench-heldout"}
+
+
+def committed_runs(which: str) -> list[tuple[str, dict[str, Any]]]:
+    """(set, summary) of the committed runs of ``which``: a key of :data:`RUN_SETS` or
+    ``all``."""
+    names = list(RUN_SETS) if which == "all" else [which]
+    return [(name, json.loads(p.read_text())) for name in names
+            for p in sorted(ROOT.glob(f"{RUN_SETS[name]}/*/*/summary.json"))]
 
 
 def main() -> None:
@@ -149,17 +182,51 @@ def main() -> None:
     ap.add_argument("--log", action="store_true", help="print calibrations and drift events")
     ap.add_argument("--seed", type=int, default=None,
                     help="replay with this seed instead of the scenario's")
+    ap.add_argument("--runs", choices=("tuning", "heldout", "all"), default=None,
+                    help="replay the committed runs of results/bench (tuning), "
+                    "results/bench-heldout (heldout) or both, each with its own seed, and "
+                    "print issue 7's goal figures of the replays beside the committed ones")
+    ap.add_argument("--jobs", type=int, default=1, help="replays run at once (default 1)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override one pdctl setting for adaptive (repeatable), e.g. "
                     "controller.bake_windows=5")
     args = ap.parse_args()
+    if args.runs is not None and args.seed is not None:
+        ap.error("--seed and --runs exclude each other (--runs replays each committed seed)")
+    if args.jobs < 1:
+        ap.error("--jobs must be at least 1")
     try:
         sets = parse_setting_overrides(args.set)
     except ValueError as e:
         raise SystemExit(f"--set: {e}") from None
     quiet_logs()
-    for _, scenario in numbered_scenarios(ROOT / "scenarios/bench", args.which, args.seed):
-        replay(scenario, ppd_static(scenario, args.cache), args.log, sets)
+    docs: list[tuple[str, dict[str, Any]]] = []
+    if args.runs is None:
+        runs = [(path, args.seed) for path, _ in
+                numbered_scenarios(ROOT / "scenarios/bench", args.which)]
+    else:
+        docs = [(name, d) for name, d in committed_runs(args.runs)
+                if not args.which or str(d["scenario"]).split("-")[1] in args.which]
+        if not docs:
+            raise SystemExit(f"no committed runs for --runs {args.runs}")
+        paths = {s.name: path for path, s in numbered_scenarios(ROOT / "scenarios/bench")}
+        runs = [(paths[str(d["scenario"])], int(d["seed"])) for _, d in docs]
+    jobs = [(path, seed, args.cache, args.log, sets) for path, seed in runs]
+    results: list[dict[str, object]] = []
+    with ProcessPoolExecutor(args.jobs) if args.jobs > 1 else nullcontext() as pool:
+        outcomes = pool.map(_replay_job, jobs) if pool is not None else map(_replay_job, jobs)
+        for doc, lines in outcomes:
+            print(json.dumps(doc), flush=True)
+            for line in lines:
+                print(line, flush=True)
+            results.append(doc)
+    paired = list(zip(docs, results, strict=True)) if docs else []
+    for name in dict.fromkeys(n for n, _ in docs):
+        mine = [(d, r) for (n, d), r in paired if n == name]
+        committed = goal_figures((d, AdaptiveRun.from_summary(d)) for d, _ in mine)
+        replayed = goal_figures((d, AdaptiveRun.from_replay(r)) for d, r in mine)
+        print(f"{name} committed: {committed.line()}")
+        print(f"{name} replayed:  {replayed.line()}")
 
 
 if __name__ == "__main__":

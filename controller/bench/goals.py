@@ -1,0 +1,107 @@
+"""Issue 7's goals over a set of runs, as the figures variants of the adaptive loop are
+compared by.
+
+A run is one scenario replayed with one seed. Its static policies and oracle come from a
+committed ``summary.json`` (``results/bench*/``); its adaptive policy either from the same
+file or from an adaptive-only replay (``benchmarks/bench_adaptive.py``), which draws the same
+workload and so meets the same static policies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from controller.bench.runner import STATIC
+
+# "Adaptation within 3 control intervals of each event" (issue 7).
+ADAPTATION_INTERVALS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptiveRun:
+    """What the goals need of one adaptive run."""
+
+    goodput: float
+    phases: tuple[float, ...]  # goodput per phase
+    approved_at_s: tuple[float, ...]  # approvals after the starting policy
+    adaptation_s: tuple[float | None, ...]  # per event
+
+    @staticmethod
+    def from_summary(doc: Mapping[str, Any]) -> AdaptiveRun:
+        """The adaptive entry of a ``pdctl bench run`` summary."""
+        a = doc["policies"]["adaptive"]
+        approvals = a.get("controller", {}).get("approved_at_s", [])
+        return AdaptiveRun(float(a["goodput"]), tuple(float(p["goodput"]) for p in a["phases"]),
+                           tuple(float(t) for t in approvals[1:]),
+                           tuple(a.get("adaptation_s") or ()))
+
+    @staticmethod
+    def from_replay(doc: Mapping[str, Any]) -> AdaptiveRun:
+        """One line of ``bench_adaptive.py`` (approvals there exclude the starting policy)."""
+        return AdaptiveRun(float(doc["goodput"]), tuple(float(g) for g in doc["phases"]),
+                           tuple(float(t) for t in doc["approved_at_s"]),
+                           tuple(doc.get("adaptation_s") or ()))
+
+
+@dataclass(frozen=True, slots=True)
+class GoalFigures:
+    runs: int
+    goodput_sum: float
+    above_every_static: int  # runs where adaptive beat every static policy over the run
+    lowest_phase: float | None  # adaptive − that phase's best static policy, worst phase
+    phases_below: int  # phases more than 0.01 under their best static policy
+    changes: int
+    phases: int
+    multi_change_phases: int  # phases holding more than one approval
+    adaptations: int  # events followed by an approval before the next event
+    fast_adaptations: int  # of them within ADAPTATION_INTERVALS control intervals
+    oracle_ratio_min: float | None
+
+    def line(self) -> str:
+        lowest = "-" if self.lowest_phase is None else f"{self.lowest_phase:+.4f}"
+        ratio = "-" if self.oracle_ratio_min is None else f"{self.oracle_ratio_min:.3f}"
+        return (f"{self.runs} runs: goodput sum {self.goodput_sum:.4f}, above every static "
+                f"{self.above_every_static}, lowest phase {lowest} ({self.phases_below} "
+                f"below -0.01), changes {self.changes}, multi-change phases "
+                f"{self.multi_change_phases} of {self.phases}, adaptations within "
+                f"{ADAPTATION_INTERVALS} intervals {self.fast_adaptations} of "
+                f"{self.adaptations}, oracle ratio min {ratio}")
+
+
+def goal_figures(runs: Iterable[tuple[Mapping[str, Any], AdaptiveRun]]) -> GoalFigures:
+    """The goals over ``runs``: (a committed summary, the adaptive run to judge against it)."""
+    n = above = changes = phases = multi = adaptations = fast = below = 0
+    total = 0.0
+    lowest: float | None = None
+    ratios: list[float] = []
+    for doc, run in runs:
+        pol = doc["policies"]
+        statics = [k for k in STATIC if k in pol]
+        n += 1
+        total += run.goodput
+        above += all(run.goodput > pol[k]["goodput"] for k in statics)
+        bounds = [(float(p["start_s"]), float(p["end_s"]))
+                  for p in pol[statics[0]]["phases"]] if statics else []
+        if len(bounds) != len(run.phases):
+            raise ValueError(f"{doc['scenario']} seed {doc.get('seed')}: the adaptive run has "
+                             f"{len(run.phases)} phases, the summary {len(bounds)}")
+        for i, goodput in enumerate(run.phases):
+            margin = goodput - max(float(pol[k]["phases"][i]["goodput"]) for k in statics)
+            lowest = margin if lowest is None else min(lowest, margin)
+            below += margin < -0.01
+        for start, end in bounds:
+            phases += 1
+            multi += sum(start <= t < end for t in run.approved_at_s) > 1
+        changes += len(run.approved_at_s)
+        window = ADAPTATION_INTERVALS * float(doc["interval_s"])
+        done = [a for a in run.adaptation_s if a is not None]
+        adaptations += len(done)
+        fast += sum(a <= window for a in done)
+        oracle = pol.get("oracle", {}).get("goodput")
+        if oracle:
+            ratios.append(run.goodput / float(oracle))
+    return GoalFigures(n, total, above, lowest, below, changes, phases, multi, adaptations,
+                       fast, min(ratios) if ratios else None)
+
