@@ -9,7 +9,7 @@ workload and so meets the same static policies.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,16 @@ class GoalFigures:
                 f"{self.adaptations}, oracle ratio min {ratio}")
 
 
+def phase_margins(policies: Mapping[str, Any], phases: Sequence[float]) -> list[float]:
+    """Per phase, ``phases`` (adaptive's goodput) minus the best static policy of that phase
+    in ``policies`` (a summary's); ValueError when their phases differ in number."""
+    statics = [k for k in STATIC if k in policies]
+    if any(len(policies[k].get("phases") or []) != len(phases) for k in statics):
+        raise ValueError(f"{len(phases)} adaptive phases, the static policies have others")
+    return [g - max(float(policies[k]["phases"][i]["goodput"]) for k in statics)
+            for i, g in enumerate(phases)]
+
+
 def goal_figures(runs: Iterable[tuple[Mapping[str, Any], AdaptiveRun]]) -> GoalFigures:
     """The goals over ``runs``: (a committed summary, the adaptive run to judge against it)."""
     n = above = changes = phases = multi = adaptations = fast = below = 0
@@ -87,8 +97,7 @@ def goal_figures(runs: Iterable[tuple[Mapping[str, Any], AdaptiveRun]]) -> GoalF
         if len(bounds) != len(run.phases):
             raise ValueError(f"{doc['scenario']} seed {doc.get('seed')}: the adaptive run has "
                              f"{len(run.phases)} phases, the summary {len(bounds)}")
-        for i, goodput in enumerate(run.phases):
-            margin = goodput - max(float(pol[k]["phases"][i]["goodput"]) for k in statics)
+        for margin in phase_margins(pol, run.phases):
             lowest = margin if lowest is None else min(lowest, margin)
             below += margin < -0.01
         for start, end in bounds:
@@ -104,4 +113,3 @@ def goal_figures(runs: Iterable[tuple[Mapping[str, Any], AdaptiveRun]]) -> GoalF
             ratios.append(run.goodput / float(oracle))
     return GoalFigures(n, total, above, lowest, below, changes, phases, multi, adaptations,
                        fast, min(ratios) if ratios else None)
-

@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from controller.bench.goals import phase_margins
 from controller.bench.report import seconds_list
 from controller.bench.runner import POLICIES, STATIC
 
@@ -33,13 +34,11 @@ def _best_static(policies: Mapping[str, Any]) -> str:
 def lowest_phase_margin(policies: Mapping[str, Any]) -> float | None:
     """Adaptive's goodput minus the best static policy's, in its worst phase (each phase
     against the static policy best in that phase; None: no phases recorded)."""
-    statics = [k for k in STATIC if k in policies]
-    phases = policies["adaptive"].get("phases") or []
-    if not phases or any(len(policies[k].get("phases") or []) != len(phases) for k in statics):
+    phases = [float(p["goodput"]) for p in policies["adaptive"].get("phases") or []]
+    try:
+        return min(phase_margins(policies, phases)) if phases else None
+    except ValueError:
         return None
-    return min(float(p["goodput"]) - max(float(policies[k]["phases"][i]["goodput"])
-                                         for k in statics)
-               for i, p in enumerate(phases))
 
 
 def run_row(doc: Mapping[str, Any]) -> str:
