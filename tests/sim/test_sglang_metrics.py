@@ -1,0 +1,85 @@
+"""The simulator's SGLang exposition (``controller.sim.sglang_metrics``) read through the
+engine catalog gives the window its vLLM exposition gives, for the same traffic: the SGLang
+row of the catalog (names, ms and MB units, the prefill stage, rank replicas) is checked end
+to end against the vLLM row."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from controller.core.window import Summary, Window, WorkerStats
+from controller.observe.inprocess import InProcessSource, sim_cluster_provider
+from controller.policy import Route
+from controller.sim.cluster import SimCluster
+from controller.sim.sglang_metrics import SglangView
+from tests.sim._synthetic import drive
+
+SUMMARIES = ("ttft_s", "inter_token_s", "tpot_s", "queue_s", "prefill_s", "kv_transfer_s",
+             "kv_transfer_bytes")
+
+
+def _windows(tp_size: int) -> tuple[Window, Window]:
+    """The same P/D traffic read once through vLLM's exposition, once through SGLang's."""
+    sources: dict[str, InProcessSource] = {}
+
+    def attach(cluster: SimCluster) -> None:
+        targets, vllm = sim_cluster_provider(cluster)()
+        views = {e.name: SglangView(e.metrics, tp_size=tp_size) for e in cluster.engines}
+        sglang = {**vllm, **{name: v.registry for name, v in views.items()}}
+        sources["vllm"] = InProcessSource(targets, vllm, clock=cluster.clock)
+        sources["sglang"] = InProcessSource(targets, sglang, clock=cluster.clock)
+        for source in sources.values():
+            asyncio.run(source.window(-30.0, 0.0))  # baselines before any traffic
+
+    cluster, done, _ = drive(route=Route.PREFILL_NODE, sessions=16, turns=2,
+                             before_run=attach)
+    assert done
+    end = cluster.clock.now()
+    return (asyncio.run(sources["vllm"].window(0.0, end)),
+            asyncio.run(sources["sglang"].window(0.0, end)))
+
+
+def _same_summary(a: Summary | None, b: Summary | None, key: str, worker: str) -> None:
+    assert (a is None) == (b is None), (key, worker)
+    if a is None or b is None:
+        return
+    assert b.count == a.count, (key, worker)
+    for q in ("mean", "p50", "p90", "p99"):
+        va, vb = getattr(a, q), getattr(b, q)
+        assert (va is None) == (vb is None), (key, worker, q)
+        if va is not None:
+            assert vb == pytest.approx(va, rel=1e-9), (key, worker, q)
+
+
+def _compare(vllm: WorkerStats, sglang: WorkerStats) -> None:
+    assert (vllm.engine, sglang.engine) == ("vllm", "sglang")
+    for key in SUMMARIES:
+        _same_summary(getattr(vllm, key), getattr(sglang, key), key, vllm.worker)
+    assert sglang.request_rate == pytest.approx(vllm.request_rate)
+    assert sglang.generation_tokens == pytest.approx(vllm.generation_tokens)
+    assert sum((sglang.prompt_tokens_by_source or {}).values()) == pytest.approx(
+        sum((vllm.prompt_tokens_by_source or {}).values()))
+    assert (sglang.running, sglang.waiting) == (vllm.running, vllm.waiting)
+    assert sglang.kv_cache_usage == pytest.approx(vllm.kv_cache_usage)
+
+
+@pytest.mark.parametrize("tp_size", [1, 4])
+def test_sglang_and_vllm_expositions_give_the_same_worker_stats(tp_size: int) -> None:
+    vllm, sglang = _windows(tp_size)
+    assert vllm.failures == () and sglang.failures == ()
+    by_worker = {s.worker: s for s in sglang.workers}
+    assert sorted(by_worker) == sorted(s.worker for s in vllm.workers)
+    for stats in vllm.workers:
+        _compare(stats, by_worker[stats.worker])
+    # The traffic went through a prefill node: transfers were seen, in seconds and bytes.
+    moved = [s for s in sglang.workers if s.kv_transfer_s is not None]
+    assert moved and all(s.kv_transfer_bytes is not None for s in moved)
+    assert sglang.outcomes == vllm.outcomes  # the routers' own series are untouched
+
+
+def test_a_view_needs_at_least_one_rank() -> None:
+    cluster, _, _ = drive(sessions=1, turns=1)
+    with pytest.raises(ValueError, match="tp_size must be >= 1"):
+        SglangView(cluster.engines[0].metrics, tp_size=0)
