@@ -34,7 +34,7 @@ def sim_cluster_provider(cluster: Any) -> RegistryProvider:
         registries: dict[str, CollectorRegistry] = {}
         for engine in cluster.engines:
             targets.append(Target(engine.name, engine.role))
-            registries[engine.name] = engine.metrics.registry
+            registries[engine.name] = engine.registry
         for router in cluster.routers:
             targets.append(Target(router.router_id, "router"))
             registries[router.router_id] = router.agent.registry

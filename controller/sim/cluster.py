@@ -31,6 +31,7 @@ from controller.sim.engine import Engine, EngineRequest
 from controller.sim.link import KvLink
 from controller.sim.profiles import Profile
 from controller.sim.router import SimRouter
+from controller.sim.sglang_metrics import SglangView
 
 Role = Literal["prefill", "decode"]
 KV_LEASE_S = 30.0  # vLLM NIXL kv_lease_duration default
@@ -51,6 +52,10 @@ class ClusterConfig:
     qps_window_s: float = 10.0
     # vLLM --custom-histogram-buckets: bucket family -> boundaries
     custom_histogram_buckets: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    # The engine whose exposition the workers serve: "vllm" or "sglang" (SglangView, its
+    # scheduler series repeated on sglang_tp_ranks ranks).
+    metrics_engine: str = "vllm"
+    sglang_tp_ranks: int = 1
 
 
 @dataclass(slots=True)
@@ -182,6 +187,11 @@ class SimCluster:
             runs=self.config.closed_form_runs,
             custom_buckets=dict(self.config.custom_histogram_buckets) or None,
         )
+        if self.config.metrics_engine == "sglang":
+            eng.registry = SglangView(eng.metrics, tp_size=self.config.sglang_tp_ranks).registry
+        elif self.config.metrics_engine != "vllm":
+            raise ValueError(f"metrics_engine must be vllm or sglang, got "
+                             f"{self.config.metrics_engine!r}")
         if role == "prefill":
             self.prefill.append(eng)
             self.links[name] = KvLink(name, self.config.kv_link_gbps,

@@ -107,6 +107,8 @@ class Engine:
             enable_prefix_caching=prefix_cache,
             custom_buckets=custom_buckets,
         )
+        # What /metrics serves: the vLLM exposition, or a view of it (cluster.add_worker).
+        self.registry = self.metrics.registry
         self._admit_seq = 0
         # the run in progress: steps left to apply, their composition and timing
         self.busy = False

@@ -1,6 +1,7 @@
 """Live mode: the simulated cluster in wall time, behind real sockets on loopback.
 
-- one HTTP ``/metrics`` endpoint per worker (vLLM exposition) and per router (the agent's
+- one HTTP ``/metrics`` endpoint per worker (vLLM's exposition, or SGLang's with
+  ``[cluster] metrics_engine = "sglang"``) and per router (the agent's
   ``pdrouter_*`` metrics);
 - per router, the agent's gRPC servers (``controller.rollout.server.RouterServer``: policy
   service for the controller, agent service, health), so a real daemon can push policies;
@@ -261,7 +262,7 @@ class LiveSim:
             if path != "/metrics":
                 raise HttpError(404, f"no route {path}")
             self.advance()
-            await respond(writer, 200, CONTENT_TYPE_LATEST, generate_latest(eng.metrics.registry))
+            await respond(writer, 200, CONTENT_TYPE_LATEST, generate_latest(eng.registry))
         return handle
 
     def _router_handler(self, router: SimRouter) -> Handler:

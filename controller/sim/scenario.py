@@ -118,7 +118,8 @@ class _Table:
 
 CLUSTER_KEYS = {"prefill_workers", "decode_workers", "profile", "kv_link_gbps",
                 "kv_link_setup_ms", "max_batch_tokens", "routers", "prefill_prefix_cache",
-                "transfer_missing_only", "qps_window_s", "custom_histogram_buckets"}
+                "transfer_missing_only", "qps_window_s", "custom_histogram_buckets",
+                "metrics_engine", "sglang_tp_ranks"}
 WORKLOAD_KEYS = {"source", "rate_scale", "time_slice_s", "params"}
 
 
@@ -192,6 +193,8 @@ def parse_scenario(data: Mapping[str, Any], source_path: Path | None = None) -> 
         transfer_missing_only=c.boolean("transfer_missing_only", True),
         qps_window_s=c.number("qps_window_s", 10.0, gt=0),
         custom_histogram_buckets=_buckets(c.data.get("custom_histogram_buckets", {})),
+        metrics_engine=c.string("metrics_engine", "vllm", choices=("vllm", "sglang")),
+        sglang_tp_ranks=c.integer("sglang_tp_ranks", 1, ge=1),
     )
     if "workload" not in data:
         raise ScenarioError("workload: required")

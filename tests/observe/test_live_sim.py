@@ -4,6 +4,7 @@ Prometheus scraping it: the same interval gives the same counts and means."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,10 +24,17 @@ SCENARIO = REPO / "scenarios" / "ppd-2p2d.toml"
 CLOCK = WallClock()
 
 
-@pytest.fixture
-def live_sim() -> Iterator[dict[str, Any]]:
-    with sim_serve(SCENARIO, "--no-traffic") as (addresses, _):
-        yield addresses
+@pytest.fixture(params=["vllm", "sglang"])
+def live_sim(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """The cluster serving vLLM's exposition, or SGLang's with every scheduler series on two
+    TP ranks (``--enable-metrics-for-all-schedulers``)."""
+    scenario = SCENARIO
+    if request.param == "sglang":
+        scenario = tmp_path / "sglang.toml"
+        scenario.write_text(SCENARIO.read_text().replace(
+            "[cluster]\n", '[cluster]\nmetrics_engine = "sglang"\nsglang_tp_ranks = 2\n', 1))
+    with sim_serve(scenario, "--no-traffic") as (addresses, _):
+        yield {**addresses, "engine": request.param}
 
 
 def _targets(addresses: dict[str, Any]) -> list[Target]:
@@ -80,6 +88,13 @@ async def test_scrape_and_prometheus_agree_on_a_live_simulated_cluster(
         await source.aclose()
         prom.stop()
     assert direct.failures == () and via_prom.failures == ()
+    assert {s.engine for s in direct.workers} == {live_sim["engine"]}
+    # A decode worker queues each request it finishes once, however many ranks report the
+    # queue (SGLang's scheduler series) and the finished count (its tokenizer's, unranked).
+    decode = [s for s in direct.workers if s.role == "decode"]
+    finished = sum((s.request_rate or 0.0) * direct.interval_s for s in decode)
+    queued = sum(s.queue_s.count for s in decode if s.queue_s is not None)
+    assert round(finished) == 12 and queued == 12, (finished, queued)
     a, b = _counts_and_means(direct), _counts_and_means(via_prom)
     assert a, "the requests left no trace in the workers' histograms"
     assert a.keys() == b.keys()

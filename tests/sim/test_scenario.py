@@ -50,6 +50,8 @@ def test_examples_cover_every_source_and_event_kind() -> None:
         ({"cluster": {"decode_workers": 0}}, "cluster.decode_workers"),
         ({"cluster": {"kv_link_gbps": -1}}, "cluster.kv_link_gbps"),
         ({"cluster": {"profile": "no-such-gpu"}}, "cluster.profile"),
+        ({"cluster": {"metrics_engine": "tgi"}}, "cluster.metrics_engine"),
+        ({"cluster": {"sglang_tp_ranks": 0}}, "cluster.sglang_tp_ranks"),
         ({"duration_s": 0}, "duration_s"),
         ({"colour": "red"}, "colour"),
         ({"workload": {"source": "nope"}}, "workload.source"),

@@ -13,6 +13,7 @@ from controller.core.window import Summary, Window, WorkerStats
 from controller.observe.inprocess import InProcessSource, sim_cluster_provider
 from controller.policy import Route
 from controller.sim.cluster import SimCluster
+from controller.sim.scenario import parse_scenario
 from controller.sim.sglang_metrics import SglangView
 from tests.sim._synthetic import drive
 
@@ -83,3 +84,34 @@ def test_a_view_needs_at_least_one_rank() -> None:
     cluster, _, _ = drive(sessions=1, turns=1)
     with pytest.raises(ValueError, match="tp_size must be >= 1"):
         SglangView(cluster.engines[0].metrics, tp_size=0)
+
+
+def test_a_cluster_configured_for_sglang_serves_its_exposition() -> None:
+    """``[cluster] metrics_engine = "sglang"``: every worker's /metrics (live.py and the
+    in-process source read ``Engine.registry``) is the SGLang view, rank replicas included."""
+    sources: list[InProcessSource] = []
+
+    def attach(cluster: SimCluster) -> None:
+        source = InProcessSource.following(sim_cluster_provider(cluster), clock=cluster.clock)
+        asyncio.run(source.window(-30.0, 0.0))
+        sources.append(source)
+
+    cluster, done, _ = drive(route=Route.PREFILL_NODE, sessions=8, turns=2, before_run=attach,
+                             cfg={"metrics_engine": "sglang", "sglang_tp_ranks": 2})
+    text = cluster.engines[0].registry.collect()
+    names = {family.name for family in text}
+    assert "sglang:num_queue_reqs" in names and not any(n.startswith("vllm:") for n in names)
+    w = asyncio.run(sources[0].window(0.0, cluster.clock.now()))
+    assert {s.engine for s in w.workers} == {"sglang"}
+    decode = [s for s in w.workers if s.role == "decode"]
+    finished = [r for r in done if not r.rejected]
+    assert sum(s.ttft_s.count for s in decode if s.ttft_s is not None) == len(finished)
+    transfers = sum(s.kv_transfer_s.count for s in w.workers if s.kv_transfer_s is not None)
+    assert 0 < transfers <= len(finished)  # each counted once, not once per rank
+
+
+def test_a_scenario_selects_the_exposition() -> None:
+    base = {"name": "s", "duration_s": 10, "workload": {"source": "synthetic"}}
+    assert parse_scenario(base).cluster.metrics_engine == "vllm"
+    sc = parse_scenario({**base, "cluster": {"metrics_engine": "sglang", "sglang_tp_ranks": 4}})
+    assert (sc.cluster.metrics_engine, sc.cluster.sglang_tp_ranks) == ("sglang", 4)
