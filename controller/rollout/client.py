@@ -101,6 +101,11 @@ def client_options(
         # connection attempt may take (20 s by default), and a busy router needs that.
         ("grpc.initial_reconnect_backoff_ms", min(100, backoff_ms)),
         ("grpc.max_reconnect_backoff_ms", backoff_ms),
+        # gRPC shares subchannels between channels to the same address by default: the fresh
+        # channel made after a transient failure would inherit the old one's subchannel, still
+        # in reconnect backoff, and fail fast with its last error (seen as "Connection refused"
+        # right after a router restarted on the same port). Each channel gets its own.
+        ("grpc.use_local_subchannel_pool", 1),
         *channel_options(security),
     ]
 

@@ -199,6 +199,36 @@ async def test_applied_policy_survives_a_router_restart(
         await second.stop(grace=None)
 
 
+async def test_a_router_restarted_on_its_port_is_reached_by_the_next_call(
+    tmp_path: Path,
+) -> None:
+    """After a transient failure the transport makes a fresh channel; with gRPC's shared
+    subchannel pool that channel inherited the old subchannel, still in reconnect backoff,
+    and failed fast ("Connection refused") in about 1 of 25 restarts. Repeated so that the
+    old behaviour fails this test with near certainty (1 - 0.96^200)."""
+    for i in range(200):
+        transport = GrpcRouterTransport()
+        state_file = tmp_path / f"router-{i}.json"
+        first = RouterServer(RouterAgent(registry=CollectorRegistry(), state_file=state_file))
+        await first.start()
+        port = first.port
+        await transport.apply(first.address, table_policy(5, flip=1), False, DEADLINE_S)
+        await first.stop(grace=None)
+        with pytest.raises(RouterCallError):
+            await transport.get(first.address, 1.0)
+        second = RouterServer(
+            RouterAgent(registry=CollectorRegistry(), state_file=state_file),
+            listen=f"127.0.0.1:{port}",
+        )
+        await second.start()
+        try:
+            policy, _, _ = await transport.get_policy(second.address, DEADLINE_S)
+            assert policy.version == 5, i
+        finally:
+            await second.stop(grace=None)
+            await transport.close()
+
+
 async def test_decide_and_observe_for_routers_in_other_languages(
     router: RouterServer, transport: GrpcRouterTransport
 ) -> None:
