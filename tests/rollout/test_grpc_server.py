@@ -168,26 +168,32 @@ async def test_get_policy_returns_the_running_policy(
     assert (slim.version, slim.checksum) == (9, v9.checksum)
 
 
-async def test_applied_policy_survives_a_router_restart(
-    tmp_path: Path, transport: GrpcRouterTransport
-) -> None:
-    state_file = tmp_path / "router.json"
+async def _restarted_with(transport: GrpcRouterTransport, state_file: Path,
+                          policy: Policy) -> RouterServer:
+    """A router that applied ``policy``, stopped (a call to it then fails) and started again
+    on the same port with the same state file: the restarted server, running."""
     first = RouterServer(RouterAgent(registry=CollectorRegistry(), state_file=state_file))
     await first.start()
     port = first.port
-    v5 = table_policy(5, flip=1)
-    assert (await transport.apply(first.address, v5, False, DEADLINE_S)).outcome is (
+    assert (await transport.apply(first.address, policy, False, DEADLINE_S)).outcome is (
         ApplyOutcome.APPLIED
     )
     await first.stop(grace=None)
     with pytest.raises(RouterCallError):
         await transport.get(first.address, 1.0)
-
     second = RouterServer(
         RouterAgent(registry=CollectorRegistry(), state_file=state_file),
         listen=f"127.0.0.1:{port}",
     )
     await second.start()
+    return second
+
+
+async def test_applied_policy_survives_a_router_restart(
+    tmp_path: Path, transport: GrpcRouterTransport
+) -> None:
+    v5 = table_policy(5, flip=1)
+    second = await _restarted_with(transport, tmp_path / "router.json", v5)
     try:
         policy, state, _ = await transport.get_policy(second.address, DEADLINE_S)
         assert policy == v5
@@ -208,19 +214,8 @@ async def test_a_router_restarted_on_its_port_is_reached_by_the_next_call(
     old behaviour fails this test with near certainty (1 - 0.96^200)."""
     for i in range(200):
         transport = GrpcRouterTransport()
-        state_file = tmp_path / f"router-{i}.json"
-        first = RouterServer(RouterAgent(registry=CollectorRegistry(), state_file=state_file))
-        await first.start()
-        port = first.port
-        await transport.apply(first.address, table_policy(5, flip=1), False, DEADLINE_S)
-        await first.stop(grace=None)
-        with pytest.raises(RouterCallError):
-            await transport.get(first.address, 1.0)
-        second = RouterServer(
-            RouterAgent(registry=CollectorRegistry(), state_file=state_file),
-            listen=f"127.0.0.1:{port}",
-        )
-        await second.start()
+        second = await _restarted_with(transport, tmp_path / f"router-{i}.json",
+                                       table_policy(5, flip=1))
         try:
             policy, _, _ = await transport.get_policy(second.address, DEADLINE_S)
             assert policy.version == 5, i
