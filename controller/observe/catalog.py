@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from controller.observe.exposition import LabelKey
+
 HISTOGRAM_KEYS = (
     "ttft_s", "inter_token_s", "tpot_s", "queue_s", "prefill_s", "kv_transfer_s",
     "kv_transfer_bytes",
@@ -156,7 +158,6 @@ ENGINES: tuple[EngineSpec, ...] = (VLLM, VLLM_LEGACY, SGLANG)
 # largest counts it once); dp_rank, a scheduler of its own, is summed like vLLM's engine.
 REPLICA_RANK_LABELS: frozenset[str] = frozenset({"tp_rank", "pp_rank", "moe_ep_rank"})
 REPLICA_RANK_FAMILIES: tuple[str, ...] = ("sglang:",)  # the families that carry them
-Labels = tuple[tuple[str, str], ...]  # a series' sorted (name, value) pairs
 
 
 def has_replica_ranks(family: str) -> bool:
@@ -165,19 +166,25 @@ def has_replica_ranks(family: str) -> bool:
     return family.startswith(REPLICA_RANK_FAMILIES)
 
 
-def collapse_replicas(series: Mapping[Labels, float]) -> dict[Labels, float]:
+def collapse_replicas(series: Mapping[LabelKey, float]) -> dict[LabelKey, float]:
     """Series that differ only in a replica rank label (:data:`REPLICA_RANK_LABELS`) as one
     series without those labels, valued at the largest: each replica reports the same
     scheduler, so summing them would count its requests once per rank. A family without
     such labels comes back as it is."""
     if not any(k in REPLICA_RANK_LABELS for labels in series for k, _ in labels):
         return dict(series)
-    out: dict[Labels, float] = {}
+    out: dict[LabelKey, float] = {}
     for labels, value in series.items():
         key = tuple(pair for pair in labels if pair[0] not in REPLICA_RANK_LABELS)
         before = out.get(key)
         out[key] = value if before is None or value > before else before
     return out
+
+
+def once_per_scheduler(family: str, series: dict[LabelKey, float]) -> dict[LabelKey, float]:
+    """``series`` of ``family`` with rank replicas counted once (:func:`collapse_replicas`);
+    ``series`` itself for a family that cannot carry them."""
+    return collapse_replicas(series) if has_replica_ranks(family) else series
 
 
 ENGINES_BY_NAME: Mapping[str, EngineSpec] = {e.name: e for e in ENGINES}

@@ -38,9 +38,8 @@ from controller.observe.catalog import (
     EngineSpec,
     GaugeSpec,
     HistogramSpec,
-    collapse_replicas,
     detect_engine,
-    has_replica_ranks,
+    once_per_scheduler,
 )
 from controller.observe.exposition import (
     ExpositionError,
@@ -137,9 +136,8 @@ def diff_snapshots(prev: Snapshot | None, cur: Snapshot) -> TargetDelta:
     by_family: dict[str, list[str]] = {}
     for name, series in cur.samples.items():
         if not is_cumulative(name):
-            gauges = {k: v for k, v in series.items() if not math.isnan(v)}
-            delta.gauges[name] = collapse_replicas(gauges) \
-                if has_replica_ranks(name) else gauges
+            delta.gauges[name] = once_per_scheduler(
+                name, {k: v for k, v in series.items() if not math.isnan(v)})
             continue
         by_family.setdefault(base_name(name), []).append(name)
     if prev is None:
@@ -170,8 +168,7 @@ def diff_snapshots(prev: Snapshot | None, cur: Snapshot) -> TargetDelta:
                     inc[labels] = value - before
             # Increases per replica, then one per scheduler: a replica that restarted alone
             # still counts from its own baseline.
-            delta.increases[name] = collapse_replicas(inc) \
-                if has_replica_ranks(name) else inc
+            delta.increases[name] = once_per_scheduler(name, inc)
     if reset_families:
         delta.notes.append(TargetFailure(
             target=cur.target, kind="counter_reset",

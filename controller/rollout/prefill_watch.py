@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import httpx
 
 from controller.clock import Clock
-from controller.observe.catalog import ENGINES, collapse_replicas, has_replica_ranks
+from controller.observe.catalog import ENGINES, once_per_scheduler
 from controller.observe.exposition import ExpositionError, parse_exposition
 
 log = logging.getLogger(__name__)
@@ -44,9 +44,8 @@ def waiting_in(text: str, target: str) -> float | None:
     """Requests waiting on one worker from its exposition text (None: no waiting gauge)."""
     snap = parse_exposition(text, target=target, taken_at=0.0, keep=frozenset(WAITING_FAMILIES))
     for family in WAITING_FAMILIES:
-        series = {k: v for k, v in snap.series(family).items() if math.isfinite(v)}
-        if has_replica_ranks(family):
-            series = collapse_replicas(series)
+        series = once_per_scheduler(
+            family, {k: v for k, v in snap.series(family).items() if math.isfinite(v)})
         if series:
             return math.fsum(series.values())
     return None

@@ -57,6 +57,11 @@ class ClusterConfig:
     metrics_engine: str = "vllm"
     sglang_tp_ranks: int = 1
 
+    def __post_init__(self) -> None:
+        if self.metrics_engine not in ("vllm", "sglang"):
+            raise ValueError(f"metrics_engine must be vllm or sglang, got "
+                             f"{self.metrics_engine!r}")
+
 
 @dataclass(slots=True)
 class SimRequest:
@@ -189,9 +194,6 @@ class SimCluster:
         )
         if self.config.metrics_engine == "sglang":
             eng.registry = SglangView(eng.metrics, tp_size=self.config.sglang_tp_ranks).registry
-        elif self.config.metrics_engine != "vllm":
-            raise ValueError(f"metrics_engine must be vllm or sglang, got "
-                             f"{self.config.metrics_engine!r}")
         if role == "prefill":
             self.prefill.append(eng)
             self.links[name] = KvLink(name, self.config.kv_link_gbps,
