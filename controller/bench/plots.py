@@ -111,13 +111,21 @@ def write_plots(out: Path, bench: Any, doc: dict[str, Any]) -> list[Path]:
         if key in ("pd", "local") or not tables:
             continue
         n = len(tables)
-        fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1, 3.6), squeeze=False)
-        for ax, (t, p) in zip(axes[0], tables, strict=True):
+        # Constrained layout: the panels' labels and the shared colour bar never overlap.
+        fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1.4, 3.8), squeeze=False,
+                                 layout="constrained")
+        for j, (ax, (t, p)) in enumerate(zip(axes[0], tables, strict=True)):
             img = ax.imshow(decode_local_share(p), origin="lower", vmin=0, vmax=1,
                             cmap="viridis", aspect="auto")
+            edges = p.table.axes
             ax.set_title(f"v{p.version} from {t:.0f} s", fontsize=8)
-            ax.set_xlabel("io-ratio bin")
-            ax.set_ylabel("context bin")
+            ax.set_xticks(range(len(edges.io_ratio)), [f"{e:g}" for e in edges.io_ratio],
+                          rotation=90, fontsize=6)
+            ax.set_yticks(range(len(edges.context_tokens)),
+                          [f"{e:g}" for e in edges.context_tokens], fontsize=6)
+            ax.set_xlabel("io ratio (bin upper edge)", fontsize=7)
+            if j == 0:
+                ax.set_ylabel("context tokens (bin upper edge)", fontsize=7)
         fig.colorbar(img, ax=axes[0].tolist(), label="decode-local share of QPS bins")
         fig.suptitle(f"{scenario.name} / {key}: tables over the run", fontsize=9)
         written.append(_save(fig, out / f"tables-{key}.png"))
