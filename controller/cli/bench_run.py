@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -111,8 +113,7 @@ def bench_run(
         raise typer.Exit(2) from None
 
     try:
-        bench = _run(scenario, names, thr, settings, extra, sys.stdout.isatty() and not as_json,
-                     time_scale)
+        bench = _run(scenario, names, thr, settings, extra, time_scale)
     except ValueError as e:  # e.g. the first phase too short to calibrate ppd-static on
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -135,26 +136,49 @@ def bench_run(
 
 
 def _run(scenario: Scenario, names: list[str], thr: Any, settings: Any,
-         extra: dict[str, Any], show_progress: bool, time_scale: float = 1.0) -> Any:
+         extra: dict[str, Any], time_scale: float = 1.0) -> Any:
     from controller.bench.runner import quiet_logs, run_bench
 
     quiet_logs()
-
-    if not show_progress:
-        return run_bench(scenario, names, threshold=thr, settings=settings, extra=extra,
-                         time_scale=time_scale)
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        tasks: dict[str, Any] = {}
-
-        def advance(key: str, t: float, total: float) -> None:
-            if key not in tasks:
-                tasks[key] = bar.add_task(f"{scenario.name} / {key}", total=total)
-            bar.update(tasks[key], completed=t)
-
+    with _progress(scenario) as advance:
         return run_bench(scenario, names, threshold=thr, settings=settings,
                          progress=advance, extra=extra, time_scale=time_scale)
+
+
+@contextmanager
+def _progress(scenario: Scenario) -> Iterator[Callable[[str, float, float], None]]:
+    """Progress on stderr, so that ``--json``'s stdout stays one document: a bar per replay
+    on a terminal; elsewhere (a CI log, a redirect) one line as each replay ends, so a run of
+    several minutes still shows that it moves."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from controller.clock import WallClock
+
+    console = Console(stderr=True)
+    if console.is_terminal:
+        with Progress(console=console, transient=True) as bar:
+            tasks: dict[str, Any] = {}
+
+            def advance(key: str, t: float, total: float) -> None:
+                if key not in tasks:
+                    tasks[key] = bar.add_task(f"{scenario.name} / {key}", total=total)
+                bar.update(tasks[key], completed=t)
+
+            yield advance
+        return
+    clock = WallClock()
+    started: dict[str, float] = {}
+    ended: set[str] = set()
+
+    def log(key: str, t: float, total: float) -> None:
+        started.setdefault(key, clock.monotonic())
+        if t >= total and key not in ended:  # the last report and the run's end both say so
+            ended.add(key)
+            typer.echo(f"{scenario.name} / {key}: {total:g} virtual s replayed in "
+                       f"{clock.monotonic() - started[key]:.1f} s", err=True)
+
+    yield log
 
 
 def _fmt(v: Any, scale: float = 1.0, digits: int = 3) -> str:
@@ -182,6 +206,8 @@ def _print_table(doc: dict[str, Any], bench: Any) -> None:
                       _fmt(s["kv_bytes"], 1 / 2**30, 2), str(s.get("policy_changes", 0)),
                       adapt, detect, "-" if run is None else f"{run.result.wall_s:.1f}")
     console = Console()
+    if not console.is_terminal:  # a log or a pipe: rich's 80 columns would cut every cell
+        console = Console(width=200)
     console.print(table)
     ratio = doc.get("oracle_ratio")
     console.print("adaptive / oracle goodput: " + ("not run" if ratio is None else f"{ratio:.3f}"))

@@ -68,8 +68,15 @@ def test_cli_writes_json_markdown_and_plots(scenario_file: Path, tmp_path: Path)
     result = CliRunner().invoke(app, ["bench", "run", str(scenario_file), "--json",
                                       "--out", str(out)])
     assert result.exit_code == 0, result.output
-    doc = json.loads(result.output)
+    doc = json.loads(result.stdout)  # the progress goes to stderr: stdout is the document
     assert doc == json.loads((out / "summary.json").read_text())
+    # Off a terminal, one progress line as each replay ends (every policy but the oracle,
+    # which is picked from the others' replays, not replayed itself).
+    replayed = [line.split(": ")[0].removeprefix("bench-small / ")
+                for line in result.stderr.splitlines() if line.startswith("bench-small / ")]
+    assert sorted(replayed) == sorted(k for k in doc["policies"] if k != "oracle")
+    assert all("160 virtual s replayed in" in line for line in result.stderr.splitlines()
+               if line.startswith("bench-small / "))
     assert doc["scenario"] == "bench-small"
     assert set(doc["policies"]) >= set(POLICIES)
     for key, entry in doc["policies"].items():
@@ -154,7 +161,7 @@ def test_seed_replays_another_draw_of_the_scenario(scenario_file: Path) -> None:
         result = CliRunner().invoke(app, ["bench", "run", str(scenario_file), "--policy", "pd",
                                           "--json", *extra])
         assert result.exit_code == 0, result.output
-        return json.loads(result.output)
+        return json.loads(result.stdout)
 
     default, again, other = pd_run(), pd_run("--seed", "7"), pd_run("--seed", "8")
     assert (default["seed"], again["seed"], other["seed"]) == (7, 7, 8)
@@ -188,3 +195,16 @@ def test_numbered_scenarios_pick_by_number_and_reseed() -> None:
     own = numbered_scenarios(root)
     assert len(own) == 5 and [s.seed for _, s in own] == [
         load_scenario(p).seed for p, _ in own]
+
+
+def test_the_table_off_a_terminal_is_whole(scenario_file: Path) -> None:
+    """Printed to a pipe or a log, the comparison keeps every column whole (rich would cut
+    each cell to fit 80 columns), and the progress goes to stderr, not into the table."""
+    result = CliRunner().invoke(app, ["bench", "run", str(scenario_file), "--policy", "pd"])
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.stdout.splitlines() if "policy" in line)
+    for column in ("goodput", "T2+ TTFT mean ms", "T2+ TTFT p99 ms", "TPOT p99 ms", "KV GiB",
+                   "adapt s", "detect s"):
+        assert column in header, column
+    assert "replayed in" not in result.stdout
+    assert "bench-small / pd: 160 virtual s replayed in" in result.stderr
