@@ -12,7 +12,8 @@ from controller.bench.goals import AdaptiveRun, goal_figures
 
 def _summary(adaptive: float, phases: list[float], approvals: list[float],
              adaptation: list[float | None], threshold_phases: list[float],
-             oracle: float = 0.95) -> dict[str, Any]:
+             oracle: float = 0.95,
+             events: tuple[str, ...] = ("rate_scale", "remove_worker")) -> dict[str, Any]:
     bounds = [(0.0, 1200.0), (1200.0, 3600.0)][: len(phases)]
 
     def static(goodput: float, per_phase: list[float]) -> dict[str, Any]:
@@ -22,6 +23,9 @@ def _summary(adaptive: float, phases: list[float], approvals: list[float],
 
     return {
         "scenario": "s", "seed": 1, "interval_s": 30.0,
+        # Listed out of time order: the figures pair adaptation times with events by time.
+        "events": [{"at_s": 2400.0 - 1200.0 * i, "kind": k}
+                   for i, k in enumerate(reversed(events))],
         "policies": {
             "pd": static(0.5, [0.5] * len(phases)),
             "local": static(0.8, [0.85, 0.75][: len(phases)]),
@@ -50,6 +54,8 @@ def test_the_figures_count_each_goal_over_the_runs() -> None:
     assert figures.phases_below == 1
     assert (figures.changes, figures.phases, figures.multi_change_phases) == (3, 4, 1)
     assert (figures.fast_adaptations, figures.adaptations) == (1, 2)  # 3 x 30 s = 90 s
+    # Run 1's events: a rate step at 1200 s (adapted in 60 s), a worker lost at 2400 s (600 s).
+    assert (figures.fast_cluster_adaptations, figures.cluster_adaptations) == (0, 1)
     assert figures.oracle_ratio_min == pytest.approx(0.90 / 0.95)  # run 1: 0.947 < 0.955
     assert "above every static 1" in figures.line()
 
@@ -71,3 +77,15 @@ def test_a_replay_with_other_phases_is_refused() -> None:
     doc = _summary(0.84, [0.88, 0.80], [], [None], [0.86, 0.84])
     with pytest.raises(ValueError, match="1 phases, the summary 2"):
         goal_figures([(doc, AdaptiveRun(0.9, (0.9,), (), ()))])
+
+
+def test_adaptations_after_cluster_events_are_counted_apart() -> None:
+    doc = _summary(0.90, [0.95, 0.83], [1500.0], [30.0, 45.0], [0.90, 0.85],
+                   events=("link_bandwidth", "workload"))
+    figures = goal_figures([(doc, AdaptiveRun.from_summary(doc))])
+    assert (figures.fast_adaptations, figures.adaptations) == (2, 2)
+    assert (figures.fast_cluster_adaptations, figures.cluster_adaptations) == (1, 1)
+    assert "(after a worker or link event 1 of 1)" in figures.line()
+    doc["events"] = doc["events"][:1]
+    with pytest.raises(ValueError, match="1 events, 2 adaptation times"):
+        goal_figures([(doc, AdaptiveRun.from_summary(doc))])
