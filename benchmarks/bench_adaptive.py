@@ -33,54 +33,32 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from controller.bench.adaptive import AdaptiveController, adaptive_start  # noqa: E402
-from controller.bench.baselines import static_policy  # noqa: E402
 from controller.bench.goals import AdaptiveRun, goal_figures  # noqa: E402
-from controller.bench.oracle import calibrated_table, windows_in  # noqa: E402
 from controller.bench.report import summarize  # noqa: E402
 from controller.bench.runner import (  # noqa: E402
-    WindowRecorder,
     adaptive_settings,
     numbered_scenarios,
     parse_setting_overrides,
+    ppd_static_table,
     quiet_logs,
-    slo_of,
     times_to_first,
 )
 from controller.clock import WallClock  # noqa: E402
 from controller.core.drift import feature_statistics  # noqa: E402
 from controller.errors import ConfigError  # noqa: E402
-from controller.policy import Policy, Route, Weights, dumps, loads  # noqa: E402
+from controller.policy import Policy, dumps, loads  # noqa: E402
 from controller.sim.run import run_scenario  # noqa: E402
 from controller.sim.scenario import Scenario, load_scenario  # noqa: E402
 
 
 def ppd_static(scenario: Scenario, cache: Path | None) -> Policy:
-    """The bench's ``ppd-static`` table (run_bench builds it the same way)."""
-    name = f"{scenario.name}-seed{scenario.seed}-ppd-static.json"
+    """The bench's ``ppd-static`` table (:func:`controller.bench.runner.ppd_static_table`,
+    the one ``run_bench`` uses), cached by scenario and seed."""
+    name = f"{scenario.name}-seed{scenario.seed}-ppd-static-active.json"
     path = cache / name if cache is not None else None
     if path is not None and path.exists():
         return loads(path.read_text())
-    slo = slo_of(scenario)
-    first = []
-    for route in (Route.PREFILL_NODE, Route.DECODE_LOCAL):
-        recorder = WindowRecorder()
-        run_scenario(
-            scenario,
-            static_policy(route, slo),
-            policy_key=route.name,
-            controller=recorder,
-            setup=recorder.setup,
-        )
-        recorder.close()
-        first += windows_in(recorder.windows, *scenario.phase_bounds()[0])
-    table = calibrated_table(
-        first,
-        slo,
-        Weights(1.0, 1.0),
-        1,
-        "ppd-static: forced runs on the first phase, weights 1:1",
-        tune_first_turn=False,
-    )
+    table = ppd_static_table(scenario)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(dumps(table))

@@ -26,7 +26,6 @@ Run it with the daemon stopped: a live leader lease held by someone else refuses
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from controller.clock import Clock
-from controller.core.active import ActivePlan, LoadPoint, Phase
+from controller.core.active import ActivePlan, LoadPoint, Phase, schedule
 from controller.core.window import Window
 from controller.cycle import read_rollout
 from controller.learning import CalibrationOutcome, Learner, LearnerError
@@ -264,41 +263,33 @@ class ActiveCalibrationRunner:
 
     async def _drive(self, phase: Phase, ph: PhaseReport, http: httpx.AsyncClient,
                      deadline: float) -> None:
-        """Every load point starts at its planned offset (the sum of the planned durations
-        before it), not after the previous point's slowest answer: the phase takes about its
-        planned time, and a point's tail overlaps the next point's start."""
+        """Every load point starts at its scheduled time (:func:`schedule`), not after the
+        previous point's slowest answer: the phase takes about its scheduled time, and a
+        point's tail overlaps the next point's start."""
         task: TaskID | None = None
         if self.progress is not None:
             task = self.progress.add_task(ph.name, total=min(phase.requests, self._budget))
         gate = asyncio.Semaphore(self.limits.concurrency)
-        # Lowest QPS first, each level held for all its points: a window then measures one
-        # QPS level (the table's QPS axis) instead of an average over alternating levels.
-        points = sorted(phase.points, key=lambda p: p.qps)
         t0 = self.clock.monotonic()
-        starts = [t0 + math.fsum(p.duration_s for p in points[:i]) for i in range(len(points))]
         await asyncio.gather(*(
-            self._drive_point(point, f"{ph.name}-{i}", ph, gate, http, deadline, task, start)
-            for i, (point, start) in enumerate(zip(points, starts, strict=True))))
+            self._drive_point(sp.point, f"{ph.name}-{i}", ph, gate, http, deadline, task,
+                              t0 + sp.start_s, sp.gap_s)
+            for i, sp in enumerate(schedule(phase.points, len(self.endpoints)))))
 
     async def _drive_point(self, point: LoadPoint, tag: str, ph: PhaseReport,
                            gate: asyncio.Semaphore, http: httpx.AsyncClient, deadline: float,
-                           task: TaskID | None, t0: float) -> None:
-        """``point.sessions`` two-turn conversations from ``t0``. The point's QPS is per
-        router (the table's axis) and conversations are spread over the endpoints round
-        robin, so turns go out at ``qps × endpoints`` per second: conversation j starts at
-        ``2j·gap``, its second turn one ``gap`` later (or when the first answered, if later).
-
-        Turn 1's prompt is ``context - output`` tokens so that turn 2's reusable context
-        (turn 1's prompt and answer) is the point's ``context_tokens``: its planned cell.
+                           task: TaskID | None, t0: float, gap: float) -> None:
+        """``point.sessions`` two-turn conversations from ``t0``, spread over the endpoints
+        round robin: conversation j starts at ``2j·gap``, its second turn one ``gap`` later
+        (or when the first answered, if later).
         """
-        gap = 1.0 / (point.qps * len(self.endpoints))
         await self._sleep_until(t0)
         if self._budget <= 0 or self.clock.monotonic() >= deadline:
             ph.stopped = ph.stopped or ("request budget spent" if self._budget <= 0
                                         else "deadline reached")
             return
         ph.points_run += 1
-        turn1_tokens = max(point.context_tokens - point.output_tokens, 8)
+        turn1_tokens = point.turn1_prompt_tokens
 
         async def conversation(j: int) -> None:
             endpoint = self.endpoints[self._sessions % len(self.endpoints)]

@@ -4,9 +4,13 @@ Order of the runs (each a full virtual-time replay of the scenario, same seed):
 
 1. ``pd`` and ``local`` (forced all-prefill-node / all-decode-local) with windows recorded
    every control interval through :class:`InProcessSource`; they are both baselines and the
-   forced calibration runs.
-2. ``ppd-static``: a table calibrated by the learning core on the first phase's windows of
-   both forced runs, weights pinned at (1, 1), never changed.
+   oracle's forced calibration runs.
+2. ``ppd-static``, the PPD paper's method: the learning issue's active calibration
+   (:func:`controller.core.active.plan_active_calibration`: the paper's context classes x
+   io-ratio classes x QPS points, two-turn conversations) replayed under forced
+   all-prefill-node and all-decode-local on the scenario's cluster as its first phase
+   starts (no events), windows recorded alike; a table calibrated by the learning core on
+   those windows, weights pinned at (1, 1), never changed.
 3. ``threshold``: the Dynamo-style rule (:mod:`controller.bench.baselines`).
 4. ``adaptive``: the daemon's cycle (:mod:`controller.bench.adaptive`) from ``ppd-static``
    with the controller's configured overrides.
@@ -178,8 +182,9 @@ def run_bench(
     time_scale: float = 1.0,
 ) -> BenchRun:
     """Replay ``scenario`` under ``policies`` (names of :data:`POLICIES`) and policy files
-    (``extra``: key -> policy). The forced runs behind ``ppd-static`` and the oracle run even
-    when ``pd``/``local`` are not asked for (they are then left out of the report).
+    (``extra``: key -> policy). The active calibration behind ``ppd-static`` runs whenever
+    a table is needed, and the forced runs behind the oracle run even when ``pd``/``local``
+    are not asked for (they are then left out of the report).
     ``time_scale``: the factor ``scenario`` was shortened by (:func:`scale_scenario`); without
     ``settings``, the adaptive controller's time constants are shortened by it too."""
     unknown = [p for p in policies if p not in POLICIES]
@@ -189,6 +194,7 @@ def run_bench(
     phases = scenario.phase_bounds()
     wanted = set(policies)
     need_tables = bool(wanted & {"ppd-static", "adaptive", "oracle"})
+    need_windows = "oracle" in wanted  # the oracle's tables learn from the forced runs
     notes: list[str] = []
 
     def replay(key: str, policy: Any, *, controller: Any = None,
@@ -203,9 +209,9 @@ def run_bench(
     runs: dict[str, PolicyRun] = {}
     windows: dict[str, list[Window]] = {}
     for key, route in (("pd", Route.PREFILL_NODE), ("local", Route.DECODE_LOCAL)):
-        if key not in wanted and not need_tables:
+        if key not in wanted and not need_windows:
             continue
-        recorder = WindowRecorder() if need_tables else None
+        recorder = WindowRecorder() if need_windows else None
         res = replay(key, static_policy(route, slo), controller=recorder,
                      setup=recorder.setup if recorder is not None else None)
         if recorder is not None:
@@ -216,10 +222,7 @@ def run_bench(
 
     ppd_static: Policy | None = None
     if need_tables:
-        first = [w for k in ("pd", "local") for w in windows_in(windows[k], *phases[0])]
-        ppd_static = calibrated_table(first, slo, Weights(1.0, 1.0), 1,
-                                      "ppd-static: forced runs on the first phase, weights 1:1",
-                                      tune_first_turn=False)
+        ppd_static = ppd_static_table(scenario, progress)
         if "ppd-static" in wanted or "oracle" in wanted:
             runs["ppd-static"] = PolicyRun(replay("ppd-static", ppd_static),
                                            tables=[(0.0, ppd_static)],
@@ -271,6 +274,47 @@ def run_bench(
     if "oracle" not in wanted:
         report_runs = {k: v for k, v in report_runs.items() if not k.startswith("table-")}
     return BenchRun(scenario, report_runs, candidates, oracle, notes)
+
+
+PPD_STATIC_REASON = ("ppd-static: the active calibration's grid under forced "
+                     "all-prefill-node and all-decode-local, weights 1:1")
+
+
+def active_calibration_windows(scenario: Scenario, progress: Progress | None = None
+                               ) -> list[Window]:
+    """The windows of an active calibration (the default plan, the scenario's SLOs) run on
+    the scenario's cluster as its first phase starts: each forced phase of the plan replayed
+    with its grid as the only traffic and no events, one window per control interval."""
+    from controller.core.active import plan_active_calibration
+    from controller.policy import Axes
+    from controller.sim.workloads.active import ActivePlanWorkload
+
+    plan = plan_active_calibration(Axes(), slo_of(scenario), 1)
+    windows: list[Window] = []
+    for phase in plan.phases:
+        grid = ActivePlanWorkload(phase.points, scenario.cluster.routers)
+        run = replace(scenario, events=(), duration_s=grid.end_s + scenario.interval_s)
+        key = "active-" + ("pd" if phase.route is Route.PREFILL_NODE else "local")
+        recorder = WindowRecorder()
+
+        def tick(t: float, key: str = key, total: float = run.duration_s) -> None:
+            if progress is not None:
+                progress(key, t, total)
+
+        run_scenario(run, phase.policy, policy_key=key, controller=recorder,
+                     setup=recorder.setup, workload=grid,
+                     progress=tick if progress is not None else None)
+        recorder.close()
+        windows += recorder.windows
+    return windows
+
+
+def ppd_static_table(scenario: Scenario, progress: Progress | None = None) -> Policy:
+    """The ``ppd-static`` baseline: the PPD paper's table, calibrated once on an active
+    calibration (:func:`active_calibration_windows`) with the weights at (1, 1) and turn 1
+    kept on a prefill node."""
+    return calibrated_table(active_calibration_windows(scenario, progress), slo_of(scenario),
+                            Weights(1.0, 1.0), 1, PPD_STATIC_REASON, tune_first_turn=False)
 
 
 def adaptive_settings(scenario: Scenario, time_scale: float = 1.0,

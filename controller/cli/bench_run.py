@@ -114,7 +114,7 @@ def bench_run(
 
     try:
         bench = _run(scenario, names, thr, settings, extra, time_scale)
-    except ValueError as e:  # e.g. the first phase too short to calibrate ppd-static on
+    except ValueError as e:  # e.g. windows a table cannot be calibrated on
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     doc = evaluation_document(bench)

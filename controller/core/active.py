@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from controller.policy.decide import bin_index
 from controller.policy.model import Axes, Overrides, Policy, Provenance, Route, Slo
@@ -52,6 +52,18 @@ class LoadPoint:
     def requests(self) -> int:
         return 2 * self.sessions
 
+    @property
+    def turn1_prompt_tokens(self) -> int:
+        """Turn 1's prompt: ``context - output`` tokens, so that turn 2's reusable context
+        (turn 1's prompt and answer) is ``context_tokens``; 8 at least."""
+        return max(self.context_tokens - self.output_tokens, 8)
+
+    @property
+    def turn2_context_tokens(self) -> int:
+        """Turn 2's reusable context as sent: ``context_tokens`` unless the context class is
+        shorter than turn 1's answer plus its shortest prompt."""
+        return self.turn1_prompt_tokens + self.output_tokens
+
 
 @dataclass(frozen=True, slots=True)
 class Phase:
@@ -83,6 +95,39 @@ class ActivePlan:
 
     def cells(self) -> set[tuple[int, int, int]]:
         return {pt.cell for ph in self.phases for pt in ph.points}
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledPoint:
+    """When one load point of a phase runs (seconds from the phase's start)."""
+
+    point: LoadPoint
+    start_s: float
+    gap_s: float  # between one turn and the next that goes out
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + 2 * self.point.sessions * self.gap_s
+
+
+def schedule(points: Sequence[LoadPoint], endpoints: int) -> tuple[ScheduledPoint, ...]:
+    """The phase's load points in the order and at the times they run, ``endpoints``
+    routers sharing the load.
+
+    Lowest QPS first, each level held for all its points: a window then measures one QPS
+    level (the table's axis) instead of an average over alternating levels. A point's QPS
+    is per router and its conversations go to the routers in turn, so its turns go out at
+    ``qps × endpoints`` per second, one ``gap`` apart: conversation j starts at ``2j·gap``
+    and its second turn follows one ``gap`` later. The points follow back to back (a
+    point's planned ``duration_s`` is its length on one router)."""
+    if endpoints < 1:
+        raise ValueError("an active calibration needs at least one endpoint")
+    out: list[ScheduledPoint] = []
+    start = 0.0
+    for point in sorted(points, key=lambda p: p.qps):
+        out.append(ScheduledPoint(point, start, 1.0 / (point.qps * endpoints)))
+        start = out[-1].end_s
+    return tuple(out)
 
 
 def forced_policy(route: Route, version: int, axes: Axes, slo: Slo, reason: str) -> Policy:
@@ -151,10 +196,11 @@ def plan_active_calibration(
         for c in ctxs:
             for append, out in turns:
                 for q in qps:
-                    cell = (bin_index(axes.context_tokens, float(c)),
+                    point = LoadPoint(c, append, out, q, sessions, 2 * sessions / q, (0, 0, 0))
+                    # The cell turn 2 lands in, from the context it is sent with.
+                    cell = (bin_index(axes.context_tokens, float(point.turn2_context_tokens)),
                             bin_index(axes.io_ratio, append / out), bin_index(axes.qps, q))
-                    points.append(LoadPoint(c, append, out, q, sessions,
-                                            2 * sessions / q, cell))
+                    points.append(replace(point, cell=cell))
         name = "all-prefill-node" if route == Route.PREFILL_NODE else "all-decode-local"
         phases.append(Phase(route, forced_policy(route, first_version + i, axes, slo,
                                                  f"active calibration: {name}"),

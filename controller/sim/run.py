@@ -71,10 +71,17 @@ class RunResult:
     cluster: SimCluster = field(repr=False)
 
 
-def _session_feed(scenario: Scenario, rng: random.Random,
-                  shared_dir: Path | None) -> Iterator[tuple[float, SessionSpec]]:
+def _session_feed(scenario: Scenario, rng: random.Random, shared_dir: Path | None,
+                  workload: Workload | None = None) -> Iterator[tuple[float, SessionSpec]]:
     """(sim start time, session) in start order, with rate-scale events and workload
-    switches applied (``controller.sim.workloads.compose``)."""
+    switches applied (``controller.sim.workloads.compose``). ``workload``, when given, is
+    the traffic instead of the scenario's (the scenario's events still apply)."""
+    if workload is not None:
+        for spec in workload.sessions(rng):
+            if spec.start_s >= scenario.duration_s:
+                break
+            yield spec.start_s, spec
+        return
     factors = [e.factor for e in scenario.events if e.kind == "rate_scale"]
     horizon = scenario.duration_s * max([1.0, *factors])
 
@@ -100,14 +107,16 @@ class ScenarioDriver:
     """Feeds a scenario's sessions and events into a cluster's event loop (virtual or live)."""
 
     def __init__(self, scenario: Scenario, cluster: SimCluster, *,
-                 shared_dir: Path | None = None, traffic: bool = True) -> None:
+                 shared_dir: Path | None = None, traffic: bool = True,
+                 workload: Workload | None = None) -> None:
         self.scenario = scenario
         self.cluster = cluster
         self.traffic = traffic
         self.requests: list[SimRequest] = []
         self._rid = itertools.count()
         self._pending: dict[str, tuple[SessionSpec, int]] = {}
-        self._feed = _session_feed(scenario, random.Random(scenario.seed), shared_dir)
+        self._feed = _session_feed(scenario, random.Random(scenario.seed), shared_dir,
+                                   workload)
 
     def next_rid(self) -> int:
         return next(self._rid)
@@ -179,11 +188,13 @@ def run_scenario(
     max_events: int = 200_000_000,
     shared_dir: Path | None = None,
     setup: Callable[[SimCluster], None] | None = None,
+    workload: Workload | None = None,
 ) -> RunResult:
     """Replay ``scenario`` under ``policy`` (one for all routers, or a factory by router
     index). ``controller(t, cluster)`` runs every ``[controller] interval_s`` of virtual time
     (a closed-loop test swaps policies there through ``cluster.routers[i].agent.apply``).
-    ``setup(cluster)`` runs once before any traffic (e.g. to install a router ``decider``)."""
+    ``setup(cluster)`` runs once before any traffic (e.g. to install a router ``decider``).
+    ``workload`` replaces the scenario's traffic (e.g. an active calibration's grid)."""
     wall = WallClock()  # wall time of the run itself, for speed reports only
     wall0 = wall.perf_counter_ns()
     cfg = scenario.cluster
@@ -197,7 +208,7 @@ def run_scenario(
     loop = cluster.loop
     phases = scenario.phase_bounds()
     phase_starts = [a for a, _ in phases]
-    driver = ScenarioDriver(scenario, cluster, shared_dir=shared_dir)
+    driver = ScenarioDriver(scenario, cluster, shared_dir=shared_dir, workload=workload)
     requests = driver.requests
     if controller is not None:
         def tick() -> None:

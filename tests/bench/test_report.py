@@ -70,13 +70,16 @@ def test_cli_writes_json_markdown_and_plots(scenario_file: Path, tmp_path: Path)
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)  # the progress goes to stderr: stdout is the document
     assert doc == json.loads((out / "summary.json").read_text())
-    # Off a terminal, one progress line as each replay ends (every policy but the oracle,
-    # which is picked from the others' replays, not replayed itself).
-    replayed = [line.split(": ")[0].removeprefix("bench-small / ")
-                for line in result.stderr.splitlines() if line.startswith("bench-small / ")]
-    assert sorted(replayed) == sorted(k for k in doc["policies"] if k != "oracle")
-    assert all("160 virtual s replayed in" in line for line in result.stderr.splitlines()
-               if line.startswith("bench-small / "))
+    # Off a terminal, one progress line as each replay ends: every policy but the oracle
+    # (picked from the others' replays, not replayed itself), and the two forced phases of
+    # the active calibration behind ppd-static (its grid, not the scenario's 160 s).
+    lines = [line for line in result.stderr.splitlines() if line.startswith("bench-small / ")]
+    replayed = {line.split(": ")[0].removeprefix("bench-small / "): line for line in lines}
+    assert len(replayed) == len(lines)
+    assert sorted(replayed) == sorted([*(k for k in doc["policies"] if k != "oracle"),
+                                       "active-pd", "active-local"])
+    for key, line in replayed.items():
+        assert ("160 virtual s replayed in" in line) == (not key.startswith("active-")), line
     assert doc["scenario"] == "bench-small"
     assert set(doc["policies"]) >= set(POLICIES)
     for key, entry in doc["policies"].items():
@@ -175,26 +178,31 @@ def test_unknown_policy_is_an_error(scenario_file: Path) -> None:
     assert result.exit_code != 0
 
 
-def test_a_first_phase_too_short_to_calibrate_is_a_clear_error(tmp_path: Path) -> None:
+def test_ppd_static_comes_from_the_active_grid_not_the_scenarios_traffic(
+        scenario_file: Path, tmp_path: Path) -> None:
+    """The PPD paper's method: the table is calibrated on the active calibration's grid
+    (context classes x io ratios x QPS points) run on the scenario's cluster, so a scenario
+    whose traffic is far too short to calibrate on gets the same table."""
+    from statistics import mean
+
+    from controller.bench.runner import PPD_STATIC_REASON, active_calibration_windows, slo_of
+    from controller.core.active import plan_active_calibration
+    from controller.policy import Axes
+
     path = tmp_path / "tiny.toml"
-    path.write_text(SCENARIO.replace("duration_s = 160", "duration_s = 30")
-                    .replace("at_s = 80", "at_s = 15")
-                    .replace("interval_s = 10", "interval_s = 20"))
-    result = CliRunner().invoke(app, ["bench", "run", str(path), "--policy", "ppd-static"])
-    assert result.exit_code == 2
-    assert "need at least 2 windows" in result.output
-
-
-def test_numbered_scenarios_pick_by_number_and_reseed() -> None:
-    from controller.bench.runner import numbered_scenarios
-
-    root = Path(__file__).resolve().parents[2] / "scenarios/bench"
-    picked = numbered_scenarios(root, ["2", "4"], seed=11)
-    assert [p.name.split("-")[0] for p, _ in picked] == ["2", "4"]
-    assert {s.seed for _, s in picked} == {11}
-    own = numbered_scenarios(root)
-    assert len(own) == 5 and [s.seed for _, s in own] == [
-        load_scenario(p).seed for p, _ in own]
+    path.write_text(SCENARIO.replace("duration_s = 160", "duration_s = 20")
+                    .replace("at_s = 80", "at_s = 15"))
+    full, tiny = load_scenario(scenario_file), load_scenario(path)
+    tables = [run_bench(s, ["ppd-static"]).runs["ppd-static"].tables[0][1]
+              for s in (full, tiny)]
+    assert tables[0].table == tables[1].table
+    assert tables[0].provenance.reason == PPD_STATIC_REASON
+    # The grid's windows read every QPS level of the plan, lowest to highest.
+    levels = sorted({p.qps for p in plan_active_calibration(Axes(), slo_of(full), 1)
+                     .phases[0].points})
+    qps = [mean(w.workload.qps_by_router.values()) for w in active_calibration_windows(full)
+           if w.workload.qps_by_router]
+    assert min(qps) < 1.5 * levels[0] and max(qps) > 0.8 * levels[-1]
 
 
 def test_the_table_off_a_terminal_is_whole(scenario_file: Path) -> None:

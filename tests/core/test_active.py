@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.core.active import DEFAULT_TURNS, plan_active_calibration
+from controller.core.active import DEFAULT_TURNS, plan_active_calibration, schedule
+from controller.policy.decide import bin_index
 from controller.policy.model import Axes, Route, Slo
 from controller.policy.validation import validate_policy
 
@@ -66,3 +69,39 @@ def test_bad_inputs_are_refused() -> None:
         plan_active_calibration(AXES, SLO, 1, qps_points=(0.0, 1.0))
     with pytest.raises(ValueError):
         plan_active_calibration(AXES, SLO, 1, max_requests=10)
+
+
+@pytest.mark.parametrize("endpoints", [1, 3])
+def test_the_schedule_holds_each_qps_level_back_to_back(endpoints: int) -> None:
+    plan = plan_active_calibration(AXES, SLO, 1, sessions_per_point=4,
+                                   max_requests=100_000, max_duration_s=100_000.0)
+    points = plan.phases[0].points
+    timed = schedule(points, endpoints)
+    assert sorted(map(id, (sp.point for sp in timed))) == sorted(map(id, points))
+    qps = [sp.point.qps for sp in timed]
+    assert qps == sorted(qps)  # lowest level first, each level once, in one stretch
+    assert timed[0].start_s == 0.0
+    for before, after in itertools.pairwise(timed):
+        assert after.start_s == pytest.approx(before.end_s)  # no idle time between points
+    for sp in timed:
+        # Turns go out one gap apart, every router at the point's QPS.
+        assert sp.gap_s == pytest.approx(1.0 / (sp.point.qps * endpoints))
+        assert sp.end_s - sp.start_s == pytest.approx(sp.point.duration_s / endpoints)
+
+
+def test_a_schedule_needs_an_endpoint() -> None:
+    plan = plan_active_calibration(AXES, SLO, 1)
+    with pytest.raises(ValueError, match="at least one endpoint"):
+        schedule(plan.phases[0].points, 0)
+
+
+def test_turn_1_leaves_turn_2_the_planned_context() -> None:
+    plan = plan_active_calibration(AXES, SLO, 1)
+    for pt in plan.phases[0].points:
+        assert pt.turn2_context_tokens == pt.turn1_prompt_tokens + pt.output_tokens
+        if pt.context_tokens > pt.output_tokens + 8:
+            assert pt.turn2_context_tokens == pt.context_tokens
+        else:  # a context shorter than the answer: the shortest prompt there is
+            assert pt.turn1_prompt_tokens == 8
+        # The planned cell is the one the context as sent falls in.
+        assert pt.cell[0] == bin_index(AXES.context_tokens, float(pt.turn2_context_tokens))
