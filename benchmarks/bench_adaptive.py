@@ -36,33 +36,38 @@ from controller.bench.adaptive import AdaptiveController, adaptive_start  # noqa
 from controller.bench.goals import AdaptiveRun, goal_figures  # noqa: E402
 from controller.bench.report import summarize  # noqa: E402
 from controller.bench.runner import (  # noqa: E402
+    StaticStart,
     adaptive_settings,
     numbered_scenarios,
     parse_setting_overrides,
-    ppd_static_table,
+    ppd_static_start,
     quiet_logs,
     times_to_first,
 )
 from controller.clock import WallClock  # noqa: E402
 from controller.core.drift import feature_statistics  # noqa: E402
 from controller.errors import ConfigError  # noqa: E402
-from controller.policy import Policy, dumps, loads  # noqa: E402
+from controller.policy import dumps, loads  # noqa: E402
 from controller.sim.run import run_scenario  # noqa: E402
 from controller.sim.scenario import Scenario, load_scenario  # noqa: E402
 
 
-def ppd_static(scenario: Scenario, cache: Path | None) -> Policy:
-    """The bench's ``ppd-static`` table (:func:`controller.bench.runner.ppd_static_table`,
-    the one ``run_bench`` uses), cached by scenario and seed."""
-    name = f"{scenario.name}-seed{scenario.seed}-ppd-static-active.json"
+def ppd_static(scenario: Scenario, cache: Path | None, reference_windows: int) -> StaticStart:
+    """The bench's ``ppd-static`` table and its drift reference
+    (:func:`controller.bench.runner.ppd_static_start`, what ``run_bench`` uses), cached by
+    scenario, seed and reference size."""
+    name = (f"{scenario.name}-seed{scenario.seed}-ref{reference_windows}"
+            "-ppd-static-start.json")
     path = cache / name if cache is not None else None
     if path is not None and path.exists():
-        return loads(path.read_text())
-    table = ppd_static_table(scenario)
+        doc = json.loads(path.read_text())
+        return StaticStart(loads(doc["policy"]), doc["drift_reference"])
+    start = ppd_static_start(scenario, reference_windows=reference_windows)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(dumps(table))
-    return table
+        path.write_text(json.dumps({"policy": dumps(start.policy),
+                                    "drift_reference": start.drift_reference}))
+    return start
 
 
 def _led_by(kind: str, details: object) -> str:
@@ -74,7 +79,7 @@ def _led_by(kind: str, details: object) -> str:
     return f" (led by {feature} {shares[feature]:.2f})"
 
 
-def replay(scenario: Scenario, initial: Policy, log: bool,
+def replay(scenario: Scenario, cache: Path | None, log: bool,
            sets: dict[str, dict[str, object]] | None = None
            ) -> tuple[dict[str, object], list[str]]:
     wall = WallClock()
@@ -84,9 +89,10 @@ def replay(scenario: Scenario, initial: Policy, log: bool,
         settings = adaptive_settings(scenario, overrides=sets)
     except ConfigError as e:
         raise SystemExit(f"--set: {e}") from None
-    initial = adaptive_start(initial, settings)
+    start = ppd_static(scenario, cache, settings.drift.reference_windows)
+    initial = adaptive_start(start.policy, settings)
     with tempfile.TemporaryDirectory(prefix="pdctl-bench-adaptive-") as tmp:
-        hook = AdaptiveController(initial, settings, Path(tmp) / "a.db")
+        hook = AdaptiveController(initial, settings, Path(tmp) / "a.db", start.drift_reference)
         result = run_scenario(
             scenario, initial, policy_key="adaptive", controller=hook, setup=hook.setup
         )
@@ -134,7 +140,7 @@ def _replay_job(job: tuple[Path, int | None, Path | None, bool,
     if seed is not None:
         scenario = replace(scenario, seed=seed)
     quiet_logs()
-    return replay(scenario, ppd_static(scenario, cache), log, sets)
+    return replay(scenario, cache, log, sets)
 
 
 RUN_SETS = {"tuning": "results/bench", "heldout": "results/bench-heldout"}

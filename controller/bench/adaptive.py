@@ -14,6 +14,7 @@ them from the start, and its later policies carry them too (:func:`adaptive_star
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,10 @@ class AdaptiveOutcome:
 class AdaptiveController:
     """A ``run_scenario(controller=...)`` hook running one :class:`Cycle` per interval."""
 
-    def __init__(self, initial: Policy, settings: Any, db_path: Path) -> None:
+    def __init__(self, initial: Policy, settings: Any, db_path: Path,
+                 drift_reference: Mapping[str, Any] | None = None) -> None:
         self.initial = initial
+        self.drift_reference = drift_reference
         self.settings = settings
         self.db_path = db_path
         self._loop = asyncio.new_event_loop()
@@ -79,6 +82,12 @@ class AdaptiveController:
         with store.cycle() as tx:
             tx.add_policy(self.initial.version, self.initial.checksum, dumps(self.initial),
                           "approved", "ppd-static: the bench's starting table")
+            if self.drift_reference is not None:
+                # What `pdctl calibrate active` records with the first table: the cycle
+                # restores its drift reference, so live traffic is measured against the grid.
+                tx.add_calibration([], {}, None, None, self.initial.version,
+                                   {"trigger": "active", "approved": True,
+                                    "drift_reference": dict(self.drift_reference)})
             for router_id in agents:
                 tx.set_desired(router_id, self.initial.version)
         self._store = store

@@ -3,8 +3,9 @@
 ``calibrated_table`` runs :func:`controller.core.calibrate.calibrate` (the learning core's
 real calibration: latency model, fixed point under the table's own load) with the weights
 pinned, on windows recorded while forced policies ran. ``ppd-static`` is the table built this
-way from the first phase with weights (1, 1); the oracle's candidates add, per phase, tables
-built from that phase's own windows with wtft:wtpot of 1:4, 1:2, 1:1, 2:1 and 4:1.
+way from an active calibration's grid with weights (1, 1); the oracle's candidates add, per
+phase, tables built from that phase's own windows with wtft:wtpot of 1:4, 1:2, 1:1, 2:1 and
+4:1.
 
 The oracle picks, for every phase, the candidate with the highest goodput measured on that
 phase (hindsight: it may pick a different candidate in every phase); its per-request records
@@ -15,10 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from controller.core.window import Window
 from controller.policy import Overrides, Policy, Slo, Weights
 from controller.sim.run import RequestRecord, RunResult
+
+if TYPE_CHECKING:
+    from controller.core.calibrate import CalibrationResult
 
 # wtft:wtpot ratios of the oracle's per-phase tables (issue 7).
 ORACLE_RATIOS: tuple[tuple[float, float], ...] = ((1, 4), (1, 2), (1, 1), (2, 1), (4, 1))
@@ -31,7 +36,17 @@ def ratio_key(wtft: float, wtpot: float) -> str:
 def calibrated_table(windows: Sequence[Window], slo: Slo, weights: Weights, version: int,
                      reason: str, tune_first_turn: bool = True,
                      overrides: Overrides | None = None) -> Policy:
-    """A table from ``windows`` (any order; sorted by end time) with ``weights`` pinned.
+    """:func:`calibrated_result`'s table."""
+    return calibrated_result(windows, slo, weights, version, reason, tune_first_turn,
+                             overrides)[0]
+
+
+def calibrated_result(windows: Sequence[Window], slo: Slo, weights: Weights, version: int,
+                      reason: str, tune_first_turn: bool = True,
+                      overrides: Overrides | None = None
+                      ) -> tuple[Policy, CalibrationResult, list[Window]]:
+    """A table from ``windows`` (any order; sorted by end time) with ``weights`` pinned, the
+    calibration's result and the windows it used (sorted).
     ``tune_first_turn=False`` keeps turn 1 on a prefill node (the PPD paper's table);
     ``overrides``: the rules before the table (default: none).
 
@@ -48,7 +63,7 @@ def calibrated_table(windows: Sequence[Window], slo: Slo, weights: Weights, vers
                             overrides=overrides or Overrides())
     now = usable[-1].end if usable else 0.0
     result = calibrate(usable, now, None, cfg, reason=reason)
-    return result.policy.with_version(version)
+    return result.policy.with_version(version), result, usable
 
 
 def windows_in(windows: Sequence[Window], start: float, end: float) -> list[Window]:

@@ -35,6 +35,7 @@ from controller.bench.baselines import ThresholdConfig, install_threshold, stati
 from controller.bench.oracle import (
     ORACLE_RATIOS,
     OraclePick,
+    calibrated_result,
     calibrated_table,
     pick_per_phase,
     ratio_key,
@@ -221,8 +222,12 @@ def run_bench(
                               adaptation_s=[None] * len(scenario.events))
 
     ppd_static: Policy | None = None
+    static_start: StaticStart | None = None
+    if settings is None:
+        settings = adaptive_settings(scenario, time_scale)
     if need_tables:
-        ppd_static = ppd_static_table(scenario, progress)
+        static_start = ppd_static_start(scenario, progress, settings.drift.reference_windows)
+        ppd_static = static_start.policy
         if "ppd-static" in wanted or "oracle" in wanted:
             runs["ppd-static"] = PolicyRun(replay("ppd-static", ppd_static),
                                            tables=[(0.0, ppd_static)],
@@ -235,12 +240,11 @@ def run_bench(
     for key, pol in (extra or {}).items():
         runs[key] = PolicyRun(replay(key, pol), tables=[(0.0, pol)],
                               adaptation_s=[None] * len(scenario.events))
-    if settings is None:
-        settings = adaptive_settings(scenario, time_scale)
     if "adaptive" in wanted:
-        assert ppd_static is not None
-        runs["adaptive"] = _run_adaptive(scenario, adaptive_start(ppd_static, settings),
-                                         settings, replay, workdir)
+        assert static_start is not None
+        runs["adaptive"] = _run_adaptive(
+            scenario, adaptive_start(static_start.policy, settings), settings, replay, workdir,
+            static_start.drift_reference)
 
     candidates: dict[str, RunResult] = {k: runs[k].result for k in STATIC if k in runs}
     oracle: list[OraclePick] | None = None
@@ -314,12 +318,28 @@ def active_calibration_windows(scenario: Scenario, progress: Progress | None = N
     return windows
 
 
-def ppd_static_table(scenario: Scenario, progress: Progress | None = None) -> Policy:
+@dataclass(frozen=True)
+class StaticStart:
+    """The ``ppd-static`` table and what ``pdctl calibrate active`` stores with it: the drift
+    reference of its calibration (its newest windows), which the adaptive loop starts from."""
+
+    policy: Policy
+    drift_reference: dict[str, Any]
+
+
+def ppd_static_start(scenario: Scenario, progress: Progress | None = None,
+                     reference_windows: int = 10) -> StaticStart:
     """The ``ppd-static`` baseline: the PPD paper's table, calibrated once on an active
     calibration (:func:`active_calibration_windows`) with the weights at (1, 1) and turn 1
-    kept on a prefill node."""
-    return calibrated_table(active_calibration_windows(scenario, progress), slo_of(scenario),
-                            Weights(1.0, 1.0), 1, PPD_STATIC_REASON, tune_first_turn=False)
+    kept on a prefill node; with its calibration's drift reference over the newest
+    ``reference_windows`` (``[drift] reference_windows``), as the learner builds one."""
+    from controller.core.drift import reference_from_windows
+
+    policy, result, used = calibrated_result(
+        active_calibration_windows(scenario, progress), slo_of(scenario), Weights(1.0, 1.0),
+        1, PPD_STATIC_REASON, tune_first_turn=False)
+    reference = reference_from_windows(used[-reference_windows:], result.model)
+    return StaticStart(policy, reference.to_dict())
 
 
 def adaptive_settings(scenario: Scenario, time_scale: float = 1.0,
@@ -367,7 +387,8 @@ def parse_setting_overrides(items: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 
 def _run_adaptive(scenario: Scenario, initial: Policy, settings: Any,
-                  replay: Callable[..., RunResult], workdir: Path | None) -> PolicyRun:
+                  replay: Callable[..., RunResult], workdir: Path | None,
+                  drift_reference: Mapping[str, Any] | None = None) -> PolicyRun:
     from controller.bench.adaptive import AdaptiveController
 
     if settings is None:
@@ -377,7 +398,8 @@ def _run_adaptive(scenario: Scenario, initial: Policy, settings: Any,
         owned = tempfile.TemporaryDirectory(prefix="pdctl-bench-")
         workdir = Path(owned.name)
     try:
-        hook = AdaptiveController(initial, settings, workdir / f"{scenario.name}-adaptive.db")
+        hook = AdaptiveController(initial, settings, workdir / f"{scenario.name}-adaptive.db",
+                                  drift_reference)
         res = replay("adaptive", initial, controller=hook, setup=hook.setup)
         outcome = hook.finish()
     finally:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from controller.bench.runner import POLICIES, run_bench
+from controller.bench.runner import POLICIES, ppd_static_start, run_bench
 from controller.cli import app
 from controller.sim.scenario import load_scenario
 
@@ -138,6 +138,12 @@ def test_adaptive_is_the_daemons_cycle_with_its_store(scenario_file: Path,
         assert first.version == 1 and first.status == "approved"
         assert loads(first.body_json).table == run.tables[0][1].table
         assert "ppd-static" in first.reason
+        # ... with what `pdctl calibrate active` records beside it: the calibration's drift
+        # reference (the grid's newest windows), which the cycle restores at its start.
+        active = [c for c in store.calibrations() if (c.details or {}).get("trigger") == "active"]
+        assert [c.policy_version for c in active] == [1]
+        expected = ppd_static_start(scenario).drift_reference
+        assert active[0].details["drift_reference"] == json.loads(json.dumps(expected))
         approved = [p for p in policies if p.status == "approved"]
         assert run.policy_changes == len(approved) - 1
         assert len(store.calibrations()) == outcome.calibrations
@@ -150,7 +156,8 @@ def test_adaptive_is_the_daemons_cycle_with_its_store(scenario_file: Path,
                               if (c.details or {}).get("trigger") == "scaling"])
         assert outcome.reactions == reactions
         event = scenario.events[0].at_s
-        first = next((t for t in reactions if t >= event), None)
+        # Strictly after: the cycle at the event's own time reads a window without it.
+        first = next((t for t in reactions if t > event), None)
         assert run.detection_s == [None if first is None else first - event]
         # Every router ended on its desired version, as the store records it.
         acked = {r.router_id: r.acked_version for r in store.routers()}
