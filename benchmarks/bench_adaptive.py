@@ -1,5 +1,6 @@
-"""Adaptive-only replays of the built-in bench scenarios: the forced runs behind the
-``ppd-static`` starting table (cached), then only the ``adaptive`` policy, printing its
+"""Adaptive-only replays of the built-in bench scenarios: the active calibration behind the
+``ppd-static`` starting table and its drift reference (cached), then only the ``adaptive``
+policy, printing its
 goodput, approvals and adaptation times and, with ``--log``, every calibration (trigger,
 verdict, predicted gain, held-out goodput error) and drift event from the run's store.
 Deterministic (the same seed and code give the same figures): what the cycle variants of
@@ -155,13 +156,13 @@ def committed_runs(which: str) -> list[tuple[str, dict[str, Any]]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("which", nargs="*", help="scenario numbers (default: all)")
     ap.add_argument(
         "--cache",
         type=Path,
         default=None,
-        help="directory for the ppd-static tables (skips the forced runs)",
+        help="directory for the ppd-static starts (skips the active calibration's replays)",
     )
     ap.add_argument("--log", action="store_true", help="print calibrations and drift events")
     ap.add_argument("--seed", type=int, default=None,
