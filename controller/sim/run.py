@@ -75,13 +75,7 @@ def _session_feed(scenario: Scenario, rng: random.Random, shared_dir: Path | Non
                   workload: Workload | None = None) -> Iterator[tuple[float, SessionSpec]]:
     """(sim start time, session) in start order, with rate-scale events and workload
     switches applied (``controller.sim.workloads.compose``). ``workload``, when given, is
-    the traffic instead of the scenario's (the scenario's events still apply)."""
-    if workload is not None:
-        for spec in workload.sessions(rng):
-            if spec.start_s >= scenario.duration_s:
-                break
-            yield spec.start_s, spec
-        return
+    the traffic instead of the scenario's, and the events apply to it alike."""
     factors = [e.factor for e in scenario.events if e.kind == "rate_scale"]
     horizon = scenario.duration_s * max([1.0, *factors])
 
@@ -91,13 +85,13 @@ def _session_feed(scenario: Scenario, rng: random.Random, shared_dir: Path | Non
             cfg = replace(cfg, params={**cfg.params, "duration_s": horizon})
         return build_workload(cfg, shared_dir)
 
-    workload = apply_events(
-        build(scenario.workload),
+    feed = apply_events(
+        workload if workload is not None else build(scenario.workload),
         rate_changes=[(e.at_s, e.factor) for e in scenario.events if e.kind == "rate_scale"],
         switches=[WorkloadSwitch(e.at_s, build(e.workload)) for e in scenario.events
                   if e.kind == "workload" and e.workload is not None],
     )
-    for spec in workload.sessions(rng):
+    for spec in feed.sessions(rng):
         if spec.start_s >= scenario.duration_s:
             break
         yield spec.start_s, spec
