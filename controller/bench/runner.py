@@ -200,24 +200,17 @@ def run_bench(
 
     def replay(key: str, policy: Any, *, controller: Any = None,
                setup: Callable[[Any], None] | None = None) -> RunResult:
-        def tick(t: float) -> None:
-            if progress is not None:
-                progress(key, t, scenario.duration_s)
-
-        return run_scenario(scenario, policy, policy_key=key, controller=controller,
-                            setup=setup, progress=tick if progress is not None else None)
+        return _replay(scenario, policy, key, progress, controller=controller, setup=setup)
 
     runs: dict[str, PolicyRun] = {}
     windows: dict[str, list[Window]] = {}
     for key, route in (("pd", Route.PREFILL_NODE), ("local", Route.DECODE_LOCAL)):
         if key not in wanted and not need_windows:
             continue
-        recorder = WindowRecorder() if need_windows else None
-        res = replay(key, static_policy(route, slo), controller=recorder,
-                     setup=recorder.setup if recorder is not None else None)
-        if recorder is not None:
-            recorder.close()
-            windows[key] = recorder.windows
+        if need_windows:
+            res, windows[key] = _recorded(scenario, static_policy(route, slo), key, progress)
+        else:
+            res = replay(key, static_policy(route, slo))
         runs[key] = PolicyRun(res, tables=[(0.0, static_policy(route, slo))],
                               adaptation_s=[None] * len(scenario.events))
 
@@ -304,18 +297,32 @@ def active_calibration_windows(scenario: Scenario, progress: Progress | None = N
         grid = ActivePlanWorkload(phase.points, scenario.cluster.routers)
         run = replace(scenario, events=(), duration_s=grid.end_s + scenario.interval_s)
         key = "active-" + ("pd" if phase.route is Route.PREFILL_NODE else "local")
-        recorder = WindowRecorder()
-
-        def tick(t: float, key: str = key, total: float = run.duration_s) -> None:
-            if progress is not None:
-                progress(key, t, total)
-
-        run_scenario(run, phase.policy, policy_key=key, controller=recorder,
-                     setup=recorder.setup, workload=grid,
-                     progress=tick if progress is not None else None)
-        recorder.close()
-        windows += recorder.windows
+        windows += _recorded(run, phase.policy, key, progress, grid)[1]
     return windows
+
+
+def _replay(scenario: Scenario, policy: Any, key: str, progress: Progress | None, *,
+            controller: Any = None, setup: Callable[[Any], None] | None = None,
+            workload: Any = None) -> RunResult:
+    """One virtual-time replay of ``scenario``, its progress reported as ``key``."""
+    def tick(t: float) -> None:
+        if progress is not None:
+            progress(key, t, scenario.duration_s)
+
+    return run_scenario(scenario, policy, policy_key=key, controller=controller, setup=setup,
+                        workload=workload, progress=tick if progress is not None else None)
+
+
+def _recorded(scenario: Scenario, policy: Any, key: str, progress: Progress | None,
+              workload: Any = None) -> tuple[RunResult, list[Window]]:
+    """:func:`_replay` with one window recorded per control interval."""
+    recorder = WindowRecorder()
+    try:
+        result = _replay(scenario, policy, key, progress, controller=recorder,
+                         setup=recorder.setup, workload=workload)
+    finally:
+        recorder.close()
+    return result, recorder.windows
 
 
 @dataclass(frozen=True)
