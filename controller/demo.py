@@ -399,8 +399,9 @@ def recovered(state: DemoState) -> bool:
     return after.goodput >= before.goodput - RECOVERY_TOLERANCE
 
 
-def summary_lines(state: DemoState) -> list[str]:
-    """The printed summary (the test reads these lines)."""
+def summary_lines(state: DemoState, events: bool = True) -> list[str]:
+    """The printed summary (the test reads these lines). ``events=False`` leaves out the
+    event list, for output that has already streamed every event line by line."""
     lines = ["", "summary:"]
     lines.append(f"  scenario {state.scenario}: {state.shift_text}")
     lines.append(f"  versions: baseline v{state.baseline_version} (classic P/D)"
@@ -408,9 +409,9 @@ def summary_lines(state: DemoState) -> list[str]:
                     if state.learned_version else "")
                  + (f", v{state.final_version} approved after the shift"
                     if state.final_version else ", no version approved after the shift"))
-    lines.append("  events:")
-    for e in state.events:
-        lines.append(f"    {e.at:6.1f} s  {e.text}")
+    if events:
+        lines.append("  events:")
+        lines.extend(f"    {e.at:6.1f} s  {e.text}" for e in state.events)
     lines.append("  goodput (measured by the routers, share of requests meeting both SLOs):")
     for p in state.phases:
         lines.append(f"    {p.label:<44} {_pct(p.goodput):>7}  TTFT mean {_ms(p.ttft_ms):>8}"

@@ -115,7 +115,8 @@ def demo(
         typer.echo(f"error: scenario file not found: {path}", err=True)
         raise typer.Exit(2)
 
-    if sys.stdout.isatty():
+    streamed = not sys.stdout.isatty()  # off a terminal every event is printed as it happens
+    if not streamed:
         with Live(console=console, refresh_per_second=4, transient=False) as live:
             def show(state: DemoState) -> None:
                 live.update(_screen(state))
@@ -133,7 +134,8 @@ def demo(
 
         state = asyncio.run(run_demo(scenario_path=path, timeout_s=timeout_s,
                                      force_after_s=force_after_s, on_update=lines))
-    for line in summary_lines(state):
+    # The live screen keeps only the latest events, so its summary lists them all again.
+    for line in summary_lines(state, events=not streamed):
         typer.echo(line)
     if state.failure or not state.done:
         raise typer.Exit(1)
