@@ -113,6 +113,11 @@ def replay(scenario: Scenario, cache: Path | None, log: bool,
                     f"{d.get('regime_only')}"
                 )
             lines += [
+                f"  policy v{p.version} {p.created_at.timestamp():.0f} s → {p.status} "
+                f"{p.updated_at.timestamp():.0f} s: {p.reason}"
+                for p in sorted(store.policies(), key=lambda p: p.version)
+            ]
+            lines += [
                 f"  drift {e.at.timestamp():.0f} s {e.kind} {e.statistic:.2f} > {e.threshold:.2f}"
                 f"{_led_by(e.kind, e.details)}"
                 for e in store.drift_events()

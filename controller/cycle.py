@@ -69,6 +69,7 @@ from controller.learning import (
     Learner,
     LearnerError,
     LearnerState,
+    renews_reference,
     without_exploration,
 )
 from controller.metrics import ControllerMetrics
@@ -751,6 +752,7 @@ class Cycle:
                                                outcome.predicted_goodput_new)
         report.guardrail = outcome.reason
         version: int | None = None
+        reference_for: int | None = None
         if not dry_run:
             version = tx.next_version()
             policy = outcome.policy.with_version(version)
@@ -785,13 +787,17 @@ class Cycle:
             # fires again after the detector's cooldown and is calibrated for on its own
             # windows. (This replaced a one-off retry of a refused drift calibration.)
             self._state = self.learner.adopt(self._state, outcome, self.clock.now())
+            if renews_reference(outcome) and self._state_for is not None:
+                # What a restart or a rollback to this version restores (_restore_learner).
+                reference_for = self._state_for
         report.calibration_id = tx.add_calibration(
             ids, outcome.heldout_error, outcome.predicted_goodput_new,
             outcome.predicted_goodput_current, version,
             # The cycle's own keys last: the learner's details carry the unforced verdict.
             {**_plain(outcome.details), "trigger": plan.trigger, "dry_run": dry_run,
              "approved": outcome.approved, "reason": outcome.reason,
-             "refit_of": plan.refit_of, **_scaling_details(plan)},
+             "refit_of": plan.refit_of, "reference_for": reference_for,
+             **_scaling_details(plan)},
         )
 
     def _approve(self, tx: Tx, version: int, rollout: Rollout, report: CycleReport) -> None:
@@ -1101,11 +1107,21 @@ class Cycle:
         return cached
 
     def _restore_learner(self, tx: Tx, rollout: Rollout) -> None:
-        """After a restart (or a rollback), the drift reference of the fleet's policy."""
+        """After a restart (or a rollback), the drift reference of the fleet's policy: the
+        one last renewed for it. That is its own calibration's, or a later one's that was
+        refused on the traffic since a change alone (the policy was judged on it and kept):
+        restoring the older reference made traffic the running policy had already been
+        judged on fire a drift again (a rollback in bench scenario 1, held-out seed 8, brought
+        back the active calibration grid's reference and a workload drift against it)."""
         version = rollout.canary_version or rollout.fleet_version
         if version is None or version == self._state_for:
             return
         record = tx.calibration_for(version)
+        policy = tx.policy(version)
+        if policy is not None:
+            renewed = [c for c in tx.calibrations(since=policy.created_at)
+                       if (c.details or {}).get("reference_for") == version]
+            record = renewed[-1] if renewed else record
         # A version with no calibration of its own (re-issued, exploration off, fallback)
         # keeps the reference the learner has.
         if record is not None or self._state_for is None:

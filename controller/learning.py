@@ -3,7 +3,7 @@
 :class:`Learner` is what :class:`controller.cycle.Cycle` calls: ``assess`` runs the drift
 detectors on a new window, ``calibrate`` fits and judges a candidate policy, ``adopt``
 makes an approved calibration the new drift reference, ``restore`` rebuilds that reference
-after a restart. :class:`CoreLearner` delegates to :mod:`controller.core`; tests pass their
+after a restart or a rollback. :class:`CoreLearner` delegates to :mod:`controller.core`; tests pass their
 own small learner.
 """
 
@@ -287,7 +287,7 @@ class CoreLearner:
         reference, model = outcome.reference
         previous = state.drift if state.drift is not None else drift.DriftState()
         rearmed = drift.after_recalibration(previous, now, self._drift)
-        if outcome.approved or state.reference is None or outcome.details.get("regime_only"):
+        if renews_reference(outcome) or state.reference is None:
             return LearnerState(reference, rearmed, model)
         kept = replace(state.reference, residual_mean=reference.residual_mean,
                        residual_sd=reference.residual_sd)
@@ -300,14 +300,23 @@ class CoreLearner:
         return LearnerState(kept, replace(previous, performance=performance), model)
 
     def restore(self, details: Mapping[str, Any] | None) -> LearnerState:
-        """After a restart: the reference stored with the current policy's calibration (the
-        performance detector waits for the next calibration: its model is not stored)."""
+        """After a restart or a rollback: the reference stored with the calibration that last
+        renewed it for the running policy (the performance detector waits for the next
+        calibration: its model is not stored)."""
         from controller.core import drift
 
         if not details or "drift_reference" not in details:
             return LearnerState()
         return LearnerState(drift.DriftReference.from_dict(details["drift_reference"]),
                             drift.DriftState(), None)
+
+
+def renews_reference(outcome: CalibrationOutcome) -> bool:
+    """Whether ``outcome``'s calibration set becomes the drift reference (see
+    :meth:`CoreLearner.adopt`): approved, or refused on the windows since a change alone (the
+    running policy was judged on the new regime and kept). The cycle records which version
+    such a reference stands for, so a restart or a rollback to that version restores it."""
+    return outcome.approved or bool(outcome.details.get("regime_only"))
 
 
 def shape_change(windows: Sequence[Window]) -> float | None:

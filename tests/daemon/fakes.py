@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from controller.clock import VirtualClock
 from controller.core.window import RouteOutcome, TargetFailure, Window, WorkerStats, Workload
 from controller.cycle import REFIT_PREFIX, CapacityPlanner, Cycle, CycleConfig, CycleReport
-from controller.learning import CalibrationOutcome, DriftFinding, LearnerState
+from controller.learning import CalibrationOutcome, DriftFinding, LearnerState, renews_reference
 from controller.metrics import ControllerMetrics
 from controller.observe.source import Target
 from controller.policy import Policy, Provenance, Route
@@ -92,6 +92,9 @@ class ScriptedLearner:
     trained_on: list[int] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     adopted: list[bool] = field(default_factory=list)  # each adopted outcome's verdict
+    # The next refusals were judged on the windows since a change alone (see CoreLearner).
+    regime_only: bool = False
+    restored: list[object] = field(default_factory=list)  # the calibration each restore read
 
     def assess(self, state: LearnerState, window: Window, now: float
                ) -> tuple[LearnerState, list[DriftFinding]]:
@@ -119,17 +122,20 @@ class ScriptedLearner:
         # Like the real learner, the details keep the unforced verdict.
         return CalibrationOutcome(policy, ok, "approved: scripted" if ok else "rejected: scripted",
                                   0.95, 0.9 if current else None, {"mape": 0.1},
-                                  {"scripted": True, "approved": approve},
-                                  reference="ref")
+                                  {"scripted": True, "approved": approve,
+                                   "regime_only": self.regime_only,
+                                   "calibration": self.calibrations},
+                                  reference=f"calibration {self.calibrations}")
 
     def adopt(self, state: LearnerState, outcome: CalibrationOutcome, now: float
               ) -> LearnerState:
         self.adopted.append(outcome.approved)
-        if not outcome.approved and state.reference is not None:
+        if not renews_reference(outcome) and state.reference is not None:
             return state  # like CoreLearner: a refused candidate is not the new reference
         return LearnerState(reference=outcome.reference)
 
     def restore(self, details: Mapping[str, object] | None) -> LearnerState:
+        self.restored.append(details.get("calibration") if details else None)
         return LearnerState(reference="restored" if details else None)
 
 

@@ -224,6 +224,34 @@ async def test_a_regressing_canary_is_rolled_back_with_its_reason(tmp_path: Path
     assert _metric(rig.registry, "pdctl_canary_state", {"state": "rolled_back"}) == 1
 
 
+async def test_restart_and_rollback_restore_the_reference_last_renewed_for_the_policy(
+        tmp_path: Path) -> None:
+    # v1 from calibration 1; calibration 2, refused on the windows since a change alone,
+    # renews v1's reference (v1 was judged on the new traffic and kept). A restart, and a
+    # rollback from a regressing canary v3 back to v1, restore calibration 2's reference,
+    # not calibration 1's: that one would fire the drift already judged again.
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.learner.approve, rig.learner.regime_only, rig.learner.fire = False, True, True
+    report = await rig.step()
+    assert report.trigger == "drift" and report.approved_version is None
+    renewal = rig.store.calibrations()[-1]
+    assert renewal.policy_version == 2 and renewal.details["reference_for"] == 1
+    first = rig.store.calibration_for(1)
+    assert first is not None and first.details["reference_for"] == 1
+    rig.learner.restored.clear()
+    rig.new_cycle()
+    await rig.step()
+    assert rig.learner.restored == [2]
+    rig.source.goodput = {1: 0.90, 3: 0.55}
+    rig.learner.approve, rig.learner.regime_only, rig.learner.fire = True, False, True
+    assert (await rig.step()).approved_version == 3
+    await _until_canary(rig, lambda text: "worse" in text)
+    assert _desired(rig) == dict.fromkeys(rig.agents, 1)
+    await rig.step()
+    assert rig.learner.restored == [2, 2]
+
+
 async def test_failed_observe_skips_the_cycle_and_pushes_nothing(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     await _bootstrap(rig)
