@@ -3,8 +3,8 @@
 :class:`Learner` is what :class:`controller.cycle.Cycle` calls: ``assess`` runs the drift
 detectors on a new window, ``calibrate`` fits and judges a candidate policy, ``adopt``
 makes an approved calibration the new drift reference, ``restore`` rebuilds that reference
-after a restart or a rollback. :class:`CoreLearner` delegates to :mod:`controller.core`; tests pass their
-own small learner.
+after a restart or a rollback. :class:`CoreLearner` delegates to :mod:`controller.core`;
+tests pass their own small learner.
 """
 
 from __future__ import annotations
