@@ -211,10 +211,7 @@ class CoreLearner:
         from controller.core.calibrate import CalibrationError, calibrate
         from controller.core.guardrail import check
 
-        trained, config = self._regime(windows, reason)
-        # Trained on the windows since a change alone: its verdict is about the new regime.
-        regime_only = len(trained) < len(windows)
-        windows = trained
+        windows, config, regime_only = self._regime(windows, reason)
         try:
             result = calibrate(windows, now, current, config, reason=reason)
         except CalibrationError as e:
@@ -242,13 +239,16 @@ class CoreLearner:
         )
 
     def _regime(self, windows: Sequence[Window], reason: str
-                ) -> tuple[Sequence[Window], Any]:
-        """The windows and settings a calibration for ``reason`` should use.
+                ) -> tuple[Sequence[Window], Any, bool]:
+        """The windows and settings a calibration for ``reason`` should use, and whether
+        they are the windows since a change alone (its verdict is then about the new regime).
 
         After a drift or a scaling event, the windows since the change describe the new
         regime: with at least ``MIN_REGIME_WINDOWS`` of them the calibration trains on those
         alone; with fewer, it trains on everything but takes the current mix and load (the
         table's goodput is predicted for) from those windows only. Otherwise: unchanged.
+        Every window can be from since the change (a drift older than the training set):
+        the verdict is about the new regime then too.
         """
         start: float | None = None
         if reason.startswith("drift"):
@@ -256,10 +256,12 @@ class CoreLearner:
         elif reason.startswith("scaling"):
             start = shape_change(windows)
         if start is None:
-            return windows, self._config
+            return windows, self._config, False
         post = [w for w in windows if w.start >= start - 1e-6]
-        if not post or len(post) == len(windows):
-            return windows, self._config
+        if len(post) == len(windows):
+            return windows, self._config, len(post) >= MIN_REGIME_WINDOWS
+        if not post:
+            return windows, self._config, False
         # The mix and load of a window or two are noise (a bursty trace swings 2x between
         # windows): the current mix takes at least MIN_MIX_WINDOWS, the newest first.
         config = replace(self._config, recent_windows=max(len(post), MIN_MIX_WINDOWS))
@@ -268,8 +270,8 @@ class CoreLearner:
             # still explains the rest of the model.
             config = replace(config, link_changed_at=self._link_changed_at)
         if len(post) >= MIN_REGIME_WINDOWS:
-            return post, config
-        return windows, config
+            return post, config, True
+        return windows, config, False
 
     def adopt(self, state: LearnerState, outcome: CalibrationOutcome, now: float) -> LearnerState:
         """The drift reference after a calibration. Approved, trained on the windows since

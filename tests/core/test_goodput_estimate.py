@@ -121,13 +121,32 @@ def test_a_scaling_calibration_learns_from_the_windows_after_the_change() -> Non
 
     learner = CoreLearner(load_settings())
     long_after = [_shaped(30.0 * i, 2 if i < 5 else 1, 6) for i in range(5 + MIN_REGIME_WINDOWS)]
-    windows, config = learner._regime(long_after, "scaling")
+    windows, config, regime_only = learner._regime(long_after, "scaling")
+    assert regime_only
     assert [w.start for w in windows] == [w.start for w in long_after[5:]]
     assert config.recent_windows == MIN_REGIME_WINDOWS
     # Too few windows since the change: train on all, take the mix from the newest ones.
     just_after = long_after[:7]
-    windows, config = learner._regime(just_after, "scaling")
-    assert len(windows) == 7 and config.recent_windows == MIN_MIX_WINDOWS
+    windows, config, regime_only = learner._regime(just_after, "scaling")
+    assert len(windows) == 7 and config.recent_windows == MIN_MIX_WINDOWS and not regime_only
     # A scheduled calibration is not about a change: everything, default mix.
-    windows, config = learner._regime(long_after, "schedule")
-    assert len(windows) == len(long_after) and config.recent_windows == 20
+    windows, config, regime_only = learner._regime(long_after, "schedule")
+    assert len(windows) == len(long_after) and config.recent_windows == 20 and not regime_only
+
+
+def test_a_drift_older_than_every_window_makes_them_all_the_new_regime() -> None:
+    # A drift older than the training set: every window is from since it began, so a
+    # verdict on them is about the new regime (a refusal renews the reference).
+    from controller.config import load_settings
+    from controller.learning import MIN_REGIME_WINDOWS, CoreLearner
+
+    learner = CoreLearner(load_settings())
+    windows = [_shaped(300.0 + 30.0 * i, 2, 6) for i in range(MIN_REGIME_WINDOWS)]
+    learner._drift_onset = 120.0
+    trained, config, regime_only = learner._regime(windows, "drift: workload")
+    assert regime_only and len(trained) == len(windows)
+    assert config.recent_windows == 20  # the default mix: every window is the new regime
+    _, _, thin = learner._regime(windows[:-1], "drift: workload")
+    assert not thin, "fewer than MIN_REGIME_WINDOWS are too few to judge a regime on"
+    learner._drift_onset = None
+    assert not learner._regime(windows, "drift: workload")[2], "no onset known: not a regime"
