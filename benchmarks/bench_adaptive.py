@@ -2,7 +2,8 @@
 ``ppd-static`` starting table and its drift reference (cached), then only the ``adaptive``
 policy, printing its
 goodput, approvals and adaptation times and, with ``--log``, every calibration (trigger,
-verdict, predicted gain, held-out goodput error) and drift event from the run's store.
+verdict, predicted gain, held-out goodput error), policy (status and why) and drift event
+from the run's store.
 Deterministic (the same seed and code give the same figures): what the cycle variants of
 issue 7 were compared with before a full ``bench_suite.py`` run.
 
@@ -169,7 +170,8 @@ def main() -> None:
         default=None,
         help="directory for the ppd-static starts (skips the active calibration's replays)",
     )
-    ap.add_argument("--log", action="store_true", help="print calibrations and drift events")
+    ap.add_argument("--log", action="store_true",
+                    help="print calibrations, policies and drift events")
     ap.add_argument("--seed", type=int, default=None,
                     help="replay with this seed instead of the scenario's")
     ap.add_argument("--runs", choices=("tuning", "heldout", "all"), default=None,
