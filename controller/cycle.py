@@ -76,7 +76,14 @@ from controller.metrics import ControllerMetrics
 from controller.observe.source import MetricsSource
 from controller.policy import Policy, Provenance, Route, dumps, loads
 from controller.rollout.reconciler import Reconciler, RouterStatus
-from controller.store import OperatorRequest, PolicyRecord, Store, StoreError, Tx
+from controller.store import (
+    CalibrationRecord,
+    OperatorRequest,
+    PolicyRecord,
+    Store,
+    StoreError,
+    Tx,
+)
 from controller.store.types import dumps_json
 
 T = TypeVar("T")
@@ -264,6 +271,21 @@ class _Plan:
     applied_recommendation: int | None = None  # the scaling just confirmed reached it
     refit_of: int | None = None  # a "canary" calibration: the baking version it refits
     canary_verdict: str | None = None  # the judge's action this cycle
+
+
+def reference_calibration(tx: Tx, version: int) -> CalibrationRecord | None:
+    """The calibration whose drift reference ``version`` runs against: the newest that
+    renewed it (its own, or a later one refused on the traffic since a change alone, which
+    records ``reference_for``), else its own (stored before ``reference_for``)."""
+    own = tx.calibration_for(version)
+    policy = tx.policy(version)
+    since = [r.created_at for r in (own, policy) if r is not None]
+    if since:
+        renewed = [c for c in tx.calibrations(since=min(since))
+                   if (c.details or {}).get("reference_for") == version]
+        if renewed:
+            return renewed[-1]
+    return own
 
 
 def read_rollout(tx: Tx, routers: Sequence[str] | None = None) -> Rollout:
@@ -1116,12 +1138,7 @@ class Cycle:
         version = rollout.canary_version or rollout.fleet_version
         if version is None or version == self._state_for:
             return
-        record = tx.calibration_for(version)
-        policy = tx.policy(version)
-        if policy is not None:
-            renewed = [c for c in tx.calibrations(since=policy.created_at)
-                       if (c.details or {}).get("reference_for") == version]
-            record = renewed[-1] if renewed else record
+        record = reference_calibration(tx, version)
         # A version with no calibration of its own (re-issued, exploration off, fallback)
         # keeps the reference the learner has.
         if record is not None or self._state_for is None:

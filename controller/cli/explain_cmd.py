@@ -213,22 +213,31 @@ def _utc(epoch: float) -> datetime:
 
 def drift_doc(store: Store, settings: Settings, last: int, replay: int = 512
               ) -> dict[str, Any]:
-    """Replay the detectors over the windows stored after the current calibration (at most
-    ``replay``, oldest first) from its drift reference; the last ``last`` are reported."""
+    """Replay the detectors over the windows stored after the current drift reference (at
+    most ``replay``, oldest first); the last ``last`` are reported. The reference is the one
+    the daemon measures against (:func:`controller.cycle.reference_calibration`): the
+    current calibration's, or a later refused one's that renewed it."""
     from controller.core import drift
+    from controller.cycle import read_rollout, reference_calibration
     from controller.learning import drift_config
 
     learned = refit(store, settings)
-    details = learned.record.details or {}
+    record = learned.record
+    with store.read() as tx:
+        version = learned.policy.version if learned.policy is not None else None
+        rollout = read_rollout(tx)
+        if version is not None and version == (rollout.canary_version
+                                                or rollout.fleet_version):
+            record = reference_calibration(tx, version) or record
+    details = record.details or {}
     if "drift_reference" not in details:
-        raise NoCalibration(f"calibration #{learned.record.id} stored no drift reference")
+        raise NoCalibration(f"calibration #{record.id} stored no drift reference")
     reference = drift.DriftReference.from_dict(details["drift_reference"])
     cfg = drift_config(settings)
     with store.read() as tx:
         after = tx.windows(since=_utc(reference.window_range[1]), limit=replay)
     usable = [s for s in after if s.window.outcomes and not s.window.failures]
-    state = drift.after_recalibration(drift.DriftState(), learned.record.created_at.timestamp(),
-                                      cfg)
+    state = drift.after_recalibration(drift.DriftState(), record.created_at.timestamp(), cfg)
     residuals = drift.performance_residuals(learned.result.model, [s.window for s in usable])
     history: list[dict[str, Any]] = []
     for stored, res in zip(usable, residuals, strict=True):
@@ -242,7 +251,7 @@ def drift_doc(store: Store, settings: Settings, last: int, replay: int = 512
                           for v in verdicts},
         })
     out: dict[str, Any] = _finite({
-        "calibration_id": learned.record.id, "policy_version": learned.record.policy_version,
+        "calibration_id": record.id, "policy_version": learned.record.policy_version,
         "reference_window_range": list(reference.window_range),
         "windows_after_calibration": len(after), "windows_replayed": len(usable),
         "now": history[-1] if history else None,

@@ -156,3 +156,39 @@ def test_drift_replays_the_detectors_over_the_windows_stored_since(tmp_path: Pat
     human = runner.invoke(app, ["drift", "--last", "3", "--config", str(config)])
     assert human.exit_code == 0, human.output
     assert "FIRED" in human.output and "workload" in human.output
+
+
+def test_drift_replays_from_the_reference_a_refused_calibration_renewed(
+        tmp_path: Path) -> None:
+    # Like the daemon (controller.cycle.reference_calibration): a calibration refused on the
+    # traffic since a change alone renews the running policy's reference, so `pdctl drift`
+    # measures against the shifted traffic, which no longer fires.
+    from controller.core.drift import reference_from_windows
+
+    config = _config(tmp_path)
+    version = _calibrated(config)
+    base = training_windows(Truth(), Mix(), 60, seed=1)[-1].end
+    shifted = stationary(Truth(), Mix().scaled_context(3.0), 2.0, 0.5, 16, seed=8, start=base)
+    judged, later = shifted[:10], shifted[10:]
+    store = _store(config)
+    try:
+        with store.cycle() as tx:
+            ids = [tx.add_window(w) for w in judged]
+            candidate = loads(tx.policy(version).body_json).with_version(version + 1)  # type: ignore[union-attr]
+            tx.add_policy(candidate.version, candidate.checksum, dumps(candidate), "rejected",
+                          "rejected: scripted")
+            renewal = tx.add_calibration(
+                ids, {}, 0.9, 0.9, version + 1,
+                {"approved": False, "regime_only": True, "reference_for": version,
+                 "drift_reference": reference_from_windows(judged, None).to_dict()},
+                at=datetime.fromtimestamp(judged[-1].end, tz=UTC))
+            for w in later:
+                tx.add_window(w)
+    finally:
+        store.close()
+    r = runner.invoke(app, ["drift", "--json", "--last", "6", "--config", str(config)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["calibration_id"] == renewal and doc["policy_version"] == version
+    assert doc["windows_replayed"] == len(later)
+    assert not any(h["detectors"]["workload"]["fired"] for h in doc["history"])
