@@ -159,6 +159,31 @@ def test_after_recalibration_resets_and_cools_down(
     assert first_fire(flags, "workload") is None  # inside the 900 s cooldown
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_slower_link_fires_through_a_recalibrations_cooldown_but_not_its_own(
+    seed: int, model: LatencyModel, thin_reference: DriftReference
+) -> None:
+    # The link is measured directly: the cooldown a recalibration starts (for a fresh
+    # model's misfit) does not hold its residual back; the detector's own cooldown does,
+    # and a route latency's residual still waits out the recalibration's.
+    start = 1_760_000_000.0
+    slow_link = stationary(Truth(link_bw=Truth().link_bw / 4), Mix(), THIN_QPS, LOCAL, 6,
+                           seed=seed + 50, slo=SLO, start=start)
+    cooled = after_recalibration(DriftState(), now=start)  # 900 s: every window below
+    delay = first_fire(run(slow_link, thin_reference, model, state=cooled), "performance")
+    assert delay is not None and delay <= 3, delay
+    own = dataclasses.replace(cooled, performance=dataclasses.replace(
+        cooled.performance, last_fired_at=start - 60.0))
+    assert first_fire(run(slow_link, thin_reference, model, state=own), "performance") is None
+    slow_prefill = stationary(Truth(a=0.0033 * 4, b=21e-6 * 4), Mix(), QPS, LOCAL, 10,
+                              seed=seed + 70, slo=SLO, start=start)
+    reference = reference_from_windows(
+        stationary(Truth(), Mix(), QPS, LOCAL, 40, seed=100, slo=SLO), model)
+    assert first_fire(run(slow_prefill, reference, model), "performance") is not None, \
+        "the slower prefill fires the performance detector outside a cooldown"
+    assert first_fire(run(slow_prefill, reference, model, state=cooled), "performance") is None
+
+
 def test_psi_is_zero_for_identical_and_large_for_moved_mass() -> None:
     same, null = psi([10, 20, 30], [10, 20, 30])
     assert same == pytest.approx(0.0, abs=1e-12) and null > 0
