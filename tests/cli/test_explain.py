@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -63,6 +64,13 @@ def _calibrated(config: Path) -> int:
     finally:
         store.close()
     return version
+
+
+def _drift_json(config: Path, last: int) -> dict[str, Any]:
+    r = runner.invoke(app, ["drift", "--json", "--last", str(last), "--config", str(config)])
+    assert r.exit_code == 0, r.output
+    doc: dict[str, Any] = json.loads(r.output)
+    return doc
 
 
 def test_no_calibration_is_a_clear_error(tmp_path: Path) -> None:
@@ -138,9 +146,7 @@ def test_drift_replays_the_detectors_over_the_windows_stored_since(tmp_path: Pat
     finally:
         store.close()
 
-    r = runner.invoke(app, ["drift", "--json", "--last", "8", "--config", str(config)])
-    assert r.exit_code == 0, r.output
-    doc = json.loads(r.output)
+    doc = _drift_json(config, last=8)
     assert doc["windows_replayed"] == 12
     assert len(doc["history"]) == 8
     assert doc["now"] == doc["history"][-1]
@@ -186,9 +192,7 @@ def test_drift_replays_from_the_reference_a_refused_calibration_renewed(
                 tx.add_window(w)
     finally:
         store.close()
-    r = runner.invoke(app, ["drift", "--json", "--last", "6", "--config", str(config)])
-    assert r.exit_code == 0, r.output
-    doc = json.loads(r.output)
+    doc = _drift_json(config, last=6)
     assert doc["calibration_id"] == renewal and doc["policy_version"] == version
     assert doc["windows_replayed"] == len(later)
     assert not any(h["detectors"]["workload"]["fired"] for h in doc["history"])
