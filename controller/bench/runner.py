@@ -214,16 +214,14 @@ def run_bench(
         runs[key] = PolicyRun(res, tables=[(0.0, static_policy(route, slo))],
                               adaptation_s=[None] * len(scenario.events))
 
-    ppd_static: Policy | None = None
     static_start: StaticStart | None = None
     if settings is None:
         settings = adaptive_settings(scenario, time_scale)
     if need_tables:
         static_start = ppd_static_start(scenario, progress, settings.drift.reference_windows)
-        ppd_static = static_start.policy
         if "ppd-static" in wanted or "oracle" in wanted:
-            runs["ppd-static"] = PolicyRun(replay("ppd-static", ppd_static),
-                                           tables=[(0.0, ppd_static)],
+            runs["ppd-static"] = PolicyRun(replay("ppd-static", static_start.policy),
+                                           tables=[(0.0, static_start.policy)],
                                            adaptation_s=[None] * len(scenario.events))
     if "threshold" in wanted or "oracle" in wanted:
         cfg = threshold or ThresholdConfig()
@@ -398,8 +396,6 @@ def _run_adaptive(scenario: Scenario, initial: Policy, settings: Any,
                   drift_reference: Mapping[str, Any] | None = None) -> PolicyRun:
     from controller.bench.adaptive import AdaptiveController
 
-    if settings is None:
-        settings = adaptive_settings(scenario)
     owned = None
     if workdir is None:
         owned = tempfile.TemporaryDirectory(prefix="pdctl-bench-")

@@ -218,17 +218,14 @@ def drift_doc(store: Store, settings: Settings, last: int, replay: int = 512
     the daemon measures against (:func:`controller.cycle.reference_calibration`): the
     current calibration's, or a later refused one's that renewed it."""
     from controller.core import drift
-    from controller.cycle import read_rollout, reference_calibration
+    from controller.cycle import reference_calibration
     from controller.learning import drift_config
 
     learned = refit(store, settings)
     record = learned.record
-    with store.read() as tx:
-        version = learned.policy.version if learned.policy is not None else None
-        rollout = read_rollout(tx)
-        if version is not None and version == (rollout.canary_version
-                                                or rollout.fleet_version):
-            record = reference_calibration(tx, version) or record
+    if record.policy_version is not None:  # its own calibration, unless one renewed it
+        with store.read() as tx:
+            record = reference_calibration(tx, record.policy_version) or record
     details = record.details or {}
     if "drift_reference" not in details:
         raise NoCalibration(f"calibration #{record.id} stored no drift reference")
