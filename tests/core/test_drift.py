@@ -175,7 +175,7 @@ def test_a_slower_link_fires_through_a_recalibrations_cooldown_but_not_its_own(
     own = dataclasses.replace(cooled, performance=dataclasses.replace(
         cooled.performance, last_fired_at=start - 60.0))
     assert first_fire(run(slow_link, thin_reference, model, state=own), "performance") is None
-    slow_prefill = stationary(Truth(a=0.0033 * 4, b=21e-6 * 4), Mix(), QPS, LOCAL, 10,
+    slow_prefill = stationary(Truth(a=Truth().a * 4, b=Truth().b * 4), Mix(), QPS, LOCAL, 10,
                               seed=seed + 70, slo=SLO, start=start)
     reference = reference_from_windows(
         stationary(Truth(), Mix(), QPS, LOCAL, 40, seed=100, slo=SLO), model)
