@@ -230,7 +230,20 @@ class ControllerConfig(_Section):
     )
     promote_alpha: float = Field(
         0.05, gt=0, lt=0.5, description="One-sided significance of the two-proportion test "
-        "that rolls a canary back.",
+        "that rolls a canary back (and of the post-promotion watch's).",
+    )
+    watch_windows: int = Field(
+        3, ge=0, description="Windows after a canary's promotion in which the fleet's goodput "
+        "is compared with the bake's (a route fine for the canary's share of the traffic can "
+        "overload a shared pool for all of it); 0: no watch.",
+    )
+    watch_drop: float = Field(
+        0.1, ge=0, le=1, description="The watch rolls a promotion back when the fleet's "
+        "goodput since is below the bake's by more than this.",
+    )
+    watch_load_rise: float = Field(
+        0.1, ge=0, description="...unless the request rate rose by more than this share "
+        "since the bake (a heavier load explains the fall without the policy).",
     )
     lease_ttl_s: float = Field(
         15.0, gt=0, description="SQLite leader lease lifetime; a follower takes over after it."

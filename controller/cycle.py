@@ -92,6 +92,7 @@ log = logging.getLogger("pdctl.cycle")
 FALLBACK_PREFILL = "fallback-prefill"
 REFIT_PREFIX = "canary refit of v"  # a refit's policy reason starts so (never refitted)
 SUPERSEDED = "superseded by its canary refit"  # a superseded canary's reason starts so
+UNPROMOTED = "rolled back after promotion"  # a promotion the watch undid: reason starts so
 MAX_REQUESTS_PER_CYCLE = 16
 FIT_RETRY_INTERVALS = 10  # control intervals between automatic retries of a failed fit
 SETTLED_FAILURES = 2  # windows a target must have failed in a row to count as gone
@@ -114,6 +115,9 @@ class CycleConfig:
     canary_refit: bool = True
     promote_margin: float = 0.02
     promote_alpha: float = 0.05
+    watch_windows: int = 3
+    watch_drop: float = 0.1
+    watch_load_rise: float = 0.1
     request_stale_after_s: float = 300.0
     capacity_interval_s: float = 300.0
     capacity_min_windows: int = 2
@@ -130,6 +134,8 @@ class CycleConfig:
             bake_min_requests=c.bake_min_requests, max_bake_windows=c.max_bake_windows,
             canary_refit=c.canary_refit,
             promote_margin=c.promote_margin, promote_alpha=c.promote_alpha,
+            watch_windows=c.watch_windows, watch_drop=c.watch_drop,
+            watch_load_rise=c.watch_load_rise,
             capacity_interval_s=settings.capacity.interval_s,
             capacity_min_windows=settings.capacity.min_windows,
         )
@@ -226,6 +232,19 @@ class CanaryVerdict:
     control_goodput: float | None = None
     canary_requests: float = 0.0
     control_requests: float = 0.0
+    z: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WatchVerdict:
+    """The post-promotion watch: the fleet's goodput since a promotion against the bake's."""
+
+    action: str  # "watch" | "keep" (the watch's last window) | "roll_back" | "over"
+    reason: str
+    watch_goodput: float | None = None
+    bake_goodput: float | None = None
+    watch_requests: float = 0.0
+    bake_requests: float = 0.0
     z: float | None = None
 
 
@@ -616,9 +635,13 @@ class Cycle:
     def _since_last_change(self, now: float) -> float:
         with self.store.read() as tx:
             latest = tx.policies(limit=1, status="approved")
-        if not latest:
+            undone = tx.policies(limit=1, status="rolled_back")
+        changes = [p.created_at for p in latest]
+        # A promotion the watch rolled back changed every router too.
+        changes += [p.updated_at for p in undone if p.promoted_at is not None]
+        if not changes:
             return math.inf
-        elapsed = now - latest[-1].created_at.timestamp()
+        elapsed = now - max(changes).timestamp()
         # Negative: the wall clock was stepped back since that approval. Waiting until it
         # catches up could block recalibration for hours, so the rate limit does not apply.
         return elapsed if elapsed >= 0 else math.inf
@@ -713,6 +736,9 @@ class Cycle:
             if rollout.canary_version is not None and plan.window is not None:
                 refit = plan.calibration if plan.refit_of == rollout.canary_version else None
                 plan.canary_verdict = self._judge_canary(tx, rollout, report, refit)
+                rollout = self._rollout(tx)
+            elif rollout.fleet_version is not None and plan.window is not None \
+                    and self._watch_promotion(tx, rollout.fleet_version, report):
                 rollout = self._rollout(tx)
             if plan.trigger is not None:
                 report.trigger = plan.trigger
@@ -968,6 +994,7 @@ class Cycle:
         if verdict.action == "promote":
             for r in self.routers:
                 tx.set_desired(r, rollout.canary_version)
+            tx.mark_promoted(rollout.canary_version, self.clock.utcnow())
             self.metrics.set_canary_state("promoted")
         elif verdict.action == "roll_back":
             tx.set_policy_status(rollout.canary_version, "rolled_back",
@@ -1014,6 +1041,67 @@ class Cycle:
             return CanaryVerdict("roll_back", f"canary worse than control: {numbers}, "
                                  f"z {z:.2f} < {critical:.2f}", pc, pk, n_c, n_k, z)
         return CanaryVerdict("promote", f"promoted: {numbers}, z {_num(z)}", pc, pk, n_c, n_k, z)
+
+    def _watch_promotion(self, tx: Tx, version: int, report: CycleReport) -> bool:
+        """Roll a promotion back when the fleet's goodput since falls well below the bake's;
+        True when it did. A canary shares the workers with the control routers, so a route
+        fine for its share of the traffic can overload a pool once every router sends it
+        there: the judge could not see that, the fleet's goodput after the promotion does."""
+        record = tx.policy(version)
+        if record is None or record.promoted_at is None or self.config.watch_windows == 0:
+            return False
+        verdict = self.judge_promotion(tx, record)
+        if verdict.action != "roll_back":
+            if verdict.action != "over":
+                report.canary = f"v{version}: {verdict.reason}"
+            return False
+        older = [p.version for p in tx.policies(status="approved") if p.version < version]
+        if not older:
+            report.canary = f"v{version}: {verdict.reason}; nothing older to roll back to"
+            return False
+        target = max(older)
+        tx.set_policy_status(version, "rolled_back", f"{UNPROMOTED}: {verdict.reason}")
+        for r in self.routers:
+            tx.set_desired(r, target)
+        report.canary = f"v{version}: {UNPROMOTED} to v{target}: {verdict.reason}"
+        self.metrics.set_canary_state("rolled_back")
+        self.metrics.desired_version.set(target)
+        return True
+
+    def judge_promotion(self, tx: Tx, record: PolicyRecord) -> WatchVerdict:
+        """The fleet's goodput over the windows since ``record``'s promotion (at most
+        ``watch_windows``) against all routers' over its bake. Rolled back when below by more
+        than ``watch_drop`` (one-sided, ``promote_alpha``) while the request rate rose by at
+        most ``watch_load_rise``: a load that rose explains a fall without the policy."""
+        cfg = self.config
+        assert record.promoted_at is not None
+        promoted = record.promoted_at.timestamp()
+        half = 0.5 * cfg.interval_s
+        windows = self._bake_windows(tx, record)
+        bake = [w for w in windows if w.end < promoted + half]
+        watch = [w for w in windows if w.end >= promoted + half]
+        if len(watch) > cfg.watch_windows:
+            return WatchVerdict("over", "watch over")
+        met_w, n_w, rate_w = _pooled(watch)
+        met_b, n_b, rate_b = _pooled(bake)
+        pw = met_w / n_w if n_w else None
+        pb = met_b / n_b if n_b else None
+        z = two_proportion_z(met_w, n_w, met_b, n_b, cfg.watch_drop)
+        numbers = (f"fleet goodput {_pct(pw)} of {n_w:.0f} requests over {len(watch)} "
+                   f"window(s) since the promotion vs {_pct(pb)} of {n_b:.0f} over the bake's "
+                   f"{len(bake)}, drop allowed {cfg.watch_drop:g}")
+        done = len(watch) == cfg.watch_windows
+        critical = NormalDist().inv_cdf(cfg.promote_alpha)
+        worse = z is not None and z < critical and n_w >= cfg.bake_min_requests
+        rise = rate_w / rate_b - 1 if rate_b > 0 else math.inf
+        if worse and rise <= cfg.watch_load_rise:
+            return WatchVerdict("roll_back", f"{numbers}, z {z:.2f} < {critical:.2f}",
+                                pw, pb, n_w, n_b, z)
+        if worse:
+            numbers += f"; the request rate rose {rise:.0%}: not the policy's doing"
+        return WatchVerdict("keep" if done else "watch",
+                            f"{'kept after' if done else 'watching'} the promotion: {numbers}",
+                            pw, pb, n_w, n_b, z)
 
     def _bake_windows(self, tx: Tx, record: PolicyRecord, unstored: Window | None = None
                       ) -> list[Window]:
@@ -1239,6 +1327,14 @@ def _push_result(s: RouterStatus) -> str:
     if s.outcome in ("invalid", "refused"):
         return "rejected"
     return "failed"
+
+
+def _pooled(windows: Sequence[Window]) -> tuple[float, float, float]:
+    """Requests that met the SLO, requests, and requests per second over ``windows``."""
+    met = sum(o.met for w in windows for o in w.outcomes)
+    n = sum(o.requests for w in windows for o in w.outcomes)
+    seconds = sum(w.end - w.start for w in windows)
+    return met, n, n / seconds if seconds > 0 else 0.0
 
 
 def _why_incomplete(window: Window | None) -> str:

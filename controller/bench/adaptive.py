@@ -16,6 +16,7 @@ calibration, with the drift reference of the grid it was calibrated on.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,11 +32,33 @@ def adaptive_start(table: Policy, settings: Any) -> Policy:
     return replace(table, overrides=calibration_config(settings).overrides)
 
 
+def fleet_changes(store: Any) -> tuple[list[tuple[float, Policy]], list[tuple[float, Policy]]]:
+    """From a run's store: every policy that reached the fleet (approval time, policy), and
+    each promotion the post-promotion watch rolled back (its time, the policy restored)."""
+    rolled_back = store.policies(status="rolled_back")
+    undone = {p.version: p.updated_at.timestamp() for p in rolled_back
+              if p.promoted_at is not None}
+    reached = sorted([*store.policies(status="approved"),
+                      *(p for p in rolled_back if p.version in undone)],
+                     key=lambda p: p.version)
+    bodies = {p.version: loads(p.body_json) for p in reached}
+    rollbacks = []
+    for version, at in sorted(undone.items(), key=lambda item: item[1]):
+        # What the watch restored: the newest older policy still approved then.
+        restored = max(v for v in bodies if v < version and undone.get(v, math.inf) > at)
+        rollbacks.append((at, bodies[restored]))
+    return [(p.created_at.timestamp(), bodies[p.version]) for p in reached], rollbacks
+
+
 @dataclass
 class AdaptiveOutcome:
     """What the cycle did over a run (read back from its store)."""
 
-    approvals: list[tuple[float, Policy]] = field(default_factory=list)  # (virtual s, policy)
+    # Every policy that reached the fleet (virtual s of its approval, policy), a promotion the
+    # post-promotion watch rolled back included.
+    approvals: list[tuple[float, Policy]] = field(default_factory=list)
+    # Those rollbacks (virtual s, the policy restored): fleet changes too.
+    rollbacks: list[tuple[float, Policy]] = field(default_factory=list)
     # Approved canaries a refit replaced before they reached the fleet (virtual s): not
     # policy changes (the fleet never ran them), reported beside them.
     superseded: list[float] = field(default_factory=list)
@@ -126,8 +149,7 @@ class AdaptiveController:
         if store is None:
             return out
         out.store_url = f"sqlite:///{self.db_path}"
-        approved = sorted(store.policies(status="approved"), key=lambda p: p.version)
-        out.approvals = [(p.created_at.timestamp(), loads(p.body_json)) for p in approved]
+        out.approvals, out.rollbacks = fleet_changes(store)
         out.superseded = sorted(p.created_at.timestamp()
                                 for p in store.policies(status="superseded"))
         out.windows = len(store.windows())

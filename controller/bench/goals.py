@@ -31,22 +31,31 @@ class AdaptiveRun:
     phases: tuple[float, ...]  # goodput per phase
     approved_at_s: tuple[float, ...]  # approvals after the starting policy
     adaptation_s: tuple[float | None, ...]  # per event
+    rolled_back_at_s: tuple[float, ...] = ()  # promotions the watch undid: changes too
+
+    @property
+    def changed_at_s(self) -> tuple[float, ...]:
+        """Every change of the fleet's policy after the start."""
+        return tuple(sorted(self.approved_at_s + self.rolled_back_at_s))
 
     @staticmethod
     def from_summary(doc: Mapping[str, Any]) -> AdaptiveRun:
         """The adaptive entry of a ``pdctl bench run`` summary."""
         a = doc["policies"]["adaptive"]
-        approvals = a.get("controller", {}).get("approved_at_s", [])
+        controller = a.get("controller", {})
+        approvals = controller.get("approved_at_s", [])
         return AdaptiveRun(float(a["goodput"]), tuple(float(p["goodput"]) for p in a["phases"]),
                            tuple(float(t) for t in approvals[1:]),
-                           tuple(a.get("adaptation_s") or ()))
+                           tuple(a.get("adaptation_s") or ()),
+                           tuple(float(t) for t in controller.get("rolled_back_at_s", [])))
 
     @staticmethod
     def from_replay(doc: Mapping[str, Any]) -> AdaptiveRun:
         """One line of ``bench_adaptive.py`` (approvals there exclude the starting policy)."""
         return AdaptiveRun(float(doc["goodput"]), tuple(float(g) for g in doc["phases"]),
                            tuple(float(t) for t in doc["approved_at_s"]),
-                           tuple(doc.get("adaptation_s") or ()))
+                           tuple(doc.get("adaptation_s") or ()),
+                           tuple(float(t) for t in doc.get("rolled_back_at_s", [])))
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +120,8 @@ def goal_figures(runs: Iterable[tuple[Mapping[str, Any], AdaptiveRun]]) -> GoalF
             below += margin < -0.01
         for start, end in bounds:
             phases += 1
-            multi += sum(start <= t < end for t in run.approved_at_s) > 1
-        changes += len(run.approved_at_s)
+            multi += sum(start <= t < end for t in run.changed_at_s) > 1
+        changes += len(run.changed_at_s)
         window = ADAPTATION_INTERVALS * float(doc["interval_s"])
         # adaptation_s follows the events in time order (runner.times_to_first).
         kinds = [str(e["kind"]) for e in sorted(doc.get("events") or [],

@@ -110,6 +110,7 @@ def evaluation_document(bench: Any) -> dict[str, Any]:
                 "drift_events": [{"at_s": t, "kind": k} for t, k in a.drift_events],
                 "approved_at_s": [t for t, _ in a.approvals],
                 "superseded_at_s": list(a.superseded),
+                "rolled_back_at_s": [t for t, _ in a.rollbacks],
                 "scaling_calibrations_at_s": list(a.scaling_calibrations),
             }
             entry["detection_s"] = list(run.detection_s)

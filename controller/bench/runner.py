@@ -409,9 +409,10 @@ def _run_adaptive(scenario: Scenario, initial: Policy, settings: Any,
         if owned is not None:
             owned.cleanup()
     approvals = [t for t, _ in outcome.approvals[1:]]
+    timeline = sorted([*outcome.approvals, *outcome.rollbacks], key=lambda item: item[0])
     return PolicyRun(
-        res, tables=[(max(0.0, t), p) for t, p in outcome.approvals],
-        policy_changes=len(approvals),
+        res, tables=[(max(0.0, t), p) for t, p in timeline],
+        policy_changes=len(approvals) + len(outcome.rollbacks),
         adaptation_s=times_to_first(scenario.events, approvals),
         detection_s=times_to_first(scenario.events, outcome.reactions),
         notes=[f"cycle failed: {r}" for r in outcome.failed_cycles[:5]],

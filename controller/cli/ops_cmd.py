@@ -314,7 +314,7 @@ def status_doc(store: Store, calibrate_every_s: float | None) -> dict[str, Any]:
             "version": rollout.canary_version, "routers": list(rollout.canary_routers)},
         "newest_policy": None if not latest else {
             "version": latest[-1].version, "status": latest[-1].status,
-            "reason": latest[-1].reason},
+            "reason": latest[-1].reason, "promoted_at": latest[-1].promoted_at},
         "routers": router_rows,
         "last_drift": None if not drift else {
             "at": drift[-1].at, "kind": drift[-1].kind, "statistic": drift[-1].statistic,

@@ -78,6 +78,8 @@ class PolicyRow(Base):
     reason: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    # When a canary became the fleet's policy: the post-promotion watch counts from it (0004).
+    promoted_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
 
 
 class CalibrationRow(Base):

@@ -24,6 +24,7 @@ class PolicyRecord:
     reason: str
     created_at: datetime
     updated_at: datetime
+    promoted_at: datetime | None = None  # a canary's promotion to every router
 
 
 @dataclass(frozen=True, slots=True)

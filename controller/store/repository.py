@@ -247,6 +247,19 @@ class Tx:
         self._s.flush()
         return _policy(row)
 
+    def mark_promoted(self, version: int, at: datetime | None = None) -> PolicyRecord:
+        """``version``, an approved canary, now runs on every router (from ``at``)."""
+        row = self._s.scalar(
+            select(PolicyRow).where(PolicyRow.version == version).with_for_update()
+        )
+        if row is None:
+            raise StoreError(f"no policy version {version}")
+        if row.status != "approved":
+            raise StoreError(f"policy {version} is {row.status}: only approved ones are promoted")
+        row.promoted_at = row.updated_at = self._at(at)
+        self._s.flush()
+        return _policy(row)
+
     def next_version(self) -> int:
         """A version above every policy ever stored and every version a router acknowledged
         (a router restored from a backup may be ahead of the store)."""
@@ -752,6 +765,7 @@ class Store:
     policies = _in_own_transaction(Tx.policies)
     latest_policy = _in_own_transaction(Tx.latest_policy)
     set_policy_status = _in_own_transaction(Tx.set_policy_status)
+    mark_promoted = _in_own_transaction(Tx.mark_promoted)
     next_version = _in_own_transaction(Tx.next_version)
     set_desired = _in_own_transaction(Tx.set_desired)
     desired_versions = _in_own_transaction(Tx.desired_versions)
@@ -839,6 +853,7 @@ def _policy(r: PolicyRow) -> PolicyRecord:
     return PolicyRecord(
         version=int(r.version), checksum=r.checksum, body_json=r.body, status=r.status,
         reason=r.reason, created_at=r.created_at, updated_at=r.updated_at,
+        promoted_at=r.promoted_at,
     )
 
 

@@ -113,3 +113,30 @@ def test_adaptive_starts_from_the_table_with_the_controllers_overrides() -> None
     assert on.overrides == Overrides(Route.PREFILL_NODE, 0, 2)
     off = adaptive_start(table, load_settings(None, ppd={"first_turn_busy_waiting": 0}))
     assert off.overrides == table.overrides
+
+
+def test_fleet_changes_count_a_promotion_the_watch_rolled_back(tmp_path: Path) -> None:
+    from datetime import UTC, datetime
+
+    from controller.bench.adaptive import fleet_changes
+    from controller.clock import VirtualClock
+    from controller.policy import dumps
+    from controller.store import Store
+
+    clock = VirtualClock(1000.0)
+    with Store(f"sqlite:///{tmp_path / 'h.db'}", clock) as store:
+        store.upgrade()
+        for version in (1, 2, 3, 4):
+            body = dumps(Policy.uniform(version, Route.PREFILL_NODE))
+            store.add_policy(version, f"{version:02x}" * 32, body, "approved", "learned")
+            clock.advance(100.0)
+        store.set_policy_status(3, "rolled_back", "canary rolled back: worse")  # never fleet
+        store.mark_promoted(2, datetime.fromtimestamp(1350.0, UTC))
+        store.mark_promoted(4, datetime.fromtimestamp(1450.0, UTC))
+        clock.advance(100.0)  # 1500 s: v4's promotion is undone (back to v2), then v2's
+        store.set_policy_status(4, "rolled_back", "rolled back after promotion: ...")
+        clock.advance(30.0)
+        store.set_policy_status(2, "rolled_back", "rolled back after promotion: ...")
+        approvals, rollbacks = fleet_changes(store)
+    assert [(t, p.version) for t, p in approvals] == [(1000.0, 1), (1100.0, 2), (1300.0, 4)]
+    assert [(t, p.version) for t, p in rollbacks] == [(1500.0, 2), (1530.0, 1)]

@@ -89,3 +89,16 @@ def test_adaptations_after_cluster_events_are_counted_apart() -> None:
     doc["events"] = doc["events"][:1]
     with pytest.raises(ValueError, match="1 events, 2 adaptation times"):
         goal_figures([(doc, AdaptiveRun.from_summary(doc))])
+
+
+def test_a_promotion_rolled_back_counts_as_a_change_in_its_phase() -> None:
+    # One approval in phase 2, whose promotion the watch rolled back there: two changes.
+    doc = _summary(0.90, [0.95, 0.86], [1500.0], [None, None], [0.90, 0.85])
+    doc["policies"]["adaptive"]["controller"]["rolled_back_at_s"] = [1620.0]
+    run = AdaptiveRun.from_summary(doc)
+    assert run.changed_at_s == (1500.0, 1620.0)
+    figures = goal_figures([(doc, run)])
+    assert (figures.changes, figures.multi_change_phases) == (2, 1)
+    replay = {"goodput": 0.9, "phases": [0.95, 0.86], "approved_at_s": [1500.0],
+              "rolled_back_at_s": [1620.0], "adaptation_s": [None, None]}
+    assert goal_figures([(doc, AdaptiveRun.from_replay(replay))]).changes == 2

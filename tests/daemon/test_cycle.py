@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller.cycle import CycleReport, canary_subset, operator_state, two_proportion_z
+from controller.cycle import (
+    UNPROMOTED,
+    CycleReport,
+    canary_subset,
+    operator_state,
+    two_proportion_z,
+)
 from controller.policy import Route
 from tests.daemon.fakes import Rig, make_rig
 
@@ -222,6 +228,81 @@ async def test_a_regressing_canary_is_rolled_back_with_its_reason(tmp_path: Path
     assert rig.store.next_version() == 3
     assert all(r in rig.agents for r in canary)
     assert _metric(rig.registry, "pdctl_canary_state", {"state": "rolled_back"}) == 1
+
+
+async def _promote_v2(rig: Rig) -> float:
+    """v2 bakes on the canary share, beats control and is promoted: the promotion's time."""
+    await _canary_v2(rig, {1: 0.90, 2: 0.97})
+    await _until_canary(rig, lambda text: "promoted" in text)
+    v2 = rig.store.policy(2)
+    assert v2 is not None and v2.promoted_at is not None
+    assert v2.promoted_at.timestamp() == rig.clock.now()
+    assert _desired(rig) == dict.fromkeys(rig.agents, 2)
+    return rig.clock.now()
+
+
+async def test_a_promotion_that_overloads_the_fleet_is_rolled_back(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _promote_v2(rig)
+    # v2's routes were fine for the canary's share; for every router they overload a pool.
+    rig.source.goodput = {1: 0.90, 2: 0.40}
+    report = await rig.step()
+    assert report.canary is not None and "rolled back after promotion to v1" in report.canary
+    v2 = rig.store.policy(2)
+    assert v2 is not None and v2.status == "rolled_back"
+    assert v2.reason.startswith(UNPROMOTED)
+    # Bake: three control routers at 0.90 and the canary at 0.97.
+    assert "fleet goodput 0.4000 of 800 requests over 1 window(s) since the promotion vs " \
+        "0.9175 of 1600 over the bake's 2" in v2.reason
+    assert _desired(rig) == dict.fromkeys(rig.agents, 1)
+    assert _running(rig) == dict.fromkeys(rig.agents, 1)
+    assert _metric(rig.registry, "pdctl_canary_state", {"state": "rolled_back"}) == 1
+    assert rig.store.next_version() == 4  # the refit at the end of the bake was v3
+
+
+async def test_the_watch_keeps_a_promotion_when_the_load_rose_and_ends_after_its_windows(
+        tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _promote_v2(rig)
+    rig.source.goodput = {1: 0.90, 2: 0.40}
+    rig.source.requests *= 2  # twice the bake's request rate: the load explains the fall
+    reports = [await rig.step() for _ in range(3)]
+    assert [r.canary.split(":")[1].strip() for r in reports if r.canary] == \
+        ["watching the promotion", "watching the promotion", "kept after the promotion"]
+    assert "the request rate rose 100%: not the policy's doing" in (reports[-1].canary or "")
+    rig.source.requests /= 2  # the same fall at the bake's rate, once the watch is over
+    report = await rig.step()
+    assert report.canary is None
+    v2 = rig.store.policy(2)
+    assert v2 is not None and v2.status == "approved"
+    assert _desired(rig) == dict.fromkeys(rig.agents, 2)
+
+
+async def test_a_promotion_rolled_back_counts_as_a_change_for_the_change_limit(
+        tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, min_policy_interval_s=150.0)
+    await _bootstrap(rig)
+    rig.source.goodput = {1: 0.90, 2: 0.97}
+    rig.learner.fire = True
+    for _ in range(15):  # v2 waits out v1's change limit, bakes and is promoted
+        report = await rig.step()
+        if report.canary and "promoted" in report.canary:
+            break
+    assert _desired(rig) == dict.fromkeys(rig.agents, 2)
+    rig.source.goodput = {1: 0.90, 2: 0.40}
+    report = await rig.step()
+    assert report.canary is not None and UNPROMOTED in report.canary
+    rolled_back_at = rig.clock.now()
+    v2 = rig.store.policy(2)
+    assert v2 is not None and rolled_back_at - v2.created_at.timestamp() < 150.0
+    rig.learner.fire = True
+    approved_at = None
+    for _ in range(10):
+        report = await rig.step()
+        if report.approved_version is not None:
+            approved_at = rig.clock.now()
+            break
+    assert approved_at is not None and approved_at - rolled_back_at >= 150.0
 
 
 async def test_restart_and_rollback_restore_the_reference_last_renewed_for_the_policy(

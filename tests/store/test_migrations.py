@@ -76,7 +76,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "9001"
-down_revision = "0003"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 
@@ -105,14 +105,14 @@ def test_batch_migration_of_a_parent_table_keeps_its_children(
     cfg = migrate.alembic_config(db_url)
     cfg.set_main_option("script_location", str(scripts))
 
-    command.upgrade(cfg, "0003")
+    command.upgrade(cfg, "0004")
     with Store(db_url) as store:
         store.add_policy(1, "aa" * 32, "{}", "approved", "seed")
         store.set_desired("r1", 1)
         store.add_calibration([1], {"mape": 0.1}, 0.9, None, policy_version=1)
 
     command.upgrade(cfg, "9001")
-    command.downgrade(cfg, "0003")
+    command.downgrade(cfg, "0004")
 
     with Store(db_url) as store:
         assert store.desired_versions() == {"r1": 1}
@@ -149,11 +149,25 @@ def test_store_from_config_applies_the_sqlite_settings(tmp_path: Path) -> None:
 
 
 def _seed_0001(url: str) -> None:
-    """History written by a 0001 build: a policy, its calibration, a desired version."""
-    with Store(url) as store:
-        store.add_policy(1, "aa" * 32, "{}", "approved", "seed")
-        store.set_desired("r1", 1)
-        store.add_calibration([1], {"mape": 0.1}, 0.9, None, policy_version=1)
+    """History written by a 0001 build: a policy, its calibration, a desired version (in
+    SQL: today's models have columns a 0001 schema lacks)."""
+    at = "2026-11-30 08:00:00.000000"
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO policies (version, checksum, body, status, reason, created_at, "
+                "updated_at) VALUES (1, :checksum, '{}', 'approved', 'seed', :at, :at)"
+            ), {"checksum": "aa" * 32, "at": at})
+            conn.execute(sa.text("INSERT INTO router_desired (router_id, version, updated_at) "
+                                 "VALUES ('r1', 1, :at)"), {"at": at})
+            conn.execute(sa.text(
+                "INSERT INTO calibrations (created_at, training_window_ids, heldout_error, "
+                "predicted_goodput_new, policy_version) VALUES (:at, '[1]', "
+                "'{\"mape\": 0.1}', 0.9, 1)"
+            ), {"at": at})
+    finally:
+        engine.dispose()
 
 
 def _recommend(store: Store) -> int:
@@ -209,22 +223,37 @@ def _refused(url: str, statement: str) -> None:
 
 
 def _status_of(url: str) -> dict[int, str]:
-    with Store(url) as store:
-        return {p.version: p.status for p in store.policies()}
+    engine = make_engine(url)  # in SQL: older schemas lack today's columns
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT version, status FROM policies"))
+            return {int(v): s for v, s in rows}
+    finally:
+        engine.dispose()
 
 
 def test_0003_gives_superseded_canaries_their_own_status_and_back(db_url: str) -> None:
     migrate.upgrade(db_url, "0002")
-    with Store(db_url) as store:  # a 0002 build's history: superseded was a rollback reason
-        for version in (1, 2, 3):
-            store.add_policy(version, f"{version:02x}" * 32, "{}", "approved", "learned")
-        store.set_policy_status(2, "rolled_back", "superseded by its canary refit: promoted")
-        store.set_policy_status(3, "rolled_back", "canary rolled back: canary worse")
-        store.set_desired("r1", 1)
+    _seed_0001(db_url)  # a 0002 build's history: superseded was a rollback reason
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            for version, status, reason in (
+                (2, "rolled_back", "superseded by its canary refit: promoted"),
+                (3, "rolled_back", "canary rolled back: canary worse"),
+            ):
+                conn.execute(sa.text(
+                    "INSERT INTO policies (version, checksum, body, status, reason, created_at,"
+                    " updated_at) VALUES (:v, :c, '{}', :s, :r, :at, :at)"
+                ), {"v": version, "c": f"{version:02x}" * 32, "s": status, "r": reason,
+                    "at": "2026-11-30 09:00:00.000000"})
+    finally:
+        engine.dispose()
 
     migrate.upgrade(db_url, "0003")
-    migrate.check(db_url)
     assert _status_of(db_url) == {1: "approved", 2: "superseded", 3: "rolled_back"}
+    migrate.upgrade(db_url)  # today's code on the converted history
+    migrate.check(db_url)
     with Store(db_url) as store:
         store.require_schema()
         store.add_policy(4, "04" * 32, "{}", "approved", "learned")
@@ -244,3 +273,29 @@ def test_0003_gives_superseded_canaries_their_own_status_and_back(db_url: str) -
         assert store.desired_versions() == {"r1": 1}
     migrate.upgrade(db_url)
     assert _status_of(db_url)[2] == "superseded"
+
+
+def test_upgrade_from_0003_adds_promoted_at_and_downgrade_keeps_the_policies(
+    db_url: str,
+) -> None:
+    migrate.upgrade(db_url, "0003")
+    _seed_0001(db_url)
+    migrate.upgrade(db_url, "0004")
+    with Store(db_url) as store:
+        assert store.policy(1).promoted_at is None  # nothing older is watched
+        at = store.mark_promoted(1).promoted_at
+        assert at is not None and store.policy(1).promoted_at == at
+        store.add_policy(2, "bb" * 32, "{}", "rejected", "worse")
+        with pytest.raises(StoreError, match="only approved"):
+            store.mark_promoted(2)
+    migrate.downgrade(db_url, "0003")
+    engine = make_engine(db_url)
+    try:
+        columns = {c["name"] for c in sa.inspect(engine).get_columns("policies")}
+    finally:
+        engine.dispose()
+    assert "promoted_at" not in columns
+    migrate.upgrade(db_url)
+    with Store(db_url) as store:
+        assert [(p.version, p.promoted_at) for p in store.policies()] == [(1, None), (2, None)]
+        assert store.desired_versions() == {"r1": 1}
