@@ -738,7 +738,7 @@ class Cycle:
                 plan.canary_verdict = self._judge_canary(tx, rollout, report, refit)
                 rollout = self._rollout(tx)
             elif rollout.fleet_version is not None and plan.window is not None \
-                    and self._watch_promotion(tx, rollout.fleet_version, report):
+                    and self._watch_promotion(tx, rollout.fleet_version, ops, report):
                 rollout = self._rollout(tx)
             if plan.trigger is not None:
                 report.trigger = plan.trigger
@@ -1042,15 +1042,21 @@ class Cycle:
                                  f"z {z:.2f} < {critical:.2f}", pc, pk, n_c, n_k, z)
         return CanaryVerdict("promote", f"promoted: {numbers}, z {_num(z)}", pc, pk, n_c, n_k, z)
 
-    def _watch_promotion(self, tx: Tx, version: int, report: CycleReport) -> bool:
+    def _watch_promotion(self, tx: Tx, version: int, ops: OperatorState,
+                         report: CycleReport) -> bool:
         """Roll a promotion back when the fleet's goodput since falls well below the bake's;
         True when it did. A canary shares the workers with the control routers, so a route
         fine for its share of the traffic can overload a pool once every router sends it
-        there: the judge could not see that, the fleet's goodput after the promotion does."""
+        there: the judge could not see that, the fleet's goodput after the promotion does.
+        Never while an operator holds the rollout (paused, pinned, in fallback): they chose
+        what runs."""
         record = tx.policy(version)
         if record is None or record.promoted_at is None or self.config.watch_windows == 0:
             return False
         verdict = self.judge_promotion(tx, record)
+        if verdict.action == "roll_back" and ops.holding:
+            report.canary = f"v{version}: {verdict.reason}; not rolled back: the operator holds"
+            return False
         if verdict.action != "roll_back":
             if verdict.action != "over":
                 report.canary = f"v{version}: {verdict.reason}"

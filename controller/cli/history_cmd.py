@@ -214,6 +214,7 @@ FAMILIES = (
             Column("checksum", lambda p: p.checksum[:12]),
             Column("created (UTC)", lambda p: _t(p.created_at)),
             Column("updated (UTC)", lambda p: _t(p.updated_at)),
+            Column("promoted (UTC)", lambda p: _t(p.promoted_at)),
             Column("reason", lambda p: _text(p.reason)),
         ),
         _policy_json,

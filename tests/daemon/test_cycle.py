@@ -278,6 +278,22 @@ async def test_the_watch_keeps_a_promotion_when_the_load_rose_and_ends_after_its
     assert _desired(rig) == dict.fromkeys(rig.agents, 2)
 
 
+async def test_the_watch_rolls_nothing_back_while_an_operator_holds(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _promote_v2(rig)
+    rig.store.add_request("pause", {"what": "approvals"}, "bob@h", "change freeze")
+    rig.source.goodput = {1: 0.90, 2: 0.40}
+    report = await rig.step()
+    assert report.canary is not None and report.canary.endswith("the operator holds")
+    v2 = rig.store.policy(2)
+    assert v2 is not None and v2.status == "approved"
+    assert _desired(rig) == dict.fromkeys(rig.agents, 2)
+    rig.store.add_request("resume", {"what": "approvals"}, "bob@h", "freeze over")
+    report = await rig.step()  # the watch's last window: the fall is still there
+    assert report.canary is not None and UNPROMOTED in report.canary
+    assert _desired(rig) == dict.fromkeys(rig.agents, 1)
+
+
 async def test_a_promotion_rolled_back_counts_as_a_change_for_the_change_limit(
         tmp_path: Path) -> None:
     rig = make_rig(tmp_path, min_policy_interval_s=150.0)

@@ -55,6 +55,7 @@ def test_history_lists_what_the_store_holds(migrated_url: str) -> None:
         old = now - timedelta(hours=3)
         store.add_policy(1, "aa" * 32, '{"k": 1}', "approved", "bootstrap", at=old)
         store.add_policy(2, "bb" * 32, '{"k": 2}', "candidate", "drift in io_ratio", at=now)
+        store.mark_promoted(1, at=old + timedelta(minutes=2))
         wid = store.add_window(sample_window(random.Random(5), now.timestamp() - 30))
         store.add_drift_event("workload", 0.42, 0.2, [wid], {"axis": "io_ratio"}, at=now)
         store.add_calibration([wid], {"ttft_mape": 0.07}, 0.91, 0.88, 2, at=now)
@@ -67,6 +68,8 @@ def test_history_lists_what_the_store_holds(migrated_url: str) -> None:
     assert [p["version"] for p in listed] == [1, 2]
     assert listed[1]["body"] == {"k": 2} and listed[1]["reason"] == "drift in io_ratio"
     assert datetime.fromisoformat(listed[0]["created_at"]) == old
+    assert datetime.fromisoformat(listed[0]["promoted_at"]) == old + timedelta(minutes=2)
+    assert listed[1]["promoted_at"] is None
 
     code, out, _ = _pdctl("history", "policies", "--url", migrated_url, "--json", "--since", "-1h")
     assert [p["version"] for p in json.loads(out)] == [2]
