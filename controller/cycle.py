@@ -1078,10 +1078,14 @@ class Cycle:
         """The fleet's goodput over the windows since ``record``'s promotion (at most
         ``watch_windows``) against all routers' over its bake. Rolled back when below by more
         than ``watch_drop`` (one-sided, ``promote_alpha``) while the request rate rose by at
-        most ``watch_load_rise``: a load that rose explains a fall without the policy."""
+        most ``watch_load_rise``: a load that rose explains a fall without the policy.
+        Over after ``watch_windows`` windows, or one interval more of time (windows lost to
+        failed observes do not stretch it): a policy running for days is not re-read."""
         cfg = self.config
         assert record.promoted_at is not None
         promoted = record.promoted_at.timestamp()
+        if self.clock.now() - promoted > (cfg.watch_windows + 1) * cfg.interval_s:
+            return WatchVerdict("over", "watch over")
         half = 0.5 * cfg.interval_s
         windows = self._bake_windows(tx, record)
         bake = [w for w in windows if w.end < promoted + half]

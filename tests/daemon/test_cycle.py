@@ -271,10 +271,23 @@ async def test_the_watch_keeps_a_promotion_when_the_load_rose_and_ends_after_its
         ["watching the promotion", "watching the promotion", "kept after the promotion"]
     assert "the request rate rose 100%: not the policy's doing" in (reports[-1].canary or "")
     rig.source.requests /= 2  # the same fall at the bake's rate, once the watch is over
-    report = await rig.step()
-    assert report.canary is None
+    for _ in range(2):  # the watch's windows counted, then its time
+        report = await rig.step()
+        assert report.canary is None
     v2 = rig.store.policy(2)
     assert v2 is not None and v2.status == "approved"
+    assert _desired(rig) == dict.fromkeys(rig.agents, 2)
+
+
+async def test_failed_observes_do_not_stretch_the_watch(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _promote_v2(rig)
+    for _ in range(4):  # the watch's time passes without a window
+        rig.source.fail_next = True
+        assert (await rig.step()).result == "skipped"
+    rig.source.goodput = {1: 0.90, 2: 0.40}
+    report = await rig.step()
+    assert report.window_id is not None and report.canary is None
     assert _desired(rig) == dict.fromkeys(rig.agents, 2)
 
 
