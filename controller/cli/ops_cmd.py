@@ -259,8 +259,12 @@ def _recalibrate_local(url: str | None, config: Path | None, as_json: bool, forc
 # -- status ---------------------------------------------------------------------------
 
 
-def status_doc(store: Store, calibrate_every_s: float | None) -> dict[str, Any]:
-    """Everything `pdctl status` shows, as plain data."""
+def status_doc(store: Store, calibrate_every_s: float | None,
+               watch_s: float | None = None) -> dict[str, Any]:
+    """Everything `pdctl status` shows, as plain data. ``watch_s``: how long the cycle
+    watches a promotion (None: no watch)."""
+    from datetime import timedelta
+
     from controller.cycle import operator_state, read_rollout
 
     now = store.clock.utcnow()
@@ -274,7 +278,13 @@ def status_doc(store: Store, calibrate_every_s: float | None) -> dict[str, Any]:
         done = tx.requests(status="done")
         pending = tx.requests(status="pending") + tx.requests(status="claimed")
         latest = tx.policies(limit=1)
+        fleet = tx.policy(rollout.fleet_version) if rollout.fleet_version is not None else None
     ops = operator_state(done)
+    watch = None
+    if fleet is not None and fleet.promoted_at is not None and watch_s:
+        until = fleet.promoted_at + timedelta(seconds=watch_s)
+        if fleet.promoted_at <= now <= until:
+            watch = {"version": fleet.version, "promoted_at": fleet.promoted_at, "until": until}
     leader = None
     if lease is not None and lease.holder is not None and lease.expires_at is not None:
         leader = {"holder": lease.holder, "term": lease.term,
@@ -303,8 +313,6 @@ def status_doc(store: Store, calibrate_every_s: float | None) -> dict[str, Any]:
                     "predicted_goodput": {"current": c.predicted_goodput_current,
                                           "candidate": c.predicted_goodput_new}}
         if calibrate_every_s is not None:
-            from datetime import timedelta
-
             next_due = c.created_at + timedelta(seconds=calibrate_every_s)
     return {
         "now": now,
@@ -312,6 +320,7 @@ def status_doc(store: Store, calibrate_every_s: float | None) -> dict[str, Any]:
         "fleet_version": rollout.fleet_version,
         "canary": None if rollout.canary_version is None else {
             "version": rollout.canary_version, "routers": list(rollout.canary_routers)},
+        "watch": watch,
         "newest_policy": None if not latest else {
             "version": latest[-1].version, "status": latest[-1].status,
             "reason": latest[-1].reason, "promoted_at": latest[-1].promoted_at},
@@ -347,6 +356,11 @@ def _print_status(doc: dict[str, Any]) -> None:
                   else "[bold]desired[/]  no policy yet", end="")
     console.print(f"  canary v{canary['version']} on {', '.join(canary['routers'])}"
                   if canary else "")
+    watch = doc.get("watch")
+    if watch:
+        console.print(f"[bold]watch[/]    v{watch['version']} promoted at "
+                      f"{_t(watch['promoted_at'])}: rolled back if the fleet's goodput falls, "
+                      f"until {_t(watch['until'])}")
     table = Table("router", "desired", "acked", "health", "last seen", "last error")
     for r in doc["routers"]:
         table.add_row(r["router"], str(r["desired"] or "—"), str(r["acked"] or "—"),
@@ -376,19 +390,22 @@ def _print_status(doc: dict[str, Any]) -> None:
 @app.command("status")
 def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOption = None
            ) -> None:
-    """One screen: leader, desired versions, each router's acked version and health, last
-    drift event, last calibration, operator state, next scheduled calibration."""
+    """One screen: leader, desired versions (and a promotion under watch), each router's
+    acked version and health, last drift event, last calibration, operator state, next
+    scheduled calibration."""
     from controller.config import load_settings
     from controller.errors import ConfigError
 
     try:
-        every = load_settings(config).controller.calibrate_every_s
+        controller = load_settings(config).controller
     except ConfigError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(_EXIT_BAD_INPUT) from None
+    watch_s = (controller.watch_windows + 1) * controller.interval_s \
+        if controller.watch_windows else None  # as Cycle.judge_promotion's time bound
     store = _open_store(url, config)
     try:
-        doc = status_doc(store, every)
+        doc = status_doc(store, controller.calibrate_every_s, watch_s)
     finally:
         store.close()
     if as_json:

@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from controller.cli import app
@@ -91,3 +92,28 @@ def test_run_requires_a_config_file(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "--config" in result.output
     missing = runner.invoke(app, ["run", "--config", str(tmp_path / "nope.toml")])
     assert missing.exit_code == 2
+
+
+async def test_status_shows_a_promotion_under_watch_until_its_watch_ends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from controller.cli.ops_cmd import _print_status, status_doc
+
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.source.goodput = {1: 0.90, 2: 0.97}
+    rig.learner.fire = True
+    for _ in range(6):
+        if "promoted" in ((await rig.step()).canary or ""):
+            break
+    watch_s = (rig.config.watch_windows + 1) * rig.config.interval_s
+    doc = status_doc(rig.store, None, watch_s)
+    assert doc["fleet_version"] == 2 and doc["watch"] is not None
+    assert doc["watch"]["version"] == 2
+    assert (doc["watch"]["until"] - doc["watch"]["promoted_at"]).total_seconds() == watch_s
+    _print_status(doc)
+    assert "watch    v2 promoted at" in capsys.readouterr().out
+    assert status_doc(rig.store, None, None)["watch"] is None  # the watch turned off
+    for _ in range(rig.config.watch_windows + 2):
+        await rig.step()
+    assert status_doc(rig.store, None, watch_s)["watch"] is None
