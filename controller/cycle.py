@@ -1002,8 +1002,7 @@ class Cycle:
             if rollout.fleet_version is not None:
                 for r in rollout.canary_routers:
                     tx.set_desired(r, rollout.fleet_version)
-                self.metrics.desired_version.set(rollout.fleet_version)
-            self.metrics.set_canary_state("rolled_back")
+            self.metrics.rolled_back("canary", rollout.fleet_version)
         return verdict.action
 
     def judge_canary(self, tx: Tx, rollout: Rollout, record: PolicyRecord,
@@ -1070,8 +1069,7 @@ class Cycle:
         for r in self.routers:
             tx.set_desired(r, target)
         report.canary = f"v{version}: {UNPROMOTED} to v{target}: {verdict.reason}"
-        self.metrics.set_canary_state("rolled_back")
-        self.metrics.desired_version.set(target)
+        self.metrics.rolled_back("watch", target)
         return True
 
     def judge_promotion(self, tx: Tx, record: PolicyRecord) -> WatchVerdict:
@@ -1174,8 +1172,7 @@ class Cycle:
                     tx.set_policy_status(p.version, "rolled_back", "operator rollback")
         for router in self.routers:
             tx.set_desired(router, target)
-        self.metrics.set_canary_state("rolled_back")
-        self.metrics.desired_version.set(target)
+        self.metrics.rolled_back("operator", target)
         return f"rolled back to v{target}", True
 
     def _fallback(self, tx: Tx, r: OperatorRequest) -> str:

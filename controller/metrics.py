@@ -29,6 +29,8 @@ RECALIBRATION_TRIGGERS = ("drift", "schedule", "scaling", "operator", "canary")
 GUARDRAIL_DECISIONS = ("approved", "rejected")
 GOODPUT_POLICIES = ("current", "candidate")
 CANARY_STATES = ("idle", "baking", "promoted", "rolled_back")
+# Who rolled a policy back: the canary's judge, the post-promotion watch, an operator.
+ROLLBACK_DECIDERS = ("canary", "watch", "operator")
 ROLES = ("prefill", "decode")
 
 # Seconds. A cycle is a few queries plus, at times, a fit; a push is one gRPC call per router.
@@ -144,6 +146,10 @@ class ControllerMetrics:
         self.policy_changes = Counter(
             "pdctl_policy_changes", "Approved policy versions made desired.", registry=registry,
         )
+        self.rollbacks = Counter(
+            "pdctl_rollbacks", "Policies rolled back, by what decided it (canary: the judge, "
+            "watch: the post-promotion watch, operator).", ["by"], registry=registry,
+        )
         self.desired_version = Gauge(
             "pdctl_desired_policy_version", "The fleet's desired (promoted) policy version.",
             registry=registry,
@@ -208,6 +214,8 @@ class ControllerMetrics:
             self.recalibrations.labels(trigger)
         for decision in GUARDRAIL_DECISIONS:
             self.guardrail_decisions.labels(decision)
+        for by in ROLLBACK_DECIDERS:
+            self.rollbacks.labels(by)
         self.set_canary_state("idle")
 
     # The loop.
@@ -276,6 +284,14 @@ class ControllerMetrics:
     def policy_changed(self, version: int) -> None:
         self.policy_changes.inc()
         self.desired_version.set(version)
+
+    def rolled_back(self, by: str, to_version: int | None) -> None:
+        """A policy was rolled back (``to_version``: what the fleet desires now)."""
+        _check("rollback decider", by, ROLLBACK_DECIDERS)
+        self.rollbacks.labels(by).inc()
+        self.set_canary_state("rolled_back")
+        if to_version is not None:
+            self.desired_version.set(to_version)
 
     # Operator and HA state.
     def set_leader(self, leader: bool) -> None:

@@ -193,6 +193,10 @@ def controller_health() -> dashboard.Dashboard:
         .with_panel(series(lay, "Canary state", "bool", [
             ("max by (state) (pdctl_canary_state)", "{{state}}"),
         ]))
+        .with_panel(series(lay, "Rollbacks in the last hour", "none", [
+            ("sum by (by) (increase(pdctl_rollbacks_total[1h]))", "{{by}}"),
+        ], "canary: the judge; watch: a promotion whose fleet goodput fell; operator. Alert "
+           "PdPolicyRollbacksRepeated fires at 3 automatic ones in 6 h."))
         .with_panel(series(lay, "Push latency p90 per router", "s", [
             (_hq(0.9, "pdctl_push_duration_seconds", "router"), "{{router}}"),
         ]))

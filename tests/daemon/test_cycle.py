@@ -228,6 +228,7 @@ async def test_a_regressing_canary_is_rolled_back_with_its_reason(tmp_path: Path
     assert rig.store.next_version() == 3
     assert all(r in rig.agents for r in canary)
     assert _metric(rig.registry, "pdctl_canary_state", {"state": "rolled_back"}) == 1
+    assert _metric(rig.registry, "pdctl_rollbacks_total", {"by": "canary"}) == 1
 
 
 async def _promote_v2(rig: Rig) -> float:
@@ -257,6 +258,9 @@ async def test_a_promotion_that_overloads_the_fleet_is_rolled_back(tmp_path: Pat
     assert _desired(rig) == dict.fromkeys(rig.agents, 1)
     assert _running(rig) == dict.fromkeys(rig.agents, 1)
     assert _metric(rig.registry, "pdctl_canary_state", {"state": "rolled_back"}) == 1
+    assert [_metric(rig.registry, "pdctl_rollbacks_total", {"by": by})
+            for by in ("canary", "watch", "operator")] == [0, 1, 0]
+    assert _metric(rig.registry, "pdctl_desired_policy_version") == 1
     assert rig.store.next_version() == 4  # the refit at the end of the bake was v3
 
 
@@ -617,6 +621,7 @@ async def test_operator_rollback_and_recalibrate(tmp_path: Path) -> None:
     assert _desired(rig) == dict.fromkeys(rig.agents, 1)
     assert _running(rig) == dict.fromkeys(rig.agents, 1)
     assert rig.store.policy(2).status == "rolled_back"  # type: ignore[union-attr]
+    assert _metric(rig.registry, "pdctl_rollbacks_total", {"by": "operator"}) == 1
 
 
 async def test_restart_does_not_repush_an_acknowledged_version(tmp_path: Path) -> None:
