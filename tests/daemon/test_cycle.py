@@ -283,6 +283,18 @@ async def test_the_watch_keeps_a_promotion_when_the_load_rose_and_ends_after_its
     assert _desired(rig) == dict.fromkeys(rig.agents, 2)
 
 
+async def test_a_restarted_daemon_goes_on_watching_a_promotion(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _promote_v2(rig)
+    await rig.step()  # one good window under watch
+    rig.new_cycle()  # the watch lives in the store (promoted_at), not in the process
+    rig.source.goodput = {1: 0.90, 2: 0.40}
+    report = await rig.step()
+    assert report.canary is not None and UNPROMOTED in report.canary
+    assert "over 2 window(s) since the promotion" in report.canary
+    assert _desired(rig) == dict.fromkeys(rig.agents, 1)
+
+
 async def test_failed_observes_do_not_stretch_the_watch(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     await _promote_v2(rig)
