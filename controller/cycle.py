@@ -296,15 +296,7 @@ def reference_calibration(tx: Tx, version: int) -> CalibrationRecord | None:
     """The calibration whose drift reference ``version`` runs against: the newest that
     renewed it (its own, or a later one refused on the traffic since a change alone, which
     records ``reference_for``), else its own (stored before ``reference_for``)."""
-    own = tx.calibration_for(version)
-    policy = tx.policy(version)
-    since = [r.created_at for r in (own, policy) if r is not None]
-    if since:
-        renewed = [c for c in tx.calibrations(since=min(since))
-                   if (c.details or {}).get("reference_for") == version]
-        if renewed:
-            return renewed[-1]
-    return own
+    return tx.newest_renewal(version) or tx.calibration_for(version)
 
 
 def read_rollout(tx: Tx, routers: Sequence[str] | None = None) -> Rollout:

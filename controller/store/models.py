@@ -97,6 +97,9 @@ class CalibrationRow(Base):
         BigInteger, ForeignKey("policies.version"), index=True
     )
     details: Mapped[Any] = mapped_column(JsonText, nullable=True)
+    # The policy whose drift reference this calibration renewed (details["reference_for"],
+    # indexed: a restart or a rollback looks it up, 0004).
+    reference_for: Mapped[int | None] = mapped_column(BigInteger, nullable=True, index=True)
 
 
 class RouterDesiredRow(Base):

@@ -400,7 +400,9 @@ class Tx:
         at: datetime | None = None,
     ) -> int:
         ids = sorted(int(i) for i in training_window_ids)
+        renewed = (details or {}).get("reference_for")
         row = CalibrationRow(
+            reference_for=int(renewed) if isinstance(renewed, int) else None,
             created_at=self._at(at), training_window_ids=ids,
             first_window_id=ids[0] if ids else None, last_window_id=ids[-1] if ids else None,
             heldout_error=dict(heldout_error), predicted_goodput_new=predicted_goodput_new,
@@ -421,6 +423,14 @@ class Tx:
             _calibration(r)
             for (r,) in self._newest(q, CalibrationRow.created_at, CalibrationRow.id, limit)
         ]
+
+    def newest_renewal(self, policy_version: int) -> CalibrationRecord | None:
+        """The newest calibration that renewed ``policy_version``'s drift reference."""
+        row = self._s.scalar(
+            select(CalibrationRow).where(CalibrationRow.reference_for == policy_version)
+            .order_by(CalibrationRow.id.desc()).limit(1)
+        )
+        return None if row is None else _calibration(row)
 
     def calibration_for(self, policy_version: int) -> CalibrationRecord | None:
         row = self._s.scalar(
@@ -781,6 +791,7 @@ class Store:
     add_calibration = _in_own_transaction(Tx.add_calibration)
     calibrations = _in_own_transaction(Tx.calibrations)
     calibration_for = _in_own_transaction(Tx.calibration_for)
+    newest_renewal = _in_own_transaction(Tx.newest_renewal)
     add_recommendation = _in_own_transaction(Tx.add_recommendation)
     recommendations = _in_own_transaction(Tx.recommendations)
     mark_recommendation_applied = _in_own_transaction(Tx.mark_recommendation_applied)

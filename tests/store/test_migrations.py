@@ -193,9 +193,9 @@ def test_upgrade_from_0001_adds_recommendations_and_downgrade_removes_only_them(
 
     migrate.downgrade(db_url, "0001")
     assert _tables(db_url) == TABLES - {"recommendations"} | {"alembic_version"}
+    assert _calibrated_versions_or_none(db_url) == [1]
     with Store(db_url) as store:
         assert store.desired_versions() == {"r1": 1}
-        assert [c.policy_version for c in store.calibrations()] == [1]
         with pytest.raises(StoreError, match=f"needs {migrate.head_revision()}"):
             store.require_schema()
 
@@ -218,6 +218,16 @@ def _refused(url: str, statement: str) -> None:
     try:
         with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
             conn.execute(sa.text(statement))
+    finally:
+        engine.dispose()
+
+
+def _calibrated_versions_or_none(url: str) -> list[int | None]:
+    engine = make_engine(url)  # in SQL: older schemas lack today's columns
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT policy_version FROM calibrations ORDER BY id"))
+            return [None if v is None else int(v) for (v,) in rows]
     finally:
         engine.dispose()
 
@@ -280,7 +290,20 @@ def test_upgrade_from_0003_adds_promoted_at_and_downgrade_keeps_the_policies(
 ) -> None:
     migrate.upgrade(db_url, "0003")
     _seed_0001(db_url)
+    engine = make_engine(db_url)
+    try:  # a 0003 build's renewal: reference_for only in the details
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO calibrations (created_at, training_window_ids, heldout_error, "
+                "policy_version, details) VALUES ('2026-11-30 09:00:00', '[2]', '{}', NULL, "
+                ":details)"), {"details": '{"approved":false,"reference_for":1}'})
+    finally:
+        engine.dispose()
     migrate.upgrade(db_url, "0004")
+    with Store(db_url) as store:
+        renewal = store.newest_renewal(1)
+        assert renewal is not None and renewal.training_window_ids == (2,)
+        assert store.newest_renewal(2) is None
     with Store(db_url) as store:
         assert store.policy(1).promoted_at is None  # nothing older is watched
         at = store.mark_promoted(1).promoted_at
@@ -291,11 +314,15 @@ def test_upgrade_from_0003_adds_promoted_at_and_downgrade_keeps_the_policies(
     migrate.downgrade(db_url, "0003")
     engine = make_engine(db_url)
     try:
-        columns = {c["name"] for c in sa.inspect(engine).get_columns("policies")}
+        inspector = sa.inspect(engine)
+        columns = {c["name"] for c in inspector.get_columns("policies")}
+        columns |= {c["name"] for c in inspector.get_columns("calibrations")}
     finally:
         engine.dispose()
-    assert "promoted_at" not in columns
+    assert not {"promoted_at", "reference_for"} & columns
+    assert len(_calibrated_versions_or_none(db_url)) == 2  # the rows stay
     migrate.upgrade(db_url)
     with Store(db_url) as store:
         assert [(p.version, p.promoted_at) for p in store.policies()] == [(1, None), (2, None)]
         assert store.desired_versions() == {"r1": 1}
+        assert store.newest_renewal(1) is not None  # copied out of the details again
