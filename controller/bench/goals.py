@@ -32,6 +32,9 @@ class AdaptiveRun:
     approved_at_s: tuple[float, ...]  # approvals after the starting policy
     adaptation_s: tuple[float | None, ...]  # per event
     rolled_back_at_s: tuple[float, ...] = ()  # promotions the watch undid: changes too
+    # Per phase, goodput from adaptive's first approval in it ("once it has adapted"); None
+    # for a replay, whose approvals differ from the committed run's spans.
+    adapted_phases: tuple[float, ...] | None = None
 
     @property
     def changed_at_s(self) -> tuple[float, ...]:
@@ -44,10 +47,12 @@ class AdaptiveRun:
         a = doc["policies"]["adaptive"]
         controller = a.get("controller", {})
         approvals = controller.get("approved_at_s", [])
+        adapted = [p.get("adapted_goodput") for p in a["phases"]]
         return AdaptiveRun(float(a["goodput"]), tuple(float(p["goodput"]) for p in a["phases"]),
                            tuple(float(t) for t in approvals[1:]),
                            tuple(a.get("adaptation_s") or ()),
-                           tuple(float(t) for t in controller.get("rolled_back_at_s", [])))
+                           tuple(float(t) for t in controller.get("rolled_back_at_s", [])),
+                           None if None in adapted else tuple(float(g) for g in adapted))
 
     @staticmethod
     def from_replay(doc: Mapping[str, Any]) -> AdaptiveRun:
@@ -73,6 +78,10 @@ class GoalFigures:
     oracle_ratio_min: float | None
     cluster_adaptations: int = 0  # adaptations after one of CLUSTER_EVENTS
     fast_cluster_adaptations: int = 0
+    # The per-phase goal over each phase from adaptive's first approval in it; None when a
+    # run lacks those figures (a replay, or a summary from before they were recorded).
+    lowest_adapted_phase: float | None = None
+    adapted_phases_below: int | None = None
 
     def line(self) -> str:
         lowest = "-" if self.lowest_phase is None else f"{self.lowest_phase:+.4f}"
@@ -84,16 +93,24 @@ class GoalFigures:
                 f"{ADAPTATION_INTERVALS} intervals {self.fast_adaptations} of "
                 f"{self.adaptations} (after a worker or link event "
                 f"{self.fast_cluster_adaptations} of {self.cluster_adaptations}), "
-                f"oracle ratio min {ratio}")
+                f"oracle ratio min {ratio}" + self._adapted())
+
+    def _adapted(self) -> str:
+        if self.lowest_adapted_phase is None:
+            return ""
+        return (f", once adapted: lowest phase {self.lowest_adapted_phase:+.4f} "
+                f"({self.adapted_phases_below} below -0.01)")
 
 
-def phase_margins(policies: Mapping[str, Any], phases: Sequence[float]) -> list[float]:
+def phase_margins(policies: Mapping[str, Any], phases: Sequence[float],
+                  field: str = "goodput") -> list[float]:
     """Per phase, ``phases`` (adaptive's goodput) minus the best static policy of that phase
-    in ``policies`` (a summary's); ValueError when their phases differ in number."""
+    in ``policies`` (a summary's), by ``field`` (``adapted_goodput``: from adaptive's first
+    approval in the phase); ValueError when their phases differ in number."""
     statics = [k for k in STATIC if k in policies]
     if any(len(policies[k].get("phases") or []) != len(phases) for k in statics):
         raise ValueError(f"{len(phases)} adaptive phases, the static policies have others")
-    return [g - max(float(policies[k]["phases"][i]["goodput"]) for k in statics)
+    return [g - max(float(policies[k]["phases"][i][field]) for k in statics)
             for i, g in enumerate(phases)]
 
 
@@ -104,6 +121,7 @@ def goal_figures(runs: Iterable[tuple[Mapping[str, Any], AdaptiveRun]]) -> GoalF
     total = 0.0
     lowest: float | None = None
     ratios: list[float] = []
+    adapted: list[float] | None = []  # every run's once-adapted margins, None if any lacks them
     for doc, run in runs:
         pol = doc["policies"]
         statics = [k for k in STATIC if k in pol]
@@ -118,6 +136,10 @@ def goal_figures(runs: Iterable[tuple[Mapping[str, Any], AdaptiveRun]]) -> GoalF
         for margin in phase_margins(pol, run.phases):
             lowest = margin if lowest is None else min(lowest, margin)
             below += margin < -0.01
+        if adapted is not None and run.adapted_phases is not None:
+            adapted += phase_margins(pol, run.adapted_phases, "adapted_goodput")
+        else:
+            adapted = None
         for start, end in bounds:
             phases += 1
             multi += sum(start <= t < end for t in run.changed_at_s) > 1
@@ -141,4 +163,6 @@ def goal_figures(runs: Iterable[tuple[Mapping[str, Any], AdaptiveRun]]) -> GoalF
         if oracle:
             ratios.append(run.goodput / float(oracle))
     return GoalFigures(n, total, above, lowest, below, changes, phases, multi, adaptations,
-                       fast, min(ratios) if ratios else None, cluster, fast_cluster)
+                       fast, min(ratios) if ratios else None, cluster, fast_cluster,
+                       min(adapted) if adapted else None,
+                       sum(m < -0.01 for m in adapted) if adapted else None)

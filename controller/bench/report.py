@@ -143,7 +143,36 @@ def evaluation_document(bench: Any) -> dict[str, Any]:
         adaptive = policies.get("adaptive")
         if adaptive is not None and adaptive["goodput"] is not None and entry["goodput"]:
             doc["oracle_ratio"] = adaptive["goodput"] / entry["goodput"]
+    adaptive_run = bench.runs.get("adaptive")
+    if adaptive_run is not None and adaptive_run.adaptive is not None:
+        _add_adapted_goodput(doc, bench, adaptive_run.adaptive, oracle_records)
     return doc
+
+
+def adapted_from(phases: list[tuple[float, float]], approvals: list[float]) -> list[float]:
+    """Per phase, when adaptive had adapted to it: its first approval inside the phase, else
+    the phase's start (nothing to adapt, or it kept the policy it had)."""
+    return [next((t for t in sorted(approvals) if start <= t < end), start)
+            for start, end in phases]
+
+
+def _add_adapted_goodput(doc: dict[str, Any], bench: Any, outcome: Any,
+                         oracle_records: Any) -> None:
+    """Issue 7's "in every phase once it has adapted": each policy's goodput over the part of
+    each phase from adaptive's first approval in it (``adapted_from_s``), beside the whole
+    phase's. The same span for every policy, so the comparison stays like for like."""
+    any_run = next(iter(bench.runs.values())).result
+    approvals = [t for t, _ in outcome.approvals[1:]]
+    starts = adapted_from(list(any_run.phases), approvals)
+    doc["adapted_from_s"] = starts
+    records = {key: run.result.records for key, run in bench.runs.items()}
+    if bench.oracle is not None:
+        records["oracle"] = oracle_records(bench.candidates, bench.oracle)
+    for key, recs in records.items():
+        for i, phase in enumerate(doc["policies"][key]["phases"]):
+            phase["adapted_goodput"] = summarize_records(
+                (r for r in recs if r.phase == i and r.arrival_s >= starts[i]),
+                any_run.ttft_slo_s, any_run.tpot_slo_s)["goodput"]
 
 
 def _ms(v: Any, digits: int = 1) -> str:

@@ -31,13 +31,17 @@ def _best_static(policies: Mapping[str, Any]) -> str:
     return max((k for k in STATIC if k in policies), key=lambda k: policies[k]["goodput"])
 
 
-def lowest_phase_margin(policies: Mapping[str, Any]) -> float | None:
+def lowest_phase_margin(policies: Mapping[str, Any], field: str = "goodput"
+                        ) -> float | None:
     """Adaptive's goodput minus the best static policy's, in its worst phase (each phase
-    against the static policy best in that phase; None: no phases recorded)."""
-    phases = [float(p["goodput"]) for p in policies["adaptive"].get("phases") or []]
+    against the static policy best in that phase; ``field`` ``adapted_goodput``: from
+    adaptive's first approval in the phase). None: no such figures recorded."""
+    phases = [p.get(field) for p in policies["adaptive"].get("phases") or []]
+    if not phases or None in phases:
+        return None
     try:
-        return min(phase_margins(policies, phases)) if phases else None
-    except ValueError:
+        return min(phase_margins(policies, [float(g) for g in phases], field))
+    except (ValueError, KeyError, TypeError):
         return None
 
 
@@ -52,16 +56,18 @@ def run_row(doc: Mapping[str, Any]) -> str:
         best = _best_static(pol)
         ratio = doc.get("oracle_ratio")
         lowest = lowest_phase_margin(pol)
+        adapted = lowest_phase_margin(pol, "adapted_goodput")
         cells += [
             f"{pol['adaptive']['goodput'] - pol[best]['goodput']:+.3f} ({best})",
             "-" if lowest is None else f"{lowest:+.3f}",
+            "-" if adapted is None else f"{adapted:+.3f}",
             "-" if ratio is None else f"{ratio:.3f}",
             str(pol["adaptive"]["policy_changes"]),
             seconds_list(pol["adaptive"]["adaptation_s"]),
             seconds_list(pol["adaptive"].get("detection_s")),
         ]
     else:
-        cells += ["-"] * 6
+        cells += ["-"] * 7
     return "| " + " | ".join(cells) + " |"
 
 
@@ -95,9 +101,10 @@ def suite_markdown(docs: Iterable[Mapping[str, Any]]) -> str:
     """Both tables, runs ordered by scenario then seed."""
     ordered = sorted(docs, key=lambda d: (str(d["scenario"]), int(d.get("seed", 0))))
     lines = ["| scenario | seed | " + " | ".join(POLICIES)
-             + " | adaptive - best static | lowest phase | adaptive / oracle "
-               "| adaptive changes | adaptation s per event | detection s per event |",
-             "|---" * (len(POLICIES) + 8) + "|"]
+             + " | adaptive - best static | lowest phase | lowest phase once adapted "
+               "| adaptive / oracle | adaptive changes | adaptation s per event "
+               "| detection s per event |",
+             "|---" * (len(POLICIES) + 9) + "|"]
     lines += [run_row(d) for d in ordered]
     seeds = seed_rows(ordered)
     if seeds:

@@ -102,3 +102,23 @@ def test_a_promotion_rolled_back_counts_as_a_change_in_its_phase() -> None:
     replay = {"goodput": 0.9, "phases": [0.95, 0.86], "approved_at_s": [1500.0],
               "rolled_back_at_s": [1620.0], "adaptation_s": [None, None]}
     assert goal_figures([(doc, AdaptiveRun.from_replay(replay))]).changes == 2
+
+
+def test_the_once_adapted_figures_come_from_the_summarys_spans_only() -> None:
+    doc = _summary(0.90, [0.95, 0.83], [1500.0], [None, None], [0.90, 0.85])
+    # Phase 2 from adaptive's approval at 1500 s: adaptive 0.90, threshold 0.86 over it.
+    for key, adapted in (("adaptive", [0.95, 0.90]), ("pd", [0.5, 0.5]),
+                         ("local", [0.85, 0.75]), ("threshold", [0.90, 0.86])):
+        for phase, g in zip(doc["policies"][key]["phases"], adapted, strict=True):
+            phase["adapted_goodput"] = g
+    run = AdaptiveRun.from_summary(doc)
+    assert run.adapted_phases == (0.95, 0.90)
+    figures = goal_figures([(doc, run)])
+    assert figures.lowest_phase == pytest.approx(0.83 - 0.85)  # over the whole phase
+    assert figures.lowest_adapted_phase == pytest.approx(0.90 - 0.86)  # phase 2
+    assert figures.adapted_phases_below == 0
+    assert "once adapted: lowest phase +0.0400 (0 below -0.01)" in figures.line()
+    # A replay's approvals are not the summary's: no once-adapted figures for it.
+    replay = {"goodput": 0.9, "phases": [0.95, 0.86], "approved_at_s": [1500.0],
+              "adaptation_s": [None, None]}
+    assert goal_figures([(doc, AdaptiveRun.from_replay(replay))]).lowest_adapted_phase is None

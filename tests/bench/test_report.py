@@ -50,7 +50,7 @@ interval_s = 10
 """
 
 PHASE_KEYS = {"start_s", "end_s", "goodput", "turn2_ttft_mean_s", "turn2_ttft_p99_s",
-              "tpot_mean_s", "tpot_p99_s", "kv_bytes"}
+              "tpot_mean_s", "tpot_p99_s", "kv_bytes", "adapted_goodput"}
 POLICY_KEYS = {"goodput", "requests", "rejected", "turn2_ttft_mean_s", "turn2_ttft_p99_s",
                "tpot_mean_s", "tpot_p99_s", "kv_bytes", "phases", "policy_changes",
                "adaptation_s"}
@@ -114,6 +114,29 @@ def test_cli_writes_json_markdown_and_plots(scenario_file: Path, tmp_path: Path)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
     lines = (out / "pd.jsonl").read_text().splitlines()
     assert len(lines) == doc["policies"]["pd"]["requests"]
+
+    # "Once adapted": every policy's goodput from adaptive's first approval in each phase.
+    from controller.bench.report import adapted_from, summarize_records
+    from controller.sim.run import RequestRecord
+
+    approvals = doc["policies"]["adaptive"]["controller"]["approved_at_s"][1:]
+    phases = [(p["start_s"], p["end_s"]) for p in doc["policies"]["pd"]["phases"]]
+    assert doc["adapted_from_s"] == adapted_from(phases, approvals)
+    for key in ("pd", "local"):
+        records = [RequestRecord(**json.loads(line))
+                   for line in (out / f"{key}.jsonl").read_text().splitlines()]
+        for i, start in enumerate(doc["adapted_from_s"]):
+            expected = summarize_records(
+                [r for r in records if r.phase == i and r.arrival_s >= start], 0.4, 0.03)
+            assert doc["policies"][key]["phases"][i]["adapted_goodput"] == expected["goodput"]
+
+
+def test_adapted_from_is_the_first_approval_inside_each_phase() -> None:
+    from controller.bench.report import adapted_from
+
+    phases = [(0.0, 100.0), (100.0, 200.0), (200.0, 300.0)]
+    # 150 and 180 in phase 1: the first counts; none in phase 2: its start.
+    assert adapted_from(phases, [180.0, 40.0, 150.0]) == [40.0, 150.0, 200.0]
 
 
 def test_adaptive_is_the_daemons_cycle_with_its_store(scenario_file: Path,

@@ -66,7 +66,14 @@ def test_the_lowest_phase_is_against_each_phases_own_best_static_policy() -> Non
         "threshold": [0.90, 0.83]})
     # Phase 1: 0.95 - local 0.96; phase 2: 0.80 - threshold 0.83 (the worse of the two).
     assert lowest_phase_margin(doc["policies"]) == pytest.approx(-0.03)
-    assert run_row(doc).split("|")[-6].strip() == "-0.030"
+    assert run_row(doc).split("|")[-7].strip() == "-0.030"
+    assert run_row(doc).split("|")[-6].strip() == "-"  # no once-adapted figures recorded
+    for name, adapted in (("adaptive", [0.95, 0.86]), ("pd", [0.9, 0.7]),
+                          ("local", [0.96, 0.8]), ("threshold", [0.9, 0.85])):
+        for phase, g in zip(doc["policies"][name]["phases"], adapted, strict=True):
+            phase["adapted_goodput"] = g
+    assert lowest_phase_margin(doc["policies"], "adapted_goodput") == pytest.approx(-0.01)
+    assert run_row(doc).split("|")[-6].strip() == "-0.010"
     # A run recorded without phases, or with a static policy missing one, says "-".
     assert lowest_phase_margin(_doc("s", 1, 0.9, 0.85, 0.87)["policies"]) is None
     doc["policies"]["pd"]["phases"] = doc["policies"]["pd"]["phases"][:1]
