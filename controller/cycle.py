@@ -240,12 +240,7 @@ class WatchVerdict:
     """The post-promotion watch: the fleet's goodput since a promotion against the bake's."""
 
     action: str  # "watch" | "keep" (the watch's last window) | "roll_back" | "over"
-    reason: str
-    watch_goodput: float | None = None
-    bake_goodput: float | None = None
-    watch_requests: float = 0.0
-    bake_requests: float = 0.0
-    z: float | None = None
+    reason: str  # with the numbers: goodput and requests since the promotion and over the bake
 
 
 @dataclass
@@ -1095,13 +1090,11 @@ class Cycle:
         worse = z is not None and z < critical and n_w >= cfg.bake_min_requests
         rise = rate_w / rate_b - 1 if rate_b > 0 else math.inf
         if worse and rise <= cfg.watch_load_rise:
-            return WatchVerdict("roll_back", f"{numbers}, z {z:.2f} < {critical:.2f}",
-                                pw, pb, n_w, n_b, z)
+            return WatchVerdict("roll_back", f"{numbers}, z {z:.2f} < {critical:.2f}")
         if worse:
             numbers += f"; the request rate rose {rise:.0%}: not the policy's doing"
         return WatchVerdict("keep" if done else "watch",
-                            f"{'kept after' if done else 'watching'} the promotion: {numbers}",
-                            pw, pb, n_w, n_b, z)
+                            f"{'kept after' if done else 'watching'} the promotion: {numbers}")
 
     def _bake_windows(self, tx: Tx, record: PolicyRecord, unstored: Window | None = None
                       ) -> list[Window]:
