@@ -122,6 +122,12 @@ class CycleConfig:
     capacity_interval_s: float = 300.0
     capacity_min_windows: int = 2
 
+    @property
+    def watch_s(self) -> float | None:
+        """How long a promotion is watched at most (None: no watch): its windows and one
+        interval more, so failed observes do not stretch it."""
+        return (self.watch_windows + 1) * self.interval_s if self.watch_windows else None
+
     @classmethod
     def from_settings(cls, settings: Any, advisory: bool | None = None) -> CycleConfig:
         c = settings.controller
@@ -1037,7 +1043,7 @@ class Cycle:
         Never while an operator holds the rollout (paused, pinned, in fallback): they chose
         what runs."""
         record = tx.policy(version)
-        if record is None or record.promoted_at is None or self.config.watch_windows == 0:
+        if record is None or record.promoted_at is None or self.config.watch_s is None:
             return False
         verdict = self.judge_promotion(tx, record)
         if verdict.action == "roll_back" and ops.holding:
@@ -1067,9 +1073,9 @@ class Cycle:
         Over after ``watch_windows`` windows, or one interval more of time (windows lost to
         failed observes do not stretch it): a policy running for days is not re-read."""
         cfg = self.config
-        assert record.promoted_at is not None
+        assert record.promoted_at is not None and cfg.watch_s is not None
         promoted = record.promoted_at.timestamp()
-        if self.clock.now() - promoted > (cfg.watch_windows + 1) * cfg.interval_s:
+        if self.clock.now() - promoted > cfg.watch_s:
             return WatchVerdict("over", "watch over")
         half = 0.5 * cfg.interval_s
         windows = self._bake_windows(tx, record)

@@ -394,18 +394,18 @@ def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOpt
     acked version and health, last drift event, last calibration, operator state, next
     scheduled calibration."""
     from controller.config import load_settings
+    from controller.cycle import CycleConfig
     from controller.errors import ConfigError
 
     try:
-        controller = load_settings(config).controller
+        settings = load_settings(config)
     except ConfigError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(_EXIT_BAD_INPUT) from None
-    watch_s = (controller.watch_windows + 1) * controller.interval_s \
-        if controller.watch_windows else None  # as Cycle.judge_promotion's time bound
     store = _open_store(url, config)
     try:
-        doc = status_doc(store, controller.calibrate_every_s, watch_s)
+        doc = status_doc(store, settings.controller.calibrate_every_s,
+                         CycleConfig.from_settings(settings).watch_s)
     finally:
         store.close()
     if as_json:

@@ -106,7 +106,8 @@ async def test_status_shows_a_promotion_under_watch_until_its_watch_ends(
     for _ in range(6):
         if "promoted" in ((await rig.step()).canary or ""):
             break
-    watch_s = (rig.config.watch_windows + 1) * rig.config.interval_s
+    watch_s = rig.config.watch_s
+    assert watch_s == (rig.config.watch_windows + 1) * rig.config.interval_s
     doc = status_doc(rig.store, None, watch_s)
     assert doc["fleet_version"] == 2 and doc["watch"] is not None
     assert doc["watch"]["version"] == 2
