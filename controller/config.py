@@ -230,7 +230,8 @@ class ControllerConfig(_Section):
     )
     promote_alpha: float = Field(
         0.05, gt=0, lt=0.5, description="One-sided significance of the two-proportion test "
-        "that rolls a canary back (and of the post-promotion watch's).",
+        "that rolls a canary back, and of the post-promotion watch's over all its windows "
+        "(each look at promote_alpha / watch_windows).",
     )
     watch_windows: int = Field(
         3, ge=0, description="Windows after a canary's promotion in which the fleet's goodput "

@@ -339,6 +339,15 @@ def two_proportion_z(met_a: float, n_a: float, met_b: float, n_b: float, margin:
     return diff / se
 
 
+def watch_critical(alpha: float, looks: int) -> float:
+    """The z each of a watch's ``looks`` must fall below (negative). The watch tests the
+    windows since a promotion again at each of them, so at ``alpha`` per look it would roll
+    back a policy at the allowed drop more often than ``alpha``; Bonferroni's
+    ``alpha / looks`` bounds the whole watch's false-rollback rate by ``alpha`` whatever the
+    looks' correlation (``benchmarks/watch_false_rollbacks.py`` measures both)."""
+    return NormalDist().inv_cdf(alpha / max(1, looks))
+
+
 def canary_subset(routers: Sequence[str], fraction: float, version: int) -> tuple[str, ...]:
     """``ceil(fraction * n)`` routers (at least one, at most n - 1), rotated by version so
     successive canaries land on different routers."""
@@ -1068,8 +1077,9 @@ class Cycle:
     def judge_promotion(self, tx: Tx, record: PolicyRecord) -> WatchVerdict:
         """The fleet's goodput over the windows since ``record``'s promotion (at most
         ``watch_windows``) against all routers' over its bake. Rolled back when below by more
-        than ``watch_drop`` (one-sided, ``promote_alpha``) while the request rate rose by at
-        most ``watch_load_rise``: a load that rose explains a fall without the policy.
+        than ``watch_drop`` (one-sided, ``promote_alpha`` over the whole watch: each look at
+        ``promote_alpha / watch_windows``) while the request rate rose by at most
+        ``watch_load_rise``: a load that rose explains a fall without the policy.
         Over after ``watch_windows`` windows, or one interval more of time (windows lost to
         failed observes do not stretch it): a policy running for days is not re-read."""
         cfg = self.config
@@ -1092,7 +1102,7 @@ class Cycle:
                    f"window(s) since the promotion vs {_pct(pb)} of {n_b:.0f} over the bake's "
                    f"{len(bake)}, drop allowed {cfg.watch_drop:g}")
         done = len(watch) == cfg.watch_windows
-        critical = NormalDist().inv_cdf(cfg.promote_alpha)
+        critical = watch_critical(cfg.promote_alpha, cfg.watch_windows)
         worse = z is not None and z < critical and n_w >= cfg.bake_min_requests
         rise = rate_w / rate_b - 1 if rate_b > 0 else math.inf
         if worse and rise <= cfg.watch_load_rise:
@@ -1390,5 +1400,5 @@ __all__ = [
     "FALLBACK_PREFILL", "AlwaysLeader", "CanaryVerdict", "CapacityPlanner", "Cycle",
     "CycleConfig", "CycleReport",
     "Leadership", "OperatorState", "Rollout", "canary_subset", "operator_state", "read_rollout",
-    "run_inline", "two_proportion_z",
+    "run_inline", "two_proportion_z", "watch_critical",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from pathlib import Path
+from statistics import NormalDist
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -16,6 +17,7 @@ from controller.cycle import (
     canary_subset,
     operator_state,
     two_proportion_z,
+    watch_critical,
 )
 from controller.policy import Route
 from tests.daemon.fakes import Rig, make_rig
@@ -281,6 +283,28 @@ async def test_the_watch_keeps_a_promotion_when_the_load_rose_and_ends_after_its
     v2 = rig.store.policy(2)
     assert v2 is not None and v2.status == "approved"
     assert _desired(rig) == dict.fromkeys(rig.agents, 2)
+
+
+async def test_each_look_of_the_watch_spends_a_share_of_its_alpha(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _promote_v2(rig)
+    rig.source.goodput = {1: 0.90, 2: 0.785}  # just over the allowed drop of 0.1
+    # One window (800 requests) against the bake's 0.9175 of 1600: significant at alpha
+    # for a single test, not at alpha / 3 for each of the watch's three looks.
+    z = two_proportion_z(0.785 * 800, 800, 0.9175 * 1600, 1600, 0.1)
+    assert z is not None and watch_critical(0.05, 3) < z < NormalDist().inv_cdf(0.05)
+    report = await rig.step()
+    assert report.canary is not None and "watching the promotion" in report.canary
+    report = await rig.step()  # twice the requests: now below the per-look bound
+    assert report.canary is not None and UNPROMOTED in report.canary
+    assert f"< {watch_critical(0.05, 3):.2f}" in report.canary
+    assert _desired(rig) == dict.fromkeys(rig.agents, 1)
+
+
+def test_the_watch_bound_is_bonferroni_over_its_looks() -> None:
+    assert watch_critical(0.05, 1) == pytest.approx(-1.6449, abs=1e-4)
+    assert watch_critical(0.05, 3) == pytest.approx(-2.1280, abs=1e-4)
+    assert watch_critical(0.05, 0) == watch_critical(0.05, 1)  # no watch: never a zero division
 
 
 async def test_a_restarted_daemon_goes_on_watching_a_promotion(tmp_path: Path) -> None:
