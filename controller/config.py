@@ -76,6 +76,12 @@ class PpdConfig(_Section):
         description="Turn 1 runs decode-local while every prefill worker has at least this "
         "many requests waiting (0 = off; needs routers that report prefill_waiting).",
     )
+    later_turn_busy_waiting: int = Field(
+        2, ge=0, le=2**32 - 1,
+        description="A later turn its cell sends to a prefill node runs decode-local instead "
+        "while every prefill worker has at least this many requests waiting, as long as turn 1 "
+        "goes to a prefill node (0 = off; needs routers that report prefill_waiting).",
+    )
 
 
 class PoolConfig(_Section):

@@ -117,10 +117,11 @@ def calibration_config(settings: Any) -> CalibrationConfig:
             first_turn_route=Route.parse(ppd.first_turn_route),
             bypass_append_tokens=ppd.bypass_append_tokens,
             first_turn_busy_waiting=ppd.first_turn_busy_waiting,
+            later_turn_busy_waiting=ppd.later_turn_busy_waiting,
         )
         pin = pins[ppd.append_prefill_route]
     else:  # classic P/D: nothing decode-local
-        overrides, pin = Overrides(Route.PREFILL_NODE, 0, 0), Route.PREFILL_NODE
+        overrides, pin = Overrides(Route.PREFILL_NODE, 0, 0, 0), Route.PREFILL_NODE
     return CalibrationConfig(
         slo=Slo(settings.slo.ttft_s, settings.slo.tpot_s),
         pinned_weights=Weights(ppd.wtft, ppd.wtpot) if ppd.pin_weights else None,

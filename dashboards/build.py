@@ -232,8 +232,14 @@ def routing() -> dashboard.Dashboard:
             (f'sum(rate({decisions}{{reason="busy_prefill"}}[{RATE}]))'
              f' / sum(rate({decisions}{{reason=~"first_turn|busy_prefill"}}[{RATE}]))',
              "turn 1 diverted (busy prefill)"),
-        ], "Turn 1 diverted: the share of first turns the busy override "
-           "(overrides.first_turn_busy_waiting) sent decode-local.", min_val=0, max_val=1))
+            # Later turns the table sent to a prefill node, diverted the same way, over every
+            # later turn that consulted the table.
+            (f'sum(rate({decisions}{{reason="busy_later_turn"}}[{RATE}]))'
+             f' / sum(rate({decisions}{{reason=~"table|explore|busy_later_turn"}}[{RATE}]))',
+             "later turns diverted (busy prefill)"),
+        ], "Diverted: the share of first turns (overrides.first_turn_busy_waiting) and of "
+           "later turns that consulted the table (overrides.later_turn_busy_waiting) the busy "
+           "overrides sent decode-local.", min_val=0, max_val=1))
         .with_panel(series(lay, "Exploration share per router", "percentunit", [
             (f'sum by (instance) (rate({decisions}{{reason="explore"}}[{RATE}]))'
              f" / sum by (instance) (rate({decisions}[{RATE}]))", "{{instance}}"),

@@ -117,21 +117,23 @@ def test_calibration_knobs_reach_the_learner(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_the_ppd_overrides_reach_the_calibrated_policies(tmp_path: Path) -> None:
-    """[ppd] first_turn_route, bypass_append_tokens and first_turn_busy_waiting are what every
+    """[ppd] first_turn_route, bypass_append_tokens and the two busy overrides are what every
     policy the controller calibrates starts from (calibrate() keeps them, tuning only turn 1's
     route)."""
     from controller.learning import calibration_config
     from controller.policy import Overrides, Route
 
     assert calibration_config(load_settings(write(tmp_path, SEED))).overrides == Overrides(
-        Route.PREFILL_NODE, 0, 2)
+        Route.PREFILL_NODE, 0, 2, 2)
     text = SEED.replace('first_turn_route = "prefill"', 'first_turn_route = "decode"\n'
-                        "bypass_append_tokens = 64\nfirst_turn_busy_waiting = 0")
+                        "bypass_append_tokens = 64\nfirst_turn_busy_waiting = 0\n"
+                        "later_turn_busy_waiting = 5")
     assert calibration_config(load_settings(write(tmp_path, text))).overrides == Overrides(
-        Route.DECODE_LOCAL, 64, 0)
-    with pytest.raises(ConfigError, match="first_turn_busy_waiting"):
-        load_settings(write(tmp_path, SEED.replace("[prefill_pool]",
-                                                   "first_turn_busy_waiting = -1\n[prefill_pool]")))
+        Route.DECODE_LOCAL, 64, 0, 5)
+    for key in ("first_turn_busy_waiting", "later_turn_busy_waiting"):
+        with pytest.raises(ConfigError, match=key):
+            load_settings(write(tmp_path, SEED.replace("[prefill_pool]",
+                                                       f"{key} = -1\n[prefill_pool]")))
 
 
 @pytest.mark.parametrize(("ppd", "route"), [

@@ -7,8 +7,9 @@ learner (:class:`controller.learning.CoreLearner`: drift detectors, calibration,
 a :class:`Reconciler` pushing through :class:`FakeRouterTransport` to the simulated routers'
 own agents, and a SQLite store in a temporary file. It starts from the ``ppd-static`` table,
 stored as approved version 1 and desired by every router, with the controller's configured
-overrides (``[ppd] first_turn_busy_waiting``): an operator deploying pd-controller runs
-them from the start, and its later policies carry them too (:func:`adaptive_start`). Beside
+overrides (``[ppd] first_turn_busy_waiting`` and ``later_turn_busy_waiting``): an operator
+deploying pd-controller runs them from the start, and its later policies carry them too
+(:func:`adaptive_start`). Beside
 it the store holds what ``pdctl calibrate active`` records with a first table: its
 calibration, with the drift reference of the grid it was calibrated on.
 """

@@ -110,7 +110,7 @@ def show(
 def _header(policy: Policy) -> Any:
     from rich.table import Table
 
-    from controller.policy import Route
+    from controller.policy import Route, later_turn_busy_waiting
 
     t = policy.table
     n = t.axes.n_cells
@@ -119,6 +119,7 @@ def _header(policy: Policy) -> Any:
     pv = policy.provenance
     bypass = policy.overrides.bypass_append_tokens
     busy = policy.overrides.first_turn_busy_waiting
+    later_busy = later_turn_busy_waiting(policy)
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
@@ -137,7 +138,9 @@ def _header(policy: Policy) -> Any:
                          if busy and policy.overrides.first_turn_route is Route.PREFILL_NODE
                          else "") + "; "
                       + (f"append_tokens < {bypass} -> DECODE_LOCAL" if bypass
-                         else "no append bypass")),
+                         else "no append bypass")
+                      + (f"; later turns' PREFILL_NODE cells -> DECODE_LOCAL while every "
+                         f"prefill worker has >= {later_busy} waiting" if later_busy else "")),
         ("default route", f"{policy.default_route.name} (invalid input, timeouts)"),
         ("created", f"{pv.created_at.isoformat() if pv.created_at else '-'}"
                     f" by {pv.created_by or '-'}: {pv.reason or '-'}"),
@@ -292,6 +295,12 @@ def explain(policy: Policy, f: Features) -> dict[str, Any]:
                          f"worker has {fmt_edge(float(f.prefill_waiting or 0))} request(s) "
                          f"waiting, at least {policy.overrides.first_turn_busy_waiting} "
                          "(overrides.first_turn_busy_waiting)")
+    elif d.reason is Reason.BUSY_LATER_TURN:
+        report["why"] = (f"override: the cell routes to PREFILL_NODE, but the least-busy "
+                         f"prefill worker has {fmt_edge(float(f.prefill_waiting or 0))} "
+                         f"request(s) waiting, at least "
+                         f"{policy.overrides.later_turn_busy_waiting} "
+                         "(overrides.later_turn_busy_waiting): DECODE_LOCAL")
     elif d.reason is Reason.BYPASS:
         report["why"] = (f"override: append_tokens {fmt_edge(f.append_tokens)} < "
                          f"{policy.overrides.bypass_append_tokens} "
@@ -312,10 +321,13 @@ def explain(policy: Policy, f: Features) -> dict[str, Any]:
         cell_index=idx,
         score=policy.table.scores[idx],
         exploration=expl,
-        why=(f"table cell: {d.route.name}"
-             + (f"; {100 * expl:.3g}% of such requests explore {d.route.other.name}"
-                if expl > 0 else "")),
     )
+    route = policy.table.routes[idx]
+    cell_why = (f"table cell: {route.name}"
+                + (f"; {100 * expl:.3g}% of such requests explore {route.other.name}"
+                   if expl > 0 else ""))
+    # The later-turn busy override consulted the cell and overrode it: say both.
+    report["why"] = f"{report['why']} ({cell_why})" if "why" in report else cell_why
     return report
 
 

@@ -13,10 +13,11 @@ digest. Everything is little-endian; floats are IEEE-754 binary64 with ``-0.0`` 
     f64 wtft, f64 wtpot
     u8 first_turn_route, u64 bypass_append_tokens
     u8 default_route
-    u32 first_turn_busy_waiting    only when it is not 0
+    u32 first_turn_busy_waiting    only when it or later_turn_busy_waiting is not 0
+    u32 later_turn_busy_waiting    only when it is not 0
 
-The trailing field keeps the checksum of every policy without the busy override what it was
-before the override existed (routers and stores hold such checksums).
+The trailing fields keep the checksum of every policy without the busy overrides what it was
+before they existed (routers and stores hold such checksums); the lengths tell them apart.
 
 The version, the SLOs and the provenance are not covered: re-issuing the same table under a
 higher version keeps its checksum.
@@ -59,8 +60,12 @@ def canonical_bytes(policy: Policy) -> bytes:
     parts.append(struct.pack("<B", int(policy.overrides.first_turn_route)))
     parts.append(struct.pack("<Q", int(policy.overrides.bypass_append_tokens)))
     parts.append(struct.pack("<B", int(policy.default_route)))
-    if policy.overrides.first_turn_busy_waiting:
-        parts.append(struct.pack("<I", int(policy.overrides.first_turn_busy_waiting)))
+    o = policy.overrides
+    if o.later_turn_busy_waiting:
+        parts.append(struct.pack("<II", int(o.first_turn_busy_waiting),
+                                 int(o.later_turn_busy_waiting)))
+    elif o.first_turn_busy_waiting:
+        parts.append(struct.pack("<I", int(o.first_turn_busy_waiting)))
     return b"".join(parts)
 
 

@@ -20,6 +20,9 @@ class Reason(enum.StrEnum):
     EXPLORE = "explore"  # the cell's other route, drawn with the cell's exploration fraction
     FIRST_TURN = "first_turn"  # override: turn 1
     BUSY_PREFILL = "busy_prefill"  # override: turn 1 decode-local, every prefill worker busy
+    # override: a later turn its cell sends to a prefill node runs decode-local, every prefill
+    # worker busy (the cell is reported)
+    BUSY_LATER_TURN = "busy_later_turn"
     BYPASS = "bypass"  # override: append below the bypass threshold
     INVALID_INPUT = "invalid_input"  # NaN, infinite, negative or zero-output features
     TIMEOUT = "timeout"  # set by the agent: the decision took longer than decision_timeout_ms
@@ -72,13 +75,20 @@ def features_valid(f: Features) -> bool:
         return False
 
 
-def prefill_busy(policy: Policy, prefill_waiting: float | None) -> bool:
-    """Whether the busy override fires: on, and the least-busy prefill worker has at least
-    ``first_turn_busy_waiting`` requests waiting (False for an unknown or invalid count)."""
-    need = policy.overrides.first_turn_busy_waiting
+def prefill_busy(need: int, prefill_waiting: float | None) -> bool:
+    """Whether a busy override fires: on (``need`` > 0), and the least-busy prefill worker has
+    at least ``need`` requests waiting (False for an unknown or invalid count)."""
     # A chained comparison is False for NaN; a value of another type counts as unknown.
     return need > 0 and isinstance(prefill_waiting, (int, float)) \
         and need <= prefill_waiting < math.inf
+
+
+def later_turn_busy_waiting(policy: Policy) -> int:
+    """The later-turn busy override's bar, 0 (off) while turn 1 runs decode-local: the
+    override moves prefill work onto the decode pool, which then already carries every new
+    conversation's prompt (measured in ``docs/bench.md``, "The later-turn busy override")."""
+    o = policy.overrides
+    return o.later_turn_busy_waiting if o.first_turn_route is Route.PREFILL_NODE else 0
 
 
 def locate(policy: Policy, f: Features) -> tuple[int, int, int]:
@@ -101,7 +111,8 @@ def decide(policy: Policy, f: Features, draw: Callable[[], float]) -> Decision:
         return Decision(policy.default_route, None, Reason.INVALID_INPUT)
     if f.turn == 1:
         route = policy.overrides.first_turn_route
-        if route is Route.PREFILL_NODE and prefill_busy(policy, f.prefill_waiting):
+        if route is Route.PREFILL_NODE and prefill_busy(
+                policy.overrides.first_turn_busy_waiting, f.prefill_waiting):
             return Decision(Route.DECODE_LOCAL, None, Reason.BUSY_PREFILL)
         return Decision(route, None, Reason.FIRST_TURN)
     if f.append_tokens < policy.overrides.bypass_append_tokens:
@@ -113,4 +124,7 @@ def decide(policy: Policy, f: Features, draw: Callable[[], float]) -> Decision:
     expl = table.exploration[idx]
     if expl > 0.0 and draw() < expl:
         return Decision(route.other, cell, Reason.EXPLORE, explored=True)
+    if route is Route.PREFILL_NODE and prefill_busy(later_turn_busy_waiting(policy),
+                                                    f.prefill_waiting):
+        return Decision(Route.DECODE_LOCAL, cell, Reason.BUSY_LATER_TURN)
     return Decision(route, cell, Reason.TABLE)

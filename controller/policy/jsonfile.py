@@ -9,7 +9,8 @@ Format (documented in ``docs/policy-format.md``)::
      "weights": {"wtft": 1.0, "wtpot": 1.0},
      "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
      "overrides": {"first_turn_route": "PREFILL_NODE", "bypass_append_tokens": 0,
-                   "first_turn_busy_waiting": 2},                # optional, omitted when 0
+                   "first_turn_busy_waiting": 2,                 # optional, omitted when 0
+                   "later_turn_busy_waiting": 2},                # optional, omitted when 0
      "default_route": "PREFILL_NODE",
      "provenance": {"created_at": ISO-8601, "reason": "", "created_by": "",
                     "trained_from": ISO-8601 | null, "trained_to": ISO-8601 | null}}
@@ -40,6 +41,8 @@ from controller.policy.validation import PolicyValidationError, Problem, validat
 SCHEMA_VERSION = 1
 # Refuse absurd files before parsing them: 64^3 cells of ~40 bytes is ~10 MB.
 MAX_FILE_BYTES = 32 * 1024 * 1024
+# Optional override fields, written only when on so routers of earlier releases read the file.
+BUSY_OVERRIDES = ("first_turn_busy_waiting", "later_turn_busy_waiting")
 
 _TOP_KEYS = {
     "schema_version", "version", "checksum", "axes", "routes", "scores", "exploration",
@@ -66,9 +69,8 @@ def policy_to_dict(p: Policy) -> dict[str, Any]:
         "overrides": {
             "first_turn_route": p.overrides.first_turn_route.name,
             "bypass_append_tokens": p.overrides.bypass_append_tokens,
-            # Written only when on, so routers of earlier releases still read the file.
-            **({"first_turn_busy_waiting": p.overrides.first_turn_busy_waiting}
-               if p.overrides.first_turn_busy_waiting else {}),
+            **{name: getattr(p.overrides, name) for name in BUSY_OVERRIDES
+               if getattr(p.overrides, name)},
         },
         "default_route": p.default_route.name,
         "provenance": {
@@ -206,7 +208,7 @@ def policy_from_dict(d: Any) -> Policy:
     sd = r.obj(top.get("slo", {}), "slo", {"ttft_s", "tpot_s"})
     od = r.obj(
         top.get("overrides", {}), "overrides",
-        {"first_turn_route", "bypass_append_tokens", "first_turn_busy_waiting"},
+        {"first_turn_route", "bypass_append_tokens", *BUSY_OVERRIDES},
     )
     pd_ = r.obj(
         top.get("provenance", {}),
@@ -224,6 +226,7 @@ def policy_from_dict(d: Any) -> Policy:
             r.route(od.get("first_turn_route", "PREFILL_NODE"), "overrides.first_turn_route"),
             r.integer(od, "bypass_append_tokens", "overrides", 0),
             r.integer(od, "first_turn_busy_waiting", "overrides", 0),
+            r.integer(od, "later_turn_busy_waiting", "overrides", 0),
         ),
         default_route=r.route(top.get("default_route", "PREFILL_NODE"), "default_route"),
         provenance=Provenance(

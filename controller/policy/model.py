@@ -137,13 +137,18 @@ class Overrides:
     on a prefill node while every prefill worker has at least this many requests waiting
     (the router's ``prefill_waiting`` feature; 0 disables it). A burst of new conversations
     then spills onto the decode pool instead of queueing behind the prefill workers, like
-    the busyness clause of NVIDIA Dynamo's conditional disaggregation, but for turn 1 only:
-    later turns follow the table, which already accounts for the load.
+    the busyness clause of NVIDIA Dynamo's conditional disaggregation.
+    ``later_turn_busy_waiting``: the same clause for a later turn whose cell routes it to a
+    prefill node (an explored request keeps its draw; 0 disables it), while turn 1 goes to a
+    prefill node: a policy running turn 1 decode-local has put every new prompt on the decode
+    pool already. The table prices the load of a QPS bin, not the queue a burst inside it
+    builds; the router sees that queue.
     """
 
     first_turn_route: Route = Route.PREFILL_NODE
     bypass_append_tokens: int = 0
     first_turn_busy_waiting: int = 0
+    later_turn_busy_waiting: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,7 +112,8 @@ def validate_policy(p: Policy) -> list[Problem]:
     if not isinstance(p.overrides.first_turn_route, Route):
         out.append(Problem("overrides.first_turn_route", "unknown route"))
     for name, top in (("bypass_append_tokens", MAX_BYPASS_TOKENS),
-                      ("first_turn_busy_waiting", MAX_BUSY_WAITING)):
+                      ("first_turn_busy_waiting", MAX_BUSY_WAITING),
+                      ("later_turn_busy_waiting", MAX_BUSY_WAITING)):
         v = getattr(p.overrides, name)
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
             out.append(

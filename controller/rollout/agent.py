@@ -53,6 +53,7 @@ from controller.policy import (
     Route,
     Slo,
     dumps,
+    later_turn_busy_waiting,
     loads,
     validate_policy,
 )
@@ -94,7 +95,9 @@ class ApplyResult:
 # One decision together with the tick of its (route, reason) counter.
 _Entry = tuple[Decision, Callable[[], int]]
 # Per table cell: the table's decision, the explored one and the exploration fraction.
-_CellEntry = tuple[_Entry, _Entry, float]
+# (the cell's route, its explored route, exploration fraction, the later-turn busy override's
+# decode-local entry: None when the override is off or the cell already runs decode-local)
+_CellEntry = tuple[_Entry, _Entry, float, _Entry | None]
 
 
 class PolicySnapshot:
@@ -114,6 +117,7 @@ class PolicySnapshot:
         "checksum",
         "first_turn",
         "invalid",
+        "later_busy_waiting",
         "lookup",
         "policy",
         "slo",
@@ -149,6 +153,7 @@ class PolicySnapshot:
             policy.overrides.first_turn_busy_waiting
             if policy.overrides.first_turn_route is Route.PREFILL_NODE else 0
         )
+        self.later_busy_waiting = later_turn_busy_waiting(policy)
         self.bypass_below = policy.overrides.bypass_append_tokens
         axes = policy.table.axes
         n_ctx, n_io, n_qps = axes.shape
@@ -171,10 +176,13 @@ class PolicySnapshot:
         table = self.policy.table
         route = table.routes[index]
         coords = table.axes.cell_coords(index)
+        busy = (self._entry(Decision(Route.DECODE_LOCAL, coords, Reason.BUSY_LATER_TURN))
+                if self.later_busy_waiting and route is Route.PREFILL_NODE else None)
         entry = (
             self._entry(Decision(route, coords, Reason.TABLE)),
             self._entry(Decision(route.other, coords, Reason.EXPLORE, explored=True)),
             table.exploration[index],
+            busy,
         )
         self._cells[index] = entry
         return entry
@@ -457,14 +465,8 @@ class RouterAgent:
                 self._last_qps = qps
                 if turn == 1:
                     entry = snap.first_turn
-                    if snap.busy_waiting:
-                        waiting = features.prefill_waiting
-                        if waiting is None and self._prefill_waiting is not None:
-                            waiting = self._prefill_waiting()
-                        # The chained comparison is False for NaN; another type is unknown.
-                        if isinstance(waiting, (int, float)) \
-                                and snap.busy_waiting <= waiting < _INF:
-                            entry = snap.busy_first_turn
+                    if snap.busy_waiting and self._busy(snap.busy_waiting, features):
+                        entry = snap.busy_first_turn
                 elif append < snap.bypass_below:
                     entry = snap.bypass
                 else:
@@ -486,6 +488,9 @@ class RouterAgent:
                         entry = cell[1]
                     else:
                         entry = cell[0]
+                        busy = cell[3]
+                        if busy is not None and self._busy(snap.later_busy_waiting, features):
+                            entry = busy
         except Exception:
             entry = snap.invalid
             self._log_decide_error()
@@ -494,6 +499,15 @@ class RouterAgent:
         decision, tick = entry
         tick()
         return decision
+
+    def _busy(self, need: int, features: Features) -> bool:
+        """Whether the least-busy prefill worker has at least ``need`` waiting: the request's
+        own count, else the agent's prefill watch's (unknown: not busy)."""
+        waiting = features.prefill_waiting
+        if waiting is None and self._prefill_waiting is not None:
+            waiting = self._prefill_waiting()
+        # The chained comparison is False for NaN; another type is unknown.
+        return isinstance(waiting, (int, float)) and need <= waiting < _INF
 
     def _log_decide_error(self) -> None:
         now = self._clock.monotonic()

@@ -96,6 +96,7 @@ def policy_to_proto(policy: Policy, *, checksum: str | None = None) -> pb.Policy
             first_turn_route=int(policy.overrides.first_turn_route),  # type: ignore[arg-type]
             bypass_append_tokens=policy.overrides.bypass_append_tokens,
             first_turn_busy_waiting=policy.overrides.first_turn_busy_waiting,
+            later_turn_busy_waiting=policy.overrides.later_turn_busy_waiting,
         ),
         default_route=int(policy.default_route),  # type: ignore[arg-type]
     )
@@ -175,6 +176,7 @@ def policy_from_proto(msg: pb.Policy) -> Policy:
             ),
             bypass_append_tokens=msg.overrides.bypass_append_tokens,
             first_turn_busy_waiting=msg.overrides.first_turn_busy_waiting,
+            later_turn_busy_waiting=msg.overrides.later_turn_busy_waiting,
         ),
         default_route=_route(msg.default_route, "default_route", problems),
         provenance=provenance,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -174,6 +175,36 @@ def test_decide_explains_overrides_and_invalid_input(policy_file: Path) -> None:
     invalid = run(2, 500, 0)
     assert invalid["reason"] == Reason.INVALID_INPUT.value
     assert "expected_output_tokens must be > 0" in str(invalid["why"])
+
+
+def test_show_and_decide_explain_the_later_turn_busy_override(tmp_path: Path) -> None:
+    base = mixed_policy()
+    policy = dataclasses.replace(base, overrides=dataclasses.replace(
+        base.overrides, bypass_append_tokens=0, later_turn_busy_waiting=3))
+    path = tmp_path / "later.json"
+    path.write_text(dumps(policy))
+    shown = runner.invoke(app, ["table", "show", str(path)])
+    assert shown.exit_code == 0, shown.output
+    assert "PREFILL_NODE cells -> DECODE_LOCAL while every prefill worker has >= 3" \
+        in " ".join(shown.stdout.split())
+    prefill = next(f for f in (Features(2, c, 100.0, 100.0, 3.0) for c in (500.0, 5000.0, 9e4))
+                   if decide(policy, f, lambda: 1.0).route is Route.PREFILL_NODE)
+
+    def run(*extra: str) -> dict[str, object]:
+        result = runner.invoke(app, ["table", "decide", str(path), "--turn", "2", "--context",
+                                     f"{prefill.context_tokens:g}", "--append", "100",
+                                     "--output", "100", "--qps", "3", "--json", *extra])
+        assert result.exit_code == 0, result.output
+        report: dict[str, object] = json.loads(result.stdout)
+        return report
+
+    busy = run("--prefill-waiting", "3")
+    assert (busy["route"], busy["reason"]) == ("DECODE_LOCAL", Reason.BUSY_LATER_TURN.value)
+    assert busy["cell"] == list(locate(policy, prefill))
+    assert "3 request(s) waiting, at least 3" in str(busy["why"])
+    assert "table cell: PREFILL_NODE" in str(busy["why"])
+    calm = run("--prefill-waiting", "2")
+    assert (calm["route"], calm["reason"]) == ("PREFILL_NODE", Reason.TABLE.value)
 
 
 def test_new_writes_a_valid_uniform_policy(tmp_path: Path) -> None:

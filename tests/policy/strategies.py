@@ -52,7 +52,8 @@ def policies(draw: st.DrawFn, max_edges: int = 6) -> Policy:
         weights=Weights(draw(st.floats(0.01, 100)), draw(st.floats(0.01, 100))),
         slo=Slo(draw(st.floats(0.01, 60)), draw(st.floats(0.001, 5))),
         overrides=Overrides(draw(routes), draw(st.integers(0, 4096)),
-                            draw(st.sampled_from([0, 0, 1, 2, 5, 2**32 - 1]))),
+                            draw(st.sampled_from([0, 0, 1, 2, 5, 2**32 - 1])),
+                            draw(st.sampled_from([0, 0, 1, 3, 2**32 - 1]))),
         default_route=draw(routes),
         provenance=Provenance(
             created_at=draw(timestamps),

@@ -87,6 +87,13 @@ def test_checksum_covers_every_decision_field(policy: Policy) -> None:
                 first_turn_busy_waiting=(policy.overrides.first_turn_busy_waiting + 1) % 2**32,
             ),
         ),
+        replace(
+            policy,
+            overrides=replace(
+                policy.overrides,
+                later_turn_busy_waiting=(policy.overrides.later_turn_busy_waiting + 1) % 2**32,
+            ),
+        ),
     ]
     for v in variants:
         assert v.checksum != policy.checksum
@@ -101,3 +108,13 @@ def test_the_busy_override_extends_the_encoding_only_when_on() -> None:
     off = Policy.uniform(3, Route.PREFILL_NODE)
     on = replace(off, overrides=replace(off.overrides, first_turn_busy_waiting=2))
     assert canonical_bytes(on) == canonical_bytes(off) + struct.pack("<I", 2)
+
+
+def test_the_later_turn_override_writes_both_busy_fields_so_lengths_tell_them_apart() -> None:
+    off = Policy.uniform(3, Route.PREFILL_NODE)
+    later = replace(off, overrides=replace(off.overrides, later_turn_busy_waiting=2))
+    first = replace(off, overrides=replace(off.overrides, first_turn_busy_waiting=2))
+    both = replace(later, overrides=replace(later.overrides, first_turn_busy_waiting=5))
+    assert canonical_bytes(later) == canonical_bytes(off) + struct.pack("<II", 0, 2)
+    assert canonical_bytes(both) == canonical_bytes(off) + struct.pack("<II", 5, 2)
+    assert len({later.checksum, first.checksum, both.checksum, off.checksum}) == 4

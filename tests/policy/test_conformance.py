@@ -48,5 +48,5 @@ def test_vector(name: str, policy_dict: dict[str, Any], case: dict[str, Any]) ->
 
 def test_vectors_cover_every_reason_a_table_can_give() -> None:
     reasons = {c["expect"]["reason"] for _, _, c in _cases()}
-    assert {"first_turn", "busy_prefill", "bypass", "table", "explore",
+    assert {"first_turn", "busy_prefill", "busy_later_turn", "bypass", "table", "explore",
             "invalid_input"} <= reasons

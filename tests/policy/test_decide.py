@@ -51,6 +51,11 @@ def reference_decide(p: Policy, f: Features, draw_value: float) -> Decision:
     if draw_value < p.table.exploration[flat]:
         other = Route.PREFILL_NODE if route is Route.DECODE_LOCAL else Route.DECODE_LOCAL
         return Decision(other, cell, Reason.EXPLORE, explored=True)
+    busy, w = p.overrides.later_turn_busy_waiting, f.prefill_waiting
+    if route is Route.PREFILL_NODE and p.overrides.first_turn_route is Route.PREFILL_NODE \
+            and busy > 0 and w is not None and math.isfinite(w) \
+            and w >= busy:
+        return Decision(Route.DECODE_LOCAL, cell, Reason.BUSY_LATER_TURN)
     return Decision(route, cell, Reason.TABLE)
 
 

@@ -66,6 +66,10 @@ def _problems(d: Any) -> dict[str, str]:
          "overrides.first_turn_busy_waiting"),
         (lambda d: d["overrides"].__setitem__("first_turn_busy_waiting", True),
          "overrides.first_turn_busy_waiting"),
+        (lambda d: d["overrides"].__setitem__("later_turn_busy_waiting", -1),
+         "overrides.later_turn_busy_waiting"),
+        (lambda d: d["overrides"].__setitem__("later_turn_busy_waiting", 2**32),
+         "overrides.later_turn_busy_waiting"),
         (lambda d: d.update(default_route="nowhere"), "default_route"),
         (lambda d: d.update(extra_field=1), "extra_field"),
         (lambda d: d["weights"].__setitem__("wtfft", 1), "weights.wtfft"),
@@ -124,4 +128,10 @@ def test_the_busy_override_is_written_only_when_on() -> None:
     on = dataclasses.replace(off, overrides=Overrides(first_turn_busy_waiting=3))
     d = policy_to_dict(on)
     assert d["overrides"]["first_turn_busy_waiting"] == 3
+    assert "later_turn_busy_waiting" not in d["overrides"]
     assert policy_from_dict(d) == on
+    later = dataclasses.replace(off, overrides=Overrides(later_turn_busy_waiting=4))
+    d = policy_to_dict(later)
+    assert d["overrides"]["later_turn_busy_waiting"] == 4
+    assert "first_turn_busy_waiting" not in d["overrides"]
+    assert policy_from_dict(d) == later

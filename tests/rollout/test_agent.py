@@ -28,9 +28,11 @@ from controller.policy import (
     Slo,
     dumps,
     loads,
+    policy_from_dict,
 )
 from controller.rollout.agent import ApplyOutcome, RouterAgent, atomic_write_bytes
 
+VECTORS = Path(__file__).parents[2] / "controller" / "policy" / "conformance.json"
 SMALL_AXES = Axes(context_tokens=(1000.0, 8000.0), io_ratio=(1.0, 4.0), qps=(2.0, 8.0))
 
 # Assert on this logger explicitly: a command run in-process elsewhere in the suite may have
@@ -325,6 +327,52 @@ def test_busy_override_sends_turn_1_decode_local_while_every_prefill_worker_is_b
         overrides=Overrides(first_turn_route=Route.DECODE_LOCAL, first_turn_busy_waiting=2))
     agent.apply(local_first)
     assert agent.decide(turn_1(5.0)).reason is Reason.FIRST_TURN
+
+
+def test_later_turn_busy_override_diverts_prefill_cells_only_and_reads_the_watch() -> None:
+    policy = dataclasses.replace(checkerboard(1), overrides=Overrides(later_turn_busy_waiting=3))
+    waiting: list[float | None] = [None]
+    agent = RouterAgent(clock=VirtualClock(), initial_policy=policy,
+                        prefill_waiting=lambda: waiting[0])
+    prefill_cell = later_turn()
+    assert agent.decide(prefill_cell).route is Route.PREFILL_NODE  # the checkerboard's cell
+    cell = agent.decide(prefill_cell).cell
+    busy = Decision(Route.DECODE_LOCAL, cell, Reason.BUSY_LATER_TURN)
+    assert agent.decide(dataclasses.replace(prefill_cell, prefill_waiting=3.0)) == busy
+    waiting[0] = 4.0  # no count in the request: the agent's prefill watch answers
+    assert agent.decide(prefill_cell) == busy
+    waiting[0] = 2.0
+    assert agent.decide(prefill_cell).reason is Reason.TABLE
+    # A decode-local cell has nothing to divert; turn 1 is the other override's.
+    local_cell = later_turn(qps=3.0)
+    assert agent.decide(local_cell).route is Route.DECODE_LOCAL
+    waiting[0] = 9.0
+    assert agent.decide(local_cell).reason is Reason.TABLE
+    assert agent.decide(Features(1, 0.0, 800.0, 100.0, 1.0)).reason is Reason.FIRST_TURN
+    assert agent.metrics.decisions(Route.DECODE_LOCAL, Reason.BUSY_LATER_TURN) == 2
+
+
+def test_the_agent_returns_every_published_conformance_vector() -> None:
+    """``decide()`` is written twice (the reference and the agent's flat hot path): the
+    vectors every router must return hold for both."""
+    vectors = json.loads(VECTORS.read_text())
+    checked = 0
+    for entry in vectors["policies"]:
+        policy = policy_from_dict(entry["policy"])
+        for case in entry["cases"]:
+            f = case["features"]
+            features = Features(
+                int(f["turn"]), float(f["context_tokens"]), float(f["append_tokens"]),
+                float(f["expected_output_tokens"]), float(f["qps"]),
+                prefill_waiting=float(f["prefill_waiting"]) if "prefill_waiting" in f else None)
+            agent = RouterAgent(clock=VirtualClock(), initial_policy=policy,
+                                draw=lambda case=case: float(case["draw"]))
+            d, exp = agent.decide(features), case["expect"]
+            assert (d.route.name, list(d.cell) if d.cell else None, d.reason.value,
+                    d.explored) == (exp["route"], exp["cell"], exp["reason"], exp["explored"]), \
+                f"{entry['name']}: {case['name']}"
+            checked += 1
+    assert checked >= 20
 
 
 class SlowClock(VirtualClock):

@@ -53,6 +53,7 @@ def policies(draw: st.DrawFn) -> Policy:
         version=draw(st.integers(1, 1000)),
         table=LookupTable(axes, routes, scores, exploration),
         overrides=Overrides(draw(st.sampled_from(Route)), draw(st.integers(0, 300)),
+                            draw(st.sampled_from([0, 1, 2, 3])),
                             draw(st.sampled_from([0, 1, 2, 3]))),
         default_route=draw(st.sampled_from(Route)),
     )

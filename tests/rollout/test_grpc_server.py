@@ -231,14 +231,17 @@ async def test_decide_and_observe_for_routers_in_other_languages(
     no_policy, version = await transport.decide(addr, Features(2, 100, 10, 10, 1), DEADLINE_S)
     assert (no_policy.reason, version) == (Reason.NO_POLICY, 0)
 
-    policy = replace(table_policy(11), overrides=Overrides(first_turn_busy_waiting=2))
+    policy = replace(table_policy(11), overrides=Overrides(first_turn_busy_waiting=2,
+                                                           later_turn_busy_waiting=2))
     await transport.apply(addr, policy, False, DEADLINE_S)
     samples = [
         Features(1, 0, 500, 100, 1.0),
         Features(1, 0, 500, 100, 1.0, prefill_waiting=3.0),  # every prefill worker busy
         Features(1, 0, 500, 100, 1.0, prefill_waiting=0.0),  # present and 0: not "unknown"
         Features(2, 300, 50, 100, 2.0),
+        Features(2, 300, 50, 100, 2.0, prefill_waiting=3.0),
         Features(3, 5000, 2000, 100, 50.0),
+        Features(3, 5000, 2000, 100, 50.0, prefill_waiting=3.0),
         Features(4, 1e6, 1, 1, 1e3),
         Features(2, float("nan"), 10, 10, 1),
         Features(2, 100, 10, 0, 1),
@@ -248,6 +251,9 @@ async def test_decide_and_observe_for_routers_in_other_languages(
         assert version == 11
         assert got == decide(policy, f, lambda: 0.99)
     assert decide(policy, samples[1], lambda: 0.99).reason is Reason.BUSY_PREFILL
+    # A later turn its cell sends to a prefill node, every prefill worker busy (the cell
+    # comes back over the wire too).
+    assert Reason.BUSY_LATER_TURN in {decide(policy, f, lambda: 0.99).reason for f in samples}
 
     stub = agent_grpc.RouterAgentServiceStub(transport.channel(addr))
     decision = Decision(Route.DECODE_LOCAL, (0, 0, 0), Reason.TABLE)

@@ -25,25 +25,25 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcontrol/v1/policy.proto\x12\x0cpdcontrol.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"=\n\x04\x41xes\x12\x16\n\x0e\x63ontext_tokens\x18\x01 \x03(\x01\x12\x10\n\x08io_ratio\x18\x02 \x03(\x01\x12\x0b\n\x03qps\x18\x03 \x03(\x01\"&\n\x07Weights\x12\x0c\n\x04wtft\x18\x01 \x01(\x01\x12\r\n\x05wtpot\x18\x02 \x01(\x01\"%\n\x03Slo\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x02 \x01(\x01\"y\n\tOverrides\x12-\n\x10\x66irst_turn_route\x18\x01 \x01(\x0e\x32\x13.pdcontrol.v1.Route\x12\x1c\n\x14\x62ypass_append_tokens\x18\x02 \x01(\x04\x12\x1f\n\x17\x66irst_turn_busy_waiting\x18\x03 \x01(\r\"\xc2\x01\n\nProvenance\x12.\n\ncreated_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\ncreated_by\x18\x03 \x01(\t\x12\x30\n\x0ctrained_from\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\ntrained_to\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xe5\x02\n\x06Policy\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12 \n\x04\x61xes\x18\x03 \x01(\x0b\x32\x12.pdcontrol.v1.Axes\x12#\n\x06routes\x18\x04 \x03(\x0e\x32\x13.pdcontrol.v1.Route\x12\x0e\n\x06scores\x18\x05 \x03(\x01\x12\x13\n\x0b\x65xploration\x18\x06 \x03(\x01\x12&\n\x07weights\x18\x07 \x01(\x0b\x32\x15.pdcontrol.v1.Weights\x12\x1e\n\x03slo\x18\x08 \x01(\x0b\x32\x11.pdcontrol.v1.Slo\x12*\n\toverrides\x18\t \x01(\x0b\x32\x17.pdcontrol.v1.Overrides\x12*\n\rdefault_route\x18\n \x01(\x0e\x32\x13.pdcontrol.v1.Route\x12,\n\nprovenance\x18\x0b \x01(\x0b\x32\x18.pdcontrol.v1.Provenance*N\n\x05Route\x12\x15\n\x11ROUTE_UNSPECIFIED\x10\x00\x12\x16\n\x12ROUTE_PREFILL_NODE\x10\x01\x12\x16\n\x12ROUTE_DECODE_LOCAL\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcontrol/v1/policy.proto\x12\x0cpdcontrol.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"=\n\x04\x41xes\x12\x16\n\x0e\x63ontext_tokens\x18\x01 \x03(\x01\x12\x10\n\x08io_ratio\x18\x02 \x03(\x01\x12\x0b\n\x03qps\x18\x03 \x03(\x01\"&\n\x07Weights\x12\x0c\n\x04wtft\x18\x01 \x01(\x01\x12\r\n\x05wtpot\x18\x02 \x01(\x01\"%\n\x03Slo\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x02 \x01(\x01\"\x9a\x01\n\tOverrides\x12-\n\x10\x66irst_turn_route\x18\x01 \x01(\x0e\x32\x13.pdcontrol.v1.Route\x12\x1c\n\x14\x62ypass_append_tokens\x18\x02 \x01(\x04\x12\x1f\n\x17\x66irst_turn_busy_waiting\x18\x03 \x01(\r\x12\x1f\n\x17later_turn_busy_waiting\x18\x04 \x01(\r\"\xc2\x01\n\nProvenance\x12.\n\ncreated_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\ncreated_by\x18\x03 \x01(\t\x12\x30\n\x0ctrained_from\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\ntrained_to\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xe5\x02\n\x06Policy\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12 \n\x04\x61xes\x18\x03 \x01(\x0b\x32\x12.pdcontrol.v1.Axes\x12#\n\x06routes\x18\x04 \x03(\x0e\x32\x13.pdcontrol.v1.Route\x12\x0e\n\x06scores\x18\x05 \x03(\x01\x12\x13\n\x0b\x65xploration\x18\x06 \x03(\x01\x12&\n\x07weights\x18\x07 \x01(\x0b\x32\x15.pdcontrol.v1.Weights\x12\x1e\n\x03slo\x18\x08 \x01(\x0b\x32\x11.pdcontrol.v1.Slo\x12*\n\toverrides\x18\t \x01(\x0b\x32\x17.pdcontrol.v1.Overrides\x12*\n\rdefault_route\x18\n \x01(\x0e\x32\x13.pdcontrol.v1.Route\x12,\n\nprovenance\x18\x0b \x01(\x0b\x32\x18.pdcontrol.v1.Provenance*N\n\x05Route\x12\x15\n\x11ROUTE_UNSPECIFIED\x10\x00\x12\x16\n\x12ROUTE_PREFILL_NODE\x10\x01\x12\x16\n\x12ROUTE_DECODE_LOCAL\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'controller._proto.pdcontrol.v1.policy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROUTE']._serialized_start=898
-  _globals['_ROUTE']._serialized_end=976
+  _globals['_ROUTE']._serialized_start=932
+  _globals['_ROUTE']._serialized_end=1010
   _globals['_AXES']._serialized_start=76
   _globals['_AXES']._serialized_end=137
   _globals['_WEIGHTS']._serialized_start=139
   _globals['_WEIGHTS']._serialized_end=177
   _globals['_SLO']._serialized_start=179
   _globals['_SLO']._serialized_end=216
-  _globals['_OVERRIDES']._serialized_start=218
-  _globals['_OVERRIDES']._serialized_end=339
-  _globals['_PROVENANCE']._serialized_start=342
-  _globals['_PROVENANCE']._serialized_end=536
-  _globals['_POLICY']._serialized_start=539
-  _globals['_POLICY']._serialized_end=896
+  _globals['_OVERRIDES']._serialized_start=219
+  _globals['_OVERRIDES']._serialized_end=373
+  _globals['_PROVENANCE']._serialized_start=376
+  _globals['_PROVENANCE']._serialized_end=570
+  _globals['_POLICY']._serialized_start=573
+  _globals['_POLICY']._serialized_end=930
 # @@protoc_insertion_point(module_scope)

@@ -140,6 +140,7 @@ class Overrides(_message.Message):
     FIRST_TURN_ROUTE_FIELD_NUMBER: _builtins.int
     BYPASS_APPEND_TOKENS_FIELD_NUMBER: _builtins.int
     FIRST_TURN_BUSY_WAITING_FIELD_NUMBER: _builtins.int
+    LATER_TURN_BUSY_WAITING_FIELD_NUMBER: _builtins.int
     first_turn_route: Global___Route.ValueType
     """Turn 1 (no cached context) always goes here."""
     bypass_append_tokens: _builtins.int
@@ -148,16 +149,22 @@ class Overrides(_message.Message):
     """Turn 1 runs decode-local instead of on a prefill node while every prefill worker has at
     least this many requests waiting (the router's prefill_waiting); 0 disables it.
     """
+    later_turn_busy_waiting: _builtins.int
+    """A later turn whose cell routes it to a prefill node runs decode-local instead while
+    every prefill worker has at least this many requests waiting (an explored request keeps
+    its draw); only while first_turn_route is a prefill node; 0 disables it.
+    """
     def __init__(
         self,
         *,
         first_turn_route: Global___Route.ValueType = ...,
         bypass_append_tokens: _builtins.int = ...,
         first_turn_busy_waiting: _builtins.int = ...,
+        later_turn_busy_waiting: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bypass_append_tokens", b"bypass_append_tokens", "first_turn_busy_waiting", b"first_turn_busy_waiting", "first_turn_route", b"first_turn_route"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bypass_append_tokens", b"bypass_append_tokens", "first_turn_busy_waiting", b"first_turn_busy_waiting", "first_turn_route", b"first_turn_route", "later_turn_busy_waiting", b"later_turn_busy_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -103,7 +103,9 @@ class Decision(_message.Message):
     EXPLORED_FIELD_NUMBER: _builtins.int
     route: _policy_pb2.Route.ValueType
     reason: _builtins.str
-    """table | explore | first_turn | busy_prefill | bypass | invalid_input | timeout | no_policy"""
+    """table | explore | first_turn | busy_prefill | busy_later_turn | bypass | invalid_input |
+    timeout | no_policy
+    """
     explored: _builtins.bool
     @_builtins.property
     def cell(self) -> Global___Cell:
