@@ -101,8 +101,8 @@ def test_routers_apply_the_rule_through_the_decider_hook(tmp_path: Path) -> None
 
 def test_adaptive_starts_from_the_table_with_the_controllers_overrides() -> None:
     """The bench's adaptive loop runs what an operator would deploy: the ppd-static table
-    with ``[ppd]``'s overrides (turn 1's busy override on by default), not the paper's bare
-    table; ``first_turn_busy_waiting = 0`` gives the bare one back."""
+    with ``[ppd]``'s overrides (both busy overrides on by default), not the paper's bare
+    table; setting both to 0 gives the bare one back."""
     from controller.bench.adaptive import adaptive_start
     from controller.config import load_settings
     from controller.policy import Overrides, Slo
@@ -110,8 +110,9 @@ def test_adaptive_starts_from_the_table_with_the_controllers_overrides() -> None
     table = static_policy(Route.PREFILL_NODE, Slo())
     on = adaptive_start(table, load_settings(None))
     assert on.table == table.table
-    assert on.overrides == Overrides(Route.PREFILL_NODE, 0, 2)
-    off = adaptive_start(table, load_settings(None, ppd={"first_turn_busy_waiting": 0}))
+    assert on.overrides == Overrides(Route.PREFILL_NODE, 0, 2, 2)
+    off = adaptive_start(table, load_settings(None, ppd={"first_turn_busy_waiting": 0,
+                                                         "later_turn_busy_waiting": 0}))
     assert off.overrides == table.overrides
 
 
