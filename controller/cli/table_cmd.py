@@ -110,7 +110,7 @@ def show(
 def _header(policy: Policy) -> Any:
     from rich.table import Table
 
-    from controller.policy import Route, later_turn_busy_waiting
+    from controller.policy import Route, first_turn_busy_waiting, later_turn_busy_waiting
 
     t = policy.table
     n = t.axes.n_cells
@@ -118,7 +118,7 @@ def _header(policy: Policy) -> Any:
     explored = [e for e in t.exploration if e > 0]
     pv = policy.provenance
     bypass = policy.overrides.bypass_append_tokens
-    busy = policy.overrides.first_turn_busy_waiting
+    busy = first_turn_busy_waiting(policy)
     later_busy = later_turn_busy_waiting(policy)
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
@@ -135,8 +135,7 @@ def _header(policy: Policy) -> Any:
         ("SLOs", f"TTFT <= {policy.slo.ttft_s:g} s, TPOT <= {policy.slo.tpot_s:g} s"),
         ("overrides", f"turn 1 -> {policy.overrides.first_turn_route.name}"
                       + (f" (DECODE_LOCAL while every prefill worker has >= {busy} waiting)"
-                         if busy and policy.overrides.first_turn_route is Route.PREFILL_NODE
-                         else "") + "; "
+                         if busy else "") + "; "
                       + (f"append_tokens < {bypass} -> DECODE_LOCAL" if bypass
                          else "no append bypass")
                       + (f"; later turns' PREFILL_NODE cells -> DECODE_LOCAL while every "
@@ -284,6 +283,7 @@ def explain(policy: Policy, f: Features) -> dict[str, Any]:
         "policy_version": policy.version,
         "checksum": policy.checksum,
     }
+    waiting = fmt_edge(float(f.prefill_waiting or 0))  # what the busy overrides read
     if d.reason is Reason.INVALID_INPUT:
         report["why"] = ("invalid input (" + "; ".join(_invalid_features(f))
                          + f"): the default route {policy.default_route.name} is used")
@@ -292,13 +292,12 @@ def explain(policy: Policy, f: Features) -> dict[str, Any]:
                          f"{policy.overrides.first_turn_route.name} (overrides.first_turn_route)")
     elif d.reason is Reason.BUSY_PREFILL:
         report["why"] = (f"override: turn 1 runs DECODE_LOCAL because the least-busy prefill "
-                         f"worker has {fmt_edge(float(f.prefill_waiting or 0))} request(s) "
-                         f"waiting, at least {policy.overrides.first_turn_busy_waiting} "
+                         f"worker has {waiting} request(s) waiting, at least "
+                         f"{policy.overrides.first_turn_busy_waiting} "
                          "(overrides.first_turn_busy_waiting)")
     elif d.reason is Reason.BUSY_LATER_TURN:
         report["why"] = (f"override: the cell routes to PREFILL_NODE, but the least-busy "
-                         f"prefill worker has {fmt_edge(float(f.prefill_waiting or 0))} "
-                         f"request(s) waiting, at least "
+                         f"prefill worker has {waiting} request(s) waiting, at least "
                          f"{policy.overrides.later_turn_busy_waiting} "
                          "(overrides.later_turn_busy_waiting): DECODE_LOCAL")
     elif d.reason is Reason.BYPASS:

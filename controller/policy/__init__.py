@@ -7,6 +7,7 @@ from controller.policy.decide import (
     Reason,
     bin_index,
     decide,
+    first_turn_busy_waiting,
     later_turn_busy_waiting,
     locate,
 )
@@ -31,6 +32,7 @@ from controller.policy.validation import (
 __all__ = [
     "Axes", "Decision", "Features", "LookupTable", "Overrides", "Policy", "PolicyValidationError",
     "Problem", "Provenance", "Reason", "Route", "Slo", "Weights", "bin_index", "canonical_bytes",
-    "check_policy", "decide", "dumps", "later_turn_busy_waiting", "loads", "locate",
+    "check_policy", "decide", "dumps", "first_turn_busy_waiting", "later_turn_busy_waiting",
+    "loads", "locate",
     "policy_checksum", "policy_from_dict", "policy_to_dict", "validate_policy",
 ]

@@ -83,6 +83,12 @@ def prefill_busy(need: int, prefill_waiting: float | None) -> bool:
         and need <= prefill_waiting < math.inf
 
 
+def first_turn_busy_waiting(policy: Policy) -> int:
+    """Turn 1's busy override bar, 0 (off) while turn 1 runs decode-local: nothing to divert."""
+    o = policy.overrides
+    return o.first_turn_busy_waiting if o.first_turn_route is Route.PREFILL_NODE else 0
+
+
 def later_turn_busy_waiting(policy: Policy) -> int:
     """The later-turn busy override's bar, 0 (off) while turn 1 runs decode-local: the
     override moves prefill work onto the decode pool, which then already carries every new
@@ -110,11 +116,9 @@ def decide(policy: Policy, f: Features, draw: Callable[[], float]) -> Decision:
     if not features_valid(f):
         return Decision(policy.default_route, None, Reason.INVALID_INPUT)
     if f.turn == 1:
-        route = policy.overrides.first_turn_route
-        if route is Route.PREFILL_NODE and prefill_busy(
-                policy.overrides.first_turn_busy_waiting, f.prefill_waiting):
+        if prefill_busy(first_turn_busy_waiting(policy), f.prefill_waiting):
             return Decision(Route.DECODE_LOCAL, None, Reason.BUSY_PREFILL)
-        return Decision(route, None, Reason.FIRST_TURN)
+        return Decision(policy.overrides.first_turn_route, None, Reason.FIRST_TURN)
     if f.append_tokens < policy.overrides.bypass_append_tokens:
         return Decision(Route.DECODE_LOCAL, None, Reason.BYPASS)
     cell = locate(policy, f)

@@ -53,6 +53,7 @@ from controller.policy import (
     Route,
     Slo,
     dumps,
+    first_turn_busy_waiting,
     later_turn_busy_waiting,
     loads,
     validate_policy,
@@ -149,10 +150,7 @@ class PolicySnapshot:
             Decision(Route.DECODE_LOCAL, None, Reason.BUSY_PREFILL)
         )
         # 0 unless turn 1 goes to a prefill node and the busy override is on: one test decides.
-        self.busy_waiting = (
-            policy.overrides.first_turn_busy_waiting
-            if policy.overrides.first_turn_route is Route.PREFILL_NODE else 0
-        )
+        self.busy_waiting = first_turn_busy_waiting(policy)
         self.later_busy_waiting = later_turn_busy_waiting(policy)
         self.bypass_below = policy.overrides.bypass_append_tokens
         axes = policy.table.axes
