@@ -31,8 +31,8 @@ from controller.policy import (
     policy_from_dict,
 )
 from controller.rollout.agent import ApplyOutcome, RouterAgent, atomic_write_bytes
+from tests.policy.vectors import case_features, cases
 
-VECTORS = Path(__file__).parents[2] / "controller" / "policy" / "conformance.json"
 SMALL_AXES = Axes(context_tokens=(1000.0, 8000.0), io_ratio=(1.0, 4.0), qps=(2.0, 8.0))
 
 # Assert on this logger explicitly: a command run in-process elsewhere in the suite may have
@@ -355,23 +355,14 @@ def test_later_turn_busy_override_diverts_prefill_cells_only_and_reads_the_watch
 def test_the_agent_returns_every_published_conformance_vector() -> None:
     """``decide()`` is written twice (the reference and the agent's flat hot path): the
     vectors every router must return hold for both."""
-    vectors = json.loads(VECTORS.read_text())
     checked = 0
-    for entry in vectors["policies"]:
-        policy = policy_from_dict(entry["policy"])
-        for case in entry["cases"]:
-            f = case["features"]
-            features = Features(
-                int(f["turn"]), float(f["context_tokens"]), float(f["append_tokens"]),
-                float(f["expected_output_tokens"]), float(f["qps"]),
-                prefill_waiting=float(f["prefill_waiting"]) if "prefill_waiting" in f else None)
-            agent = RouterAgent(clock=VirtualClock(), initial_policy=policy,
-                                draw=lambda case=case: float(case["draw"]))
-            d, exp = agent.decide(features), case["expect"]
-            assert (d.route.name, list(d.cell) if d.cell else None, d.reason.value,
-                    d.explored) == (exp["route"], exp["cell"], exp["reason"], exp["explored"]), \
-                f"{entry['name']}: {case['name']}"
-            checked += 1
+    for name, policy_dict, case in cases():
+        agent = RouterAgent(clock=VirtualClock(), initial_policy=policy_from_dict(policy_dict),
+                            draw=lambda case=case: float(case["draw"]))
+        d, exp = agent.decide(case_features(case)), case["expect"]
+        assert (d.route.name, list(d.cell) if d.cell else None, d.reason.value,
+                d.explored) == (exp["route"], exp["cell"], exp["reason"], exp["explored"]), name
+        checked += 1
     assert checked >= 20
 
 
