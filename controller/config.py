@@ -202,6 +202,13 @@ class ControllerConfig(_Section):
     guardrail_margin: float = Field(
         0.005, ge=0, description="A candidate needs predicted goodput >= current + margin."
     )
+    refinement_margin: float = Field(
+        0.01, ge=0, description="A refinement needs predicted goodput >= current + this "
+        "(at least guardrail_margin): a calibration for a performance drift alone (not the KV "
+        "link's) while neither the workload nor the SLO detector has fired since the last "
+        "approval. The traffic is the one the running policy was learned on, so a small "
+        "predicted gain is the model's extrapolation, and each change is a push.",
+    )
     guardrail_overload_goodput: float = Field(
         0.5, ge=0, le=1, description="Where the current policy is predicted below this goodput "
         "(overloaded), a candidate's gain must also exceed the model's held-out goodput error.",

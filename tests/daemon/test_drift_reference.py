@@ -6,6 +6,7 @@ rate step); only its latency model, fitted under the running policy, is taken.""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from controller.config import load_settings
@@ -107,7 +108,6 @@ def test_a_refusal_does_not_silence_a_performance_detector_that_did_not_fire() -
     """The performance detector restarts on the candidate's model after a refusal, in the
     cooldown of its own last firing, not in a new one (a workload calibration refused just
     before a KV-link slowdown used to hide the slowdown for a whole cooldown)."""
-    from dataclasses import replace
 
     from controller.core.drift import DetectorState
 
@@ -129,3 +129,72 @@ def test_a_refusal_does_not_silence_a_performance_detector_that_did_not_fire() -
     assert refused.drift is not None and refused.drift.performance.cooldown_until == now + 200.0
     approved = learner.adopt(quiet, _outcome(after[:10], True, object()), now)
     assert approved.drift is not None and approved.drift.performance.cooldown_until == now + 300.0
+
+
+def _performance_drift(learner: CoreLearner, state: LearnerState,
+                       windows: Sequence[Window]) -> LearnerState:
+    """Assess ``windows`` until a drift fires; fails unless it is the performance detector's
+    alone."""
+    for w in windows:
+        state, findings = learner.assess(state, w, w.end)
+        kinds = {f.kind for f in findings if f.fired}
+        if kinds:
+            assert kinds == {"performance"}, kinds
+            return state
+    raise AssertionError("no drift fired")
+
+
+def test_a_performance_drift_on_the_traffic_of_the_last_approval_needs_the_refinement_margin(
+) -> None:
+    """A second change on the same traffic (the performance detector alone, nothing else
+    fired since the last approval) needs ``refinement_margin``; the calibration records it
+    and judges with it. A workload drift in between, or no approval since the learner
+    started, leaves the guardrail margin."""
+    settings = load_settings(None, controller={"refinement_margin": 0.03})
+    learner = CoreLearner(settings)
+    before = stationary(Truth(), Mix(), 2.0, 0.6, 20, seed=1, start=T0, slo=SLO)
+    slower = stationary(Truth(b=2 * Truth().b), Mix(), 2.0, 0.6, 20, seed=3,
+                        start=T0 + 20 * INTERVAL, slo=SLO)
+    first = learner.calibrate(before, None, before[-1].end, "schedule")
+    assert first.approved and not first.details["refinement"]
+    state = learner.adopt(LearnerState(), first, before[-1].end)
+    state = _performance_drift(learner, state, slower)
+    assert learner.is_refinement("drift")
+    assert not learner.is_refinement("drift (refit of v2)")  # a canary's refit: no change
+    assert not learner.is_refinement("schedule")
+    now = slower[-1].end
+    outcome = learner.calibrate(before + slower, first.policy, now, "drift")
+    assert outcome.details["refinement"]
+    assert outcome.details["verdict"]["margin"] == 0.03
+    # After a rollback the learner does not know what the restored policy was learned on.
+    rolled_back = replace(learner.restore(first.details), model=state.model)
+    _performance_drift(learner, rolled_back, slower)
+    assert not learner.is_refinement("drift")
+    # The same drift by a learner that has approved nothing since it started (a restart).
+    fresh = CoreLearner(settings)
+    fresh_state = fresh.restore(first.details)
+    fresh_state = replace(fresh_state, model=state.model)
+    _performance_drift(fresh, fresh_state, slower)
+    assert not fresh.is_refinement("drift")
+    assert fresh.calibrate(before + slower, first.policy, now, "drift") \
+        .details["verdict"]["margin"] == settings.controller.guardrail_margin
+
+
+def test_a_workload_drift_since_the_last_approval_ends_refinement() -> None:
+    """After a workload drift whose calibration was refused, a performance drift alone is
+    not a refinement: the traffic moved since the policy was learned."""
+    learner = CoreLearner(load_settings())
+    before = stationary(Truth(), Mix(), 2.0, 0.6, 20, seed=1, start=T0, slo=SLO)
+    busier = stationary(Truth(), Mix(), 3.0, 0.6, 12, seed=2, start=T0 + 20 * INTERVAL,
+                        slo=SLO)
+    slower = stationary(Truth(b=2 * Truth().b), Mix(), 3.0, 0.6, 20, seed=3,
+                        start=T0 + 32 * INTERVAL, slo=SLO)
+    first = learner.calibrate(before, None, before[-1].end, "schedule")
+    state = learner.adopt(LearnerState(), first, before[-1].end)
+    state, fired = _fired(learner, state, busier)
+    assert fired
+    kept = learner.calibrate(before + busier, first.policy, busier[-1].end, "drift")
+    assert not kept.approved and not kept.details["refinement"]
+    state = learner.adopt(state, kept, busier[-1].end)
+    _performance_drift(learner, state, slower)
+    assert not learner.is_refinement("drift"), "a refusal is not an approval"
