@@ -257,8 +257,9 @@ class CoreLearner:
         traffic it was learned on: a drift of the performance detector alone, not led by the
         KV link, with no workload or SLO drift since the last approval. It then needs
         ``[controller] refinement_margin``: in the bench, such second changes within a
-        stationary phase had predicted gains of +0.006 to +0.016, and refusing the two below
-        0.01 cost nothing over both (docs/bench.md, "A refinement needs a larger gain")."""
+        stationary phase had predicted gains of +0.006 to +0.016; refusing the two below 0.01
+        moved those runs by +0.0009 and -0.0018 (docs/bench.md, "A refinement needs a larger
+        gain")."""
         return (reason == "drift" and self._fired == {"performance"}
                 and not self._shift_since_approval)
 
