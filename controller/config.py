@@ -197,6 +197,7 @@ class ControllerConfig(_Section):
     )
     min_policy_interval_s: float = Field(
         300.0, ge=0, description="Automatic approvals at most this often (operator actions "
+        "and a drift led by the KV link's own transfer times, measured rather than modelled, "
         "are not limited).",
     )
     guardrail_margin: float = Field(

@@ -64,6 +64,7 @@ from controller.core.drift import (
 )
 from controller.core.window import Window
 from controller.learning import (
+    MIN_REGIME_WINDOWS,
     CalibrationOutcome,
     DriftFinding,
     Learner,
@@ -427,6 +428,10 @@ class Cycle:
         self._pending_scaling: str | None = None
         self._pending_recommendation: int | None = None  # the scaling reached this one
         self._pending_drift = False
+        self._pending_measured = False  # ... and led by the KV link (not rate-limited)
+        # A link calibration refused before it could train on the new link's windows alone
+        # is tried once more then (virtual s); any other calibration first cancels it.
+        self._link_retry_at: float | None = None
         self.planner = planner
         self._plan_failed_at: float | None = None
         self._exported_recommendation = False
@@ -512,6 +517,7 @@ class Cycle:
             self.metrics.observe_job("assess", self.clock.monotonic() - t0)
             if any(f.fired for f in plan.findings):
                 self._pending_drift = True
+                self._pending_measured |= any(f.measured for f in plan.findings)
         recal = next((r for r in claimed if r.kind == "recalibrate"), None)
         plan.trigger = self._trigger(plan, rollout, ops, recal, now)
         if plan.trigger == "canary":
@@ -580,14 +586,18 @@ class Cycle:
         if rollout.canary_version is not None:
             # Routers run a mix of two policies while a canary bakes: its drift says nothing
             # about the fleet's policy. The judge decides instead.
-            self._pending_drift = False
+            self._pending_drift = self._pending_measured = False
             if self.config.canary_refit and not ops.holding \
                     and self._refit_due(rollout, plan.window):
                 return "canary"
             return None
         if ops.holding:
             return None
-        if self._since_last_change(now) < self.config.min_policy_interval_s:
+        # A drift led by a directly measured change of the cluster (the KV link) is
+        # calibrated for at once: the rate limit holds back the model's second thoughts,
+        # not a slower link (docs/bench.md, "A slower link is not rate-limited").
+        measured = self._pending_drift and self._pending_measured
+        if not measured and self._since_last_change(now) < self.config.min_policy_interval_s:
             if any(f.fired for f in plan.findings):
                 log.info("drift fired but the policy changed less than %.0f s ago",
                          self.config.min_policy_interval_s)
@@ -603,6 +613,8 @@ class Cycle:
             return "drift"
         if self._pending_scaling is not None:
             return "scaling"
+        if self._link_retry_at is not None and now >= self._link_retry_at:
+            return "drift"  # nothing calibrated since: the learner's drift is the link's
         due = self.next_due()
         if due is not None and now >= due:
             return "schedule"
@@ -652,6 +664,7 @@ class Cycle:
                          recal: OperatorRequest | None, ops: OperatorState,
                          report: CycleReport) -> None:
         trigger = plan.trigger or "schedule"
+        for_link = False  # a drift led by the KV link
         with self.store.read() as tx:
             stored = tx.windows(limit=self.config.training_windows)
         usable = [s for s in stored if self.usable(s.window)]
@@ -683,9 +696,11 @@ class Cycle:
             reason = f"{current.provenance.reason or 'schedule'} " \
                      f"({REFIT_PREFIX}{plan.refit_of})"
         else:
+            for_link = trigger == "drift" and self._pending_measured
             self._pending_scaling = None  # this calibration sees the new capacity and mix
             self._pending_recommendation = None
-            self._pending_drift = False
+            self._pending_drift = self._pending_measured = False
+            self._link_retry_at = None
             if recal is not None and recal.reason:
                 reason = f"{trigger}: {recal.reason}"
             elif plan.scaling is not None:  # the policy's provenance says which shape
@@ -710,6 +725,12 @@ class Cycle:
         if ops.exploration_off:
             outcome = replace(outcome, policy=without_exploration(outcome.policy))
         plan.calibration = outcome
+        if for_link and not outcome.approved and not outcome.details.get("regime_only"):
+            # Calibrated at the link's detection, it trained across the change. The change
+            # began before its detection: by then the learner has the windows to train on
+            # the new link's traffic alone (docs/bench.md, "A slower link is not
+            # rate-limited").
+            self._link_retry_at = now + MIN_REGIME_WINDOWS * self.config.interval_s
 
     # -- the one write transaction --------------------------------------------------------
 

@@ -45,6 +45,10 @@ class DriftFinding:
     threshold: float
     reason: str
     details: Mapping[str, Any] = field(default_factory=dict)
+    # Led by a quantity the windows measure directly (the KV link's transfer time against
+    # its fit), not by a model's misfit: a change of the cluster the cycle need not wait out
+    # ``min_policy_interval_s`` for.
+    measured: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,13 +194,14 @@ class CoreLearner:
         new, verdicts = drift.assess(drift_state, state.reference, window, now, residuals,
                                      self._drift)
         onsets = [drift.drift_onset(new.of(v.kind), v.threshold) for v in verdicts if v.fired]
+        # A link drift: the KV transfers' own CUSUM is over the threshold.
+        by_link = [v.fired and drift.feature_statistics(v.kind, v.details).get(
+            drift.KV_RESIDUAL, 0.0) > v.threshold for v in verdicts]
         if any(v.fired for v in verdicts):
             # The earliest onset among the detectors that fired (None: not known).
             known = [t for t in onsets if t is not None]
             self._drift_onset = min(known) if known else None
-            # A link drift: the KV transfers' own CUSUM is over the threshold.
-            link = any(v.fired and drift.feature_statistics(v.kind, v.details).get(
-                drift.KV_RESIDUAL, 0.0) > v.threshold for v in verdicts)
+            link = any(by_link)
             self._link_changed_at = (
                 drift.drift_onset(new.performance, self._drift.performance.threshold)
                 if link else None)
@@ -204,8 +209,9 @@ class CoreLearner:
             if link or self._fired != {"performance"}:
                 self._shift_since_approval = True
         findings = [
-            DriftFinding(v.kind, v.fired, v.statistic, v.threshold, v.reason, dict(v.details))
-            for v in verdicts
+            DriftFinding(v.kind, v.fired, v.statistic, v.threshold, v.reason, dict(v.details),
+                         measured=measured)
+            for v, measured in zip(verdicts, by_link, strict=True)
         ]
         return replace(state, drift=new), findings
 

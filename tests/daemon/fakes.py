@@ -83,6 +83,7 @@ class ScriptedLearner:
     refit finds nothing better than the candidate it refits."""
 
     fire: bool = False
+    measured: bool = False  # the next fire is led by the KV link (DriftFinding.measured)
     approve: bool = True
     approve_refit: bool = False
     route: Route = Route.DECODE_LOCAL
@@ -99,10 +100,12 @@ class ScriptedLearner:
     def assess(self, state: LearnerState, window: Window, now: float
                ) -> tuple[LearnerState, list[DriftFinding]]:
         fired, self.fire = self.fire, False
+        measured, self.measured = fired and self.measured, False
         return state, [DriftFinding("workload", fired, 2.0 if fired else 0.5, 1.0,
                                     "scripted", {"n": len(window.outcomes),
                                                  "qps": {"log_ratio": 0.6 if fired else 0.15,
-                                                         "threshold": 0.3}})]
+                                                         "threshold": 0.3}},
+                                    measured=measured)]
 
     def calibrate(self, windows: Sequence[Window], current: Policy | None, now: float,
                   reason: str, force: bool = False) -> CalibrationOutcome:

@@ -695,6 +695,63 @@ async def test_policy_change_limit_defers_automatic_approvals(tmp_path: Path) ->
     assert approved_at - first.created_at.timestamp() >= 300.0
 
 
+async def test_a_drift_led_by_the_kv_link_is_not_held_back_by_the_change_limit(
+        tmp_path: Path) -> None:
+    """The limit holds back the model's second thoughts; a slower link is measured
+    directly and calibrated for at once."""
+    rig = make_rig(tmp_path, min_policy_interval_s=300.0)
+    await _bootstrap(rig)
+    rig.learner.fire = True  # a model's drift, within the limit: deferred
+    report = await rig.step()
+    assert report.drift == ["workload"] and report.trigger is None
+    rig.learner.fire = rig.learner.measured = True  # the link's, a window later
+    report = await rig.step()
+    assert report.trigger == "drift" and report.approved_version == 2
+    first = rig.store.policy(1)
+    assert first is not None and rig.clock.now() - first.created_at.timestamp() < 300.0
+
+
+@pytest.mark.parametrize("regime_only", [False, True])
+async def test_a_refused_link_calibration_is_tried_once_more_on_the_new_links_windows(
+        tmp_path: Path, regime_only: bool) -> None:
+    """Calibrated at the link's detection, a refused candidate trained across the change:
+    once, MIN_REGIME_WINDOWS intervals later, the cycle calibrates again without a new
+    drift. Not when the refusal was already judged on the windows since the change alone."""
+    from controller.learning import MIN_REGIME_WINDOWS
+
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.learner.approve, rig.learner.regime_only = False, regime_only
+    rig.learner.fire = rig.learner.measured = True
+    report = await rig.step()
+    assert report.trigger == "drift" and report.approved_version is None
+    refused_at = rig.clock.now()
+    triggers = []
+    for _ in range(2 * MIN_REGIME_WINDOWS):
+        report = await rig.step()
+        if report.trigger is not None:
+            triggers.append((rig.clock.now() - refused_at, report.trigger))
+    assert triggers == ([] if regime_only else [(MIN_REGIME_WINDOWS * 30.0, "drift")])
+
+
+async def test_another_calibration_cancels_the_link_retry(tmp_path: Path) -> None:
+    from controller.learning import MIN_REGIME_WINDOWS
+
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.learner.approve = False
+    rig.learner.fire = rig.learner.measured = True
+    await rig.step()
+    calibrations = rig.learner.calibrations
+    rig.learner.fire = True  # a workload drift two windows later: calibrated for, refused
+    await rig.step()
+    await rig.step()
+    assert rig.learner.calibrations == calibrations + 1
+    for _ in range(2 * MIN_REGIME_WINDOWS):
+        report = await rig.step()
+        assert report.trigger is None
+
+
 async def test_advisory_mode_records_candidates_and_pushes_nothing(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, advisory=True)
     for _ in range(4):

@@ -140,6 +140,7 @@ def _performance_drift(learner: CoreLearner, state: LearnerState,
         kinds = {f.kind for f in findings if f.fired}
         if kinds:
             assert kinds == {"performance"}, kinds
+            assert not any(f.measured for f in findings), "a model's misfit, not the link's"
             return state
     raise AssertionError("no drift fired")
 
