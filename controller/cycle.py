@@ -614,6 +614,7 @@ class Cycle:
         if self._pending_scaling is not None:
             return "scaling"
         if self._link_retry_at is not None and now >= self._link_retry_at:
+            log.info("calibrating again for the KV link's drift, on the windows since it")
             return "drift"  # nothing calibrated since: the learner's drift is the link's
         due = self.next_due()
         if due is not None and now >= due:
