@@ -108,7 +108,6 @@ def test_a_refusal_does_not_silence_a_performance_detector_that_did_not_fire() -
     """The performance detector restarts on the candidate's model after a refusal, in the
     cooldown of its own last firing, not in a new one (a workload calibration refused just
     before a KV-link slowdown used to hide the slowdown for a whole cooldown)."""
-
     from controller.core.drift import DetectorState
 
     learner = CoreLearner(load_settings())  # cooldown 300 s
@@ -153,7 +152,7 @@ def test_a_performance_drift_on_the_traffic_of_the_last_approval_needs_the_refin
     started, leaves the guardrail margin."""
     settings = load_settings(None, controller={"refinement_margin": 0.03})
     learner = CoreLearner(settings)
-    before = stationary(Truth(), Mix(), 2.0, 0.6, 20, seed=1, start=T0, slo=SLO)
+    before, _ = _streams()
     slower = stationary(Truth(b=2 * Truth().b), Mix(), 2.0, 0.6, 20, seed=3,
                         start=T0 + 20 * INTERVAL, slo=SLO)
     first = learner.calibrate(before, None, before[-1].end, "schedule")
@@ -173,8 +172,7 @@ def test_a_performance_drift_on_the_traffic_of_the_last_approval_needs_the_refin
     assert not learner.is_refinement("drift")
     # The same drift by a learner that has approved nothing since it started (a restart).
     fresh = CoreLearner(settings)
-    fresh_state = fresh.restore(first.details)
-    fresh_state = replace(fresh_state, model=state.model)
+    fresh_state = replace(fresh.restore(first.details), model=state.model)
     _performance_drift(fresh, fresh_state, slower)
     assert not fresh.is_refinement("drift")
     assert fresh.calibrate(before + slower, first.policy, now, "drift") \
@@ -185,7 +183,7 @@ def test_a_workload_drift_since_the_last_approval_ends_refinement() -> None:
     """After a workload drift whose calibration was refused, a performance drift alone is
     not a refinement: the traffic moved since the policy was learned."""
     learner = CoreLearner(load_settings())
-    before = stationary(Truth(), Mix(), 2.0, 0.6, 20, seed=1, start=T0, slo=SLO)
+    before, _ = _streams()
     busier = stationary(Truth(), Mix(), 3.0, 0.6, 12, seed=2, start=T0 + 20 * INTERVAL,
                         slo=SLO)
     slower = stationary(Truth(b=2 * Truth().b), Mix(), 3.0, 0.6, 20, seed=3,
