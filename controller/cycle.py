@@ -292,6 +292,7 @@ class _Plan:
     applied_recommendation: int | None = None  # the scaling just confirmed reached it
     refit_of: int | None = None  # a "canary" calibration: the baking version it refits
     canary_verdict: str | None = None  # the judge's action this cycle
+    link_retry_at: float | None = None  # a refused link calibration: calibrate again then
 
 
 def reference_calibration(tx: Tx, version: int) -> CalibrationRecord | None:
@@ -429,9 +430,6 @@ class Cycle:
         self._pending_recommendation: int | None = None  # the scaling reached this one
         self._pending_drift = False
         self._pending_measured = False  # ... and led by the KV link (not rate-limited)
-        # A link calibration refused before it could train on the new link's windows alone
-        # is tried once more then (virtual s); any other calibration first cancels it.
-        self._link_retry_at: float | None = None
         self.planner = planner
         self._plan_failed_at: float | None = None
         self._exported_recommendation = False
@@ -613,7 +611,7 @@ class Cycle:
             return "drift"
         if self._pending_scaling is not None:
             return "scaling"
-        if self._link_retry_at is not None and now >= self._link_retry_at:
+        if self._link_retry_due(now):
             log.info("calibrating again for the KV link's drift, on the windows since it")
             return "drift"  # nothing calibrated since: the learner's drift is the link's
         due = self.next_due()
@@ -633,6 +631,15 @@ class Cycle:
             if record is None or record.reason.startswith(REFIT_PREFIX):
                 return False
             return self.judge_canary(tx, rollout, record, window).action == "promote"
+
+    def _link_retry_due(self, now: float) -> bool:
+        """Whether the newest calibration was a refused link calibration whose retry is due.
+        Read from the store, as the schedule is, so a restarted daemon still retries; any
+        calibration stored since cancels it."""
+        with self.store.read() as tx:
+            newest = tx.calibrations(limit=1)
+        retry_at = (newest[0].details or {}).get("link_retry_at") if newest else None
+        return isinstance(retry_at, (int, float)) and now >= retry_at
 
     def next_due(self) -> float | None:
         """When the next scheduled calibration is due (epoch s), from the store."""
@@ -701,7 +708,6 @@ class Cycle:
             self._pending_scaling = None  # this calibration sees the new capacity and mix
             self._pending_recommendation = None
             self._pending_drift = self._pending_measured = False
-            self._link_retry_at = None
             if recal is not None and recal.reason:
                 reason = f"{trigger}: {recal.reason}"
             elif plan.scaling is not None:  # the policy's provenance says which shape
@@ -731,7 +737,7 @@ class Cycle:
             # began before its detection: by then the learner has the windows to train on
             # the new link's traffic alone (docs/bench.md, "A slower link is not
             # rate-limited").
-            self._link_retry_at = now + MIN_REGIME_WINDOWS * self.config.interval_s
+            plan.link_retry_at = now + MIN_REGIME_WINDOWS * self.config.interval_s
 
     # -- the one write transaction --------------------------------------------------------
 
@@ -869,6 +875,7 @@ class Cycle:
             {**_plain(outcome.details), "trigger": plan.trigger, "dry_run": dry_run,
              "approved": outcome.approved, "reason": outcome.reason,
              "refit_of": plan.refit_of, "reference_for": reference_for,
+             "link_retry_at": plan.link_retry_at,
              **_scaling_details(plan)},
         )
 

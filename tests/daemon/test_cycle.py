@@ -711,12 +711,14 @@ async def test_a_drift_led_by_the_kv_link_is_not_held_back_by_the_change_limit(
     assert first is not None and rig.clock.now() - first.created_at.timestamp() < 300.0
 
 
-@pytest.mark.parametrize("regime_only", [False, True])
+@pytest.mark.parametrize("regime_only,restart", [(False, False), (True, False),
+                                                  (False, True)])
 async def test_a_refused_link_calibration_is_tried_once_more_on_the_new_links_windows(
-        tmp_path: Path, regime_only: bool) -> None:
+        tmp_path: Path, regime_only: bool, restart: bool) -> None:
     """Calibrated at the link's detection, a refused candidate trained across the change:
     once, MIN_REGIME_WINDOWS intervals later, the cycle calibrates again without a new
-    drift. Not when the refusal was already judged on the windows since the change alone."""
+    drift, a restarted daemon too (the retry is in the calibration's record). Not when the
+    refusal was already judged on the windows since the change alone."""
     from controller.learning import MIN_REGIME_WINDOWS
 
     rig = make_rig(tmp_path)
@@ -726,6 +728,8 @@ async def test_a_refused_link_calibration_is_tried_once_more_on_the_new_links_wi
     report = await rig.step()
     assert report.trigger == "drift" and report.approved_version is None
     refused_at = rig.clock.now()
+    if restart:
+        rig.new_cycle()
     triggers = []
     for _ in range(2 * MIN_REGIME_WINDOWS):
         report = await rig.step()
