@@ -198,7 +198,8 @@ class ControllerConfig(_Section):
     min_policy_interval_s: float = Field(
         300.0, ge=0, description="Automatic approvals at most this often (operator actions "
         "and a drift led by the KV link's own transfer times, measured rather than modelled, "
-        "are not limited).",
+        "are not limited). A drift or scaling held back is calibrated for once the limit "
+        "allows, also by a restarted or newly elected daemon (read back from the store).",
     )
     guardrail_margin: float = Field(
         0.005, ge=0, description="A candidate needs predicted goodput >= current + margin."

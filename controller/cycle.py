@@ -61,6 +61,7 @@ from controller.core.drift import (
     ScalingState,
     feature_statistics,
     step_scaling,
+    worker_counts,
 )
 from controller.core.window import Window
 from controller.learning import (
@@ -430,6 +431,7 @@ class Cycle:
         self._pending_recommendation: int | None = None  # the scaling reached this one
         self._pending_drift = False
         self._pending_measured = False  # ... and led by the KV link (not rate-limited)
+        self._pending_restored = False  # read from the store once per term as leader
         self.planner = planner
         self._plan_failed_at: float | None = None
         self._exported_recommendation = False
@@ -451,6 +453,7 @@ class Cycle:
                 if self._last_end is not None:
                     self.source.forget_baselines()
                 self._last_end = None
+                self._pending_restored = False
             self._leading = report.leader
             if not report.leader and self._exported_recommendation:
                 self.metrics.clear_recommendation()  # only the leader feeds autoscalers
@@ -497,6 +500,9 @@ class Cycle:
             ops = operator_state(tx.requests(status="done"))
             current = self._current_policy(tx, rollout)
             self._restore_learner(tx, rollout)
+            if not self._pending_restored:
+                self._restore_pending(tx)
+                self._pending_restored = True
         window = plan.window
         if window is not None:
             self._track_failures(window)
@@ -806,7 +812,8 @@ class Cycle:
                         self.metrics.set_drift(f.kind, feature, value, f.threshold)
             if f.fired:
                 tx.add_drift_event(f.kind, f.statistic, f.threshold, window_ids,
-                                   {"reason": f.reason, **_plain(f.details)})
+                                   {"reason": f.reason, **_plain(f.details),
+                                    "measured": f.measured})
                 self.metrics.drift_event(f.kind)
                 report.drift.append(f.kind)
 
@@ -1269,6 +1276,36 @@ class Cycle:
         if record is not None or self._state_for is None:
             self._state = self.learner.restore(record.details if record else None)
         self._state_for = version
+
+    def _restore_pending(self, tx: Tx) -> None:
+        """On taking the lead (a start, a restart, a failover), the causes not yet
+        calibrated for (held back by the change limit or an operator), from the store: not
+        what this replica remembers of an earlier term, which another leader may have acted
+        on since. Without this a restart inside `min_policy_interval_s` dropped them.
+
+        - A drift stored since the last calibration and since the last bake ended.
+        - A change of the worker counts since the last calibration's newest window: the
+          scaling detector counts from those, not from this term's first window."""
+        newest = tx.calibrations(limit=1)
+        marks = [c.created_at for c in newest]
+        # Drift while a canary baked is void (see _trigger). A bake ends with a calibration
+        # (the refit) or, without one, with the newest policy's promotion or rollback.
+        for p in tx.policies(limit=1):
+            marks += [p.promoted_at] if p.promoted_at is not None else []
+            marks += [p.updated_at] if p.status == "rolled_back" else []
+        since = max(marks) if marks else None
+        pending = [e for e in tx.drift_events(since=since) if since is None or e.at > since]
+        self._pending_drift = bool(pending)
+        self._pending_measured = any((e.details or {}).get("measured") for e in pending)
+        self._pending_scaling = self._pending_recommendation = None  # counted again below
+        if pending:
+            log.info("a drift stored since the last calibration is still pending: %s",
+                     ", ".join(sorted({e.kind for e in pending})))
+        trained = tx.windows_by_ids([newest[0].last_window_id]) \
+            if newest and newest[0].last_window_id is not None else []
+        # Compacted away, or nothing calibrated yet: the first window sets the counts.
+        self._scaling = ScalingState(worker_counts(trained[0].window)) if trained \
+            else ScalingState()
 
     def _assign_new_routers(self, tx: Tx, now: datetime) -> None:
         """A configured router without a desired version joins the fleet's version."""

@@ -584,6 +584,12 @@ class ScalingState:
     pending: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # role -> (count, seen)
 
 
+def worker_counts(window: Window) -> dict[str, int]:
+    """Answering workers per role in ``window`` (what :func:`step_scaling` counts)."""
+    return {role: sum(1 for w in window.workers if w.role == role)
+            for role in ("prefill", "decode")}
+
+
 def step_scaling(
     state: ScalingState, window: Window, persist: int = 2
 ) -> tuple[ScalingState, tuple[ScalingEvent, ...]]:
@@ -597,8 +603,7 @@ def step_scaling(
     known = dict(state.known)
     pending = dict(state.pending)
     events = []
-    for role in ("prefill", "decode"):
-        n = sum(1 for w in window.workers if w.role == role)
+    for role, n in worker_counts(window).items():
         if role not in known:
             known[role] = n
             continue

@@ -467,6 +467,29 @@ async def test_a_target_gone_for_good_is_lost_capacity_not_missing_data(tmp_path
     assert report.trigger == "drift" and report.approved_version == 3
 
 
+@pytest.mark.parametrize("restart", [False, True])
+async def test_a_scaling_held_back_by_the_change_limit_is_calibrated_for_later(
+        tmp_path: Path, restart: bool) -> None:
+    """A worker scaled away within the limit is calibrated for once the limit allows, by a
+    restarted daemon too: it counts workers from the last calibration's windows."""
+    rig = make_rig(tmp_path, routers=1, min_policy_interval_s=300.0)
+    await _bootstrap(rig)
+    del rig.source.workers["p1"]
+    for _ in range(2):  # confirmed after two windows, held back by the limit
+        assert (await rig.step()).trigger is None
+    if restart:
+        rig.new_cycle()
+    first = rig.store.policy(1)
+    assert first is not None
+    for _ in range(12):
+        report = await rig.step()
+        if report.trigger is not None:
+            break
+    assert report.trigger == "scaling"
+    assert rig.learner.reasons[-1] == "scaling: prefill workers 2 -> 1"
+    assert rig.clock.now() - first.created_at.timestamp() >= 300.0
+
+
 async def test_too_few_complete_windows_defer_a_calibration_without_the_fit_back_off(
     tmp_path: Path,
 ) -> None:
@@ -674,7 +697,9 @@ async def test_restart_does_not_repush_an_acknowledged_version(tmp_path: Path) -
     assert _metric(rig.registry, "pdctl_router_acked_version", {"router": "r1"}) == 1
 
 
-async def test_policy_change_limit_defers_automatic_approvals(tmp_path: Path) -> None:
+@pytest.mark.parametrize("restart", [False, True])
+async def test_policy_change_limit_defers_automatic_approvals(tmp_path: Path,
+                                                              restart: bool) -> None:
     rig = make_rig(tmp_path, min_policy_interval_s=300.0)
     await _bootstrap(rig)
     first = rig.store.policy(1)
@@ -683,6 +708,8 @@ async def test_policy_change_limit_defers_automatic_approvals(tmp_path: Path) ->
     report = await rig.step()
     assert report.drift == ["workload"]
     assert report.approved_version is None and report.trigger is None
+    if restart:
+        rig.new_cycle()  # the stored drift event is still pending for the restarted daemon
     # The drift is remembered, and acted on once the limit allows: no new drift needed.
     approved_at = None
     for _ in range(15):
@@ -736,6 +763,47 @@ async def test_a_refused_link_calibration_is_tried_once_more_on_the_new_links_wi
         if report.trigger is not None:
             triggers.append((rig.clock.now() - refused_at, report.trigger))
     assert triggers == ([] if regime_only else [(MIN_REGIME_WINDOWS * 30.0, "drift")])
+
+
+async def test_a_restart_keeps_a_link_drift_held_by_the_operator_and_drops_a_voided_one(
+        tmp_path: Path) -> None:
+    """A drift stored while approvals are paused is pending after a restart, as the KV
+    link's it was (the change limit does not hold it back); one stored before the last
+    calibration is not."""
+    rig = make_rig(tmp_path, min_policy_interval_s=300.0)
+    await _bootstrap(rig)
+    rig.store.add_request("pause", {}, "alice@host", "maintenance")
+    await rig.step()
+    rig.learner.fire = rig.learner.measured = True
+    assert (await rig.step()).drift == ["workload"]
+    rig.new_cycle()
+    rig.store.add_request("resume", {}, "alice@host", "done")
+    assert (await rig.step()).trigger is None  # the resume is applied after the decision
+    report = await rig.step()
+    assert report.trigger == "drift" and report.approved_version == 2
+    first = rig.store.policy(1)
+    assert first is not None and rig.clock.now() - first.created_at.timestamp() < 300.0
+    await _until_canary(rig, lambda text: "promoted" in text)
+    for _ in range(3):  # that drift was calibrated for: it is not pending again
+        rig.new_cycle()
+        assert (await rig.step()).trigger is None
+
+
+async def test_a_restart_after_a_bake_drops_the_drift_seen_during_it(tmp_path: Path) -> None:
+    """Routers ran two policies while the canary baked: its drift said nothing about the
+    fleet's policy and was void then, and stays void for a daemon restarted after the
+    promotion (here with no refit calibration to mark the bake's end)."""
+    rig = make_rig(tmp_path, canary_refit=False)
+    await _canary_v2(rig, {1: 0.90, 2: 0.97})
+    rig.learner.fire = True
+    report = await rig.step()
+    assert report.drift == ["workload"] and report.trigger is None
+    await _until_canary(rig, lambda text: "promoted" in text)
+    calibrations = rig.learner.calibrations
+    rig.new_cycle()
+    for _ in range(3):
+        assert (await rig.step()).trigger is None
+    assert rig.learner.calibrations == calibrations
 
 
 async def test_another_calibration_cancels_the_link_retry(tmp_path: Path) -> None:
@@ -872,3 +940,36 @@ async def test_windows_tile_time_when_leadership_moves_between_replicas(tmp_path
     await replica(a).run_once()
     start, end = (lambda w: (w.start, w.end))(rig.store.windows()[-1].window)
     assert end - start == step
+
+
+async def test_a_new_leader_acts_on_the_drift_its_predecessor_held_back_once(
+        tmp_path: Path) -> None:
+    """Replica a sees a drift the change limit holds back and loses the lead; b calibrates
+    for it once the limit allows; a, leading again, does not calibrate for it a second
+    time from what it remembered."""
+    from controller.cycle import Cycle
+    from controller.metrics import ControllerMetrics
+    from controller.rollout.reconciler import Reconciler
+
+    rig = make_rig(tmp_path, routers=1, min_policy_interval_s=300.0)
+    a, b = _Toggle("a", True), _Toggle("b", False)
+    replicas = {lead.holder: Cycle(
+        clock=rig.clock, source=rig.source, store=rig.store, learner=rig.learner,
+        reconciler=Reconciler(rig.transport, rig.clock, max_attempts=1),
+        metrics=ControllerMetrics(CollectorRegistry()), routers=list(rig.agents),
+        config=rig.config, leadership=lead) for lead in (a, b)}
+
+    async def step(leader: str) -> CycleReport:
+        a.leading, b.leading = leader == "a", leader == "b"
+        rig.clock.advance(rig.config.interval_s)
+        reports = {k: await c.run_once() for k, c in replicas.items()}
+        return reports[leader]
+
+    for _ in range(4):
+        if (await step("a")).approved_version == 1:
+            break
+    rig.learner.fire = True
+    assert (await step("a")).trigger is None  # held back by the limit
+    triggers = [(await step("b")).trigger for _ in range(12)]
+    assert triggers.count("drift") == 1
+    assert [(await step("a")).trigger for _ in range(12)] == [None] * 12
