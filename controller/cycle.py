@@ -432,6 +432,9 @@ class Cycle:
         self._pending_drift = False
         self._pending_measured = False  # ... and led by the KV link (not rate-limited)
         self._pending_restored = False  # read from the store once per term as leader
+        # A link calibration refused before it could train on the new link's windows alone
+        # is tried once more then (epoch s): the newest stored calibration's link_retry_at.
+        self._link_retry_at: float | None = None
         self.planner = planner
         self._plan_failed_at: float | None = None
         self._exported_recommendation = False
@@ -617,7 +620,7 @@ class Cycle:
             return "drift"
         if self._pending_scaling is not None:
             return "scaling"
-        if self._link_retry_due(now):
+        if self._link_retry_at is not None and now >= self._link_retry_at:
             log.info("calibrating again for the KV link's drift, on the windows since it")
             return "drift"  # nothing calibrated since: the learner's drift is the link's
         due = self.next_due()
@@ -637,15 +640,6 @@ class Cycle:
             if record is None or record.reason.startswith(REFIT_PREFIX):
                 return False
             return self.judge_canary(tx, rollout, record, window).action == "promote"
-
-    def _link_retry_due(self, now: float) -> bool:
-        """Whether the newest calibration was a refused link calibration whose retry is due.
-        Read from the store, as the schedule is, so a restarted daemon still retries; any
-        calibration stored since cancels it."""
-        with self.store.read() as tx:
-            newest = tx.calibrations(limit=1)
-        retry_at = (newest[0].details or {}).get("link_retry_at") if newest else None
-        return isinstance(retry_at, (int, float)) and now >= retry_at
 
     def next_due(self) -> float | None:
         """When the next scheduled calibration is due (epoch s), from the store."""
@@ -885,6 +879,7 @@ class Cycle:
              "link_retry_at": plan.link_retry_at,
              **_scaling_details(plan)},
         )
+        self._link_retry_at = plan.link_retry_at  # any stored calibration replaces it
 
     def _approve(self, tx: Tx, version: int, rollout: Rollout, report: CycleReport) -> None:
         """Make an approved version desired: a canary share first when there is a fleet
@@ -1285,8 +1280,13 @@ class Cycle:
 
         - A drift stored since the last calibration and since the last bake ended.
         - A change of the worker counts since the last calibration's newest window: the
-          scaling detector counts from those, not from this term's first window."""
+          scaling detector counts from those, not from this term's first window.
+        - The retry of a refused link calibration, when it was the newest calibration.
+        Kept in memory during the term (one read per term, not per cycle: a calibration's
+        details are large)."""
         newest = tx.calibrations(limit=1)
+        retry_at = (newest[0].details or {}).get("link_retry_at") if newest else None
+        self._link_retry_at = float(retry_at) if isinstance(retry_at, (int, float)) else None
         marks = [c.created_at for c in newest]
         # Drift while a canary baked is void (see _trigger). A bake ends with a calibration
         # (the refit) or, without one, with the newest policy's promotion or rollback.
