@@ -431,7 +431,6 @@ class Cycle:
         self._pending_recommendation: int | None = None  # the scaling reached this one
         self._pending_drift = False
         self._pending_measured = False  # ... and led by the KV link (not rate-limited)
-        self._pending_restored = False  # read from the store once per term as leader
         # A link calibration refused before it could train on the new link's windows alone
         # is tried once more then (epoch s): the newest stored calibration's link_retry_at.
         self._link_retry_at: float | None = None
@@ -456,7 +455,8 @@ class Cycle:
                 if self._last_end is not None:
                     self.source.forget_baselines()
                 self._last_end = None
-                self._pending_restored = False
+                with self.store.read() as tx:  # a failure retries it next cycle
+                    self._restore_pending(tx)
             self._leading = report.leader
             if not report.leader and self._exported_recommendation:
                 self.metrics.clear_recommendation()  # only the leader feeds autoscalers
@@ -503,9 +503,6 @@ class Cycle:
             ops = operator_state(tx.requests(status="done"))
             current = self._current_policy(tx, rollout)
             self._restore_learner(tx, rollout)
-            if not self._pending_restored:
-                self._restore_pending(tx)
-                self._pending_restored = True
         window = plan.window
         if window is not None:
             self._track_failures(window)
