@@ -263,6 +263,7 @@ class CycleReport:
     trigger: str | None = None
     calibration_id: int | None = None
     candidate_version: int | None = None
+    candidate_status: str | None = None  # as stored: approved, rejected, candidate, advisory
     approved_version: int | None = None
     guardrail: str | None = None
     canary: str | None = None
@@ -271,6 +272,31 @@ class CycleReport:
     acked: dict[str, int | None] = field(default_factory=dict)
     recommendation_id: int | None = None
     capacity: str | None = None  # the recommendation in words, or why there is none
+
+    def summary(self) -> str:
+        """The cycle in one line, for a text log (the JSON log has every field too): its
+        result, then only what happened in it. A quiet cycle is just its result."""
+        parts = [] if self.leader else ["follower"]
+        if self.reason:
+            parts.append(self.reason)
+        if self.drift:
+            parts.append("drift: " + ", ".join(self.drift))
+        if self.trigger is not None and self.guardrail is not None:
+            # The guardrail's reason starts with its verdict; the version's stored status
+            # is the cycle's (advisory, and a held rollout, keep an approval back).
+            stored = "not stored (dry run)" if self.candidate_version is None \
+                else f"v{self.candidate_version} {self.candidate_status}"
+            parts.append(f"recalibration ({self.trigger}): {stored}, guardrail {self.guardrail}")
+        parts += self.requests
+        if self.canary:
+            parts.append(f"canary {self.canary}")
+        if self.pushes:
+            acked = ", ".join(f"{r} v{v}" for r, v in sorted(self.acked.items())
+                              if v is not None)
+            parts.append(f"{self.pushes} push(es); acked: {acked or 'none'}")
+        if self.recommendation_id is not None and self.capacity:
+            parts.append(f"capacity: {self.capacity}")
+        return ": ".join([self.result, "; ".join(parts)]) if parts else self.result
 
 
 @dataclass
@@ -478,7 +504,7 @@ class Cycle:
         if report.result == "ok":
             self.last_completed_at = self.clock.now()
         self.last_report = report
-        log.info("cycle %s", report.result, extra={"cycle": _report_fields(report)})
+        log.info("cycle %s", report.summary(), extra={"cycle": _report_fields(report)})
         return report
 
     # -- deciding (leader only) -----------------------------------------------------------
@@ -849,7 +875,7 @@ class Cycle:
                 status = "approved"
             tx.add_policy(version, policy.checksum, dumps(policy), status, reason)
             self._policies[version] = policy
-            report.candidate_version = version
+            report.candidate_version, report.candidate_status = version, status
             if status == "approved":
                 self._approve(tx, version, rollout, report)
                 self._state_for = version

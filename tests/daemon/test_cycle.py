@@ -4,6 +4,7 @@ router runs, in-memory router agents, a SQLite store, a scripted learner."""
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from statistics import NormalDist
@@ -441,6 +442,43 @@ async def test_incomplete_window_and_failed_fit_never_approve(tmp_path: Path) ->
     report = await rig.step()
     assert report.trigger == "operator" and report.approved_version == 2
     assert rig.learner.calibrations == calls + 1
+
+
+def _cycle_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    lines = [r.getMessage() for r in caplog.records if r.name == "pdctl.cycle"
+             and r.getMessage().startswith("cycle ")]
+    caplog.clear()
+    return lines
+
+
+@pytest.mark.parametrize("advisory", [False, True])
+async def test_the_text_log_says_what_each_cycle_did(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, advisory: bool) -> None:
+    """`pdctl run` logs plain text by default (the systemd unit, the Kubernetes manifests):
+    a cycle that deferred, calibrated, approved or pushed says so in its line, not only in
+    the JSON log's fields; a quiet cycle is one short line."""
+    caplog.set_level(logging.INFO, logger="pdctl.cycle")
+    rig = make_rig(tmp_path, advisory=advisory)
+    await rig.step()
+    assert _cycle_lines(caplog) == ["cycle ok"]  # one window: nothing to do yet
+    rig.source.down = {"r3"}
+    rig.learner.fire = True
+    await rig.step()
+    (line,) = _cycle_lines(caplog)
+    assert "calibration (drift) deferred" in line and "r3" in line, line
+    assert "drift: workload" in line, line
+    rig.source.down = set()
+    report = await rig.step()
+    (line,) = _cycle_lines(caplog)
+    version = report.candidate_version
+    assert version is not None
+    status = "advisory" if advisory else "approved"
+    assert f"recalibration (drift): v{version} {status}, guardrail approved" in line, line
+    if advisory:
+        assert "push" not in line and "canary" not in line, line
+    else:
+        assert f"push(es); acked: r0 v{version}" in line, line
+        assert "canary no previous policy" in line, line
 
 
 async def test_a_target_gone_for_good_is_lost_capacity_not_missing_data(tmp_path: Path
