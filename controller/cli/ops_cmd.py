@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import socket
 import time
 from datetime import datetime
@@ -49,8 +50,15 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
 
 def default_who() -> str:
-    return f"{os.environ.get('USER') or os.environ.get('LOGNAME') or 'unknown'}@" \
-        f"{socket.gethostname()}"
+    """``$USER@hostname``; without $USER or $LOGNAME (a `kubectl exec` shell, a cron job) the
+    account of the process's uid, so the audit trail still names someone."""
+    user = os.environ.get("USER") or os.environ.get("LOGNAME")
+    if not user:
+        try:
+            user = pwd.getpwuid(os.getuid()).pw_name
+        except KeyError:  # an arbitrary uid with no passwd entry (OpenShift, some pods)
+            user = f"uid{os.getuid()}"
+    return f"{user}@{socket.gethostname()}"
 
 
 def _open_store(url: str | None, config: Path | None) -> Store:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -85,6 +86,26 @@ def test_bad_input_and_missing_schema(tmp_path: Path) -> None:
     assert runner.invoke(app, ["exploration", "maybe", "--url", _url(tmp_path)]).exit_code == 2
     result = runner.invoke(app, ["pause", "--url", _url(tmp_path)])
     assert result.exit_code == 3 and "pdctl db upgrade" in result.output
+
+
+def test_a_request_names_the_uid_s_account_when_user_is_unset(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `kubectl exec` shell or a cron job has no $USER: the request still names someone."""
+    import pwd
+    import socket
+
+    from controller.store import Store
+
+    url = _url(tmp_path)
+    Store(url).upgrade()
+    monkeypatch.delenv("USER", raising=False)
+    monkeypatch.delenv("LOGNAME", raising=False)
+    assert runner.invoke(app, ["pause", "--url", url, "--reason", "r"]).exit_code == 0
+    (request,) = Store(url).requests()
+    assert request.who == f"{pwd.getpwuid(os.getuid()).pw_name}@{socket.gethostname()}"
+    monkeypatch.setenv("USER", "alice")
+    assert runner.invoke(app, ["resume", "--url", url, "--reason", "r"]).exit_code == 0
+    assert [r.who for r in Store(url).requests()][-1] == f"alice@{socket.gethostname()}"
 
 
 def test_run_requires_a_config_file(tmp_path: Path) -> None:
