@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from controller.core.calibrate import CalibrationResult
     from controller.core.window import Window
     from controller.policy import Policy
-    from controller.store import Store
+    from controller.store import Store, Tx
     from controller.store.records import CalibrationRecord, StoredWindow
 
 _EXIT_BAD_INPUT = 2
@@ -57,23 +57,49 @@ class Learned:
 
 def current_calibration(store: Store) -> tuple[CalibrationRecord, Policy | None,
                                                list[StoredWindow]]:
-    """The calibration of the version the routers should run, else the newest one."""
+    """The version the routers should run (the baking canary's, else the fleet's) with the
+    calibration its table came from: its own; for a version with none of its own (re-issued
+    above a router that was ahead, exploration turned off, a fallback) the newest stored
+    before it whose policy routes alike, else the newest stored before it — not a later
+    candidate the guardrail refused. With no version desired yet, the newest calibration and
+    its own policy."""
     from controller.cycle import read_rollout
     from controller.policy import loads
 
     with store.read() as tx:
         rollout = read_rollout(tx)
         version = rollout.canary_version or rollout.fleet_version
+        rec = tx.policy(version) if version is not None else None
+        running = loads(rec.body_json) if rec is not None else None
         record = tx.calibration_for(version) if version is not None else None
         if record is None:
-            newest = tx.calibrations(limit=1)
-            record = newest[-1] if newest else None
+            before = tx.calibrations(limit=_LINEAGE_LOOKBACK,
+                                     until=rec.created_at if rec is not None else None)
+            record = next((c for c in reversed(before) if running is not None
+                           and _routes_alike(tx, c, running)), None) \
+                or (before[-1] if before else None)
         if record is None:
             raise NoCalibration("the store holds no calibration yet (run the daemon, "
                                 "`pdctl recalibrate` or `pdctl calibrate-active` first)")
-        rec = tx.policy(record.policy_version) if record.policy_version is not None else None
+        if running is None and record.policy_version is not None:
+            own = tx.policy(record.policy_version)
+            running = loads(own.body_json) if own is not None else None
         stored = tx.windows_by_ids(record.training_window_ids)
-    return record, (loads(rec.body_json) if rec is not None else None), stored
+    return record, running, stored
+
+
+# Calibrations looked through for the one a re-issued version's table came from.
+_LINEAGE_LOOKBACK = 50
+
+
+def _routes_alike(tx: Tx, record: CalibrationRecord, policy: Policy) -> bool:
+    from controller.policy import loads
+
+    own = tx.policy(record.policy_version) if record.policy_version is not None else None
+    if own is None:
+        return False
+    table = loads(own.body_json).table
+    return table.axes == policy.table.axes and table.routes == policy.table.routes
 
 
 def refit(store: Store, settings: Settings) -> Learned:
@@ -156,7 +182,10 @@ def explain_doc(learned: Learned, turn: int, context: float, append: float, outp
         "features": {"turn": turn, "context_tokens": context, "append_tokens": append,
                      "expected_output_tokens": output, "qps": qps},
         "calibration_id": learned.record.id,
-        "policy_version": learned.record.policy_version,
+        # The version decided with (the routers'), and the one the calibration produced.
+        "policy_version": learned.policy.version if learned.policy is not None
+        else learned.record.policy_version,
+        "calibration_policy_version": learned.record.policy_version,
         "training_windows": len(learned.windows),
         **doc,
     })
@@ -183,7 +212,14 @@ def explain_command(
     if as_json:
         typer.echo(json.dumps(doc))
         return
-    typer.echo(f"calibration #{doc['calibration_id']} (policy v{doc['policy_version']}, "
+    running, produced = doc["policy_version"], doc["calibration_policy_version"]
+    if running is None:
+        source = "no stored policy: a dry run"
+    elif produced == running:
+        source = f"v{running}"
+    else:
+        source = f"v{running}, learned for {'v' + str(produced) if produced else 'a dry run'}"
+    typer.echo(f"calibration #{doc['calibration_id']} (policy {source}, "
                f"model refitted on {doc['training_windows']} stored windows)")
     w = doc["weights"]
     typer.echo(f"decision  {doc['decision']} ({doc['reason']}); weights wtft={w['wtft']:.3g} "

@@ -414,11 +414,16 @@ class Tx:
         return row.id
 
     def calibrations(
-        self, since: datetime | None = None, limit: int | None = None
+        self, since: datetime | None = None, limit: int | None = None,
+        until: datetime | None = None,
     ) -> list[CalibrationRecord]:
+        """Calibrations stored at or after ``since`` (and at or before ``until``), oldest
+        first; with ``limit``, the newest ``limit`` of them."""
         q = select(CalibrationRow)
         if since is not None:
             q = q.where(CalibrationRow.created_at >= since)
+        if until is not None:
+            q = q.where(CalibrationRow.created_at <= until)
         return [
             _calibration(r)
             for (r,) in self._newest(q, CalibrationRow.created_at, CalibrationRow.id, limit)

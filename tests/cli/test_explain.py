@@ -131,6 +131,55 @@ def test_explain_shows_the_stored_policy_decision_with_refitted_predictions(
     assert f"policy v{version}" in human.output and "confidence" in human.output
 
 
+def test_explain_a_re_issued_version_with_the_calibration_its_table_came_from(
+    tmp_path: Path,
+) -> None:
+    """A version with no calibration of its own (re-issued above a router that was ahead)
+    is explained with the calibration that learned its table, not with a later candidate
+    the guardrail refused."""
+    from dataclasses import replace
+
+    from controller.policy import LookupTable
+
+    config = _config(tmp_path)
+    first = _calibrated(config)
+    features = Features(3, 24576, 141, 200, 2.0)
+    store = _store(config)
+    try:
+        with store.read() as tx:
+            rec = tx.policy(first)
+            first_cal = tx.calibration_for(first)
+        assert rec is not None and first_cal is not None
+        learned = loads(rec.body_json)
+        ours = decide(learned, features, lambda: 1.0).route
+        other = Route.DECODE_LOCAL if ours == Route.PREFILL_NODE else Route.PREFILL_NODE
+        with store.cycle() as tx:  # a refused candidate routing every cell the other way
+            refused = tx.next_version()
+            table = LookupTable.uniform(other, axes=learned.table.axes)
+            candidate = replace(learned, table=table).with_version(refused)
+            tx.add_policy(refused, candidate.checksum, dumps(candidate), "rejected", "no")
+            tx.add_calibration(first_cal.training_window_ids, first_cal.heldout_error, 0.5,
+                               0.9, refused, {"approved": False})
+        with store.cycle() as tx:  # the learned table re-issued above a router ahead
+            again = tx.next_version()
+            reissued = learned.with_version(again)
+            tx.add_policy(again, reissued.checksum, dumps(reissued), "approved",
+                          f"v{first} re-issued above a router that was ahead")
+            tx.set_desired(ROUTER, again)
+    finally:
+        store.close()
+    args = ["explain", "--turn", "3", "--context", "24576", "--append", "141", "--output",
+            "200", "--qps", "2", "--config", str(config)]
+    r = runner.invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["decision"] == ours.name
+    assert doc["policy_version"] == again and doc["calibration_policy_version"] == first
+    assert doc["calibration_id"] == first_cal.id
+    human = runner.invoke(app, args)
+    assert f"policy v{again}, learned for v{first}" in human.output, human.output
+
+
 def test_drift_replays_the_detectors_over_the_windows_stored_since(tmp_path: Path) -> None:
     config = _config(tmp_path)
     _calibrated(config)
