@@ -95,6 +95,7 @@ FALLBACK_PREFILL = "fallback-prefill"
 REFIT_PREFIX = "canary refit of v"  # a refit's policy reason starts so (never refitted)
 SUPERSEDED = "superseded by its canary refit"  # a superseded canary's reason starts so
 UNPROMOTED = "rolled back after promotion"  # a promotion the watch undid: reason starts so
+ADOPTED_PREFIX = "adopted: "  # the routers' own policy, recorded on an empty store
 MAX_REQUESTS_PER_CYCLE = 16
 FIT_RETRY_INTERVALS = 10  # control intervals between automatic retries of a failed fit
 SETTLED_FAILURES = 2  # windows a target must have failed in a row to count as gone
@@ -318,6 +319,8 @@ class _Plan:
     capacity_with_window: bool = False  # ...plus this cycle's window
     applied_recommendation: int | None = None  # the scaling just confirmed reached it
     refit_of: int | None = None  # a "canary" calibration: the baking version it refits
+    adopted: Policy | None = None  # the policy every router ran, adopted on an empty store
+    adopted_why: str = ""
     canary_verdict: str | None = None  # the judge's action this cycle
     link_retry_at: float | None = None  # a refused link calibration: calibrate again then
 
@@ -529,6 +532,10 @@ class Cycle:
             ops = operator_state(tx.requests(status="done"))
             current = self._current_policy(tx, rollout)
             self._restore_learner(tx, rollout)
+            empty = rollout.fleet_version is None and not tx.policies(limit=1)
+        if empty and self.reconcile_only is None:
+            await self._adopt_running_policy(plan, report)
+            current = plan.adopted
         window = plan.window
         if window is not None:
             self._track_failures(window)
@@ -566,6 +573,18 @@ class Cycle:
                 await self._calibrate(plan, current, now, recal, ops, report)
         await self._recommend(plan, now, report)
         self._write(plan, claimed, rollout, ops, report)
+
+    async def _adopt_running_policy(self, plan: _Plan, report: CycleReport) -> None:
+        """With nothing stored, the policy every router already runs becomes the fleet's
+        (written with this cycle): the first table is then judged against it by the
+        guardrail and rolled out through a canary, instead of approved unchecked and pushed
+        to every router at once (docs/operations.md, "First start")."""
+        found = await self.reconciler.running_policy(self.routers)
+        if found.policy is None:
+            if found.why:
+                report.reason = _join(report.reason, f"no running policy adopted: {found.why}")
+            return
+        plan.adopted, plan.adopted_why = found.policy, found.why
 
     def _window_start(self, end: float) -> float:
         """Windows tile time: continue from the last one, ours while leading without a
@@ -681,7 +700,8 @@ class Cycle:
         with self.store.read() as tx:
             latest = tx.policies(limit=1, status="approved")
             undone = tx.policies(limit=1, status="rolled_back")
-        changes = [p.created_at for p in latest]
+        # Adopting what the routers already ran changed nothing on them.
+        changes = [p.created_at for p in latest if not p.reason.startswith(ADOPTED_PREFIX)]
         # A promotion the watch rolled back changed every router too.
         changes += [p.updated_at for p in undone if p.promoted_at is not None]
         if not changes:
@@ -776,6 +796,8 @@ class Cycle:
             if plan.window is not None:
                 report.window_id = tx.add_window(plan.window)
                 window_ids = [report.window_id]
+            if plan.adopted is not None and not tx.policies(limit=1):
+                self._record_adoption(tx, plan.adopted, plan.adopted_why, report)
             self._record_drift(tx, plan.findings, window_ids, report)
             self._record_recommendation(tx, plan, report)
             for r in claimed:
@@ -903,6 +925,16 @@ class Cycle:
              **_scaling_details(plan)},
         )
         self._link_retry_at = plan.link_retry_at  # any stored calibration replaces it
+
+    def _record_adoption(self, tx: Tx, policy: Policy, why: str, report: CycleReport) -> None:
+        version = policy.version
+        tx.add_policy(version, policy.checksum, dumps(policy), "approved",
+                      f"{ADOPTED_PREFIX}{why} when the controller started on an empty store")
+        self._policies[version] = policy
+        for r in self.routers:
+            tx.set_desired(r, version)
+        self.metrics.policy_changed(version)
+        report.reason = _join(report.reason, f"adopted the routers' policy as v{version}")
 
     def _approve(self, tx: Tx, version: int, rollout: Rollout, report: CycleReport) -> None:
         """Make an approved version desired: a canary share first when there is a fleet

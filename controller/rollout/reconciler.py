@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -63,6 +63,21 @@ class RouterTransport(Protocol):
     ) -> ApplyReply: ...
 
     async def get(self, router: str, deadline_s: float) -> RouterState: ...
+
+    async def get_policy(
+        self, router: str, deadline_s: float
+    ) -> tuple[Policy | None, RouterState, float | None]:
+        """The router's policy itself (None when it has none), its state, when applied."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RunningPolicy:
+    """What :meth:`Reconciler.running_policy` found: the one policy every router runs, or
+    why there is none (``policy`` None; ``why`` empty when no router runs any)."""
+
+    policy: Policy | None
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +171,43 @@ class Reconciler:
         """Full jitter: uniform in [0, min(max, initial * 2^(attempt-1)))."""
         cap = min(self._backoff_max_s, self._backoff_initial_s * 2.0 ** (attempt - 1))
         return self._draw() * cap
+
+    async def running_policy(self, routers: Sequence[str]) -> RunningPolicy:
+        """The policy every one of ``routers`` runs, fetched from one of them: what a
+        controller with nothing stored can adopt as the fleet's, to judge its first table
+        against. One call per router, no retries (the next cycle asks again); the policy
+        itself (up to megabytes) is fetched once, only when every router runs the same."""
+        sem = asyncio.Semaphore(self._max_concurrency)
+
+        async def state(router: str) -> RouterState | str:
+            async with sem:
+                try:
+                    return await self._transport.get(router, self._deadline_s)
+                except (TransientError, TerminalError) as e:
+                    return f"{router}: {e}"
+
+        states = dict(zip(routers, await asyncio.gather(*(state(r) for r in routers)),
+                          strict=True))
+        failed = [s for s in states.values() if isinstance(s, str)]
+        if failed:
+            return RunningPolicy(None, f"not every router answered ({failed[0]})")
+        runs = {(s.version, s.checksum) for s in states.values() if isinstance(s, RouterState)}
+        if not routers or runs == {(0, "")}:
+            return RunningPolicy(None, "")  # new routers: nothing to adopt, nothing wrong
+        if any(v == 0 for v, _ in runs):
+            return RunningPolicy(None, "some routers run no policy")
+        if len(runs) > 1:
+            shown = ", ".join(f"v{v} {c[:12]}" for v, c in sorted(runs))
+            return RunningPolicy(None, f"the routers run different policies ({shown})")
+        ((version, checksum),) = runs
+        try:
+            policy, got, _ = await self._transport.get_policy(routers[0], self._deadline_s)
+        except (TransientError, TerminalError) as e:
+            return RunningPolicy(None, f"{routers[0]}: {e}")
+        if policy is None or (got.version, got.checksum) != (version, checksum) \
+                or policy.checksum != checksum:
+            return RunningPolicy(None, f"{routers[0]} changed its policy while asked")
+        return RunningPolicy(policy, f"every router runs v{version} ({checksum[:12]})")
 
     async def reconcile(
         self, desired: Mapping[str, Policy], *, rollback: bool = False
@@ -411,6 +463,15 @@ class FakeRouterTransport:
         if snap is None:
             return RouterState(0, "")
         return RouterState(snap.version, snap.checksum)
+
+    async def get_policy(
+        self, router: str, deadline_s: float
+    ) -> tuple[Policy | None, RouterState, float | None]:
+        await asyncio.sleep(0)
+        snap = self._agent("get_policy", router).snapshot
+        if snap is None:
+            return None, RouterState(0, ""), None
+        return snap.policy, RouterState(snap.version, snap.checksum), snap.applied_at
 
 
 def reissued_versions(statuses: Mapping[str, RouterStatus]) -> dict[str, int]:

@@ -96,6 +96,7 @@ class ScriptedLearner:
     # The next refusals were judged on the windows since a change alone (see CoreLearner).
     regime_only: bool = False
     restored: list[object] = field(default_factory=list)  # the calibration each restore read
+    judged_against: list[int | None] = field(default_factory=list)  # each current's version
 
     def assess(self, state: LearnerState, window: Window, now: float
                ) -> tuple[LearnerState, list[DriftFinding]]:
@@ -116,6 +117,7 @@ class ScriptedLearner:
         self.calibrations += 1
         self.trained_on.append(len(windows))
         self.reasons.append(reason)
+        self.judged_against.append(current.version if current else None)
         version = (current.version + 1) if current else 1
         # Like the real learner, the candidate's provenance keeps the reason it was fitted for.
         policy = Policy.uniform(version, self.route, exploration=self.exploration,

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from controller.cycle import (
+    ADOPTED_PREFIX,
     UNPROMOTED,
     CycleReport,
     canary_subset,
@@ -20,7 +21,7 @@ from controller.cycle import (
     two_proportion_z,
     watch_critical,
 )
-from controller.policy import Route
+from controller.policy import Policy, Route
 from tests.daemon.fakes import Rig, make_rig
 
 
@@ -442,6 +443,51 @@ async def test_incomplete_window_and_failed_fit_never_approve(tmp_path: Path) ->
     report = await rig.step()
     assert report.trigger == "operator" and report.approved_version == 2
     assert rig.learner.calibrations == calls + 1
+
+
+async def test_an_empty_store_adopts_the_policy_every_router_runs(tmp_path: Path) -> None:
+    """Nothing stored, every router on one policy of its own: it becomes the fleet's
+    policy without a push, the first table is judged against it and goes to a canary, not
+    approved unchecked to every router at once; adopting is not a change the limit
+    counts."""
+    rig = make_rig(tmp_path, min_policy_interval_s=300.0)
+    own = Policy.uniform(7, Route.PREFILL_NODE, exploration=0.1)
+    for agent in rig.agents.values():
+        assert agent.apply(own).outcome.name == "APPLIED"
+    first = await rig.step()
+    adopted = rig.store.policy(7)
+    assert adopted is not None and adopted.status == "approved"
+    assert adopted.reason.startswith(ADOPTED_PREFIX) and adopted.checksum == own.checksum
+    assert "adopted the routers' policy as v7" in first.reason, first.reason
+    assert _desired(rig) == dict.fromkeys(rig.agents, 7)
+    assert not [c for c in rig.transport.calls if c[0] == "apply"]
+    report = first
+    for _ in range(4):
+        if report.approved_version is not None:
+            break
+        report = await rig.step()
+    assert rig.learner.judged_against == [7]
+    assert report.approved_version == 8, report.reason
+    assert report.canary and report.canary.startswith("baking v8 on"), report.canary
+    assert sorted(_desired(rig).values()).count(8) == 1  # one router of four
+
+
+async def test_routers_on_different_policies_adopt_nothing(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    for i, agent in enumerate(rig.agents.values()):
+        agent.apply(Policy.uniform(1 + (i == 0), Route.PREFILL_NODE))
+    first = await rig.step()
+    assert "no running policy adopted: the routers run different policies" in first.reason
+    assert rig.store.policies() == []
+    report = first
+    for _ in range(4):
+        if report.approved_version is not None:
+            break
+        report = await rig.step()
+    # The first table, unchecked, to every router at once (re-issued above the router ahead).
+    assert rig.learner.judged_against == [None]
+    assert report.canary == "no previous policy: every router at once", report.canary
+    assert len(set(_running(rig).values())) == 1
 
 
 def _cycle_lines(caplog: pytest.LogCaptureFixture) -> list[str]:

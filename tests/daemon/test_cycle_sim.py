@@ -11,7 +11,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from controller.config import load_settings
-from controller.cycle import Cycle, CycleConfig, run_inline
+from controller.cycle import ADOPTED_PREFIX, Cycle, CycleConfig, run_inline
 from controller.daemon import SettingsPlanner
 from controller.learning import CoreLearner
 from controller.metrics import ControllerMetrics
@@ -103,16 +103,23 @@ def test_the_daemons_cycle_runs_in_virtual_time_inside_the_simulator(tmp_path: P
         [r.reason for r in reports if r.result == "failed"]
     windows = store.windows()
     assert len(windows) == sum(1 for r in reports if r.window_id is not None)
-    approved = store.policies(status="approved")
-    assert approved, [r.reason for r in reports if r.reason][:5]
-    cal = store.calibration_for(approved[0].version)
-    assert cal is not None and cal.heldout_error and cal.training_window_ids
-    # Every router ended on its desired policy, and the store knows it.
+    # Nothing stored: the routers' own policy (classic P/D, v1) is adopted, not pushed, and
+    # every calibration is judged against it, not approved unchecked.
+    adopted = store.policy(1)
+    assert adopted is not None and adopted.status == "approved"
+    assert adopted.reason.startswith(ADOPTED_PREFIX), adopted.reason
+    assert adopted.checksum == Policy.uniform(1, Route.PREFILL_NODE).checksum
+    cals = store.calibrations()
+    assert cals and cals[0].heldout_error and cals[0].training_window_ids
+    assert all(c.predicted_goodput_current is not None for c in cals)
+    # Every router ended on its desired policy, and the store knows it; only approved
+    # calibrations were pushed.
     desired = store.desired_versions()
     running = {r: a.snapshot.version for r, a in state["agents"].items()}
     assert desired == running
     assert {r.router_id: r.acked_version for r in store.routers()} == running
-    assert store.pushes(), "nothing was ever pushed"
+    learned = {c.policy_version for c in cals if (c.details or {}).get("approved")}
+    assert {p.version for p in store.pushes()} <= learned
     # The rate triples at 200 s: the workload detector fires after it (not before), and the
     # drift triggers a calibration whose verdict is stored with its numbers.
     events = store.drift_events()
@@ -153,7 +160,8 @@ def test_the_daemons_cycle_runs_in_virtual_time_inside_the_simulator(tmp_path: P
     print("recommendations", [(r.prefill_workers, r.decode_workers,
                                round(r.prefill_utilisation, 2), round(r.decode_utilisation, 2),
                                round(r.body["demand"]["qps"], 1)) for r in recs])
-    print(f"windows={len(windows)} approved={[p.version for p in approved]} "
+    approved = [p.version for p in store.policies(status="approved")]
+    print(f"windows={len(windows)} approved={approved} "
           f"drift={[(e.kind, round(e.statistic, 2)) for e in store.drift_events()]} "
           f"pushes={len(store.pushes())} canary={[r.canary for r in reports if r.canary]}")
     store.close()

@@ -49,6 +49,8 @@ def test_killing_the_leader_hands_over_within_the_lease_time(
         wait_for("replica a leading", lambda: _holder(store) == "a", 60, logs["a"])
         b = start_daemon(configs["b"], logs["b"])
         wait_for("every router acknowledging a's policy", lambda: _all_acked(store), 90, logs["a"])
+        # The routers' own policy is adopted at once; a has calibrated too before it dies.
+        wait_for("a's first calibration", store.calibrations, 60, logs["a"])
         wait_for("replica b healthy (as a follower)",
               lambda: (r := http_get(f"http://{listen['b']}/healthz")) is not None
               and r.status_code == 200, 60, logs["b"])

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from controller.cycle import ADOPTED_PREFIX
 from controller.store import Store
 from tests.support.daemon import write_config
 from tests.support.processes import (
@@ -159,9 +160,12 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
         desired = wait_for("every router acknowledging its desired policy",
                         lambda: _all_acked(store), 90, log)
         assert set(desired) == {r["grpc"] for r in live_sim["routers"]}
+        # Nothing stored: the routers' own policy is adopted as the fleet's, and the first
+        # calibration is judged against it (docs/operations.md, "First start").
         policies = store.policies(status="approved")
-        assert policies and policies[0].reason
-        assert store.calibrations(), "no calibration recorded"
+        assert policies and policies[0].reason.startswith(ADOPTED_PREFIX), policies[0].reason
+        calibrations = wait_for("a calibration recorded", store.calibrations, 60, log)
+        assert calibrations[0].predicted_goodput_current is not None
         metrics = http_get(f"http://{listen}/metrics")
         assert metrics is not None and "pdctl_router_acked_version" in metrics.text
         # The capacity recommendation: stored with its inputs, exported for autoscalers.

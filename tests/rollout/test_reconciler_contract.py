@@ -247,3 +247,25 @@ async def test_an_invalid_policy_is_refused_everywhere_and_nothing_changes(
 
 async def test_empty_desired_set_is_a_no_op(cluster: Cluster) -> None:
     assert await reconciler(cluster).reconcile({}) == {}
+
+
+async def test_running_policy_is_the_one_every_router_runs(cluster: Cluster) -> None:
+    """What a controller with nothing stored adopts: the policy itself, only when every
+    router runs the same; otherwise why not (nothing to say when none runs one)."""
+    rec = reconciler(cluster)
+    nothing = await rec.running_policy(cluster.routers)
+    assert nothing.policy is None and nothing.why == ""
+    own = policy(5, Route.PREFILL_NODE, score=-0.25)
+    await rec.reconcile({cluster.routers[0]: own})
+    some = await rec.running_policy(cluster.routers)
+    assert some.policy is None and some.why == "some routers run no policy"
+    await rec.reconcile(everywhere(cluster, own))
+    found = await rec.running_policy(cluster.routers)
+    assert found.policy is not None and found.policy.checksum == own.checksum
+    assert found.policy.version == 5 and found.policy.table == own.table
+    await rec.reconcile({cluster.routers[1]: policy(6)})
+    split = await rec.running_policy(cluster.routers)
+    assert split.policy is None and split.why.startswith("the routers run different")
+    await cluster.stop_router(cluster.routers[3])
+    down = await rec.running_policy(cluster.routers)
+    assert down.policy is None and down.why.startswith("not every router answered")
