@@ -927,14 +927,18 @@ class Cycle:
         self._link_retry_at = plan.link_retry_at  # any stored calibration replaces it
 
     def _record_adoption(self, tx: Tx, policy: Policy, why: str, report: CycleReport) -> None:
-        version = policy.version
-        tx.add_policy(version, policy.checksum, dumps(policy), "approved",
-                      f"{ADOPTED_PREFIX}{why} when the controller started on an empty store")
-        self._policies[version] = policy
-        for r in self.routers:
-            tx.set_desired(r, version)
-        self.metrics.policy_changed(version)
-        report.reason = _join(report.reason, f"adopted the routers' policy as v{version}")
+        self._everywhere(tx, policy,
+                         f"{ADOPTED_PREFIX}{why} when the controller started on an empty store")
+        report.reason = _join(report.reason, f"adopted the routers' policy as v{policy.version}")
+
+    def _everywhere(self, tx: Tx, policy: Policy, reason: str) -> None:
+        """Store ``policy`` as approved and make it every router's desired version at once
+        (no canary: an adoption, an operator's fallback or exploration off)."""
+        tx.add_policy(policy.version, policy.checksum, dumps(policy), "approved", reason)
+        self._policies[policy.version] = policy
+        for router in self.routers:
+            tx.set_desired(router, policy.version)
+        self.metrics.policy_changed(policy.version)
 
     def _approve(self, tx: Tx, version: int, rollout: Rollout, report: CycleReport) -> None:
         """Make an approved version desired: a canary share first when there is a fleet
@@ -1267,12 +1271,7 @@ class Cycle:
         policy = Policy.uniform(version, Route.PREFILL_NODE, provenance=Provenance(
             created_at=self.clock.utcnow(), reason=f"operator fallback ({r.who})",
             created_by="pdctl fallback prefill"))
-        tx.add_policy(version, policy.checksum, dumps(policy), "approved",
-                      f"fallback prefill by {r.who}: {r.reason}")
-        self._policies[version] = policy
-        for router in self.routers:
-            tx.set_desired(router, version)
-        self.metrics.policy_changed(version)
+        self._everywhere(tx, policy, f"fallback prefill by {r.who}: {r.reason}")
         return f"fallback: every router to all-prefill-node v{version} (held until unpin)"
 
     def _exploration_off(self, tx: Tx, report: CycleReport) -> str:
@@ -1284,12 +1283,7 @@ class Cycle:
             return f"exploration off (v{rollout.fleet_version} explores nothing)"
         version = tx.next_version()
         policy = without_exploration(current).with_version(version)
-        tx.add_policy(version, policy.checksum, dumps(policy), "approved",
-                      f"v{rollout.fleet_version} without exploration (operator)")
-        self._policies[version] = policy
-        for router in self.routers:
-            tx.set_desired(router, version)
-        self.metrics.policy_changed(version)
+        self._everywhere(tx, policy, f"v{rollout.fleet_version} without exploration (operator)")
         report.approved_version = version
         return f"exploration off: every router to v{version}"
 
