@@ -77,7 +77,7 @@ from controller.learning import (
 from controller.metrics import ControllerMetrics
 from controller.observe.source import MetricsSource
 from controller.policy import Policy, Provenance, Route, dumps, loads
-from controller.rollout.reconciler import Reconciler, RouterStatus
+from controller.rollout.reconciler import Reconciler, RouterStatus, RunningPolicy
 from controller.store import (
     CalibrationRecord,
     OperatorRequest,
@@ -319,8 +319,7 @@ class _Plan:
     capacity_with_window: bool = False  # ...plus this cycle's window
     applied_recommendation: int | None = None  # the scaling just confirmed reached it
     refit_of: int | None = None  # a "canary" calibration: the baking version it refits
-    adopted: Policy | None = None  # the policy every router ran, adopted on an empty store
-    adopted_why: str = ""
+    adopted: RunningPolicy | None = None  # what every router ran, adopted on an empty store
     canary_verdict: str | None = None  # the judge's action this cycle
     link_retry_at: float | None = None  # a refused link calibration: calibrate again then
 
@@ -534,8 +533,16 @@ class Cycle:
             self._restore_learner(tx, rollout)
             empty = rollout.fleet_version is None and not tx.policies(limit=1)
         if empty and self.reconcile_only is None:
-            await self._adopt_running_policy(plan, report)
-            current = plan.adopted
+            # With nothing stored, the policy every router already runs becomes the fleet's
+            # (written with this cycle): the first table is then judged against it and
+            # canaried, not approved unchecked to every router (docs/operations.md, "First
+            # start"). Sidecar replicas reach their own router only.
+            found = await self.reconciler.running_policy(self.routers)
+            if found.policy is not None:
+                plan.adopted = found
+            elif found.why:
+                report.reason = _join(report.reason, f"no running policy adopted: {found.why}")
+            current = found.policy
         window = plan.window
         if window is not None:
             self._track_failures(window)
@@ -573,18 +580,6 @@ class Cycle:
                 await self._calibrate(plan, current, now, recal, ops, report)
         await self._recommend(plan, now, report)
         self._write(plan, claimed, rollout, ops, report)
-
-    async def _adopt_running_policy(self, plan: _Plan, report: CycleReport) -> None:
-        """With nothing stored, the policy every router already runs becomes the fleet's
-        (written with this cycle): the first table is then judged against it by the
-        guardrail and rolled out through a canary, instead of approved unchecked and pushed
-        to every router at once (docs/operations.md, "First start")."""
-        found = await self.reconciler.running_policy(self.routers)
-        if found.policy is None:
-            if found.why:
-                report.reason = _join(report.reason, f"no running policy adopted: {found.why}")
-            return
-        plan.adopted, plan.adopted_why = found.policy, found.why
 
     def _window_start(self, end: float) -> float:
         """Windows tile time: continue from the last one, ours while leading without a
@@ -797,7 +792,7 @@ class Cycle:
                 report.window_id = tx.add_window(plan.window)
                 window_ids = [report.window_id]
             if plan.adopted is not None and not tx.policies(limit=1):
-                self._record_adoption(tx, plan.adopted, plan.adopted_why, report)
+                self._record_adoption(tx, plan.adopted, report)
             self._record_drift(tx, plan.findings, window_ids, report)
             self._record_recommendation(tx, plan, report)
             for r in claimed:
@@ -926,10 +921,12 @@ class Cycle:
         )
         self._link_retry_at = plan.link_retry_at  # any stored calibration replaces it
 
-    def _record_adoption(self, tx: Tx, policy: Policy, why: str, report: CycleReport) -> None:
-        self._everywhere(tx, policy,
-                         f"{ADOPTED_PREFIX}{why} when the controller started on an empty store")
-        report.reason = _join(report.reason, f"adopted the routers' policy as v{policy.version}")
+    def _record_adoption(self, tx: Tx, found: RunningPolicy, report: CycleReport) -> None:
+        assert found.policy is not None
+        self._everywhere(tx, found.policy, f"{ADOPTED_PREFIX}{found.why} when the controller "
+                         "started on an empty store")
+        report.reason = _join(report.reason,
+                              f"adopted the routers' policy as v{found.policy.version}")
 
     def _everywhere(self, tx: Tx, policy: Policy, reason: str) -> None:
         """Store ``policy`` as approved and make it every router's desired version at once

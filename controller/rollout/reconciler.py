@@ -186,13 +186,14 @@ class Reconciler:
                 except (TransientError, TerminalError) as e:
                     return f"{router}: {e}"
 
-        states = dict(zip(routers, await asyncio.gather(*(state(r) for r in routers)),
-                          strict=True))
-        failed = [s for s in states.values() if isinstance(s, str)]
+        if not routers:
+            return RunningPolicy(None, "")
+        answers = await asyncio.gather(*(state(r) for r in routers))
+        failed = [a for a in answers if isinstance(a, str)]
         if failed:
             return RunningPolicy(None, f"not every router answered ({failed[0]})")
-        runs = {(s.version, s.checksum) for s in states.values() if isinstance(s, RouterState)}
-        if not routers or runs == {(0, "")}:
+        runs = {(a.version, a.checksum) for a in answers if isinstance(a, RouterState)}
+        if runs == {(0, "")}:
             return RunningPolicy(None, "")  # new routers: nothing to adopt, nothing wrong
         if any(v == 0 for v, _ in runs):
             return RunningPolicy(None, "some routers run no policy")
