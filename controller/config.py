@@ -34,6 +34,23 @@ from pydantic_settings import (
 from controller.errors import ConfigError
 
 
+def _host_port(value: str, *, listen: bool = False) -> str:
+    """``value`` when it is HOST:PORT (an IPv6 host in brackets); a listen address may take
+    port 0 (any free port)."""
+    host, sep, port = value.rpartition(":")
+    low = 0 if listen else 1
+    if not sep or not host or not port.isdigit() or not low <= int(port) <= 65535 \
+            or any(c.isspace() for c in value) or host.startswith("[") != host.endswith("]"):
+        raise ValueError(f"expected HOST:PORT with a port in {low}..65535, got {value!r}")
+    return value
+
+
+def _scrape_address(value: str) -> str:
+    """HOST:PORT, or dns+NAME:PORT (every address of a headless service)."""
+    _host_port(value.removeprefix("dns+"))
+    return value
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -85,11 +102,20 @@ class PpdConfig(_Section):
 
 
 class PoolConfig(_Section):
-    nodes: list[str] = Field(default_factory=list, description="Worker addresses HOST:PORT.")
+    nodes: list[str] = Field(
+        default_factory=list,
+        description="Worker addresses HOST:PORT (/metrics); dns+NAME:PORT expands to every "
+        "address of a headless service.",
+    )
     max_concurrent: int = Field(8, ge=1, description="Concurrent requests per worker.")
     local_append_prefill: bool = Field(
         True, description="Decode workers may run append-prefill locally (decode pool only)."
     )
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes(cls, v: list[str]) -> list[str]:
+        return [_scrape_address(n) for n in v]
 
 
 class KvTransferConfig(_Section):
@@ -102,6 +128,11 @@ class MetricsConfig(_Section):
     enable: bool = Field(True, description="Export metrics.")
     export_interval_s: float = Field(5.0, gt=0, description="Export interval.")
     listen: str = Field("127.0.0.1:9464", description="HOST:PORT of the /metrics endpoint.")
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        return _host_port(v, listen=True)
 
 
 class SloConfig(_Section):
@@ -118,6 +149,16 @@ class RoutersConfig(_Section):
         description="Routers' /metrics addresses HOST:PORT (pdrouter_* series) for the scrape "
         "source; dns+NAME:PORT expands to every address of a headless service.",
     )
+
+    @field_validator("targets")
+    @classmethod
+    def _targets(cls, v: list[str]) -> list[str]:
+        return [_host_port(t) for t in v]
+
+    @field_validator("metrics_targets")
+    @classmethod
+    def _metrics_targets(cls, v: list[str]) -> list[str]:
+        return [_scrape_address(t) for t in v]
 
 
 class SecurityConfig(_Section):
@@ -172,6 +213,11 @@ class AgentConfig(_Section):
         description="A prefill worker's polled waiting count older than this is unknown; with "
         "none known the busy override does not fire.",
     )
+
+    @field_validator("listen", "metrics_listen")
+    @classmethod
+    def _listen(cls, v: str | None) -> str | None:
+        return None if v is None else _host_port(v, listen=True)
 
 
 class RolloutConfig(_Section):
@@ -357,6 +403,16 @@ class PrometheusConfig(_Section):
         "role", description="Target label holding prefill|decode|router (else the job name)."
     )
 
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"expected an http:// or https:// URL, got {v!r}")
+        return v
+
 
 class ObserveConfig(_Section):
     """How windows are observed."""
@@ -394,6 +450,17 @@ class StoreConfig(_Section):
     @field_validator("url")
     @classmethod
     def _absolute_sqlite_path(cls, v: str) -> str:
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:  # a typo here would otherwise surface as a traceback in every store command
+            backend = make_url(v).get_backend_name()
+        except ArgumentError:
+            # Not echoed: the URL may hold a password.
+            raise ValueError("not a database URL (expected sqlite:///PATH or "
+                             "postgresql+psycopg://USER@HOST:PORT/DB)") from None
+        if backend not in ("sqlite", "postgresql"):
+            raise ValueError(f"{backend}: the store runs on sqlite or postgresql only")
         prefix = "sqlite:///"
         if not v.startswith(prefix):
             return v
@@ -455,21 +522,51 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
         if not toml.is_file():
             raise ConfigError(f"config file not found: {toml}")
     cls: type[Settings] = type("_LoadedSettings", (Settings,), {"_toml_file": toml})
+    env = _environment_keys()
+    unknown = [f"  - {key}: unknown key (from {name})" for key, name in env.items()
+               if not _is_setting(key)]
+    if unknown:
+        raise ConfigError("invalid configuration in the environment:\n" + "\n".join(unknown))
     try:
         return cls(**overrides)
     except ValidationError as e:
         where = f" in {toml}" if toml else ""
-        raise ConfigError(f"invalid configuration{where}:\n{_format_errors(e)}") from None
+        raise ConfigError(f"invalid configuration{where}:\n{_format_errors(e, env)}") from None
     except (OSError, ValueError) as e:  # TOML syntax errors surface as ValueError
         raise ConfigError(f"cannot read configuration {toml}: {e}") from None
 
 
-def _format_errors(e: ValidationError) -> str:
+def _environment_keys() -> dict[str, str]:
+    """``section.key`` -> the ``PDCTL_SECTION__KEY`` variable that sets it, for every nested
+    variable in the environment (``PDCTL_SHARED_DIR`` and the like are not settings)."""
+    import os
+
+    out: dict[str, str] = {}
+    for name in os.environ:
+        rest = name[len("PDCTL_"):] if name.upper().startswith("PDCTL_") else ""
+        if "__" in rest:
+            out[".".join(part.lower() for part in rest.split("__"))] = name
+    return out
+
+
+def _is_setting(key: str) -> bool:
+    section, _, field = key.partition(".")
+    model = Settings.model_fields.get(section)
+    if model is None or model.annotation is None:
+        return False
+    return field.split(".")[0] in model.annotation.model_fields
+
+
+def _format_errors(e: ValidationError, env: dict[str, str] | None = None) -> str:
     lines = []
     for err in e.errors():
         key = ".".join(str(p) for p in err["loc"])
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        lines.append(f"  - {key}: {msg}")
+        msg = msg.removeprefix("Value error, ")
+        # The environment overrides the file: name the variable, or the operator edits the file.
+        name = next((n for k, n in (env or {}).items() if key == k or key.startswith(k + ".")),
+                    None)
+        lines.append(f"  - {key}: {msg}" + (f" (from {name})" if name else ""))
     return "\n".join(lines)
 
 
@@ -482,7 +579,8 @@ def config_reference() -> str:
         " do not edit by hand.",
         "",
         "Every key can also be set from the environment as `PDCTL_<SECTION>__<KEY>` "
-        "(e.g. `PDCTL_SLO__TTFT_S=1.5`). Unknown keys are rejected.",
+        "(e.g. `PDCTL_SLO__TTFT_S=1.5`). Unknown keys are rejected, in the file and in the "
+        "environment (an error from a variable names it).",
     ]
     for name, field in Settings.model_fields.items():
         model = field.annotation

@@ -80,6 +80,69 @@ def test_environment_overrides_one_nested_key(
     assert s.slo.ttft_s == 3.5 and s.slo.tpot_s == 0.08
 
 
+@pytest.mark.parametrize(("section", "line", "key", "reason"), [
+    ("metrics", 'listen = "nonsense"', "metrics.listen", "HOST:PORT"),
+    ("agent", 'listen = "0.0.0.0:70000"', "agent.listen", "HOST:PORT"),
+    ("routers", 'targets = ["r0:50151", "r1"]', "routers.targets", "'r1'"),
+    ("routers", 'metrics_targets = ["dns+routers"]', "routers.metrics_targets", "HOST:PORT"),
+    ("decode_pool", 'nodes = ["a:b:c"]', "decode_pool.nodes", "'a:b:c'"),
+    ("prometheus", 'url = "prometheus:9090"', "prometheus.url", "http://"),
+    ("store", 'url = "mysql://pdc:hunter2@db/pdc"', "store.url", "sqlite or postgresql"),
+    ("store", 'url = "pdc:hunter2@db"', "store.url", "not a database URL"),
+])
+def test_addresses_and_urls_are_checked_when_loaded(
+    tmp_path: Path, section: str, line: str, key: str, reason: str
+) -> None:
+    """A typo in an address is a config error naming the key, not a traceback later in
+    whichever command first connects (and a store URL's password is not echoed)."""
+    with pytest.raises(ConfigError) as e:
+        load_settings(write(tmp_path, f"[{section}]\n{line}\n"))
+    msg = str(e.value)
+    assert f"{key}: " in msg and reason in msg
+    assert "hunter2" not in msg
+
+
+def test_good_addresses_load(tmp_path: Path) -> None:
+    s = load_settings(write(tmp_path, SEED + """
+[agent]
+listen = "[::1]:0"
+[routers]
+targets = ["router-0.example:50151", "dns:///routers.example:50151"]
+metrics_targets = ["dns+routers.example:9465", "10.0.0.1:9465"]
+[prometheus]
+url = "https://thanos.example/prometheus"
+[store]
+url = "postgresql+psycopg://pdc@db.example:5432/pdc"
+"""))
+    assert s.agent.listen == "[::1]:0" and len(s.routers.targets) == 2
+
+
+def test_a_bad_environment_value_names_its_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The environment overrides the file: an error only the variable causes must say so,
+    or the operator searches the file for it."""
+    monkeypatch.setenv("PDCTL_SLO__TTFT_S", "abc")
+    with pytest.raises(ConfigError) as e:
+        load_settings(write(tmp_path, SEED))
+    assert "slo.ttft_s: " in str(e.value) and "(from PDCTL_SLO__TTFT_S)" in str(e.value)
+
+
+def test_an_unknown_environment_key_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unknown keys in the file are errors, so a misspelt variable is one too (it would
+    otherwise be ignored silently); variables that are not nested settings are left alone."""
+    monkeypatch.setenv("PDCTL_SHARED_DIR", "/tmp")
+    monkeypatch.setenv("PDCTL_SLO__TTFT", "3")
+    with pytest.raises(ConfigError, match=r"slo\.ttft: unknown key \(from PDCTL_SLO__TTFT\)"):
+        load_settings(write(tmp_path, SEED))
+    monkeypatch.delenv("PDCTL_SLO__TTFT")
+    monkeypatch.setenv("PDCTL_STOER__URL", "sqlite:///x.db")
+    with pytest.raises(ConfigError, match=r"stoer\.url: unknown key"):
+        load_settings(write(tmp_path, SEED))
+
+
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_settings(tmp_path / "nope.toml")
