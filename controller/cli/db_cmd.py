@@ -24,24 +24,74 @@ _EXIT_BAD_INPUT = 2
 _EXIT_UNAVAILABLE = 3
 
 
-def store_url(url: str | None, config: Path | None) -> str:
-    """``--url``, else the config file's ``[store] url``, else PDCTL_STORE__URL / default."""
-    if url:
-        return url
-    from controller.config import load_settings
+def store_url(url: str | None, config: Path | None, *, must_exist: bool = False) -> str:
+    """``--url``, else the config file's ``[store] url``, else PDCTL_STORE__URL / default.
+
+    ``must_exist``: the command only reads or adds to a store the daemon made, so a SQLite
+    file that is not there is an error (exit 3) instead of a new empty database left behind
+    in the working directory."""
     from controller.errors import ConfigError
 
-    try:
-        return load_settings(config).store.url
-    except ConfigError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(_EXIT_BAD_INPUT) from None
+    if url:
+        from pydantic import ValidationError
+
+        from controller.config import StoreConfig
+
+        try:
+            url = StoreConfig(url=url).url
+        except ValidationError as e:
+            reason = "; ".join(str(err["msg"]).removeprefix("Value error, ")
+                               for err in e.errors())
+            typer.echo(f"error: --url: {reason}", err=True)
+            raise typer.Exit(_EXIT_BAD_INPUT) from None
+    else:
+        from controller.config import load_settings
+
+        try:
+            url = load_settings(config).store.url
+        except ConfigError as e:
+            typer.echo(str(e), err=True)
+            raise typer.Exit(_EXIT_BAD_INPUT) from None
+    missing = missing_database(url) if must_exist else None
+    if missing is not None:
+        typer.echo(missing, err=True)
+        raise typer.Exit(_EXIT_UNAVAILABLE)
+    return url
+
+
+def missing_database(url: str) -> str | None:
+    """Why ``url`` names no database yet (a SQLite file that does not exist), else None."""
+    from controller.store import normalize_url
+
+    u = normalize_url(url)
+    db = u.database or ""
+    if u.get_backend_name() != "sqlite" or not db or db == ":memory:" or db.startswith("file:"):
+        return None
+    if Path(db).exists():
+        return None
+    return (f"no database at {db}: the daemon creates it on its first start (`pdctl db "
+            "upgrade` makes an empty one); check [store] url, --config or --url")
+
+
+def _in_memory(url: str) -> bool:
+    from controller.store import normalize_url
+
+    u = normalize_url(url)
+    return u.get_backend_name() == "sqlite" and u.database in (None, "", ":memory:")
 
 
 def _safe(url: str) -> str:
     from controller.store import normalize_url
 
     return normalize_url(url).render_as_string(hide_password=True)
+
+
+def _migratable(url: str) -> str:
+    if _in_memory(url):
+        typer.echo("error: an in-memory SQLite database ends with this command; name a file "
+                   "(sqlite:///PATH)", err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT)
+    return url
 
 
 def _fail_unavailable(url: str, e: Exception) -> typer.Exit:
@@ -56,17 +106,21 @@ def upgrade(
     revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
 ) -> None:
     """Apply the migrations up to REVISION (default: the latest)."""
+    from alembic.util import CommandError
     from sqlalchemy.exc import DBAPIError
 
     from controller.store import migrate
 
-    target = store_url(url, config)
+    target = _migratable(store_url(url, config))
     try:
         before = migrate.current_revision(target)
         migrate.upgrade(target, revision)
         after = migrate.current_revision(target)
     except DBAPIError as e:
         raise _fail_unavailable(target, e) from None
+    except CommandError as e:  # e.g. an unknown revision
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT) from None
     typer.echo(f"{_safe(target)}: {before or 'empty'} -> {after or 'empty'}")
 
 
@@ -77,16 +131,20 @@ def downgrade(
     config: ConfigOption = None,
 ) -> None:
     """Revert the migrations down to REVISION."""
+    from alembic.util import CommandError
     from sqlalchemy.exc import DBAPIError
 
     from controller.store import migrate
 
-    target = store_url(url, config)
+    target = _migratable(store_url(url, config, must_exist=True))
     try:
         migrate.downgrade(target, revision)
         after = migrate.current_revision(target)
     except DBAPIError as e:
         raise _fail_unavailable(target, e) from None
+    except CommandError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT) from None
     typer.echo(f"{_safe(target)}: now at {after or 'base'}")
 
 
@@ -98,6 +156,10 @@ def current(url: UrlOption = None, config: ConfigOption = None) -> None:
     from controller.store import migrate
 
     target = store_url(url, config)
+    missing = missing_database(target)
+    if missing is not None:  # looking must not create the file
+        typer.echo(missing, err=True)
+        raise typer.Exit(1)
     try:
         at = migrate.current_revision(target)
     except DBAPIError as e:
@@ -124,7 +186,7 @@ def compact(
     from controller.errors import ControllerError
     from controller.store import Store
 
-    target = store_url(url, config)
+    target = store_url(url, config, must_exist=True)
     days = older_than_days
     if days is None:
         days = load_settings(config).store.retention_days

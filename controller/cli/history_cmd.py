@@ -79,7 +79,7 @@ def _run(family: Family, url: str | None, config: Any, since: str | None, limit:
     from controller.errors import ControllerError
     from controller.store import Store
 
-    target = store_url(url, config)
+    target = store_url(url, config, must_exist=True)
     clock = WallClock()
     try:
         start = None if since is None else parse_since(since, clock.utcnow())

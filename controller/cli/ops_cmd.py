@@ -66,7 +66,7 @@ def _open_store(url: str | None, config: Path | None) -> Store:
     from controller.errors import TransientError
     from controller.store import Store, StoreError
 
-    store = Store(store_url(url, config))
+    store = Store(store_url(url, config, must_exist=True))
     try:
         store.require_schema()
     except StoreError as e:

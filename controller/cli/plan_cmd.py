@@ -42,11 +42,20 @@ def recent_windows(config: Path | None, url: str | None, seconds: float, *,
 
     ``optional``: the load is given by hand, so an unavailable store is a warning, not an
     error."""
-    from controller.cli.db_cmd import store_url
+    from controller.cli.db_cmd import missing_database, store_url
     from controller.errors import TransientError
     from controller.store import Store, StoreError
 
-    store = Store(store_url(url, config))
+    target = store_url(url, config)
+    missing = missing_database(target)
+    if missing is not None:
+        if not optional:
+            typer.echo(missing, err=True)
+            raise typer.Exit(_EXIT_UNAVAILABLE)
+        typer.echo(f"warning: no history ({missing}); planning on the given load only",
+                   err=True)
+        return []
+    store = Store(target)
     try:
         store.require_schema()
         with store.read() as tx:
@@ -193,7 +202,9 @@ def plan_command(
     except ConfigError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(_EXIT_BAD_INPUT) from None
-    by_hand = qps is not None and input_tokens is not None and output_tokens is not None
+    # Any load given by hand makes the history optional: what is missing from both is then
+    # named by its flag (CapacityError) instead of failing on the store.
+    by_hand = qps is not None or input_tokens is not None or output_tokens is not None
     windows = recent_windows(config, url, history_s or settings.capacity.interval_s,
                              optional=by_hand)
     if not windows and qps is None:

@@ -85,6 +85,15 @@ def test_no_history_and_no_qps_is_a_clear_error(tmp_path: Path) -> None:
     assert "--input-tokens" in partial.stderr
 
 
+def test_a_partial_load_without_a_store_names_the_missing_flag(tmp_path: Path) -> None:
+    """With part of the load given by hand, a missing store is a warning and the error is
+    the flag still needed (not "store unavailable", and no empty database is created)."""
+    db = tmp_path / "none.db"
+    result = runner.invoke(app, ["plan", "--url", f"sqlite:///{db}", "--qps", "20"])
+    assert result.exit_code == 2 and "--input-tokens" in result.stderr
+    assert "warning: no history" in result.stderr and not db.exists()
+
+
 def test_plan_by_hand_moves_with_the_flags(tmp_path: Path) -> None:
     config = _config(tmp_path, with_windows=False)
     base = ["--config", str(config), "--qps", "20", "--input-tokens", "3000",
@@ -107,7 +116,8 @@ def test_plan_by_hand_moves_with_the_flags(tmp_path: Path) -> None:
 
 def test_unavailable_store_without_a_load_exits_3(tmp_path: Path) -> None:
     result = runner.invoke(app, ["plan", "--url", f"sqlite:///{tmp_path / 'none.db'}"])
-    assert result.exit_code == 3
+    assert result.exit_code == 3 and "no database at" in result.stderr
+    assert not (tmp_path / "none.db").exists()
 
 
 def test_spread_and_arrival_flags_reach_the_plan(tmp_path: Path) -> None:

@@ -28,8 +28,12 @@ def test_db_upgrade_and_current_from_any_directory(
     db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)  # no alembic.ini or migrations/ here
-    code, out, _ = _pdctl("db", "current", "--url", db_url)
-    assert code == 1 and "needs `pdctl db upgrade`" in out
+    code, out, err = _pdctl("db", "current", "--url", db_url)
+    if db_url.startswith("sqlite"):  # no file yet, and looking does not create one
+        assert code == 1 and "no database at" in err
+        assert not Path(db_url.removeprefix("sqlite:///")).exists()
+    else:
+        assert code == 1 and "needs `pdctl db upgrade`" in out
     code, out, err = _pdctl("db", "upgrade", "--url", db_url)
     assert code == 0, err
     head = migrate.head_revision()
@@ -38,6 +42,33 @@ def test_db_upgrade_and_current_from_any_directory(
     assert code == 0 and f"revision {head}" in out and "up to date" in out
     code, out, _ = _pdctl("db", "downgrade", "base", "--url", db_url)
     assert code == 0 and "now at base" in out
+
+
+def test_bad_urls_and_revisions_are_one_line_errors(tmp_path: Path) -> None:
+    """Exit 2 and a reason, not a traceback (a password in the URL is not echoed)."""
+    db = f"sqlite:///{tmp_path / 'pd.db'}"
+    for args, reason in (
+        (("db", "upgrade", "--url", db, "--revision", "9999"), "Can't locate revision"),
+        (("db", "downgrade", "zzz", "--url", db), "Can't locate revision"),
+        (("db", "upgrade", "--url", "sqlite:///"), "in-memory SQLite"),
+        (("db", "current", "--url", "mysql://pdc:hunter2@db/pdc"), "sqlite or postgresql"),
+        (("history", "policies", "--url", "pdc:hunter2@db"), "not a database URL"),
+    ):
+        code, out, err = _pdctl(*args)
+        assert code == 2 and reason in err and "Traceback" not in err + out, (args, err)
+        assert "hunter2" not in err
+        if args[1] == "upgrade" and args[3] == db:  # the first one: migrate for the next
+            assert _pdctl("db", "upgrade", "--url", db)[0] == 0
+
+
+def test_reading_commands_do_not_create_a_database(tmp_path: Path) -> None:
+    """A wrong --config or working directory must not leave an empty pd-controller.db
+    behind and then report it as unmigrated."""
+    db = tmp_path / "nowhere.db"
+    for args in (("history", "policies"), ("status",), ("pause",), ("db", "compact")):
+        code, _, err = _pdctl(*args, "--url", f"sqlite:///{db}")
+        assert code == 3 and f"no database at {db}" in err, (args, err)
+    assert not db.exists()
 
 
 def test_db_upgrade_reads_the_url_from_a_config_file(tmp_path: Path) -> None:
