@@ -10,7 +10,7 @@ stored as approved version 1 and desired by every router, with the controller's 
 overrides (``[ppd] first_turn_busy_waiting`` and ``later_turn_busy_waiting``): an operator
 deploying pd-controller runs them from the start, and its later policies carry them too
 (:func:`adaptive_start`). Beside
-it the store holds what ``pdctl calibrate active`` records with a first table: its
+it the store holds what ``pdctl calibrate-active`` records with a first table: its
 calibration, with the drift reference of the grid it was calibrated on.
 """
 
@@ -109,7 +109,7 @@ class AdaptiveController:
             tx.add_policy(self.initial.version, self.initial.checksum, dumps(self.initial),
                           "approved", "ppd-static: the bench's starting table")
             if self.drift_reference is not None:
-                # What `pdctl calibrate active` records with the first table: the cycle
+                # What `pdctl calibrate-active` records with the first table: the cycle
                 # restores its drift reference, so live traffic is measured against the grid.
                 tx.add_calibration([], {}, None, None, self.initial.version,
                                    {"trigger": "active", "approved": True,

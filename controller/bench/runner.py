@@ -325,7 +325,7 @@ def _recorded(scenario: Scenario, policy: Any, key: str, progress: Progress | No
 
 @dataclass(frozen=True)
 class StaticStart:
-    """The ``ppd-static`` table and what ``pdctl calibrate active`` stores with it: the drift
+    """The ``ppd-static`` table and what ``pdctl calibrate-active`` stores with it: the drift
     reference of its calibration (its newest windows), which the adaptive loop starts from."""
 
     policy: Policy

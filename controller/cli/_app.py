@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -42,4 +42,58 @@ def load_settings_or_exit(config: Path | None) -> Settings:
         return load_settings(config)
     except ConfigError as e:
         typer.echo(str(e), err=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+
+
+def writable_dir_or_exit(path: Path, flag: str = "--out") -> Path:
+    """``path`` made and checked writable before any long work, so that a run is not lost
+    to an output directory that cannot take its results."""
+    import tempfile
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".pdctl-probe-"):
+            pass
+    except OSError as e:
+        typer.echo(f"error: {flag} {path}: {e.strerror or e}", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    return path
+
+
+def writable_file_or_exit(path: Path, flag: str) -> Path:
+    """``path`` can be written as a file: its directory exists and takes files, and it is
+    not a directory itself."""
+    import os
+
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        reason = "is a directory"
+    elif not parent.is_dir():
+        reason = f"no directory {parent}"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        reason = f"cannot write to {parent}"
+    else:
+        return path
+    typer.echo(f"error: {flag} {path}: {reason}", err=True)
+    raise typer.Exit(EXIT_BAD_INPUT)
+
+
+def load_policy_or_exit(path: Path) -> Any:
+    """Read and validate a policy file; on failure print every problem and exit 2."""
+    from controller.policy import PolicyValidationError, loads
+
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        typer.echo(f"{path}: cannot read: {e.strerror or e}", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    try:
+        return loads(data)
+    except PolicyValidationError as e:
+        typer.echo(f"{path}: invalid policy, {len(e.problems)} problem(s):", err=True)
+        for problem in e.problems:
+            typer.echo(f"  {problem.path}: {problem.message}", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    except UnicodeDecodeError as e:
+        typer.echo(f"{path}: invalid policy: not UTF-8 text ({e})", err=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None

@@ -32,7 +32,20 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
         raise typer.BadParameter(f"{what}: comma-separated numbers") from None
     if not values:
         raise typer.BadParameter(f"{what}: at least one value")
+    bad = [x for x in values if not 0 < x < float("inf")]
+    if bad:  # a context class or QPS point of 0 or less would push forced policies for nothing
+        raise typer.BadParameter(f"{what}: every value must be positive, got {bad[0]:g}")
     return values
+
+
+def _endpoints(urls: list[str]) -> list[str]:
+    from urllib.parse import urlsplit
+
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise typer.BadParameter(f"--openai {url!r}: expected http(s)://HOST:PORT/v1")
+    return urls
 
 
 def _turns(text: str) -> tuple[tuple[int, int], ...]:
@@ -94,6 +107,7 @@ def calibrate_active(
     from controller.rollout.client import GrpcRouterTransport
     from controller.rollout.reconciler import Reconciler
 
+    openai = _endpoints(openai)
     try:
         settings = load_settings(config)
         plan = plan_active_calibration(

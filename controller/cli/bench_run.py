@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from controller.cli._app import bench_app
+from controller.cli._app import bench_app, load_policy_or_exit, writable_dir_or_exit
 
 if TYPE_CHECKING:
     from controller.policy import Policy
@@ -26,7 +26,7 @@ def resolve_policy(spec: str, scenario: Scenario) -> tuple[str, Policy]:
     policy JSON file (keyed by its file name without extension)."""
     from controller.bench.baselines import static_policy
     from controller.bench.runner import slo_of
-    from controller.policy import Route, loads, validate_policy
+    from controller.policy import Route
 
     if spec == "pd":
         return "pd", static_policy(Route.PREFILL_NODE, slo_of(scenario))
@@ -35,9 +35,7 @@ def resolve_policy(spec: str, scenario: Scenario) -> tuple[str, Policy]:
     path = Path(spec)
     if not path.is_file():
         raise typer.BadParameter(f"{spec!r} is not a policy name or a policy JSON file")
-    policy = loads(path.read_text(encoding="utf-8"))
-    validate_policy(policy)
-    return path.stem, policy
+    return path.stem, load_policy_or_exit(path)  # loads() validates
 
 
 def _threshold_options(items: list[str]) -> dict[str, float]:
@@ -46,7 +44,10 @@ def _threshold_options(items: list[str]) -> dict[str, float]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--threshold {item!r}: expected KEY=VALUE")
-        out[key.strip()] = float(value)
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--threshold {item!r}: {value!r} is not a number") from None
     return out
 
 
@@ -103,6 +104,9 @@ def bench_run(
                 key, pol = resolve_policy(spec, scenario)
                 extra[key] = pol
         thr = threshold_from_options(_threshold_options(threshold or []))
+        if threshold and not {"threshold", "oracle"} & set(names):
+            typer.echo("warning: --threshold has no effect: neither threshold nor oracle is "
+                       "run", err=True)
         settings = None
         if config is not None:
             from controller.config import load_settings
@@ -112,6 +116,8 @@ def bench_run(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
 
+    if out is not None:  # before the run, which can take minutes
+        writable_dir_or_exit(out)
     try:
         bench = _run(scenario, names, thr, settings, extra, time_scale)
     except ValueError as e:  # e.g. windows a table cannot be calibrated on
@@ -121,7 +127,6 @@ def bench_run(
     command = "pdctl bench run " + " ".join(shlex.quote(a) for a in sys.argv[3:]) \
         if len(sys.argv) > 3 and sys.argv[1:3] == ["bench", "run"] else None
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         (out / "report.md").write_text(markdown_report(doc, command), encoding="utf-8")
         for key, run in bench.runs.items():

@@ -35,7 +35,8 @@ def serve(
     from controller.sim.scenario import load_scenario
 
     if host not in ("127.0.0.1", "localhost", "::1"):
-        typer.echo("error: the simulator serves on loopback only", err=True)
+        typer.echo(f"error: --host {host}: the simulator serves on loopback only "
+                   "(127.0.0.1, localhost or ::1)", err=True)
         raise typer.Exit(2)
     try:
         scenario = load_scenario(scenario_path)
@@ -50,7 +51,11 @@ def serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        addresses = await sim.start()
+        try:
+            addresses = await sim.start()
+        except ConfigError:  # a [workload.params] value only building the workload checks
+            await sim.stop()
+            raise
         _print_addresses(addresses, as_json)
         try:
             await stop.wait()
@@ -58,7 +63,11 @@ def serve(
             await sim.stop()
         typer.echo("stopped", err=True)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _print_addresses(addresses: dict[str, Any], as_json: bool) -> None:

@@ -9,33 +9,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from controller.cli._app import table_app
+from controller.cli._app import load_policy_or_exit, table_app, writable_file_or_exit
 
 if TYPE_CHECKING:
     from controller.policy import Features, Policy
 
 _EXIT_BAD_INPUT = 2
-
-
-def load_policy_or_exit(path: Path) -> Policy:
-    """Read and validate a policy file; on failure print every problem and exit 2."""
-    from controller.policy import PolicyValidationError, loads
-
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        typer.echo(f"{path}: cannot read: {e.strerror or e}", err=True)
-        raise typer.Exit(_EXIT_BAD_INPUT) from None
-    try:
-        return loads(data)
-    except PolicyValidationError as e:
-        typer.echo(f"{path}: invalid policy, {len(e.problems)} problem(s):", err=True)
-        for problem in e.problems:
-            typer.echo(f"  {problem.path}: {problem.message}", err=True)
-        raise typer.Exit(_EXIT_BAD_INPUT) from None
-    except UnicodeDecodeError as e:
-        typer.echo(f"{path}: invalid policy: not UTF-8 text ({e})", err=True)
-        raise typer.Exit(_EXIT_BAD_INPUT) from None
 
 
 def fmt_edge(value: float) -> str:
@@ -89,6 +68,8 @@ def show(
     from rich.console import Console
 
     policy = load_policy_or_exit(policy_file)
+    if plot is not None:
+        writable_file_or_exit(plot, "--plot")
     axes = policy.table.axes
     # Wide enough that no cell is cut (rich would otherwise squeeze to the terminal's 80).
     width = 4 + max(len(bin_text(axes.context_tokens, i)) for i in range(axes.shape[0])) + sum(

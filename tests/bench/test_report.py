@@ -161,7 +161,7 @@ def test_adaptive_is_the_daemons_cycle_with_its_store(scenario_file: Path,
         assert first.version == 1 and first.status == "approved"
         assert loads(first.body_json).table == run.tables[0][1].table
         assert "ppd-static" in first.reason
-        # ... with what `pdctl calibrate active` records beside it: the calibration's drift
+        # ... with what `pdctl calibrate-active` records beside it: the calibration's drift
         # reference (the grid's newest windows), which the cycle restores at its start.
         active = [c for c in store.calibrations() if (c.details or {}).get("trigger") == "active"]
         assert [c.policy_version for c in active] == [1]
