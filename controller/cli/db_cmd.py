@@ -113,6 +113,7 @@ def upgrade(
 
     target = _migratable(store_url(url, config))
     try:
+        migrate.check_revision(revision)
         before = migrate.current_revision(target)
         migrate.upgrade(target, revision)
         after = migrate.current_revision(target)

@@ -313,12 +313,12 @@ def explain(policy: Policy, f: Features) -> dict[str, Any]:
 
 def _invalid_features(f: Features) -> list[str]:
     out = []
-    for name in ("turn", "context_tokens", "append_tokens", "expected_output_tokens", "qps"):
+    if not math.isfinite(f.turn) or f.turn < 1:  # one message for every bad turn, -1 or 0
+        out.append(f"turn={f.turn} must be >= 1")
+    for name in ("context_tokens", "append_tokens", "expected_output_tokens", "qps"):
         v = getattr(f, name)
         if not math.isfinite(v) or v < 0:
             out.append(f"{name}={v} must be a finite number >= 0")
-    if math.isfinite(f.turn) and 0 <= f.turn < 1:
-        out.append(f"turn={f.turn} must be >= 1")
     if f.expected_output_tokens == 0:
         out.append("expected_output_tokens must be > 0")
     return out
@@ -343,12 +343,17 @@ def new(
     """Write a uniform policy on the default 10 x 10 x 10 axes (for demos and tests)."""
     from controller.clock import WallClock
     from controller.policy import Policy, Provenance, Route, dumps, validate_policy
+    from controller.policy.model import MAX_EXPLORATION
 
     try:
         chosen = Route.parse(route)
     except ValueError as e:
         typer.echo(f"--route: {e}", err=True)
         raise typer.Exit(_EXIT_BAD_INPUT) from None
+    if not 0 <= exploration <= MAX_EXPLORATION:  # else one identical problem per cell
+        typer.echo(f"--exploration {exploration:g}: must be within [0, {MAX_EXPLORATION:g}]",
+                   err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT)
     policy = Policy.uniform(
         version, chosen, exploration=exploration,
         provenance=Provenance(created_at=WallClock().utcnow(), created_by="pdctl",

@@ -49,5 +49,13 @@ def current_revision(url: str | URL) -> str | None:
         engine.dispose()
 
 
+def check_revision(revision: str) -> None:
+    """Raise alembic's ``CommandError`` for a revision no migration has, before anything
+    connects (connecting creates an SQLite file). Relative targets (``+1``, ``head-1``)
+    depend on the database's revision, so alembic checks those itself."""
+    if not any(c in revision for c in "+-"):
+        ScriptDirectory(str(MIGRATIONS_DIR)).get_revisions(revision)
+
+
 def head_revision() -> str | None:
     return ScriptDirectory(str(MIGRATIONS_DIR)).get_current_head()

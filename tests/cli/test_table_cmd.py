@@ -175,6 +175,10 @@ def test_decide_explains_overrides_and_invalid_input(policy_file: Path) -> None:
     invalid = run(2, 500, 0)
     assert invalid["reason"] == Reason.INVALID_INPUT.value
     assert "expected_output_tokens must be > 0" in str(invalid["why"])
+    for turn in (-1, 0):  # the same message for every turn below 1
+        bad_turn = run(turn, 500, 100)
+        assert bad_turn["reason"] == Reason.INVALID_INPUT.value
+        assert f"turn={turn} must be >= 1" in str(bad_turn["why"])
 
 
 def test_show_and_decide_explain_the_later_turn_busy_override(tmp_path: Path) -> None:
@@ -227,7 +231,7 @@ def test_new_writes_a_valid_uniform_policy(tmp_path: Path) -> None:
     ("args", "message"),
     [
         (["--route", "sideways"], "unknown route"),
-        (["--route", "decode", "--exploration", "0.5"], "exploration[0]"),
+        (["--route", "decode", "--exploration", "0.5"], "--exploration 0.5: must be within"),
         (["--route", "decode", "--version", "0"], "version"),
     ],
 )
@@ -235,3 +239,4 @@ def test_new_refuses_bad_arguments(args: list[str], message: str) -> None:
     result = runner.invoke(app, ["table", "new", *args])
     assert result.exit_code == 2
     assert message in result.stderr
+    assert len(result.stderr.splitlines()) <= 2  # one problem said once, not once per cell

@@ -58,6 +58,7 @@ def test_bad_urls_and_revisions_are_one_line_errors(tmp_path: Path) -> None:
         assert code == 2 and reason in err and "Traceback" not in err + out, (args, err)
         assert "hunter2" not in err
         if args[1] == "upgrade" and args[3] == db:  # the first one: migrate for the next
+            assert not (tmp_path / "pd.db").exists()  # refused before connecting
             assert _pdctl("db", "upgrade", "--url", db)[0] == 0
 
 
