@@ -322,7 +322,8 @@ class ControllerConfig(_Section):
         "HOSTNAME-PID).",
     )
     sidecar_router: str | None = Field(
-        None, description="Sidecar mode: reconcile only this router (needs PostgreSQL)."
+        None, description="Sidecar mode: reconcile only this router, one of [routers] "
+        "targets (needs PostgreSQL)."
     )
 
 

@@ -159,16 +159,22 @@ class Daemon:
 
         s = self.settings
         c = s.controller
-        if store.dialect == "sqlite":
-            await asyncio.to_thread(store.upgrade)  # the embedded default migrates itself
-        else:
-            await asyncio.to_thread(store.require_schema)  # production: `pdctl db upgrade`
         if c.sidecar_router is not None and store.dialect == "sqlite":
             raise ConfigError("[controller] sidecar_router needs PostgreSQL as the shared "
                               "store (every replica reconciles its own router)")
         routers = list(s.routers.targets)
         if not routers:
             raise ConfigError("[routers] targets is empty: the daemon needs routers to control")
+        if c.sidecar_router is not None and c.sidecar_router not in routers:
+            # Desired versions are keyed by the targets' names: any other name is never
+            # given a policy, so this replica would push nothing, ever.
+            raise ConfigError(f"[controller] sidecar_router {c.sidecar_router!r} is not one "
+                              f"of [routers] targets {routers}: its router would never be "
+                              "given a policy")
+        if store.dialect == "sqlite":
+            await asyncio.to_thread(store.upgrade)  # the embedded default migrates itself
+        else:
+            await asyncio.to_thread(store.require_schema)  # production: `pdctl db upgrade`
         names: dict[str, str] = {}
         if len(s.routers.metrics_targets) == len(routers):
             names = dict(zip(routers, s.routers.metrics_targets, strict=True))

@@ -117,22 +117,58 @@ def test_standalone_deployment() -> None:
     assert pod["serviceAccountName"] == one("standalone.yaml", "ServiceAccount")["metadata"]["name"]
 
 
-def test_sidecar_is_native_and_does_not_wait_on_its_router() -> None:
-    deployment = one("sidecar.yaml", "Deployment")
-    pod = deployment["spec"]["template"]["spec"]
+def router_workload(name: str) -> dict[str, Any]:
+    """The Deployment (standalone) or StatefulSet (sidecar) a manifest runs."""
+    return one(name, "StatefulSet" if name == "sidecar.yaml" else "Deployment")
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion of an env value from the variables before it."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], value)
+
+
+def test_sidecar_is_native_and_does_not_wait_on_its_router(tmp_path: Path) -> None:
+    workload = router_workload("sidecar.yaml")
+    pod = workload["spec"]["template"]["spec"]
     (sidecar,) = pod["initContainers"]
     assert sidecar["restartPolicy"] == "Always"  # schemas accept any string here
     check_controller_container(sidecar, pod)
     router_ports = {p["containerPort"] for c in pod["containers"] for p in c["ports"]}
     sidecar_ports = {p["containerPort"] for p in sidecar["ports"]}
     assert not router_ports & sidecar_ports
-    env = {e["name"]: e.get("value") for e in sidecar["env"]}
-    # It reconciles only its own router, over loopback.
-    assert yaml.safe_load(env["PDCTL_ROUTERS__TARGETS"]) == ["127.0.0.1:50151"]
     assert 50151 in router_ports
+    # Sidecar mode is [controller] sidecar_router; the shared [routers] targets stay the
+    # ConfigMap's, so the leader decides for every router.
+    names = [e["name"] for e in sidecar["env"]]
+    assert "PDCTL_CONTROLLER__SIDECAR_ROUTER" in names
+    assert not any(n.startswith("PDCTL_ROUTERS__") for n in names)
+    pod_name = next(e for e in sidecar["env"] if e["name"] == "POD_NAME")
+    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    # Each replica's own router, by a name the ConfigMap lists: expand the env as the
+    # kubelet would for every replica and load the real config with it.
+    service = one("sidecar.yaml", "Service")
+    assert workload["spec"]["serviceName"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True  # the sidecar starts first
+    toml = tmp_path / "pd-controller.toml"
+    toml.write_text(one("configmap.yaml", "ConfigMap")["data"]["pd-controller.toml"])
+    base = load_settings(toml)
+    replicas = workload["spec"]["replicas"]
+    assert len(base.routers.targets) == replicas
+    seen = set()
+    for i in range(replicas):
+        env = {"POD_NAME": f"{workload['metadata']['name']}-{i}"}
+        for e in sidecar["env"]:
+            if "value" in e:
+                env[e["name"]] = expand(e["value"], env)
+        mine = env["PDCTL_CONTROLLER__SIDECAR_ROUTER"]
+        assert mine in base.routers.targets
+        assert mine.rsplit(":", 1)[1] == "50151"
+        seen.add(mine)
+    assert seen == set(base.routers.targets)
 
 
-@pytest.mark.parametrize("override", [{}, {"routers": {"targets": ["127.0.0.1:50151"]}}])
+@pytest.mark.parametrize("override", [{}, {"controller": {"sidecar_router": "pd-router-0.pd-router:50151"}}])
 def test_configmap_is_a_valid_config(tmp_path: Path, override: dict[str, Any]) -> None:
     toml = one("configmap.yaml", "ConfigMap")["data"]["pd-controller.toml"]
     path = tmp_path / "pd-controller.toml"
@@ -141,7 +177,7 @@ def test_configmap_is_a_valid_config(tmp_path: Path, override: dict[str, Any]) -
     assert settings.metrics.listen.startswith("0.0.0.0:")
     port = int(settings.metrics.listen.rsplit(":", 1)[1])
     for name in ("standalone.yaml", "sidecar.yaml"):
-        pod = one(name, "Deployment")["spec"]["template"]["spec"]
+        pod = router_workload(name)["spec"]["template"]["spec"]
         controller = next(
             c for c in pod.get("initContainers", []) + pod["containers"]
             if c["name"] == "pd-controller"
@@ -184,5 +220,5 @@ def test_containerfile_is_multi_stage_non_root_and_pinned() -> None:
     assert entrypoint and yaml.safe_load(entrypoint[-1]) == ["pdctl"]
     uid = int(users[-1].split(":")[0])
     for name in ("standalone.yaml", "sidecar.yaml"):
-        pod = one(name, "Deployment")["spec"]["template"]["spec"]
+        pod = router_workload(name)["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsUser"] == uid
