@@ -200,7 +200,13 @@ class Daemon:
         server = None
         if s.metrics.enable:
             server = HealthServer(health, self.registry, s.metrics.listen)
-            await server.start()
+            try:
+                await server.start()
+            except OSError as e:  # e.g. another daemon already on the port
+                await transport.close()
+                await source.aclose()
+                raise ConfigError(f"cannot listen on [metrics] listen {s.metrics.listen}: "
+                                  f"{e.strerror or e}") from None
         log.info("built", extra={"store": store.safe_url, "routers": len(routers),
                                  "holder": holder, "advisory": self.advisory,
                                  "interval_s": c.interval_s,

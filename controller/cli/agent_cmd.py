@@ -43,6 +43,22 @@ def _initial_policy(settings: Settings) -> Policy | None:
         raise ConfigError(f"ppd.lookup_table {path}: {e}") from None
 
 
+def _check_state_dir(path: Path) -> None:
+    """The state file's directory must exist and be writable: otherwise the agent would
+    start, report ready, and refuse every push it is given (persist_failed)."""
+    import os
+
+    from controller.errors import ConfigError
+
+    folder = path.expanduser().resolve().parent
+    if not folder.is_dir():
+        raise ConfigError(f"state file {path}: directory {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"state file {path}: directory {folder} is not writable")
+    if path.is_dir():
+        raise ConfigError(f"state file {path}: is a directory")
+
+
 async def _prefill_watch(settings: Settings, clock: Clock) -> PrefillQueueWatch | None:
     """The poller of the prefill workers' queues, when configured (``[agent]
     prefill_poll_interval_s`` > 0 and ``[prefill_pool] nodes`` not empty)."""
@@ -72,10 +88,13 @@ async def serve_agent(
     import socket
 
     from controller.clock import WallClock
+    from controller.errors import ConfigError
     from controller.rollout.agent import RouterAgent
     from controller.rollout.security import split_host_port
     from controller.rollout.server import RouterServer
 
+    if state_file is not None:
+        _check_state_dir(state_file)
     clock = WallClock()
     watch = await _prefill_watch(settings, clock)
     agent = RouterAgent(
@@ -98,7 +117,11 @@ async def serve_agent(
         from prometheus_client import start_http_server
 
         host, port = split_host_port(metrics_listen)
-        metrics_server, _ = start_http_server(port, addr=host, registry=agent.registry)
+        try:
+            metrics_server, _ = start_http_server(port, addr=host, registry=agent.registry)
+        except OSError as e:  # e.g. another agent already on the port
+            raise ConfigError(f"cannot listen on --metrics-listen {metrics_listen}: "
+                              f"{e.strerror or e}") from None
     await server.start()
     snap = agent.snapshot
     typer.echo(

@@ -3,6 +3,7 @@ before any long work starts, never a traceback."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,40 @@ def test_calibrate_active_rejects_nonsense_before_pushing(tmp_path: Path) -> Non
     _fails_cleanly([*base, "--openai", "http://127.0.0.1:9/v1", "--qps", "0"], "--qps")
     _fails_cleanly([*base, "--openai", "notaurl"], "--openai 'notaurl'")
     assert not (tmp_path / "pd.db").exists()
+
+
+def _process_fails_cleanly(args: list[str], reason: str) -> str:
+    """A long-running command as a subprocess with a deadline: one that did start would
+    otherwise serve until killed."""
+    done = subprocess.run([sys.executable, "-c", "from controller.cli import main; main()",
+                           *args], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, (args, done.returncode, done.stderr)
+    assert reason in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+    return done.stderr
+
+
+def test_a_listen_port_in_use_is_one_line(tmp_path: Path) -> None:
+    """Another daemon or agent on the port was an OSError traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        config = tmp_path / "pd.toml"
+        config.write_text(f'[store]\nurl = "sqlite:///{tmp_path / "h.db"}"\n'
+                          f'[routers]\ntargets = ["127.0.0.1:1"]\n'
+                          f'[metrics]\nlisten = "{address}"\n')
+        _process_fails_cleanly(["run", "--config", str(config)],
+                               f"cannot listen on [metrics] listen {address}")
+        _process_fails_cleanly(["router-agent", "--listen", "127.0.0.1:0",
+                                "--metrics-listen", address],
+                               f"cannot listen on --metrics-listen {address}")
+
+
+def test_router_agent_checks_its_state_file_directory(tmp_path: Path) -> None:
+    """It started, said ready, and then refused every push (persist_failed)."""
+    missing = tmp_path / "no-such-dir" / "policy.json"
+    _process_fails_cleanly(["router-agent", "--listen", "127.0.0.1:0",
+                            "--state-file", str(missing)],
+                           f"directory {missing.parent} does not exist")
+    _process_fails_cleanly(["router-agent", "--listen", "127.0.0.1:0",
+                            "--state-file", str(tmp_path)], "is a directory")

@@ -168,7 +168,10 @@ def test_sidecar_is_native_and_does_not_wait_on_its_router(tmp_path: Path) -> No
     assert seen == set(base.routers.targets)
 
 
-@pytest.mark.parametrize("override", [{}, {"controller": {"sidecar_router": "pd-router-0.pd-router:50151"}}])
+SIDECAR_OF_ROUTER_0 = {"controller": {"sidecar_router": "pd-router-0.pd-router:50151"}}
+
+
+@pytest.mark.parametrize("override", [{}, SIDECAR_OF_ROUTER_0])
 def test_configmap_is_a_valid_config(tmp_path: Path, override: dict[str, Any]) -> None:
     toml = one("configmap.yaml", "ConfigMap")["data"]["pd-controller.toml"]
     path = tmp_path / "pd-controller.toml"
