@@ -45,7 +45,12 @@ WhoOption = Annotated[
 WaitOption = Annotated[
     bool, typer.Option("--wait", help="Wait for the daemon's outcome (bounded by --timeout).")
 ]
-TimeoutOption = Annotated[float, typer.Option("--timeout", help="Seconds --wait waits.")]
+TimeoutOption = Annotated[float, typer.Option(
+    "--timeout", min=0, help="Seconds --wait waits; after them the request stays pending and "
+    "the leader still acts on it.")]
+# Shown under each request command's --help (scripts branch on them).
+EXIT_CODES = ("Exit codes: 0 done, 1 the daemon refused the request, 2 bad input, 3 store "
+              "unavailable, 4 --wait timed out (the request stays pending).")
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
 
@@ -106,7 +111,9 @@ def _submit(
         typer.echo(line + (f" — {request.outcome}" if request.outcome else ""))
     if wait and request.status in ("pending", "claimed"):
         if not as_json:
-            typer.echo(f"no outcome within {timeout:g} s (is `pdctl run` running and leader?)",
+            typer.echo(f"no outcome within {timeout:g} s: request #{request.id} is still "
+                       f"{request.status} and the leader acts on it when it next cycles (is "
+                       "`pdctl run` running?); `pdctl history requests` shows its outcome",
                        err=True)
         raise typer.Exit(_EXIT_TIMEOUT)
     if request.status == "failed":
@@ -119,7 +126,7 @@ def _request_json(r: Any) -> dict[str, Any]:
             "claimed_by": r.claimed_by, "finished_at": r.finished_at}
 
 
-@app.command("pause")
+@app.command("pause", epilog=EXIT_CODES)
 def pause(reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
           timeout: TimeoutOption = 60.0, as_json: JsonOption = False, url: UrlOption = None,
           config: ConfigOption = None) -> None:
@@ -128,7 +135,7 @@ def pause(reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = F
             timeout=timeout, as_json=as_json, url=url, config=config)
 
 
-@app.command("resume")
+@app.command("resume", epilog=EXIT_CODES)
 def resume(reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
            timeout: TimeoutOption = 60.0, as_json: JsonOption = False, url: UrlOption = None,
            config: ConfigOption = None) -> None:
@@ -137,7 +144,7 @@ def resume(reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = 
             timeout=timeout, as_json=as_json, url=url, config=config)
 
 
-@app.command("pin")
+@app.command("pin", epilog=EXIT_CODES)
 def pin(version: Annotated[int, typer.Argument(help="An approved policy version.", min=1)],
         reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
         timeout: TimeoutOption = 60.0, as_json: JsonOption = False, url: UrlOption = None,
@@ -147,7 +154,7 @@ def pin(version: Annotated[int, typer.Argument(help="An approved policy version.
             timeout=timeout, as_json=as_json, url=url, config=config)
 
 
-@app.command("unpin")
+@app.command("unpin", epilog=EXIT_CODES)
 def unpin(reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
           timeout: TimeoutOption = 60.0, as_json: JsonOption = False, url: UrlOption = None,
           config: ConfigOption = None) -> None:
@@ -156,7 +163,7 @@ def unpin(reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = F
             as_json=as_json, url=url, config=config)
 
 
-@app.command("fallback")
+@app.command("fallback", epilog=EXIT_CODES)
 def fallback(target: Annotated[str, typer.Argument(help="Only `prefill` (all-prefill-node).")],
              reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
              timeout: TimeoutOption = 60.0, as_json: JsonOption = False,
@@ -169,7 +176,7 @@ def fallback(target: Annotated[str, typer.Argument(help="Only `prefill` (all-pre
             timeout=timeout, as_json=as_json, url=url, config=config)
 
 
-@app.command("rollback")
+@app.command("rollback", epilog=EXIT_CODES)
 def rollback(
     version: Annotated[int | None, typer.Argument(
         help="Approved version to return to (default: the one before the newest).", min=1)
@@ -183,7 +190,7 @@ def rollback(
             timeout=timeout, as_json=as_json, url=url, config=config)
 
 
-@app.command("exploration")
+@app.command("exploration", epilog=EXIT_CODES)
 def exploration(state: Annotated[str, typer.Argument(help="on | off")],
                 reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
                 timeout: TimeoutOption = 60.0, as_json: JsonOption = False,
@@ -196,7 +203,7 @@ def exploration(state: Annotated[str, typer.Argument(help="on | off")],
             who=who, wait=wait, timeout=timeout, as_json=as_json, url=url, config=config)
 
 
-@app.command("recalibrate")
+@app.command("recalibrate", epilog=EXIT_CODES)
 def recalibrate(
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Fit and judge, store the calibration, approve nothing.")] = False,

@@ -63,6 +63,7 @@ async def test_wait_returns_the_daemon_outcome_or_times_out(tmp_path: Path) -> N
     timed_out = runner.invoke(app, ["pin", "1", "--url", _url(tmp_path), "--wait",
                                     "--timeout", "0.3"])
     assert timed_out.exit_code == 4, timed_out.output
+    assert "request #" in timed_out.stderr and "still pending" in timed_out.stderr
     await rig.step()  # the daemon picks up the pin
 
     def daemon_cycle_later() -> None:
@@ -79,6 +80,23 @@ async def test_wait_returns_the_daemon_outcome_or_times_out(tmp_path: Path) -> N
     assert refused.exit_code == 1, refused.output
     doc = json.loads(refused.output)
     assert doc["status"] == "failed" and "no such version" in doc["outcome"]
+
+
+async def test_a_negative_timeout_is_refused_before_a_request_is_written(
+        tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    result = runner.invoke(app, ["pause", "--url", _url(tmp_path), "--wait", "--timeout", "-5"])
+    assert result.exit_code == 2 and "--timeout" in result.output
+    listed = runner.invoke(app, ["history", "requests", "--url", _url(tmp_path), "--json"])
+    assert listed.exit_code == 0 and json.loads(listed.output) == []
+
+
+def test_request_commands_document_their_exit_codes() -> None:
+    for command in ("pause", "resume", "pin", "unpin", "fallback", "rollback", "exploration",
+                    "recalibrate"):
+        out = runner.invoke(app, [command, "--help"], terminal_width=200).output
+        assert "4 --wait timed out" in out, (command, out)
 
 
 def test_bad_input_and_missing_schema(tmp_path: Path) -> None:
