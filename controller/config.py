@@ -34,7 +34,7 @@ from pydantic_settings import (
 from controller.errors import ConfigError
 
 
-def _host_port(value: str, *, listen: bool = False) -> str:
+def check_host_port(value: str, *, listen: bool = False) -> str:
     """``value`` when it is HOST:PORT (an IPv6 host in brackets); a listen address may take
     port 0 (any free port)."""
     host, sep, port = value.rpartition(":")
@@ -47,7 +47,7 @@ def _host_port(value: str, *, listen: bool = False) -> str:
 
 def _scrape_address(value: str) -> str:
     """HOST:PORT, or dns+NAME:PORT (every address of a headless service)."""
-    _host_port(value.removeprefix("dns+"))
+    check_host_port(value.removeprefix("dns+"))
     return value
 
 
@@ -132,7 +132,7 @@ class MetricsConfig(_Section):
     @field_validator("listen")
     @classmethod
     def _listen(cls, v: str) -> str:
-        return _host_port(v, listen=True)
+        return check_host_port(v, listen=True)
 
 
 class SloConfig(_Section):
@@ -153,7 +153,7 @@ class RoutersConfig(_Section):
     @field_validator("targets")
     @classmethod
     def _targets(cls, v: list[str]) -> list[str]:
-        return [_host_port(t) for t in v]
+        return [check_host_port(t) for t in v]
 
     @field_validator("metrics_targets")
     @classmethod
@@ -217,7 +217,7 @@ class AgentConfig(_Section):
     @field_validator("listen", "metrics_listen")
     @classmethod
     def _listen(cls, v: str | None) -> str | None:
-        return None if v is None else _host_port(v, listen=True)
+        return None if v is None else check_host_port(v, listen=True)
 
 
 class RolloutConfig(_Section):

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from controller.cli._app import app
+from controller.cli._app import app, load_settings_or_exit
 
 db_app = typer.Typer(help="The history database: migrations and retention.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
@@ -30,7 +30,6 @@ def store_url(url: str | None, config: Path | None, *, must_exist: bool = False)
     ``must_exist``: the command only reads or adds to a store the daemon made, so a SQLite
     file that is not there is an error (exit 3) instead of a new empty database left behind
     in the working directory."""
-    from controller.errors import ConfigError
 
     if url:
         from pydantic import ValidationError
@@ -45,13 +44,7 @@ def store_url(url: str | None, config: Path | None, *, must_exist: bool = False)
             typer.echo(f"error: --url: {reason}", err=True)
             raise typer.Exit(_EXIT_BAD_INPUT) from None
     else:
-        from controller.config import load_settings
-
-        try:
-            url = load_settings(config).store.url
-        except ConfigError as e:
-            typer.echo(str(e), err=True)
-            raise typer.Exit(_EXIT_BAD_INPUT) from None
+        url = load_settings_or_exit(config).store.url
     missing = missing_database(url) if must_exist else None
     if missing is not None:
         typer.echo(missing, err=True)
@@ -183,14 +176,13 @@ def compact(
 ) -> None:
     """Delete windows older than the retention (policies, events and requests are kept)."""
     from controller.clock import WallClock
-    from controller.config import load_settings
     from controller.errors import ControllerError
     from controller.store import Store
 
     target = store_url(url, config, must_exist=True)
     days = older_than_days
     if days is None:
-        days = load_settings(config).store.retention_days
+        days = load_settings_or_exit(config).store.retention_days
     clock = WallClock()
     cutoff = clock.utcnow() - timedelta(days=days)
     try:

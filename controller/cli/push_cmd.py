@@ -69,6 +69,7 @@ def push(
     import asyncio
 
     from controller.clock import WallClock
+    from controller.config import check_host_port
     from controller.errors import ConfigError
     from controller.policy import PolicyValidationError, loads
     from controller.rollout.client import GrpcRouterTransport
@@ -87,6 +88,12 @@ def push(
     if not routers:
         typer.echo("no routers: pass --router HOST:PORT or set [routers] targets", err=True)
         raise typer.Exit(2)
+    for address in router or []:
+        try:
+            check_host_port(address)
+        except ValueError as e:
+            typer.echo(f"--router {address}: {e}", err=True)
+            raise typer.Exit(2) from None
 
     async def once() -> dict[str, RouterStatus]:
         transport = GrpcRouterTransport(settings.security)

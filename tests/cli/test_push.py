@@ -199,6 +199,11 @@ def test_bad_inputs_exit_2(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "no routers" in result.output
 
+    for address in ("notanaddress", "127.0.0.1:99999", "router one:50151"):
+        result = runner.invoke(app, ["push", str(good), "-r", "127.0.0.1:1", "-r", address])
+        assert result.exit_code == 2, (address, result.output)
+        assert f"--router {address}: expected HOST:PORT" in result.output
+
 
 def test_agent_refuses_an_unauthenticated_public_listen_address() -> None:
     proc = subprocess.run(

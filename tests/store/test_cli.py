@@ -53,11 +53,14 @@ def test_bad_urls_and_revisions_are_one_line_errors(tmp_path: Path) -> None:
         (("db", "upgrade", "--url", "sqlite:///"), "in-memory SQLite"),
         (("db", "current", "--url", "mysql://pdc:hunter2@db/pdc"), "sqlite or postgresql"),
         (("history", "policies", "--url", "pdc:hunter2@db"), "not a database URL"),
+        # the retention comes from --config even when --url names the store
+        (("db", "compact", "--url", db, "--config", str(tmp_path / "no.toml")),
+         "config file not found"),
     ):
         code, out, err = _pdctl(*args)
         assert code == 2 and reason in err and "Traceback" not in err + out, (args, err)
         assert "hunter2" not in err
-        if args[1] == "upgrade" and args[3] == db:  # the first one: migrate for the next
+        if args[:2] == ("db", "upgrade") and args[3] == db:  # the first: migrate for the rest
             assert not (tmp_path / "pd.db").exists()  # refused before connecting
             assert _pdctl("db", "upgrade", "--url", db)[0] == 0
 
