@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from controller.cli._app import app
+from controller.cli._app import app, load_settings_or_exit
 
 if TYPE_CHECKING:
     from controller.core.capacity import CapacityPlan, RoleRecommendation
@@ -147,9 +147,9 @@ def plan_command(
     output_tokens: Annotated[float | None, typer.Option(
         "--output-tokens", min=1.0, help="Mean generated tokens per request.")] = None,
     ttft_slo: Annotated[float | None, typer.Option(
-        "--ttft-slo", min=0.0, help="p99 TTFT SLO, seconds (default [slo] ttft_s).")] = None,
+        "--ttft-slo", help="p99 TTFT SLO, seconds, > 0 (default [slo] ttft_s).")] = None,
     tpot_slo: Annotated[float | None, typer.Option(
-        "--tpot-slo", min=0.0, help="p99 TPOT SLO, seconds (default [slo] tpot_s).")] = None,
+        "--tpot-slo", help="p99 TPOT SLO, seconds, > 0 (default [slo] tpot_s).")] = None,
     headroom: Annotated[float | None, typer.Option(
         "--headroom", min=0.0, help="Spare capacity (default [capacity] headroom).")] = None,
     kv_tokens: Annotated[float | None, typer.Option(
@@ -193,15 +193,13 @@ def plan_command(
 ) -> None:
     """Prefill and decode workers for the current load (or the given one) and the SLOs."""
     from controller.capacity_planner import PlanOverrides, plan_from_windows
-    from controller.config import load_settings
     from controller.core.capacity import CapacityError
-    from controller.errors import ConfigError
 
-    try:
-        settings = load_settings(config)
-    except ConfigError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(_EXIT_BAD_INPUT) from None
+    settings = load_settings_or_exit(config)
+    for flag, slo in (("--ttft-slo", ttft_slo), ("--tpot-slo", tpot_slo)):
+        if slo is not None and not slo > 0:  # NaN too
+            typer.echo(f"error: {flag} {slo:g}: must be > 0 seconds", err=True)
+            raise typer.Exit(_EXIT_BAD_INPUT)
     # Any load given by hand makes the history optional: what is missing from both is then
     # named by its flag (CapacityError) instead of failing on the store.
     by_hand = qps is not None or input_tokens is not None or output_tokens is not None

@@ -85,6 +85,15 @@ def test_no_history_and_no_qps_is_a_clear_error(tmp_path: Path) -> None:
     assert "--input-tokens" in partial.stderr
 
 
+def test_a_zero_slo_names_its_flag(tmp_path: Path) -> None:
+    """The help said x>=0 and 0 failed on the planner's own field name (slo_ttft_s)."""
+    config = _config(tmp_path, with_windows=True)
+    for flag in ("--ttft-slo", "--tpot-slo"):
+        result = runner.invoke(app, ["plan", "--config", str(config), flag, "0"])
+        assert result.exit_code == 2 and f"{flag} 0: must be > 0" in result.stderr, result.stderr
+        assert "slo_" not in result.stderr
+
+
 def test_a_partial_load_without_a_store_names_the_missing_flag(tmp_path: Path) -> None:
     """With part of the load given by hand, a missing store is a warning and the error is
     the flag still needed (not "store unavailable", and no empty database is created)."""
