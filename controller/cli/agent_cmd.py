@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from controller.cli._app import app
+from controller.cli._app import app, load_settings_or_exit, writable_file_or_exit
 
 if TYPE_CHECKING:
     from controller.clock import Clock
@@ -41,22 +41,6 @@ def _initial_policy(settings: Settings) -> Policy | None:
         return loads(path.read_bytes())
     except (OSError, PolicyValidationError) as e:
         raise ConfigError(f"ppd.lookup_table {path}: {e}") from None
-
-
-def _check_state_dir(path: Path) -> None:
-    """The state file's directory must exist and be writable: otherwise the agent would
-    start, report ready, and refuse every push it is given (persist_failed)."""
-    import os
-
-    from controller.errors import ConfigError
-
-    folder = path.expanduser().resolve().parent
-    if not folder.is_dir():
-        raise ConfigError(f"state file {path}: directory {folder} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"state file {path}: directory {folder} is not writable")
-    if path.is_dir():
-        raise ConfigError(f"state file {path}: is a directory")
 
 
 async def _prefill_watch(settings: Settings, clock: Clock) -> PrefillQueueWatch | None:
@@ -93,8 +77,6 @@ async def serve_agent(
     from controller.rollout.security import split_host_port
     from controller.rollout.server import RouterServer
 
-    if state_file is not None:
-        _check_state_dir(state_file)
     clock = WallClock()
     watch = await _prefill_watch(settings, clock)
     agent = RouterAgent(
@@ -185,17 +167,19 @@ def router_agent(
     prefill_poll_interval_s)."""
     import asyncio
 
-    from controller.config import load_settings
     from controller.errors import ConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    settings = load_settings_or_exit(config)
+    state_file = state_file or settings.agent.state_file
+    if state_file is not None:  # else it would start ready and refuse every push it is given
+        writable_file_or_exit(state_file, "--state-file")
     try:
-        settings = load_settings(config)
         asyncio.run(
             serve_agent(
                 settings,
                 listen=listen or settings.agent.listen,
-                state_file=state_file or settings.agent.state_file,
+                state_file=state_file,
                 metrics_listen=metrics_listen or settings.agent.metrics_listen,
                 router_id=router_id,
                 allow_unauthenticated=insecure,

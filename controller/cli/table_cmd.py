@@ -373,9 +373,10 @@ def new(
         return
     from controller.rollout.agent import atomic_write_bytes
 
+    writable_file_or_exit(out, "--out")
     try:
         atomic_write_bytes(out, text.encode())
-    except OSError as e:
+    except OSError as e:  # e.g. the disk is full
         typer.echo(f"{out}: cannot write: {e.strerror or e}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"wrote {out}: v{policy.version} all {chosen.name}, exploration {exploration:g}, "

@@ -47,7 +47,8 @@ class Route(enum.IntEnum):
             return cls[v]
         except KeyError:
             raise ValueError(
-                f"unknown route {value!r}: expected PREFILL_NODE or DECODE_LOCAL"
+                f"unknown route {value!r}: expected PREFILL_NODE (or prefill) or "
+                "DECODE_LOCAL (or decode, local)"
             ) from None
 
 

@@ -119,6 +119,6 @@ def test_router_agent_checks_its_state_file_directory(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-dir" / "policy.json"
     _process_fails_cleanly(["router-agent", "--listen", "127.0.0.1:0",
                             "--state-file", str(missing)],
-                           f"directory {missing.parent} does not exist")
+                           f"--state-file {missing}: no directory {missing.parent}")
     _process_fails_cleanly(["router-agent", "--listen", "127.0.0.1:0",
                             "--state-file", str(tmp_path)], "is a directory")

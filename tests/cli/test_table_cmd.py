@@ -230,7 +230,9 @@ def test_new_writes_a_valid_uniform_policy(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--route", "sideways"], "unknown route"),
+        (["--route", "sideways"], "PREFILL_NODE (or prefill) or DECODE_LOCAL (or decode"),
+        (["--route", "decode", "--out", "/nonexistent/dir/p.json"],
+         "--out /nonexistent/dir/p.json: no directory /nonexistent/dir"),
         (["--route", "decode", "--exploration", "0.5"], "--exploration 0.5: must be within"),
         (["--route", "decode", "--version", "0"], "version"),
     ],
