@@ -38,6 +38,15 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
     return values
 
 
+def _token_counts(text: str, what: str) -> tuple[int, ...]:
+    """Positive whole numbers: a context class of 1.5 tokens was truncated to 1 unsaid."""
+    values = _floats(text, what)
+    fractional = [x for x in values if not x.is_integer()]
+    if fractional:
+        raise typer.BadParameter(f"{what}: token counts are whole numbers, got {fractional[0]:g}")
+    return tuple(int(x) for x in values)
+
+
 def _endpoints(urls: list[str]) -> list[str]:
     from urllib.parse import urlsplit
 
@@ -69,8 +78,9 @@ def calibrate_active(
         "--model", help="`model` field of the requests (omitted when not given).")] = None,
     contexts: Annotated[str, typer.Option(help="Context classes (turn-1 prompt tokens).")
                         ] = _DEFAULT_CONTEXTS,
-    turns: Annotated[str, typer.Option(help="Turn-2 APPEND:OUTPUT token pairs.")
-                     ] = _DEFAULT_TURNS,
+    turns: Annotated[str, typer.Option(
+        show_default=False, help="Turn-2 APPEND:OUTPUT token pairs (default "
+        f"{_DEFAULT_TURNS.replace(',', ', ')}).")] = _DEFAULT_TURNS,
     qps: Annotated[str, typer.Option(help="QPS points (turns per second).")] = _DEFAULT_QPS,
     sessions: Annotated[int, typer.Option(min=1, help="Conversations per load point.")] = 20,
     min_sessions: Annotated[int, typer.Option(
@@ -112,7 +122,7 @@ def calibrate_active(
         settings = load_settings(config)
         plan = plan_active_calibration(
             Axes(), Slo(settings.slo.ttft_s, settings.slo.tpot_s), 1,
-            contexts=[int(c) for c in _floats(contexts, "--contexts")], turns=_turns(turns),
+            contexts=list(_token_counts(contexts, "--contexts")), turns=_turns(turns),
             qps_points=_floats(qps, "--qps"), sessions_per_point=max(sessions, min_sessions),
             min_sessions_per_point=min_sessions, max_requests=max_requests,
             # The plan's durations are send schedules; a fifth of the time is kept for the

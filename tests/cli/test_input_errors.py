@@ -83,6 +83,8 @@ def test_calibrate_active_rejects_nonsense_before_pushing(tmp_path: Path) -> Non
     _fails_cleanly([*base, "--openai", "http://127.0.0.1:9/v1", "--contexts", "-5,0"],
                    "--contexts")
     _fails_cleanly([*base, "--openai", "http://127.0.0.1:9/v1", "--qps", "0"], "--qps")
+    _fails_cleanly([*base, "--openai", "http://127.0.0.1:9/v1", "--contexts", "128,1.5"],
+                   "--contexts: token counts are whole numbers, got 1.5")
     _fails_cleanly([*base, "--openai", "notaurl"], "--openai 'notaurl'")
     assert not (tmp_path / "pd.db").exists()
 
