@@ -17,23 +17,25 @@ if TYPE_CHECKING:
 
 @app.command("observe")
 def observe(
-    once: Annotated[bool, typer.Option("--once", help="Observe one window and exit.")] = False,
+    once: Annotated[bool, typer.Option("--once", help="Required: observe one window and exit "
+                                       "(observing continuously is `pdctl run`'s job).")
+                    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the window as JSON.")] = False,
     config: Annotated[
         Path | None, typer.Option("--config", "-c", help="TOML config file.")
     ] = None,
     source: Annotated[
         str | None,
-        typer.Option("--source", help="scrape | prometheus (default: the observe.source setting)."),
+        typer.Option("--source", help="scrape | prometheus (default: [observe] source)."),
     ] = None,
     interval: Annotated[
         float | None,
         typer.Option("--interval", help="Window length in seconds (default: "
-                     "controller.interval_s). The scrape source waits this long between "
+                     "[controller] interval_s). The scrape source waits this long between "
                      "its two snapshots."),
     ] = None,
 ) -> None:
-    """Observe the workers and routers once and print the window."""
+    """Observe the workers and routers once (pass --once) and print the window."""
     import asyncio
 
     from controller.errors import ConfigError, ControllerError, TransientError
