@@ -30,7 +30,8 @@ app.add_typer(history_app, name="history")
 SinceOption = Annotated[
     str | None,
     typer.Option(
-        "--since", help="ISO time (2027-01-15T12:00:00Z) or a relative age: -30s, -15m, -1h, -2d."
+        "--since", help="ISO time (2027-01-15T12:00:00Z) or an age: -30s, -15m, -1h, -2d, "
+        "-1w (the minus is optional)."
     ),
 ]
 LimitOption = Annotated[int, typer.Option("--limit", "-n", min=1, help="Newest N rows.")]
@@ -50,7 +51,7 @@ def parse_since(text: str, now: datetime) -> datetime:
         t = datetime.fromisoformat(text.strip())
     except ValueError:
         raise ValueError(
-            f"--since {text!r}: expected an ISO time or an age like -30m, -1h, -2d"
+            f"--since {text!r}: expected an ISO time or an age like -30m, -1h, -2d, -1w"
         ) from None
     return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 

@@ -179,6 +179,7 @@ def test_parse_since() -> None:
     assert parse_since("-1h", now) == now - timedelta(hours=1)
     assert parse_since("30m", now) == now - timedelta(minutes=30)
     assert parse_since("-1.5d", now) == now - timedelta(hours=36)
+    assert parse_since("-1w", now) == now - timedelta(days=7)
     assert parse_since("2027-01-01T00:00:00Z", now) == datetime(2027, 1, 1, tzinfo=UTC)
     assert parse_since("2027-01-01 06:00", now) == datetime(2027, 1, 1, 6, tzinfo=UTC)
     with pytest.raises(ValueError, match="expected an ISO time"):
