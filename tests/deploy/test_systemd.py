@@ -79,11 +79,7 @@ def test_exposure_check_fails_without_hardening(tmp_path: Path) -> None:
 
 
 def test_unit_settings_that_the_daemon_relies_on() -> None:
-    settings: dict[str, list[str]] = {}
-    for line in UNIT.read_text().splitlines():
-        if "=" in line and not line.startswith("#"):
-            key, value = line.split("=", 1)
-            settings.setdefault(key, []).append(value)
+    settings = _unit_settings(UNIT.read_text())
     assert settings["Type"] == ["notify"]
     assert settings["WatchdogSec"] == ["30s"]
     assert settings["DynamicUser"] == ["yes"]
@@ -99,3 +95,33 @@ def test_unit_settings_that_the_daemon_relies_on() -> None:
 def test_example_config_loads_and_keeps_its_state_in_the_state_directory() -> None:
     settings = load_settings(SYSTEMD / "pd-controller.toml")
     assert settings.store.url.startswith("sqlite:////var/lib/pd-controller/")
+
+
+def _unit_settings(text: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            out.setdefault(key, []).append(value)
+    return out
+
+
+def test_every_file_the_example_config_reads_is_readable_by_the_dynamic_user() -> None:
+    """DynamicUser runs the daemon as a transient user: a root-only file under /etc (the
+    token, installed 0600) must come in as a systemd credential, and the config file itself
+    must be world-readable (its install line said 0640: the daemon could not read it)."""
+    unit = UNIT.read_text()
+    credentials = dict(c.split(":", 1) for c in _unit_settings(unit).get("LoadCredential", []))
+    settings = load_settings(SYSTEMD / "pd-controller.toml")
+    here = Path("/run/credentials") / UNIT.name
+    secrets = [p for p in (settings.security.token_file, settings.security.tls_key) if p]
+    assert secrets  # the example authenticates to its routers
+    for path in secrets:
+        assert path.parent == here, path
+        assert path.name in credentials, (path, credentials)
+        assert Path(credentials[path.name]).is_absolute()
+    # The documented install commands: root-only secrets, a world-readable config.
+    for text in (unit, (SYSTEMD.parents[1] / "docs" / "operations.md").read_text()):
+        installs = [line for line in text.splitlines() if "install " in line
+                    and "pd-controller.toml /etc/" in line]
+        assert installs and all("-m 0644" in line for line in installs), installs
