@@ -496,6 +496,16 @@ class Settings(BaseSettings):
 
     _toml_file: ClassVar[Path | None] = None
 
+    @model_validator(mode="after")
+    def _sidecar_router_is_a_target(self) -> Settings:
+        mine, targets = self.controller.sidecar_router, self.routers.targets
+        if mine is not None and mine not in targets:
+            # Desired versions are keyed by the targets' names: any other name is never given
+            # a policy, so this replica would push nothing, ever.
+            raise ValueError(f"controller.sidecar_router: {mine!r} is not one of [routers] "
+                             f"targets {targets}: its router would never be given a policy")
+        return self
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -567,7 +577,8 @@ def _format_errors(e: ValidationError, env: dict[str, str] | None = None) -> str
         # The environment overrides the file: name the variable, or the operator edits the file.
         name = next((n for k, n in (env or {}).items() if key == k or key.startswith(k + ".")),
                     None)
-        lines.append(f"  - {key}: {msg}" + (f" (from {name})" if name else ""))
+        where = f"{key}: " if key else ""  # a check across sections names its keys itself
+        lines.append(f"  - {where}{msg}" + (f" (from {name})" if name else ""))
     return "\n".join(lines)
 
 

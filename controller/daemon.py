@@ -165,12 +165,6 @@ class Daemon:
         routers = list(s.routers.targets)
         if not routers:
             raise ConfigError("[routers] targets is empty: the daemon needs routers to control")
-        if c.sidecar_router is not None and c.sidecar_router not in routers:
-            # Desired versions are keyed by the targets' names: any other name is never
-            # given a policy, so this replica would push nothing, ever.
-            raise ConfigError(f"[controller] sidecar_router {c.sidecar_router!r} is not one "
-                              f"of [routers] targets {routers}: its router would never be "
-                              "given a policy")
         if store.dialect == "sqlite":
             await asyncio.to_thread(store.upgrade)  # the embedded default migrates itself
         else:

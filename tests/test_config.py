@@ -143,6 +143,21 @@ def test_an_unknown_environment_key_is_an_error(
         load_settings(write(tmp_path, SEED))
 
 
+def test_a_sidecar_router_must_be_one_of_the_targets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Desired versions are keyed by the targets' names: a sidecar named otherwise (the
+    Kubernetes manifest once used loopback) is never given a policy."""
+    config = write(tmp_path, '[routers]\ntargets = ["pd-router-0.pd-router:50151"]\n')
+    monkeypatch.setenv("PDCTL_CONTROLLER__SIDECAR_ROUTER", "127.0.0.1:50151")
+    with pytest.raises(ConfigError) as e:
+        load_settings(config)
+    assert "  - controller.sidecar_router: '127.0.0.1:50151' is not one of [routers] targets" \
+        in str(e.value)
+    monkeypatch.setenv("PDCTL_CONTROLLER__SIDECAR_ROUTER", "pd-router-0.pd-router:50151")
+    assert load_settings(config).controller.sidecar_router == "pd-router-0.pd-router:50151"
+
+
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_settings(tmp_path / "nope.toml")

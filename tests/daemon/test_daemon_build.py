@@ -62,14 +62,6 @@ async def test_build_refuses_no_routers_and_sidecar_on_sqlite(tmp_path: Path) ->
             controller={"sidecar_router": "127.0.0.1:1"})).build()
 
 
-async def test_build_refuses_a_sidecar_router_outside_the_targets(pg_url: str) -> None:
-    settings = load_settings(
-        store={"url": pg_url}, metrics={"enable": False},
-        routers={"targets": ["pd-router-0.pd-router:50151", "pd-router-1.pd-router:50151"]},
-        controller={"sidecar_router": "127.0.0.1:50151"})
-    with pytest.raises(ConfigError, match="not one of \\[routers\\] targets"):
-        await Daemon(settings).build()
-
 
 async def test_capacity_planning_can_be_switched_off(tmp_path: Path) -> None:
     settings = load_settings(
