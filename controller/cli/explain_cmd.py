@@ -61,8 +61,9 @@ def current_calibration(store: Store) -> tuple[CalibrationRecord, Policy | None,
     calibration its table came from: its own; for a version with none of its own (re-issued
     above a router that was ahead, exploration turned off, a fallback) the newest stored
     before it whose policy routes alike, else the newest stored before it — not a later
-    candidate the guardrail refused. With no version desired yet, the newest calibration and
-    its own policy."""
+    candidate the guardrail refused; for an adopted version, with no calibration before it,
+    the newest one (the routers' table, judged by the newest model). With no version desired
+    yet, the newest calibration and its own policy."""
     from controller.cycle import read_rollout
     from controller.policy import loads
 
@@ -78,6 +79,11 @@ def current_calibration(store: Store) -> tuple[CalibrationRecord, Policy | None,
             record = next((c for c in reversed(before) if running is not None
                            and _routes_alike(tx, c, running)), None) \
                 or (before[-1] if before else None)
+        if record is None and version is not None:
+            # An adopted version (the routers' own policy on a first start) has no
+            # calibration before it: explain it with the newest model fitted since.
+            since = tx.calibrations(limit=1)
+            record = since[-1] if since else None
         if record is None:
             raise NoCalibration("the store holds no calibration yet (run the daemon, "
                                 "`pdctl recalibrate` or `pdctl calibrate-active` first)")

@@ -180,6 +180,39 @@ def test_explain_a_re_issued_version_with_the_calibration_its_table_came_from(
     assert f"policy v{again}, learned for v{first}" in human.output, human.output
 
 
+def test_explain_and_drift_after_an_adoption_use_the_newest_model(tmp_path: Path) -> None:
+    """On a first start the daemon adopts the routers' own policy (v1, no calibration) and
+    later calibrations may all be refused: explain and drift said "no calibration yet"
+    against a running daemon."""
+    from controller.policy import Policy
+
+    config = _config(tmp_path)
+    windows = training_windows(Truth(), Mix(), 60, seed=1)
+    adopted = Policy.uniform(1, Route.PREFILL_NODE)
+    store = _store(config)
+    try:
+        with store.cycle() as tx:
+            ids = [tx.add_window(w) for w in windows]
+            tx.add_policy(1, adopted.checksum, dumps(adopted), "approved", "adopted: routers")
+            tx.set_desired(ROUTER, 1)
+        outcome = CoreLearner(load_settings(config)).calibrate(windows, None, windows[-1].end,
+                                                               "test")
+        with store.cycle() as tx:  # a candidate the guardrail refused, after the adoption
+            refused = outcome.policy.with_version(tx.next_version())
+            tx.add_policy(refused.version, refused.checksum, dumps(refused), "rejected", "no")
+            tx.add_calibration(ids, outcome.heldout_error, outcome.predicted_goodput_new, 0.9,
+                               refused.version, {**outcome.details, "approved": False})
+    finally:
+        store.close()
+    r = runner.invoke(app, ["explain", "--turn", "3", "--context", "24576", "--append", "141",
+                            "--output", "200", "--qps", "2", "--json", "--config", str(config)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["policy_version"] == 1 and doc["decision"] == "PREFILL_NODE"
+    assert doc["calibration_policy_version"] == refused.version
+    assert runner.invoke(app, ["drift", "--config", str(config)]).exit_code == 0
+
+
 def test_drift_replays_the_detectors_over_the_windows_stored_since(tmp_path: Path) -> None:
     config = _config(tmp_path)
     _calibrated(config)
