@@ -171,13 +171,13 @@ def explain_doc(learned: Learned, turn: int, context: float, append: float, outp
 
     result = learned.result
     features = Features(turn, context, append, output, qps)
-    doc = explain(result, features)
+    axes = result.policy.table.axes
+    samples, spread, _ = _cell_uncertainty(build_training_set(learned.windows),
+                                           result.model, axes)
+    doc = explain(result, features, rarer_route_requests=samples)
     if "cell" in doc:
-        axes = result.policy.table.axes
         c = doc["cell"]
         idx = axes.cell_index(c["context_bin"], c["io_bin"], c["qps_bin"])
-        samples, spread, _ = _cell_uncertainty(build_training_set(learned.windows),
-                                               result.model, axes)
         doc["samples"] = {
             # Requests of the cell's less-measured route: what bounds the estimate.
             "rarer_route_requests": float(samples[idx]),

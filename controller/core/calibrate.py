@@ -731,9 +731,14 @@ def with_version(result: CalibrationResult, version: int) -> CalibrationResult:
     return replace(result, policy=result.policy.with_version(version))
 
 
-def explain(result: CalibrationResult, features: Features) -> dict[str, Any]:
+def explain(result: CalibrationResult, features: Features,
+            rarer_route_requests: FloatArray | None = None) -> dict[str, Any]:
     """What ``pdctl explain`` shows: predictions per route for the features' cell (under the
-    load the policy creates), the score, the weights, the decision and its confidence."""
+    load the policy creates), the score, the weights, the decision and its confidence.
+
+    ``rarer_route_requests`` (per cell, policy order; from :func:`_cell_uncertainty`): a
+    cell where one route was never measured is an extrapolation for that route, whatever
+    its score."""
     policy = result.policy
     decision = decide(policy, features, lambda: 1.0)  # never explores: the table's choice
     out: dict[str, Any] = {
@@ -758,9 +763,10 @@ def explain(result: CalibrationResult, features: Features) -> dict[str, Any]:
         },
         score=score,
         exploration=policy.table.exploration[idx],
-        # |score| is the relative margin of the decision; a cell the routers never saw is
-        # an extrapolation of the model.
-        confidence="extrapolated" if result.grid.mix[k] == 0 else (
+        # |score| is the relative margin of the decision; a cell the routers never saw, or
+        # saw on one route only, is an extrapolation of the model.
+        confidence="extrapolated" if result.grid.mix[k] == 0 or (
+            rarer_route_requests is not None and rarer_route_requests[idx] <= 0) else (
             "high" if abs(score) >= 0.2 else "medium" if abs(score) >= 0.05 else "low"),
     )
     return out

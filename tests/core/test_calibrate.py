@@ -292,6 +292,29 @@ def test_explain_matches_the_table(result: CalibrationResult) -> None:
     assert first["reason"] == "first_turn" and "predicted" not in first
 
 
+def test_explain_calls_a_cell_measured_on_one_route_an_extrapolation(
+    result: CalibrationResult,
+) -> None:
+    """Its score compares a measured route with one the model only extrapolates to, so a
+    large |score| there is no confidence."""
+    import numpy as np
+
+    from controller.core.calibrate import explain
+    from controller.policy.decide import Features
+
+    covered = [f for f in (Features(3, float(c), float(c) / 5, 200.0, 2.0)
+                           for c in (100, 300, 1000, 3000, 10000, 30000))
+               if explain(result, f)["confidence"] != "extrapolated"]
+    assert covered, "no cell of the training mix among the candidates"
+    f = covered[0]
+    n = result.policy.table.axes.n_cells
+    measured = explain(result, f, rarer_route_requests=np.full(n, 50.0))
+    one_route = explain(result, f, rarer_route_requests=np.zeros(n))
+    assert measured["confidence"] == explain(result, f)["confidence"]
+    assert one_route["confidence"] == "extrapolated"
+    assert one_route["score"] == measured["score"]  # only the confidence changes
+
+
 def test_exploration_is_capped_in_requests_per_second(train: list) -> None:
     """A busy cell reaches its samples with a smaller share (and pays the most for each
     explored request): no cell sends more than ``exploration_max_rate`` requests/s the
