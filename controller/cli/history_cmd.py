@@ -80,13 +80,13 @@ def _run(family: Family, url: str | None, config: Any, since: str | None, limit:
     from controller.errors import ControllerError
     from controller.store import Store
 
-    target = store_url(url, config, must_exist=True)
     clock = WallClock()
-    try:
+    try:  # bad input is exit 2 before the store is looked for (exit 3)
         start = None if since is None else parse_since(since, clock.utcnow())
     except ValueError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(_EXIT_BAD_INPUT) from None
+    target = store_url(url, config, must_exist=True)
     try:
         store: Store
         with Store(target, clock) as store:

@@ -184,3 +184,12 @@ def test_parse_since() -> None:
     assert parse_since("2027-01-01 06:00", now) == datetime(2027, 1, 1, 6, tzinfo=UTC)
     with pytest.raises(ValueError, match="expected an ISO time"):
         parse_since("yesterday", now)
+
+
+def test_a_bad_since_is_bad_input_wherever_the_store_is(tmp_path: Path) -> None:
+    """Exit 2 naming --since, whether or not the database exists (not exit 3 for a typo
+    on a machine without the store)."""
+    missing = f"sqlite:///{tmp_path / 'nowhere.db'}"
+    code, _, err = _pdctl("history", "pushes", "--url", missing, "--since", "yesterday")
+    assert code == 2 and "--since 'yesterday'" in err, err
+    assert not (tmp_path / "nowhere.db").exists()
