@@ -19,6 +19,13 @@ like the daemon records one (policy + calibration with its drift reference, trig
 ``active``) and, approved (always, with no current policy) or not, the routers are brought
 to the outcome: the first table, or back to the policy they ran before.
 
+What they ran before: the store's fleet version; on an empty store the policy every router
+reports (``GetPolicy``), adopted and recorded as the daemon's first start does, and judged
+by the guardrail against the first table. Routers that run no policy at all return to
+classic P/D (the forced all-prefill-node table, stored as its own version): a forced
+policy, decode-local above all, must never be left behind by a failed, refused or
+interrupted (Ctrl-C) run. A run refuses to start when it cannot tell what the routers run.
+
 Run it with the daemon stopped: a live leader lease held by someone else refuses the run
 (the leader would push its own policy over the forced ones).
 """
@@ -35,7 +42,7 @@ import httpx
 from controller.clock import Clock
 from controller.core.active import ActivePlan, LoadPoint, Phase, schedule
 from controller.core.window import Window
-from controller.cycle import read_rollout
+from controller.cycle import ADOPTED_PREFIX, read_rollout
 from controller.learning import CalibrationOutcome, Learner, LearnerError
 from controller.observe.source import MetricsSource
 from controller.policy import Policy, Route, dumps, loads
@@ -47,6 +54,8 @@ if TYPE_CHECKING:
 
 PHASE_REASON = {Route.PREFILL_NODE: "active calibration: forced prefill",
                 Route.DECODE_LOCAL: "active calibration: forced decode-local"}
+FALLBACK_REASON = ("active calibration: classic P/D, the routers ran no policy before "
+                   "the run")
 
 
 class ActiveCalibrationError(Exception):
@@ -144,8 +153,19 @@ class ActiveCalibrationRunner:
     # -- the run ------------------------------------------------------------------------
 
     async def run(self) -> ActiveReport:
-        previous = self._preflight()
+        previous = await self._before()
         report = ActiveReport()
+        try:
+            return await self._run(previous, report)
+        except (ActiveCalibrationError, asyncio.CancelledError) as e:
+            # Nothing forced stays behind: the routers go back before the error (or the
+            # Ctrl-C) goes on. A second Ctrl-C during this push stops it.
+            await self._restore(previous, report)
+            if isinstance(e, ActiveCalibrationError) and e.report is None:
+                e.report = report
+            raise
+
+    async def _run(self, previous: Policy | None, report: ActiveReport) -> ActiveReport:
         deadline = self.clock.monotonic() + self.limits.max_duration_s
         own_http = self._http is None
         http = self._http or httpx.AsyncClient(
@@ -160,14 +180,12 @@ class ActiveCalibrationRunner:
                 # Each phase gets its share of the time left: the first cannot starve the
                 # second (the plan's durations ignore answer latency).
                 share = now + (deadline - now) / (len(self.plan.phases) - i)
-                ph, got = await self._phase(phase, http, share, previous)
-                report.phases.append(ph)
+                _, got = await self._phase(phase, http, share, report)
                 windows += got
         finally:
             if own_http:
                 await http.aclose()
         if len(report.phases) < len(self.plan.phases):
-            await self._restore(previous)
             raise ActiveCalibrationError(
                 f"the bounds ({self.limits.max_requests} requests, "
                 f"{self.limits.max_duration_s:g} s) ran out before the "
@@ -177,13 +195,13 @@ class ActiveCalibrationRunner:
         if outcome.approved:
             final, statuses = await self._push(first_table, report.reason)
             report.final_version, report.final_acked = final.version, _acked(statuses)
-        elif previous is not None:
-            final, statuses = await self._push(previous, "", rollback=True)
-            report.final_version, report.final_acked = final.version, _acked(statuses)
+        else:
+            await self._restore(previous, report)
         return report
 
-    def _preflight(self) -> Policy | None:
-        """Refuse while another leader holds a live lease; the policy the routers run now."""
+    async def _before(self) -> Policy | None:
+        """Refuse while another leader holds a live lease; the policy the routers run now
+        (None: they run none, or only a forced one an interrupted run left behind)."""
         now = self.clock.utcnow()
         with self.store.read() as tx:
             lease = tx.lease()
@@ -194,12 +212,35 @@ class ActiveCalibrationRunner:
                     f"would push its own policy over the forced ones)")
             rollout = read_rollout(tx, self.routers)
             rec = tx.policy(rollout.fleet_version) if rollout.fleet_version else None
-        return loads(rec.body_json) if rec is not None else None
+            empty = rec is None and not tx.policies(limit=1)
+        if rec is not None:
+            forced = any(rec.reason.startswith(r) for r in PHASE_REASON.values())
+            return None if forced else loads(rec.body_json)
+        if not empty:
+            return None
+        found = await self.reconciler.running_policy(self.routers)
+        if found.policy is None:
+            if found.why:
+                raise ActiveCalibrationError(
+                    f"cannot tell what the routers run ({found.why}), so a failed run could "
+                    "not return them to it: make every router answer and run one policy "
+                    "(`pdctl push FILE`), then run again")
+            return None  # new routers: a failed run leaves them on classic P/D
+        with self.store.cycle() as tx:
+            policy = found.policy
+            tx.add_policy(policy.version, policy.checksum, dumps(policy), "approved",
+                          f"{ADOPTED_PREFIX}{found.why} when calibrate-active started on "
+                          "an empty store")
+            for r in self.routers:
+                tx.set_desired(r, policy.version)
+        return found.policy
 
     # -- one phase ----------------------------------------------------------------------
 
     async def _phase(self, phase: Phase, http: httpx.AsyncClient, deadline: float,
-                     previous: Policy | None) -> tuple[PhaseReport, list[tuple[int, Window]]]:
+                     report: ActiveReport) -> tuple[PhaseReport, list[tuple[int, Window]]]:
+        """Force the phase's policy everywhere and drive its load (its report is added to
+        ``report`` first, so a failure shows what was done)."""
         reason = PHASE_REASON[phase.route]
         with self.store.cycle() as tx:
             version = tx.next_version()
@@ -210,9 +251,9 @@ class ActiveCalibrationRunner:
         name = "all-prefill-node" if phase.route == Route.PREFILL_NODE else "all-decode-local"
         policy, statuses = await self._push(policy, reason)
         ph = PhaseReport(name, policy.version, reason, _acked(statuses))
+        report.phases.append(ph)
         missing = [r for r, s in statuses.items() if not s.ok]
         if missing:
-            await self._restore(previous)
             raise ActiveCalibrationError(
                 f"v{policy.version} ({name}) was not acknowledged by {', '.join(missing)}: "
                 + "; ".join(f"{s.outcome}: {s.last_error}" for s in statuses.values()
@@ -357,7 +398,6 @@ class ActiveCalibrationRunner:
         try:
             return await asyncio.to_thread(fit)
         except LearnerError as e:
-            await self._restore(previous)
             raise ActiveCalibrationError(
                 f"cannot calibrate from the {len(windows)} usable window(s): {e}") from None
 
@@ -412,14 +452,19 @@ class ActiveCalibrationRunner:
         self._record_statuses(statuses, policy.version)
         return policy, dict(statuses)
 
-    async def _restore(self, previous: Policy | None) -> None:
-        """After a failed run: every router back to what it ran (when it ran something)."""
-        if previous is None:
-            return
+    async def _restore(self, previous: Policy | None, report: ActiveReport) -> None:
+        """After a failed, refused or interrupted run: every router back to what it ran, or
+        to classic P/D when it ran no policy (recorded in ``report.final_*``)."""
         with self.store.cycle() as tx:
+            if previous is None:
+                prefill = next(p for p in self.plan.phases if p.route == Route.PREFILL_NODE)
+                previous = prefill.policy.with_version(tx.next_version())
+                tx.add_policy(previous.version, previous.checksum, dumps(previous),
+                              "approved", FALLBACK_REASON)
             for r in self.routers:
                 tx.set_desired(r, previous.version)
-        await self._push(previous, "", rollback=True)
+        final, statuses = await self._push(previous, "", rollback=True)
+        report.final_version, report.final_acked = final.version, _acked(statuses)
 
     def _record_statuses(self, statuses: Mapping[str, RouterStatus], version: int) -> None:
         at = self.clock.utcnow()

@@ -21,7 +21,9 @@ from tests.conftest import require
 from tests.support.processes import hostport, sim_serve
 
 # The scenario's own traffic is off (--no-traffic): the only load is the calibration's. The
-# routers start all-decode-local (--policy local), so the first forced policy is a change.
+# routers start with no policy (--policy none, as new routers) unless a test marks
+# `@pytest.mark.parametrize("live_sim", ["local"], indirect=True)`: then all-decode-local, the
+# policy an empty store adopts.
 SCENARIO = """
 name = "active-calibration"
 seed = 5
@@ -55,15 +57,17 @@ tpot_s = 0.05
 
 
 @pytest.fixture
-def live_sim(tmp_path: Path) -> Iterator[dict[str, Any] | None]:
+def live_sim(tmp_path: Path, request: pytest.FixtureRequest
+             ) -> Iterator[dict[str, Any] | None]:
     """The live cluster's addresses; None when it cannot start (the tests then fail in CI
     through ``require``, and skip locally)."""
     scenario = tmp_path / "scenario.toml"
     scenario.write_text(SCENARIO)
+    policy = getattr(request, "param", "none")
     with ExitStack() as stack:
         try:
             addresses, _ = stack.enter_context(
-                sim_serve(scenario, "--no-traffic", "--policy", "local"))
+                sim_serve(scenario, "--no-traffic", "--policy", policy))
         except (OSError, RuntimeError):
             addresses = None
         yield addresses
@@ -93,6 +97,20 @@ max_attempts = 3
     return path
 
 
+def _calibrate_active(config: Path, live_sim: dict[str, Any]) -> dict[str, Any]:
+    """`pdctl calibrate-active` with a small plan (about 6 s of load per phase); its report."""
+    result = CliRunner().invoke(app, [
+        "calibrate-active", "--config", str(config),
+        *(a for r in live_sim["routers"] for a in ("--openai", r["openai"])),
+        "--contexts", "256,4096", "--turns", "32:32,512:32", "--qps", "4",
+        "--sessions", "3", "--min-sessions", "1", "--max-requests", "200",
+        "--max-duration", "40", "--window", "1.0", "--concurrency", "8", "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    report: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return report
+
+
 def test_active_calibration_builds_the_first_table_on_the_live_sim(
     tmp_path: Path, live_sim: dict[str, Any] | None
 ) -> None:
@@ -104,15 +122,7 @@ def test_active_calibration_builds_the_first_table_on_the_live_sim(
     store.close()
     routers = [r["grpc"] for r in live_sim["routers"]]
 
-    result = CliRunner().invoke(app, [
-        "calibrate-active", "--config", str(config),
-        *(a for r in live_sim["routers"] for a in ("--openai", r["openai"])),
-        "--contexts", "256,4096", "--turns", "32:32,512:32", "--qps", "4",
-        "--sessions", "3", "--min-sessions", "1", "--max-requests", "200",
-        "--max-duration", "40", "--window", "1.0", "--concurrency", "8", "--json",
-    ])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = _calibrate_active(config, live_sim)
 
     store = Store(f"sqlite:///{tmp_path / 'history.db'}")
     try:
@@ -154,7 +164,7 @@ def test_active_calibration_builds_the_first_table_on_the_live_sim(
     # The first table: calibrated from those windows, recorded, approved (no current
     # policy), desired everywhere and acknowledged.
     version = report["policy_version"]
-    assert report["approved"] is True
+    assert report["approved"] is True, (report["reason"], report["predicted_goodput"])
     assert policies[version].status == "approved"
     assert version > report["phases"][1]["version"]
     [cal] = calibrations
@@ -248,3 +258,117 @@ def test_recalibrate_active_runs_here_only(tmp_path: Path) -> None:
         r = CliRunner().invoke(app, ["recalibrate", *args])
         assert r.exit_code == 2, r.output
         assert "--openai" in r.output
+
+
+@pytest.mark.parametrize("live_sim", ["local"], indirect=True)
+def test_on_an_empty_store_the_routers_policy_is_adopted_and_judged_against(
+    tmp_path: Path, live_sim: dict[str, Any] | None
+) -> None:
+    """Routers that already run a policy the store does not know: it is recorded (as the
+    daemon's first start does), the first table is judged against it by the guardrail,
+    and the routers end on the outcome: the table if approved, else their own policy."""
+    require("pdctl sim serve (the live simulated cluster)", live_sim is not None)
+    assert live_sim is not None
+    config = _config(tmp_path, live_sim)
+    store = Store(f"sqlite:///{tmp_path / 'history.db'}")
+    store.upgrade()
+    store.close()
+    routers = [r["grpc"] for r in live_sim["routers"]]
+
+    report = _calibrate_active(config, live_sim)
+
+    store = Store(f"sqlite:///{tmp_path / 'history.db'}")
+    try:
+        with store.read() as tx:
+            policies = {p.version: p for p in tx.policies()}
+            [cal] = tx.calibrations()
+            desired = tx.desired_versions()
+            acked = {r.router_id: r.acked_version for r in tx.routers()}
+    finally:
+        store.close()
+    adopted = [p for p in policies.values() if p.reason.startswith("adopted: every router")]
+    assert len(adopted) == 1 and adopted[0].status == "approved"
+    assert set(loads(adopted[0].body_json).table.routes) == {Route.DECODE_LOCAL}
+    assert report["phases"][0]["version"] > adopted[0].version  # adopted before forcing
+    assert cal.predicted_goodput_current is not None  # judged against the adopted policy
+    assert report["predicted_goodput"]["current"] == pytest.approx(
+        cal.predicted_goodput_current)
+    end = report["policy_version"] if report["approved"] else adopted[0].version
+    assert report["final_version"] == end
+    assert desired == dict.fromkeys(routers, end) and acked == dict.fromkeys(routers, end)
+
+
+async def test_an_interrupted_run_leaves_routers_that_ran_no_policy_on_classic_pd(
+    tmp_path: Path, live_sim: dict[str, Any] | None
+) -> None:
+    """Ctrl-C in the all-decode-local phase (the task cancelled): the routers ran no policy
+    before, so they are sent the forced all-prefill-node table as a new version, recorded
+    as the fallback, and no forced policy is desired or running any more."""
+    require("pdctl sim serve (the live simulated cluster)", live_sim is not None)
+    assert live_sim is not None
+    import asyncio
+
+    from controller.calibration_runner import (
+        FALLBACK_REASON,
+        PHASE_REASON,
+        ActiveCalibrationRunner,
+        RunnerLimits,
+    )
+    from controller.clock import WallClock
+    from controller.config import load_settings
+    from controller.core.active import plan_active_calibration
+    from controller.learning import CoreLearner
+    from controller.observe.factory import source_from_settings
+    from controller.policy import Axes, Slo
+    from controller.rollout.client import GrpcRouterTransport
+    from controller.rollout.reconciler import Reconciler
+
+    config = _config(tmp_path, live_sim)
+    settings = load_settings(config)
+    routers = [r["grpc"] for r in live_sim["routers"]]
+    clock = WallClock()
+    store = Store(settings.store.url)
+    store.upgrade()
+    plan = plan_active_calibration(Axes(), Slo(0.5, 0.05), 1, contexts=(256,),
+                                   turns=((32, 32),), qps_points=(2.0,), sessions_per_point=8)
+    source = await source_from_settings(settings, clock=clock)
+    transport = GrpcRouterTransport()
+    runner = ActiveCalibrationRunner(
+        plan=plan, store=store,
+        reconciler=Reconciler.from_config(transport, clock, settings.rollout),
+        routers=routers, endpoints=[live_sim["routers"][0]["openai"]], source=source,
+        learner=CoreLearner(settings), clock=clock,
+        limits=RunnerLimits(max_requests=200, max_duration_s=60, window_s=1.0))
+
+    def forcing_local() -> bool:
+        with store.read() as tx:
+            return any(p.reason == PHASE_REASON[Route.DECODE_LOCAL] for p in tx.policies())
+
+    try:
+        run = asyncio.create_task(runner.run())
+        for _ in range(300):  # at most 30 s: the first phase is about 8 s of load
+            if forcing_local() or run.done():
+                break
+            await asyncio.sleep(0.1)
+        assert forcing_local() and not run.done()
+        await asyncio.sleep(1.0)  # into the decode-local load
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    finally:
+        await transport.close()
+        await source.aclose()
+    try:
+        with store.read() as tx:
+            policies = {p.version: p for p in tx.policies()}
+            desired = tx.desired_versions()
+            acked = {r.router_id: r.acked_version for r in tx.routers()}
+            calibrations = tx.calibrations()
+    finally:
+        store.close()
+    [fallback] = [p for p in policies.values() if p.reason == FALLBACK_REASON]
+    assert fallback.version == max(policies)  # after both forced ones
+    assert set(loads(fallback.body_json).table.routes) == {Route.PREFILL_NODE}
+    assert desired == dict.fromkeys(routers, fallback.version)
+    assert acked == dict.fromkeys(routers, fallback.version)
+    assert calibrations == []

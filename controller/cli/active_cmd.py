@@ -3,8 +3,10 @@
 metrics source, with load sent through OpenAI-compatible endpoints (``--openai``).
 
 Exit codes: 0 first table recorded (approved or refused: see the output), 1 the run could
-not finish (a router did not acknowledge, too few windows, a leader is running), 2 bad
-input, 3 store unavailable.
+not finish (a router did not acknowledge, too few windows, a leader is running, what the
+routers run cannot be told), 2 bad input, 3 store unavailable, 130 interrupted. Whenever it
+does not end on an approved table the routers are sent back to what they ran before (classic
+P/D when they ran no policy).
 """
 
 from __future__ import annotations
@@ -67,6 +69,15 @@ def _turns(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def _where(report: Any) -> str:
+    """Where a failed run left the routers: what it pushed them back to."""
+    if report is None or report.final_version is None:
+        return ""
+    acked = [r for r, v in report.final_acked.items() if v == report.final_version]
+    return (f"; routers sent back to v{report.final_version} (acknowledged by "
+            f"{len(acked)} of {len(report.final_acked)})")
+
+
 @app.command("calibrate-active")
 def calibrate_active(
     config: Annotated[Path, typer.Option("--config", "-c", help="Config file ([store], "
@@ -91,7 +102,9 @@ def calibrate_active(
         min=1, help="Seconds of load at most (both phases).")] = 1800.0,
     window: Annotated[float, typer.Option(min=0.1, help="Metrics window length (s).")] = 10.0,
     concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight at most.")] = 32,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON (on a "
+                                          "failure too: its \"error\" and what was done).")
+                       ] = False,
 ) -> None:
     """Cold start: force all-prefill-node, then all-decode-local, on every router while a
     bounded synthetic two-turn load covers the table's cells; build the first table from the
@@ -165,8 +178,15 @@ def calibrate_active(
 
     try:
         doc = asyncio.run(main())
+    except KeyboardInterrupt:
+        typer.echo("interrupted: the routers were sent back to what they ran before (see "
+                   "`pdctl status`)", err=True)
+        raise typer.Exit(130) from None
     except ActiveCalibrationError as e:
-        typer.echo(f"active calibration failed: {e}", err=True)
+        typer.echo(f"active calibration failed: {e}{_where(e.report)}", err=True)
+        if as_json:  # a script reading stdout gets the failure and what was done until it
+            done = e.report.to_dict() if e.report is not None else {}
+            typer.echo(json.dumps({"error": str(e), **done}, default=str))
         raise typer.Exit(_EXIT_FAILED) from None
     finally:
         store.close()

@@ -16,7 +16,8 @@ def serve(
     scenario_path: Annotated[Path, typer.Argument(metavar="SCENARIO.toml",
                                                   help="Scenario file (TOML).")],
     policy: Annotated[str, typer.Option(
-        "--policy", help="Initial policy of every router: pd | local | PATH.json.")] = "pd",
+        "--policy", help="Initial policy of every router: pd | local | PATH.json | none "
+        "(no policy, as new routers: turn by turn their default route).")] = "pd",
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print the addresses as one JSON line.")] = False,
     no_traffic: Annotated[bool, typer.Option(
@@ -40,7 +41,7 @@ def serve(
         raise typer.Exit(2)
     try:
         scenario = load_scenario(scenario_path)
-        _, initial = resolve_policy(policy, scenario)
+        initial = None if policy == "none" else resolve_policy(policy, scenario)[1]
     except (ConfigError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
