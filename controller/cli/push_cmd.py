@@ -58,14 +58,23 @@ def push(
         typer.Option("--router", "-r", help="Router agent HOST:PORT (repeatable)."),
     ] = None,
     rollback: Annotated[
-        bool, typer.Option("--rollback", help="Allow a version lower than the routers' own.")
+        bool, typer.Option("--rollback", help="Apply the file's version even where it is "
+                           "lower than the router's own (without it, the same table is "
+                           "re-issued above that router's version).")
     ] = False,
     config: Annotated[
         Path | None, typer.Option("--config", "-c", help="TOML config ([security], [rollout]).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """Push a policy to routers once (only where it differs) and print each router's result."""
+    """Push a policy to routers once (only where it differs) and print each router's result.
+
+    A router ahead of the file's version (or at it with other content) gets the table under
+    a new version above its own, shown as "(re-issued)"; --rollback applies the file's
+    version as it is. Exit 0 every router acknowledged, 1 any did not, 2 bad input.
+
+    This push is not recorded in the store: with `pdctl run` leading, the daemon brings the
+    routers back to its desired version on its next cycle (use `pdctl rollback` there)."""
     import asyncio
 
     from controller.clock import WallClock
