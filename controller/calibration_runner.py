@@ -52,8 +52,9 @@ from controller.store import Store
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
-PHASE_REASON = {Route.PREFILL_NODE: "active calibration: forced prefill",
-                Route.DECODE_LOCAL: "active calibration: forced decode-local"}
+FORCED_PREFIX = "active calibration: forced "
+PHASE_REASON = {Route.PREFILL_NODE: f"{FORCED_PREFIX}prefill",
+                Route.DECODE_LOCAL: f"{FORCED_PREFIX}decode-local"}
 FALLBACK_REASON = ("active calibration: classic P/D, the routers ran no policy before "
                    "the run")
 
@@ -214,8 +215,7 @@ class ActiveCalibrationRunner:
             rec = tx.policy(rollout.fleet_version) if rollout.fleet_version else None
             empty = rec is None and not tx.policies(limit=1)
         if rec is not None:
-            forced = any(rec.reason.startswith(r) for r in PHASE_REASON.values())
-            return None if forced else loads(rec.body_json)
+            return None if rec.reason.startswith(FORCED_PREFIX) else loads(rec.body_json)
         if not empty:
             return None
         found = await self.reconciler.running_policy(self.routers)

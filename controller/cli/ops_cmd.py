@@ -329,10 +329,14 @@ def status_doc(store: Store, calibrate_every_s: float | None,
                                           "candidate": c.predicted_goodput_new}}
         if calibrate_every_s is not None:
             next_due = c.created_at + timedelta(seconds=calibrate_every_s)
+    from controller.calibration_runner import FORCED_PREFIX
+
     return {
         "now": now,
         "leader": leader,
         "fleet_version": rollout.fleet_version,
+        # A forced calibrate-active policy as the fleet's: a run that was killed left it.
+        "fleet_forced": fleet is not None and fleet.reason.startswith(FORCED_PREFIX),
         "canary": None if rollout.canary_version is None else {
             "version": rollout.canary_version, "routers": list(rollout.canary_routers)},
         "watch": watch,
@@ -371,6 +375,11 @@ def _print_status(doc: dict[str, Any]) -> None:
                   else "[bold]desired[/]  no policy yet", end="")
     console.print(f"  canary v{canary['version']} on {', '.join(canary['routers'])}"
                   if canary else "")
+    if doc["fleet_forced"]:
+        console.print(f"[bold red]forced[/]   v{doc['fleet_version']} is a forced "
+                      "`pdctl calibrate-active` policy that a killed run left behind: run "
+                      "it again (a failed run ends on classic P/D) or `pdctl fallback "
+                      "prefill` with the daemon running")
     watch = doc.get("watch")
     if watch:
         console.print(f"[bold]watch[/]    v{watch['version']} promoted at "

@@ -157,3 +157,30 @@ async def test_status_shows_a_promotion_under_watch_until_its_watch_ends(
     for _ in range(rig.config.watch_windows + 2):
         await rig.step()
     assert status_doc(rig.store, None, watch_s)["watch"] is None
+
+
+def test_status_names_a_forced_policy_a_killed_calibrate_active_left_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from controller.calibration_runner import PHASE_REASON
+    from controller.cli.ops_cmd import _print_status, status_doc
+    from controller.policy import Policy, Route, dumps
+    from controller.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 'h.db'}")
+    store.upgrade()
+    try:
+        for version, reason in ((1, "adopted: every router runs v1"),
+                                (2, PHASE_REASON[Route.DECODE_LOCAL])):
+            policy = Policy.uniform(version, Route.DECODE_LOCAL)
+            with store.cycle() as tx:
+                tx.add_policy(version, policy.checksum, dumps(policy), "approved", reason)
+                tx.set_desired("r1", version)
+            doc = status_doc(store, None, None)
+            assert doc["fleet_version"] == version
+            assert doc["fleet_forced"] is (version == 2)
+            _print_status(doc)
+            assert ("forced   v2 is a forced `pdctl calibrate-active` policy"
+                    in capsys.readouterr().out) is (version == 2)
+    finally:
+        store.close()
