@@ -5,17 +5,25 @@ Bounded: a small plan (about 6 s of load per phase), 1 s windows, every wait cap
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
-from contextlib import ExitStack
+from collections.abc import AsyncIterator, Iterator
+from contextlib import ExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
+from controller.calibration_runner import (
+    FALLBACK_REASON,
+    PHASE_REASON,
+    ActiveCalibrationError,
+    ActiveCalibrationRunner,
+    RunnerLimits,
+)
 from controller.cli import app
-from controller.policy import Route, loads
+from controller.policy import Policy, Route, dumps, loads
 from controller.store import Store
 from tests.conftest import require
 from tests.support.processes import hostport, sim_serve
@@ -97,8 +105,14 @@ max_attempts = 3
     return path
 
 
-def _calibrate_active(config: Path, live_sim: dict[str, Any]) -> dict[str, Any]:
-    """`pdctl calibrate-active` with a small plan (about 6 s of load per phase); its report."""
+def _calibrate_active(tmp_path: Path, live_sim: dict[str, Any]
+                      ) -> tuple[dict[str, Any], list[str]]:
+    """`pdctl calibrate-active` with a small plan (about 6 s of load per phase) on a new
+    migrated store; its report and the routers."""
+    config = _config(tmp_path, live_sim)
+    store = Store(f"sqlite:///{tmp_path / 'history.db'}")
+    store.upgrade()
+    store.close()
     result = CliRunner().invoke(app, [
         "calibrate-active", "--config", str(config),
         *(a for r in live_sim["routers"] for a in ("--openai", r["openai"])),
@@ -108,7 +122,7 @@ def _calibrate_active(config: Path, live_sim: dict[str, Any]) -> dict[str, Any]:
     ])
     assert result.exit_code == 0, result.output
     report: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
-    return report
+    return report, [r["grpc"] for r in live_sim["routers"]]
 
 
 def test_active_calibration_builds_the_first_table_on_the_live_sim(
@@ -116,13 +130,7 @@ def test_active_calibration_builds_the_first_table_on_the_live_sim(
 ) -> None:
     require("pdctl sim serve (the live simulated cluster)", live_sim is not None)
     assert live_sim is not None
-    config = _config(tmp_path, live_sim)
-    store = Store(f"sqlite:///{tmp_path / 'history.db'}")
-    store.upgrade()
-    store.close()
-    routers = [r["grpc"] for r in live_sim["routers"]]
-
-    report = _calibrate_active(config, live_sim)
+    report, routers = _calibrate_active(tmp_path, live_sim)
 
     store = Store(f"sqlite:///{tmp_path / 'history.db'}")
     try:
@@ -177,6 +185,48 @@ def test_active_calibration_builds_the_first_table_on_the_live_sim(
     assert report["final_acked"] == dict.fromkeys(routers, version)
 
 
+@asynccontextmanager
+async def _runner(tmp_path: Path, live_sim: dict[str, Any], *, qps: float, sessions: int,
+                  limits: RunnerLimits, before: Policy | None = None
+                  ) -> AsyncIterator[tuple[ActiveCalibrationRunner, Store, list[str]]]:
+    """A runner with a one-cell plan against the live sim, its migrated store (``before``
+    desired on every router first, when given) and the routers; closed on exit."""
+    from controller.clock import WallClock
+    from controller.config import load_settings
+    from controller.core.active import plan_active_calibration
+    from controller.learning import CoreLearner
+    from controller.observe.factory import source_from_settings
+    from controller.policy import Axes, Slo
+    from controller.rollout.client import GrpcRouterTransport
+    from controller.rollout.reconciler import Reconciler
+
+    settings = load_settings(_config(tmp_path, live_sim))
+    routers = [r["grpc"] for r in live_sim["routers"]]
+    clock = WallClock()
+    store = Store(settings.store.url)
+    store.upgrade()
+    if before is not None:
+        with store.cycle() as tx:
+            tx.add_policy(before.version, before.checksum, dumps(before), "approved", "before")
+            for r in routers:
+                tx.set_desired(r, before.version)
+    plan = plan_active_calibration(Axes(), Slo(0.5, 0.05), 1, contexts=(256,),
+                                   turns=((32, 32),), qps_points=(qps,),
+                                   sessions_per_point=sessions)
+    assert plan.requests == 4 * sessions  # two phases of two-turn conversations
+    source = await source_from_settings(settings, clock=clock)
+    transport = GrpcRouterTransport()
+    try:
+        yield ActiveCalibrationRunner(
+            plan=plan, store=store,
+            reconciler=Reconciler.from_config(transport, clock, settings.rollout),
+            routers=routers, endpoints=[live_sim["routers"][0]["openai"]], source=source,
+            learner=CoreLearner(settings), clock=clock, limits=limits), store, routers
+    finally:
+        await transport.close()
+        await source.aclose()
+
+
 async def test_out_of_bounds_the_run_stops_and_the_routers_return_to_their_policy(
     tmp_path: Path, live_sim: dict[str, Any] | None
 ) -> None:
@@ -185,48 +235,12 @@ async def test_out_of_bounds_the_run_stops_and_the_routers_return_to_their_polic
     policy it ran before."""
     require("pdctl sim serve (the live simulated cluster)", live_sim is not None)
     assert live_sim is not None
-    from controller.calibration_runner import (
-        ActiveCalibrationError,
-        ActiveCalibrationRunner,
-        RunnerLimits,
-    )
-    from controller.clock import WallClock
-    from controller.config import load_settings
-    from controller.core.active import plan_active_calibration
-    from controller.learning import CoreLearner
-    from controller.observe.factory import source_from_settings
-    from controller.policy import Axes, Policy, Slo, dumps
-    from controller.rollout.client import GrpcRouterTransport
-    from controller.rollout.reconciler import Reconciler
-
-    config = _config(tmp_path, live_sim)
-    settings = load_settings(config)
-    routers = [r["grpc"] for r in live_sim["routers"]]
-    clock = WallClock()
-    store = Store(settings.store.url)
-    store.upgrade()
     previous = Policy.uniform(1, Route.DECODE_LOCAL)
-    with store.cycle() as tx:
-        tx.add_policy(1, previous.checksum, dumps(previous), "approved", "before")
-        for r in routers:
-            tx.set_desired(r, 1)
-    plan = plan_active_calibration(Axes(), Slo(0.5, 0.05), 1, contexts=(256,),
-                                   turns=((32, 32),), qps_points=(8.0,), sessions_per_point=8)
-    assert plan.requests == 32
-    source = await source_from_settings(settings, clock=clock)
-    transport = GrpcRouterTransport()
-    runner = ActiveCalibrationRunner(
-        plan=plan, store=store,
-        reconciler=Reconciler.from_config(transport, clock, settings.rollout),
-        routers=routers, endpoints=[live_sim["routers"][0]["openai"]], source=source,
-        learner=CoreLearner(settings), clock=clock,
-        limits=RunnerLimits(max_requests=10, max_duration_s=30, window_s=1.0))
-    try:
+    limits = RunnerLimits(max_requests=10, max_duration_s=30, window_s=1.0)
+    async with _runner(tmp_path, live_sim, qps=8.0, sessions=8, limits=limits,
+                       before=previous) as (runner, store, _):
         with pytest.raises(ActiveCalibrationError, match="bounds") as failed:
             await runner.run()
-    finally:
-        await transport.close()
-        await source.aclose()
     try:
         with store.read() as tx:
             forced = [p for p in tx.policies() if p.reason.startswith("active calibration")]
@@ -269,13 +283,7 @@ def test_on_an_empty_store_the_routers_policy_is_adopted_and_judged_against(
     and the routers end on the outcome: the table if approved, else their own policy."""
     require("pdctl sim serve (the live simulated cluster)", live_sim is not None)
     assert live_sim is not None
-    config = _config(tmp_path, live_sim)
-    store = Store(f"sqlite:///{tmp_path / 'history.db'}")
-    store.upgrade()
-    store.close()
-    routers = [r["grpc"] for r in live_sim["routers"]]
-
-    report = _calibrate_active(config, live_sim)
+    report, routers = _calibrate_active(tmp_path, live_sim)
 
     store = Store(f"sqlite:///{tmp_path / 'history.db'}")
     try:
@@ -306,45 +314,15 @@ async def test_an_interrupted_run_leaves_routers_that_ran_no_policy_on_classic_p
     as the fallback, and no forced policy is desired or running any more."""
     require("pdctl sim serve (the live simulated cluster)", live_sim is not None)
     assert live_sim is not None
-    import asyncio
+    limits = RunnerLimits(max_requests=200, max_duration_s=60, window_s=1.0)
+    async with _runner(tmp_path, live_sim, qps=2.0, sessions=8, limits=limits
+                       ) as (runner, store, routers):
 
-    from controller.calibration_runner import (
-        FALLBACK_REASON,
-        PHASE_REASON,
-        ActiveCalibrationRunner,
-        RunnerLimits,
-    )
-    from controller.clock import WallClock
-    from controller.config import load_settings
-    from controller.core.active import plan_active_calibration
-    from controller.learning import CoreLearner
-    from controller.observe.factory import source_from_settings
-    from controller.policy import Axes, Slo
-    from controller.rollout.client import GrpcRouterTransport
-    from controller.rollout.reconciler import Reconciler
+        def forcing_local() -> bool:
+            with store.read() as tx:
+                return any(p.reason == PHASE_REASON[Route.DECODE_LOCAL]
+                           for p in tx.policies())
 
-    config = _config(tmp_path, live_sim)
-    settings = load_settings(config)
-    routers = [r["grpc"] for r in live_sim["routers"]]
-    clock = WallClock()
-    store = Store(settings.store.url)
-    store.upgrade()
-    plan = plan_active_calibration(Axes(), Slo(0.5, 0.05), 1, contexts=(256,),
-                                   turns=((32, 32),), qps_points=(2.0,), sessions_per_point=8)
-    source = await source_from_settings(settings, clock=clock)
-    transport = GrpcRouterTransport()
-    runner = ActiveCalibrationRunner(
-        plan=plan, store=store,
-        reconciler=Reconciler.from_config(transport, clock, settings.rollout),
-        routers=routers, endpoints=[live_sim["routers"][0]["openai"]], source=source,
-        learner=CoreLearner(settings), clock=clock,
-        limits=RunnerLimits(max_requests=200, max_duration_s=60, window_s=1.0))
-
-    def forcing_local() -> bool:
-        with store.read() as tx:
-            return any(p.reason == PHASE_REASON[Route.DECODE_LOCAL] for p in tx.policies())
-
-    try:
         run = asyncio.create_task(runner.run())
         for _ in range(300):  # at most 30 s: the first phase is about 8 s of load
             if forcing_local() or run.done():
@@ -355,9 +333,6 @@ async def test_an_interrupted_run_leaves_routers_that_ran_no_policy_on_classic_p
         run.cancel()
         with pytest.raises(asyncio.CancelledError):
             await run
-    finally:
-        await transport.close()
-        await source.aclose()
     try:
         with store.read() as tx:
             policies = {p.version: p for p in tx.policies()}
