@@ -157,7 +157,7 @@ class ActiveCalibrationRunner:
         previous = await self._before()
         report = ActiveReport()
         try:
-            return await self._run(previous, report)
+            await self._run(previous, report)
         except (ActiveCalibrationError, asyncio.CancelledError) as e:
             # Nothing forced stays behind: the routers go back before the error (or the
             # Ctrl-C) goes on. A second Ctrl-C during this push stops it.
@@ -165,8 +165,22 @@ class ActiveCalibrationRunner:
             if isinstance(e, ActiveCalibrationError) and e.report is None:
                 e.report = report
             raise
+        finally:
+            self._retire_forced()
+        return report
 
-    async def _run(self, previous: Policy | None, report: ActiveReport) -> ActiveReport:
+    def _retire_forced(self) -> None:
+        """The forced policies no router is to run any more become ``superseded``: an
+        approved all-decode-local table must not be what `pdctl rollback` (newest approved
+        version below the fleet's) or a promotion watch's rollback returns to."""
+        with self.store.cycle() as tx:
+            desired = set(tx.desired_versions().values())
+            for p in tx.policies(status="approved"):
+                if p.reason.startswith(FORCED_PREFIX) and p.version not in desired:
+                    tx.set_policy_status(p.version, "superseded",
+                                         f"{p.reason} (the run is over: not a rollback target)")
+
+    async def _run(self, previous: Policy | None, report: ActiveReport) -> None:
         deadline = self.clock.monotonic() + self.limits.max_duration_s
         own_http = self._http is None
         http = self._http or httpx.AsyncClient(
@@ -198,7 +212,6 @@ class ActiveCalibrationRunner:
             report.final_version, report.final_acked = final.version, _acked(statuses)
         else:
             await self._restore(previous, report)
-        return report
 
     async def _before(self) -> Policy | None:
         """Refuse while another leader holds a live lease; the policy the routers run now

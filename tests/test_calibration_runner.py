@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from controller.calibration_runner import (
     FALLBACK_REASON,
+    FORCED_PREFIX,
     PHASE_REASON,
     ActiveCalibrationError,
     ActiveCalibrationRunner,
@@ -144,13 +145,14 @@ def test_active_calibration_builds_the_first_table_on_the_live_sim(
     finally:
         store.close()
 
-    # Both forced policies: stored approved with their reason, acknowledged by every router.
+    # Both forced policies: stored with their reason, acknowledged by every router, and
+    # superseded once the run is over (no rollback goes back to one).
     assert [ph["name"] for ph in report["phases"]] == ["all-prefill-node", "all-decode-local"]
     for ph, route, reason in zip(report["phases"], (Route.PREFILL_NODE, Route.DECODE_LOCAL),
                                  ("active calibration: forced prefill",
                                   "active calibration: forced decode-local"), strict=True):
         rec = policies[ph["version"]]
-        assert rec.reason.startswith(reason) and rec.status == "approved"
+        assert rec.reason.startswith(reason) and rec.status == "superseded"
         assert set(loads(rec.body_json).table.routes) == {route}
         assert ph["acked"] == dict.fromkeys(routers, ph["version"])
         assert {p.router_id for p in pushes if p.version == ph["version"]
@@ -301,6 +303,10 @@ def test_on_an_empty_store_the_routers_policy_is_adopted_and_judged_against(
     assert cal.predicted_goodput_current is not None  # judged against the adopted policy
     assert report["predicted_goodput"]["current"] == pytest.approx(
         cal.predicted_goodput_current)
+    # What `pdctl rollback` and a promotion watch may return to: never a forced policy.
+    approved = {v for v, p in policies.items() if p.status == "approved"}
+    assert approved == {adopted[0].version} | (
+        {report["policy_version"]} if report["approved"] else set())
     end = report["policy_version"] if report["approved"] else adopted[0].version
     assert report["final_version"] == end
     assert desired == dict.fromkeys(routers, end) and acked == dict.fromkeys(routers, end)
@@ -341,6 +347,8 @@ async def test_an_interrupted_run_leaves_routers_that_ran_no_policy_on_classic_p
             calibrations = tx.calibrations()
     finally:
         store.close()
+    forced = [p for p in policies.values() if p.reason.startswith(FORCED_PREFIX)]
+    assert len(forced) == 2 and {p.status for p in forced} == {"superseded"}
     [fallback] = [p for p in policies.values() if p.reason == FALLBACK_REASON]
     assert fallback.version == max(policies)  # after both forced ones
     assert set(loads(fallback.body_json).table.routes) == {Route.PREFILL_NODE}
