@@ -27,12 +27,17 @@ policy, decode-local above all, must never be left behind by a failed, refused o
 interrupted (Ctrl-C) run. A run refuses to start when it cannot tell what the routers run.
 
 Run it with the daemon stopped: a live leader lease held by someone else refuses the run
-(the leader would push its own policy over the forced ones).
+(the leader would push its own policy over the forced ones). Given a leadership, the run
+takes the leader lease itself and holds it to the end, so a daemon started meanwhile follows
+(it may reconcile the routers to the desired version, which is the run's) and takes over
+once the run is done.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -43,6 +48,7 @@ from controller.clock import Clock
 from controller.core.active import ActivePlan, LoadPoint, Phase, schedule
 from controller.core.window import Window
 from controller.cycle import ADOPTED_PREFIX, read_rollout
+from controller.leader import LeaseLeadership
 from controller.learning import CalibrationOutcome, Learner, LearnerError
 from controller.observe.source import MetricsSource
 from controller.policy import Policy, Route, dumps, loads
@@ -51,6 +57,8 @@ from controller.store import Store
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
+
+log = logging.getLogger("pdctl.calibrate_active")
 
 FORCED_PREFIX = "active calibration: forced "
 PHASE_REASON = {Route.PREFILL_NODE: f"{FORCED_PREFIX}prefill",
@@ -130,6 +138,7 @@ class ActiveCalibrationRunner:
         model: str | None = None,
         progress: Progress | None = None,
         http: httpx.AsyncClient | None = None,
+        leadership: LeaseLeadership | None = None,
     ) -> None:
         if not routers:
             raise ValueError("an active calibration needs routers to force policies on")
@@ -147,6 +156,10 @@ class ActiveCalibrationRunner:
         self.model = model
         self.progress = progress
         self._http = http
+        # Held for the whole run (renewed every third of its lifetime): a daemon started
+        # meanwhile follows instead of calibrating and approving over the forced policies.
+        self.leadership = leadership
+        self._lease_lost: str | None = None
         self._budget = self.limits.max_requests
         self._sessions = 0
         self._run_id = f"{int(clock.now() * 1000):x}"
@@ -154,6 +167,42 @@ class ActiveCalibrationRunner:
     # -- the run ------------------------------------------------------------------------
 
     async def run(self) -> ActiveReport:
+        if self.leadership is None:
+            return await self._run_leading()
+        if not await self.leadership.ensure():
+            raise ActiveCalibrationError(
+                f"{self._lease_holder()} holds the leader lease: stop the daemon first (it "
+                "would push its own policy over the forced ones)")
+        keeper = asyncio.create_task(self._keep_lease(self.leadership))
+        try:
+            return await self._run_leading()
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+            await self.leadership.release()
+
+    def _lease_holder(self) -> str:
+        with self.store.read() as tx:
+            lease = tx.lease()
+        return lease.holder if lease is not None and lease.holder else "another controller"
+
+    async def _keep_lease(self, leadership: LeaseLeadership) -> None:
+        while True:
+            await self.clock.sleep(leadership.ttl_s / 3)
+            try:
+                if await leadership.ensure():
+                    continue
+                self._lease_lost = f"{self._lease_holder()} took the leader lease"
+            except Exception as e:  # the store unreachable: the next renewal tries again
+                log.warning("cannot renew the leader lease: %s", e)
+
+    def _check_lease(self) -> None:
+        """Stop before the next push when another controller leads now."""
+        if self._lease_lost is not None:
+            raise ActiveCalibrationError(f"{self._lease_lost} during the run: stopped")
+
+    async def _run_leading(self) -> ActiveReport:
         previous = await self._before()
         report = ActiveReport()
         try:
@@ -206,6 +255,7 @@ class ActiveCalibrationRunner:
                 f"{self.limits.max_duration_s:g} s) ran out before the "
                 f"{self.plan.phases[len(report.phases)].route.name} phase", report)
         outcome = await self._calibrate(windows, previous)
+        self._check_lease()
         first_table = self._record(outcome, windows, previous, report)
         if outcome.approved:
             final, statuses = await self._push(first_table, report.reason)
@@ -219,7 +269,8 @@ class ActiveCalibrationRunner:
         now = self.clock.utcnow()
         with self.store.read() as tx:
             lease = tx.lease()
-            if (lease is not None and lease.holder is not None
+            ours = self.leadership.holder if self.leadership is not None else None
+            if (lease is not None and lease.holder is not None and lease.holder != ours
                     and lease.expires_at is not None and lease.expires_at > now):
                 raise ActiveCalibrationError(
                     f"{lease.holder} holds the leader lease: stop the daemon first (it "
@@ -254,6 +305,7 @@ class ActiveCalibrationRunner:
                      report: ActiveReport) -> tuple[PhaseReport, list[tuple[int, Window]]]:
         """Force the phase's policy everywhere and drive its load (its report is added to
         ``report`` first, so a failure shows what was done)."""
+        self._check_lease()
         reason = PHASE_REASON[phase.route]
         with self.store.cycle() as tx:
             version = tx.next_version()

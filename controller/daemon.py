@@ -151,7 +151,7 @@ class Daemon:
     async def _build(self, store: Any, metrics: Any) -> Parts:
         from controller.cycle import Cycle, CycleConfig
         from controller.health import Health, HealthServer
-        from controller.leader import LeaseLeadership, PgAdvisoryLeadership, default_holder
+        from controller.leader import default_holder, leadership_for
         from controller.learning import CoreLearner
         from controller.observe.factory import source_from_settings
         from controller.rollout.client import GrpcRouterTransport
@@ -176,11 +176,7 @@ class Daemon:
         transport = GrpcRouterTransport(s.security)
         reconciler = Reconciler.from_config(transport, self.clock, s.rollout)
         holder = c.replica_id or default_holder()
-        leadership: LeaseLeadership
-        if store.dialect == "postgresql":
-            leadership = PgAdvisoryLeadership(store, self.clock, holder, c.lease_ttl_s)
-        else:
-            leadership = LeaseLeadership(store, self.clock, holder, c.lease_ttl_s)
+        leadership = leadership_for(store, self.clock, holder, c.lease_ttl_s)
         cycle = Cycle(
             clock=self.clock, source=source, store=store, learner=CoreLearner(s),
             reconciler=reconciler, metrics=metrics, routers=routers,

@@ -196,3 +196,11 @@ def lease_expires_in(lease: Lease | None, clock: Clock) -> timedelta | None:
     if lease is None or lease.expires_at is None:
         return None
     return lease.expires_at - clock.utcnow()
+
+
+def leadership_for(store: Store, clock: Clock, holder: str, ttl_s: float) -> LeaseLeadership:
+    """The store's kind of leadership: the advisory lock on PostgreSQL, else the lease."""
+    if store.dialect == "postgresql":
+        return PgAdvisoryLeadership(store, clock, holder, ttl_s)
+    return LeaseLeadership(store, clock, holder, ttl_s)
+

@@ -24,6 +24,8 @@ from controller.calibration_runner import (
     RunnerLimits,
 )
 from controller.cli import app
+from controller.clock import WallClock
+from controller.leader import LeaseLeadership
 from controller.policy import Policy, Route, dumps, loads
 from controller.store import Store
 from tests.conftest import require
@@ -189,10 +191,11 @@ def test_active_calibration_builds_the_first_table_on_the_live_sim(
 
 @asynccontextmanager
 async def _runner(tmp_path: Path, live_sim: dict[str, Any], *, qps: float, sessions: int,
-                  limits: RunnerLimits, before: Policy | None = None
+                  limits: RunnerLimits, before: Policy | None = None, lead: bool = False
                   ) -> AsyncIterator[tuple[ActiveCalibrationRunner, Store, list[str]]]:
     """A runner with a one-cell plan against the live sim, its migrated store (``before``
-    desired on every router first, when given) and the routers; closed on exit."""
+    desired on every router first, when given) and the routers; closed on exit. ``lead``:
+    the runner holds the leader lease as `pdctl calibrate-active` does."""
     from controller.clock import WallClock
     from controller.config import load_settings
     from controller.core.active import plan_active_calibration
@@ -223,7 +226,9 @@ async def _runner(tmp_path: Path, live_sim: dict[str, Any], *, qps: float, sessi
             plan=plan, store=store,
             reconciler=Reconciler.from_config(transport, clock, settings.rollout),
             routers=routers, endpoints=[live_sim["routers"][0]["openai"]], source=source,
-            learner=CoreLearner(settings), clock=clock, limits=limits), store, routers
+            learner=CoreLearner(settings), clock=clock, limits=limits,
+            leadership=LeaseLeadership(store, clock, "calibrate-active", 3.0) if lead
+            else None), store, routers
     finally:
         await transport.close()
         await source.aclose()
@@ -321,8 +326,9 @@ async def test_an_interrupted_run_leaves_routers_that_ran_no_policy_on_classic_p
     require("pdctl sim serve (the live simulated cluster)", live_sim is not None)
     assert live_sim is not None
     limits = RunnerLimits(max_requests=200, max_duration_s=60, window_s=1.0)
-    async with _runner(tmp_path, live_sim, qps=2.0, sessions=8, limits=limits
+    async with _runner(tmp_path, live_sim, qps=2.0, sessions=8, limits=limits, lead=True
                        ) as (runner, store, routers):
+        daemon = LeaseLeadership(store, WallClock(), "daemon", 3.0)
 
         def forcing_local() -> bool:
             with store.read() as tx:
@@ -336,9 +342,14 @@ async def test_an_interrupted_run_leaves_routers_that_ran_no_policy_on_classic_p
             await asyncio.sleep(0.1)
         assert forcing_local() and not run.done()
         await asyncio.sleep(1.0)  # into the decode-local load
+        # The run holds the lease (renewed past its 3 s lifetime): a daemon started now
+        # follows instead of approving over the forced policies.
+        assert not await daemon.ensure()
         run.cancel()
         with pytest.raises(asyncio.CancelledError):
             await run
+        assert await daemon.ensure()  # released at the end
+        await daemon.release()
     try:
         with store.read() as tx:
             policies = {p.version: p for p in tx.policies()}
@@ -355,3 +366,23 @@ async def test_an_interrupted_run_leaves_routers_that_ran_no_policy_on_classic_p
     assert desired == dict.fromkeys(routers, fallback.version)
     assert acked == dict.fromkeys(routers, fallback.version)
     assert calibrations == []
+
+
+async def test_a_running_daemon_refuses_the_run_before_anything_is_pushed(
+    tmp_path: Path, live_sim: dict[str, Any] | None
+) -> None:
+    require("pdctl sim serve (the live simulated cluster)", live_sim is not None)
+    assert live_sim is not None
+    limits = RunnerLimits(max_requests=200, max_duration_s=60, window_s=1.0)
+    async with _runner(tmp_path, live_sim, qps=2.0, sessions=8, limits=limits, lead=True
+                       ) as (runner, store, _):
+        daemon = LeaseLeadership(store, WallClock(), "daemon-on-host-1", 15.0)
+        assert await daemon.ensure()
+        with pytest.raises(ActiveCalibrationError, match="daemon-on-host-1 holds the leader"):
+            await runner.run()
+        with store.read() as tx:
+            assert tx.policies() == [] and tx.pushes() == []
+            lease = tx.lease()
+        assert lease is not None and lease.holder == "daemon-on-host-1"  # still its
+        await daemon.release()
+    store.close()

@@ -124,6 +124,7 @@ def calibrate_active(
     from controller.config import load_settings
     from controller.core.active import plan_active_calibration
     from controller.errors import ConfigError
+    from controller.leader import default_holder, leadership_for
     from controller.learning import CoreLearner
     from controller.observe.factory import source_from_settings
     from controller.policy import Axes, Slo
@@ -169,7 +170,9 @@ def calibrate_active(
                 reconciler=Reconciler.from_config(transport, clock, settings.rollout),
                 routers=routers, endpoints=openai, source=source,
                 learner=CoreLearner(settings), clock=clock, limits=limits, model=model,
-                progress=progress)
+                progress=progress, leadership=leadership_for(
+                    store, clock, f"calibrate-active-{default_holder()}",
+                    settings.controller.lease_ttl_s))
             with progress:
                 return (await runner.run()).to_dict()
         finally:
