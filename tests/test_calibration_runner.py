@@ -386,3 +386,58 @@ async def test_a_running_daemon_refuses_the_run_before_anything_is_pushed(
         assert lease is not None and lease.holder == "daemon-on-host-1"  # still its
         await daemon.release()
     store.close()
+
+
+def test_sigterm_ends_the_real_process_with_the_routers_sent_back(
+    tmp_path: Path, live_sim: dict[str, Any] | None
+) -> None:
+    """`pdctl calibrate-active` as a real process, terminated (systemd, kubectl, `timeout`)
+    during the all-decode-local phase: exit 143, and the routers, which ran no policy, are
+    on classic P/D, not on the forced policy."""
+    require("pdctl sim serve (the live simulated cluster)", live_sim is not None)
+    assert live_sim is not None
+    import signal
+    import subprocess
+    import time
+
+    from tests.support.processes import PDCTL, REPO
+
+    config = _config(tmp_path, live_sim)
+    url = f"sqlite:///{tmp_path / 'history.db'}"
+    store = Store(url)
+    store.upgrade()
+    proc = subprocess.Popen(
+        [*PDCTL, "calibrate-active", "--config", str(config),
+         "--openai", live_sim["routers"][0]["openai"], "--contexts", "256", "--turns",
+         "32:32", "--qps", "2", "--sessions", "8", "--window", "1.0"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 40  # the first phase is about 8 s of load
+        while time.monotonic() < deadline and proc.poll() is None:
+            with store.read() as tx:
+                if any(p.reason == PHASE_REASON[Route.DECODE_LOCAL] for p in tx.policies()):
+                    break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before its decode-local phase"
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    assert proc.returncode == 143, err
+    assert "terminated: the routers were sent back" in err
+    try:
+        with store.read() as tx:
+            policies = {p.version: p for p in tx.policies()}
+            desired = tx.desired_versions()
+            acked = {r.router_id: r.acked_version for r in tx.routers()}
+            lease = tx.lease()
+    finally:
+        store.close()
+    [fallback] = [p for p in policies.values() if p.reason == FALLBACK_REASON]
+    routers = [r["grpc"] for r in live_sim["routers"]]
+    assert desired == dict.fromkeys(routers, fallback.version)
+    assert acked == dict.fromkeys(routers, fallback.version)
+    assert lease is None or lease.holder is None  # released

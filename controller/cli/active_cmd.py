@@ -4,9 +4,9 @@ metrics source, with load sent through OpenAI-compatible endpoints (``--openai``
 
 Exit codes: 0 first table recorded (approved or refused: see the output), 1 the run could
 not finish (a router did not acknowledge, too few windows, a leader is running, what the
-routers run cannot be told), 2 bad input, 3 store unavailable, 130 interrupted. Whenever it
-does not end on an approved table the routers are sent back to what they ran before (classic
-P/D when they ran no policy).
+routers run cannot be told), 2 bad input, 3 store unavailable, 130 interrupted (Ctrl-C),
+143 terminated (SIGTERM). Whenever it does not end on an approved table the routers are
+sent back to what they ran before (classic P/D when they ran no policy).
 """
 
 from __future__ import annotations
@@ -108,8 +108,16 @@ def calibrate_active(
 ) -> None:
     """Cold start: force all-prefill-node, then all-decode-local, on every router while a
     bounded synthetic two-turn load covers the table's cells; build the first table from the
-    windows observed. Run it with the daemon stopped."""
+    windows observed. Run it with the daemon stopped (the run holds the leader lease).
+
+    A run that does not end on an approved table (refused, failed, out of bounds, Ctrl-C)
+    sends the routers back to what they ran: the stored fleet version, the routers' own
+    policy on an empty store (adopted first), or classic P/D when they ran none.
+
+    Exit 0 first table recorded (approved or refused), 1 the run could not finish, 2 bad
+    input, 3 store unavailable, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
     import asyncio
+    import signal
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -159,6 +167,11 @@ def calibrate_active(
     clock = WallClock()
 
     async def main() -> dict[str, Any]:
+        # SIGTERM (systemd, kubectl, `timeout`) ends the run as Ctrl-C does: the routers are
+        # sent back before the process exits, not left on a forced policy.
+        me = asyncio.current_task()
+        assert me is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, me.cancel)
         source = await source_from_settings(settings, clock=clock)
         transport = GrpcRouterTransport(settings.security)
         progress = Progress(TextColumn("{task.description}"), BarColumn(),
@@ -181,10 +194,11 @@ def calibrate_active(
 
     try:
         doc = asyncio.run(main())
-    except KeyboardInterrupt:
-        typer.echo("interrupted: the routers were sent back to what they ran before (see "
+    except (KeyboardInterrupt, asyncio.CancelledError) as e:
+        what = "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated"
+        typer.echo(f"{what}: the routers were sent back to what they ran before (see "
                    "`pdctl status`)", err=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(130 if isinstance(e, KeyboardInterrupt) else 143) from None
     except ActiveCalibrationError as e:
         typer.echo(f"active calibration failed: {e}{_where(e.report)}", err=True)
         if as_json:  # a script reading stdout gets the failure and what was done until it
