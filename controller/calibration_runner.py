@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -47,9 +47,14 @@ import httpx
 from controller.clock import Clock
 from controller.core.active import ActivePlan, LoadPoint, Phase, schedule
 from controller.core.window import Window
-from controller.cycle import ADOPTED_PREFIX, read_rollout
+from controller.cycle import ADOPTED_PREFIX, operator_state, read_rollout
 from controller.leader import LeaseLeadership
-from controller.learning import CalibrationOutcome, Learner, LearnerError
+from controller.learning import (
+    CalibrationOutcome,
+    Learner,
+    LearnerError,
+    without_exploration,
+)
 from controller.observe.source import MetricsSource
 from controller.policy import Policy, Route, dumps, loads
 from controller.rollout.reconciler import Reconciler, RouterStatus
@@ -160,6 +165,8 @@ class ActiveCalibrationRunner:
         # meanwhile follows instead of calibrating and approving over the forced policies.
         self.leadership = leadership
         self._lease_lost: str | None = None
+        self._exploration_off = False
+        self.report: ActiveReport | None = None  # the run's, as far as it got
         self._budget = self.limits.max_requests
         self._sessions = 0
         self._run_id = f"{int(clock.now() * 1000):x}"
@@ -170,9 +177,7 @@ class ActiveCalibrationRunner:
         if self.leadership is None:
             return await self._run_leading()
         if not await self.leadership.ensure():
-            raise ActiveCalibrationError(
-                f"{self._lease_holder()} holds the leader lease: stop the daemon first (it "
-                "would push its own policy over the forced ones)")
+            raise ActiveCalibrationError(self._lease_refusal())
         keeper = asyncio.create_task(self._keep_lease(self.leadership))
         try:
             return await self._run_leading()
@@ -186,6 +191,18 @@ class ActiveCalibrationRunner:
         with self.store.read() as tx:
             lease = tx.lease()
         return lease.holder if lease is not None and lease.holder else "another controller"
+
+    def _lease_refusal(self) -> str:
+        with self.store.read() as tx:
+            lease = tx.lease()
+        holder = lease.holder if lease is not None and lease.holder else "another controller"
+        left = ""
+        if lease is not None and lease.expires_at is not None:
+            seconds = (lease.expires_at - self.clock.utcnow()).total_seconds()
+            left = f" for {max(seconds, 0.0):.0f} s more"
+        return (f"{holder} holds the leader lease{left}: stop the daemon first (it would push "
+                "its own policy over the forced ones); a run that was killed holds it until it "
+                "expires")
 
     async def _keep_lease(self, leadership: LeaseLeadership) -> None:
         while True:
@@ -204,7 +221,7 @@ class ActiveCalibrationRunner:
 
     async def _run_leading(self) -> ActiveReport:
         previous = await self._before()
-        report = ActiveReport()
+        report = self.report = ActiveReport()
         try:
             await self._run(previous, report)
         except (ActiveCalibrationError, asyncio.CancelledError) as e:
@@ -255,6 +272,8 @@ class ActiveCalibrationRunner:
                 f"{self.limits.max_duration_s:g} s) ran out before the "
                 f"{self.plan.phases[len(report.phases)].route.name} phase", report)
         outcome = await self._calibrate(windows, previous)
+        if self._exploration_off:  # an operator turned it off: the cycle's rule too
+            outcome = replace(outcome, policy=without_exploration(outcome.policy))
         self._check_lease()
         first_table = self._record(outcome, windows, previous, report)
         if outcome.approved:
@@ -270,19 +289,32 @@ class ActiveCalibrationRunner:
         with self.store.read() as tx:
             lease = tx.lease()
             ours = self.leadership.holder if self.leadership is not None else None
-            if (lease is not None and lease.holder is not None and lease.holder != ours
-                    and lease.expires_at is not None and lease.expires_at > now):
-                raise ActiveCalibrationError(
-                    f"{lease.holder} holds the leader lease: stop the daemon first (it "
-                    f"would push its own policy over the forced ones)")
+            held = (lease is not None and lease.holder is not None and lease.holder != ours
+                    and lease.expires_at is not None and lease.expires_at > now)
+            ops = operator_state(tx.requests(status="done"))
             rollout = read_rollout(tx, self.routers)
             rec = tx.policy(rollout.fleet_version) if rollout.fleet_version else None
             empty = rec is None and not tx.policies(limit=1)
+        if held:
+            raise ActiveCalibrationError(self._lease_refusal())
+        if ops.holding:
+            what = ("paused (`pdctl resume`)" if ops.paused else
+                    f"pinned to v{ops.pinned} (`pdctl unpin`)" if ops.pinned is not None else
+                    "in fallback (`pdctl unpin`)")
+            raise ActiveCalibrationError(
+                f"an operator holds the rollout: {what}; release it with the daemon running, "
+                "stop the daemon, then run again")
+        self._exploration_off = ops.exploration_off
+        # Every router must answer before anything is forced: one that cannot would fail
+        # the run only after the others ran the forced policy.
+        found = await self.reconciler.running_policy(self.routers)
+        if found.unanswered:
+            raise ActiveCalibrationError(
+                f"not every router answered, nothing was pushed: {'; '.join(found.unanswered)}")
         if rec is not None:
             return None if rec.reason.startswith(FORCED_PREFIX) else loads(rec.body_json)
         if not empty:
             return None
-        found = await self.reconciler.running_policy(self.routers)
         if found.policy is None:
             if found.why:
                 raise ActiveCalibrationError(
@@ -339,6 +371,13 @@ class ActiveCalibrationRunner:
             ph.window_ids.append(wid)
             if _usable(w):
                 ph.usable_window_ids.append(wid)
+        if ph.requests_ok < ph.requests_sent / 2:
+            # The windows may still hold routed requests (the cluster's own traffic), but
+            # not the grid this phase was to measure: a table from them is no calibration.
+            raise ActiveCalibrationError(
+                f"{ph.name}: only {ph.requests_ok} of {ph.requests_sent} requests were "
+                f"answered: the grid was not measured (check --openai "
+                f"{', '.join(self.endpoints)} and --model)")
         return ph, [(i, w) for i, w in got if _usable(w)]
 
     async def _collect(self, done: asyncio.Event, start: float) -> list[tuple[int, Window]]:

@@ -191,11 +191,13 @@ def test_active_calibration_builds_the_first_table_on_the_live_sim(
 
 @asynccontextmanager
 async def _runner(tmp_path: Path, live_sim: dict[str, Any], *, qps: float, sessions: int,
-                  limits: RunnerLimits, before: Policy | None = None, lead: bool = False
+                  limits: RunnerLimits, before: Policy | None = None, lead: bool = False,
+                  extra_router: str | None = None, endpoint: str | None = None,
                   ) -> AsyncIterator[tuple[ActiveCalibrationRunner, Store, list[str]]]:
     """A runner with a one-cell plan against the live sim, its migrated store (``before``
     desired on every router first, when given) and the routers; closed on exit. ``lead``:
-    the runner holds the leader lease as `pdctl calibrate-active` does."""
+    the runner holds the leader lease as `pdctl calibrate-active` does; ``extra_router``
+    and ``endpoint`` put a router or an OpenAI endpoint beside (instead of) the sim's."""
     from controller.clock import WallClock
     from controller.config import load_settings
     from controller.core.active import plan_active_calibration
@@ -206,7 +208,8 @@ async def _runner(tmp_path: Path, live_sim: dict[str, Any], *, qps: float, sessi
     from controller.rollout.reconciler import Reconciler
 
     settings = load_settings(_config(tmp_path, live_sim))
-    routers = [r["grpc"] for r in live_sim["routers"]]
+    routers = [r["grpc"] for r in live_sim["routers"]] + ([extra_router] if extra_router
+                                                          else [])
     clock = WallClock()
     store = Store(settings.store.url)
     store.upgrade()
@@ -225,7 +228,8 @@ async def _runner(tmp_path: Path, live_sim: dict[str, Any], *, qps: float, sessi
         yield ActiveCalibrationRunner(
             plan=plan, store=store,
             reconciler=Reconciler.from_config(transport, clock, settings.rollout),
-            routers=routers, endpoints=[live_sim["routers"][0]["openai"]], source=source,
+            routers=routers, endpoints=[endpoint or live_sim["routers"][0]["openai"]],
+            source=source,
             learner=CoreLearner(settings), clock=clock, limits=limits,
             leadership=LeaseLeadership(store, clock, "calibrate-active", 3.0) if lead
             else None), store, routers
@@ -409,8 +413,8 @@ def test_sigterm_ends_the_real_process_with_the_routers_sent_back(
     proc = subprocess.Popen(
         [*PDCTL, "calibrate-active", "--config", str(config),
          "--openai", live_sim["routers"][0]["openai"], "--contexts", "256", "--turns",
-         "32:32", "--qps", "2", "--sessions", "8", "--window", "1.0"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+         "32:32", "--qps", "2", "--sessions", "8", "--window", "1.0", "--json"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 40  # the first phase is about 8 s of load
         while time.monotonic() < deadline and proc.poll() is None:
@@ -421,13 +425,12 @@ def test_sigterm_ends_the_real_process_with_the_routers_sent_back(
         assert proc.poll() is None, "the run ended before its decode-local phase"
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
     assert proc.returncode == 143, err
-    assert "terminated: the routers were sent back" in err
     try:
         with store.read() as tx:
             policies = {p.version: p for p in tx.policies()}
@@ -441,3 +444,52 @@ def test_sigterm_ends_the_real_process_with_the_routers_sent_back(
     assert desired == dict.fromkeys(routers, fallback.version)
     assert acked == dict.fromkeys(routers, fallback.version)
     assert lease is None or lease.holder is None  # released
+    assert f"terminated; routers sent back to v{fallback.version} (acknowledged by 2 of 2)" \
+        in err
+    report = json.loads(out.strip().splitlines()[-1])  # --json: what was done until then
+    assert report["error"] == "terminated"
+    assert [ph["name"] for ph in report["phases"]] == ["all-prefill-node", "all-decode-local"]
+    assert report["final_version"] == fallback.version
+
+
+async def test_what_would_fail_mid_run_refuses_it_first_or_stops_it_at_once(
+    tmp_path: Path, live_sim: dict[str, Any] | None
+) -> None:
+    """An operator's pin, a router that does not answer: refused before anything is pushed.
+    Requests nobody answers: the first phase fails (its windows would not be the grid) and
+    the routers go back."""
+    require("pdctl sim serve (the live simulated cluster)", live_sim is not None)
+    assert live_sim is not None
+    before = Policy.uniform(1, Route.DECODE_LOCAL)
+    limits = RunnerLimits(max_requests=200, max_duration_s=30, window_s=1.0,
+                          request_timeout_s=2.0)
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        ("pinned", {}, "an operator holds the rollout: pinned to v1"),
+        ("unreachable", {"extra_router": "127.0.0.1:9"},
+         "not every router answered, nothing was pushed: 127.0.0.1:9"),
+        ("unanswered", {"endpoint": "http://127.0.0.1:9/v1"},
+         r"all-prefill-node: only 0 of \d+ requests were answered"),
+    ]
+    for name, options, message in cases:
+        (tmp_path / name).mkdir()
+        async with _runner(tmp_path / name, live_sim, qps=8.0, sessions=4, limits=limits,
+                           before=before, **options) as (runner, store, routers):
+            if name == "pinned":
+                with store.cycle() as tx:
+                    rid = tx.add_request("pause", {"what": "pin", "version": 1}, "ops")
+                    tx.finish_request(rid, "pinned v1 on every router")
+            with pytest.raises(ActiveCalibrationError, match=message):
+                await runner.run()
+        try:
+            with store.read() as tx:
+                forced = [p for p in tx.policies() if p.reason.startswith(FORCED_PREFIX)]
+                desired = tx.desired_versions()
+                acked = {r.router_id: r.acked_version for r in tx.routers()}
+        finally:
+            store.close()
+        assert desired == dict.fromkeys(routers, 1), name
+        if name == "unanswered":  # forced, then sent back
+            assert len(forced) == 1 and forced[0].status == "superseded"
+            assert acked == dict.fromkeys(routers, 1)
+        else:
+            assert forced == [], name

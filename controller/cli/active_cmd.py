@@ -78,6 +78,13 @@ def _where(report: Any) -> str:
             f"{len(acked)} of {len(report.final_acked)})")
 
 
+def _print_failure(as_json: bool, error: str, report: Any) -> None:
+    """With --json, a script reading stdout gets the failure and what was done until it."""
+    if as_json:
+        done = report.to_dict() if report is not None else {}
+        typer.echo(json.dumps({"error": error, **done}, default=str))
+
+
 @app.command("calibrate-active")
 def calibrate_active(
     config: Annotated[Path, typer.Option("--config", "-c", help="Config file ([store], "
@@ -165,6 +172,7 @@ def calibrate_active(
                   f"left out to fit the bounds)")
     store = _open_store(None, config)
     clock = WallClock()
+    runners: list[ActiveCalibrationRunner] = []  # the run's report, after an interruption
 
     async def main() -> dict[str, Any]:
         # SIGTERM (systemd, kubectl, `timeout`) ends the run as Ctrl-C does: the routers are
@@ -186,6 +194,7 @@ def calibrate_active(
                 progress=progress, leadership=leadership_for(
                     store, clock, f"calibrate-active-{default_holder()}",
                     settings.controller.lease_ttl_s))
+            runners.append(runner)
             with progress:
                 return (await runner.run()).to_dict()
         finally:
@@ -196,14 +205,14 @@ def calibrate_active(
         doc = asyncio.run(main())
     except (KeyboardInterrupt, asyncio.CancelledError) as e:
         what = "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated"
-        typer.echo(f"{what}: the routers were sent back to what they ran before (see "
-                   "`pdctl status`)", err=True)
+        report = runners[0].report if runners else None
+        sent_back = _where(report) or "; the routers were sent back to what they ran before"
+        typer.echo(f"{what}{sent_back} (see `pdctl status`)", err=True)
+        _print_failure(as_json, what, report)
         raise typer.Exit(130 if isinstance(e, KeyboardInterrupt) else 143) from None
     except ActiveCalibrationError as e:
         typer.echo(f"active calibration failed: {e}{_where(e.report)}", err=True)
-        if as_json:  # a script reading stdout gets the failure and what was done until it
-            done = e.report.to_dict() if e.report is not None else {}
-            typer.echo(json.dumps({"error": str(e), **done}, default=str))
+        _print_failure(as_json, str(e), e.report)
         raise typer.Exit(_EXIT_FAILED) from None
     finally:
         store.close()

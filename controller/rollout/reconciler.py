@@ -78,6 +78,7 @@ class RunningPolicy:
 
     policy: Policy | None
     why: str
+    unanswered: tuple[str, ...] = ()  # "router: error" for each router that did not answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +192,8 @@ class Reconciler:
         answers = await asyncio.gather(*(state(r) for r in routers))
         failed = [a for a in answers if isinstance(a, str)]
         if failed:
-            return RunningPolicy(None, f"not every router answered ({failed[0]})")
+            return RunningPolicy(None, f"not every router answered ({failed[0]})",
+                                 tuple(failed))
         runs = {(a.version, a.checksum) for a in answers if isinstance(a, RouterState)}
         if runs == {(0, "")}:
             return RunningPolicy(None, "")  # new routers: nothing to adopt, nothing wrong
