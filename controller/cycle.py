@@ -196,6 +196,11 @@ class OperatorState:
         return self.paused or self.pinned is not None or self.fallback
 
 
+def _without_exploration_key(policy: Policy) -> str:
+    """What decides a route once exploration is set aside (version aside too)."""
+    return without_exploration(policy).with_version(1).checksum
+
+
 def operator_state(requests: Sequence[OperatorRequest]) -> OperatorState:
     """Fold finished (``done``) operator requests, oldest first, into the current state."""
     state = OperatorState()
@@ -884,9 +889,11 @@ class Cycle:
                 status = "rejected"
             elif ops.holding or rollout.canary_version is not None:
                 status = "candidate"  # an operator asked for it; the rollout is held
-                held = "paused" if ops.paused else "pinned" if ops.holding else \
-                    f"v{rollout.canary_version} is baking"
-                reason = f"not approved ({held}): {outcome.reason}"
+                held = ("paused" if ops.paused else "in fallback" if ops.fallback
+                        else f"v{ops.pinned} is pinned" if ops.pinned is not None
+                        else f"v{rollout.canary_version} is baking")
+                reason = (f"held as a candidate, not rolled out ({held}); the guardrail's "
+                          f"verdict: {outcome.reason}")
                 report.guardrail = reason
             else:
                 status = "approved"
@@ -1149,17 +1156,41 @@ class Cycle:
             if verdict.action != "over":
                 report.canary = f"v{version}: {verdict.reason}"
             return False
-        older = [p.version for p in tx.policies(status="approved") if p.version < version]
-        if not older:
+        target = self._rollback_target(tx, version, ops)
+        if target is None:
             report.canary = f"v{version}: {verdict.reason}; nothing older to roll back to"
             return False
-        target = max(older)
         tx.set_policy_status(version, "rolled_back", f"{UNPROMOTED}: {verdict.reason}")
-        for r in self.routers:
-            tx.set_desired(r, target)
-        report.canary = f"v{version}: {UNPROMOTED} to v{target}: {verdict.reason}"
+        runs = self._desire_back(tx, target, ops)
+        report.canary = f"v{version}: {UNPROMOTED} to v{target}{runs}: {verdict.reason}"
         self.metrics.rolled_back("watch", target)
         return True
+
+    def _rollback_target(self, tx: Tx, newest: int | None, ops: OperatorState) -> int | None:
+        """The newest approved version below ``newest``. While exploration is off, one that
+        differs from ``newest`` only in exploration is passed over: it would be re-issued
+        without exploration, the same table again (e.g. the one `exploration off` copied)."""
+        approved = sorted((p.version for p in tx.policies(status="approved")), reverse=True)
+        below = [v for v in approved if newest is None or v < newest]
+        if newest is None or not ops.exploration_off:
+            return below[0] if below else None
+        quiet = _without_exploration_key(self._policy(tx, newest))
+        return next((v for v in below
+                     if _without_exploration_key(self._policy(tx, v)) != quiet), None)
+
+    def _desire_back(self, tx: Tx, target: int, ops: OperatorState) -> str:
+        """Every router to ``target``; while exploration is off, a target that explores is
+        re-issued without it (as ``exploration off`` does). What runs, for the outcome."""
+        policy = self._policy(tx, target)
+        if ops.exploration_off and any(policy.table.exploration):
+            version = tx.next_version()
+            self._everywhere(tx, without_exploration(policy).with_version(version),
+                             f"v{target} without exploration (rolled back while exploration "
+                             "is off)")
+            return f", re-issued without exploration as v{version}"
+        for router in self.routers:
+            tx.set_desired(router, target)
+        return ""
 
     def judge_promotion(self, tx: Tx, record: PolicyRecord) -> WatchVerdict:
         """The fleet's goodput over the windows since ``record``'s promotion (at most
@@ -1242,12 +1273,12 @@ class Cycle:
     def _rollback(self, tx: Tx, version: Any) -> tuple[str, bool]:
         rollout = self._rollout(tx)
         newest = rollout.canary_version or rollout.fleet_version
+        ops = operator_state(tx.requests(status="done"))
         if version is None:
-            approved = [p.version for p in tx.policies(status="approved")
-                        if newest is None or p.version < newest]
-            if not approved:
+            found = self._rollback_target(tx, newest, ops)
+            if found is None:
                 return "nothing to roll back to", False
-            target = max(approved)
+            target = found
         else:
             target = int(version)
             rec = tx.policy(target)
@@ -1258,10 +1289,9 @@ class Cycle:
             for p in tx.policies(status="approved"):
                 if p.version > target:
                     tx.set_policy_status(p.version, "rolled_back", "operator rollback")
-        for router in self.routers:
-            tx.set_desired(router, target)
+        runs = self._desire_back(tx, target, ops)
         self.metrics.rolled_back("operator", target)
-        return f"rolled back to v{target}", True
+        return f"rolled back to v{target}{runs}", True
 
     def _fallback(self, tx: Tx, r: OperatorRequest) -> str:
         version = tx.next_version()

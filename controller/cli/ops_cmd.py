@@ -18,6 +18,7 @@ import os
 import pwd
 import socket
 import time
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -275,7 +276,8 @@ def _recalibrate_local(url: str | None, config: Path | None, as_json: bool, forc
 
 
 def status_doc(store: Store, calibrate_every_s: float | None,
-               watch_s: float | None = None) -> dict[str, Any]:
+               watch_s: float | None = None, configured: Sequence[str] = ()
+               ) -> dict[str, Any]:
     """Everything `pdctl status` shows, as plain data. ``watch_s``: how long the cycle
     watches a promotion (None: no watch)."""
     from datetime import timedelta
@@ -306,7 +308,9 @@ def status_doc(store: Store, calibrate_every_s: float | None,
                   "expires_in_s": round((lease.expires_at - now).total_seconds(), 1),
                   "alive": lease.expires_at > now}
     router_rows = []
-    for rid in sorted(set(desired) | set(routers)):
+    # The config's routers too: on a new store they have no row yet, and an empty table
+    # read as "no routers".
+    for rid in sorted(set(desired) | set(routers) | set(configured)):
         r = routers.get(rid)
         want = desired.get(rid)
         acked = r.acked_version if r else None
@@ -315,7 +319,9 @@ def status_doc(store: Store, calibrate_every_s: float | None,
             "router": rid, "desired": want, "acked": acked,
             "last_seen": r.last_seen if r else None,
             "last_error": r.last_error if r else None,
-            "health": "ok" if healthy else ("error" if r and r.last_error else "behind"),
+            "health": "ok" if healthy else ("error" if r and r.last_error else
+                                            "no policy yet" if want is None and r is None
+                                            else "behind"),
         })
     last_cal = None
     next_due: datetime | None = None
@@ -429,7 +435,8 @@ def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOpt
     store = _open_store(url, config)
     try:
         doc = status_doc(store, settings.controller.calibrate_every_s,
-                         CycleConfig.from_settings(settings).watch_s)
+                         CycleConfig.from_settings(settings).watch_s,
+                         settings.routers.targets)
     finally:
         store.close()
     if as_json:

@@ -184,3 +184,18 @@ def test_status_names_a_forced_policy_a_killed_calibrate_active_left_running(
                     in capsys.readouterr().out) is (version == 2)
     finally:
         store.close()
+
+
+def test_status_lists_the_configured_routers_before_the_store_knows_them(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "h.db"
+    config = tmp_path / "pd.toml"
+    config.write_text(f'[store]\nurl = "sqlite:///{db}"\n'
+                      '[routers]\ntargets = ["10.0.0.1:50151", "10.0.0.2:50151"]\n')
+    assert runner.invoke(app, ["db", "upgrade", "-c", str(config)]).exit_code == 0
+    result = runner.invoke(app, ["status", "--json", "-c", str(config)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)["routers"]
+    assert [(r["router"], r["health"]) for r in rows] == [
+        ("10.0.0.1:50151", "no policy yet"), ("10.0.0.2:50151", "no policy yet")]

@@ -742,6 +742,33 @@ async def test_exploration_off_reissues_without_exploration(tmp_path: Path) -> N
     assert operator_state(rig.store.requests()).exploration_off
 
 
+async def test_a_rollback_while_exploration_is_off_does_not_turn_it_back_on(
+    tmp_path: Path,
+) -> None:
+    """`exploration off` re-issued v1 as v2 without exploration. A rollback from v2 to v1
+    would change nothing but the exploration the operator turned off: without a version
+    there is nothing to roll back to, and to v1 by name v1 is re-issued without it."""
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.store.add_request("pause", {"what": "exploration"}, "dan@h", "measure cleanly")
+    await rig.step()
+    assert _desired(rig) == dict.fromkeys(rig.agents, 2)
+    nothing = rig.store.add_request("rollback", {}, "dan@h", "")
+    await rig.step()
+    req = rig.store.request(nothing)
+    assert req is not None and req.status == "failed" and req.outcome == "nothing to roll back to"
+    named = rig.store.add_request("rollback", {"version": 1}, "dan@h", "")
+    await rig.step()
+    req = rig.store.request(named)
+    assert req is not None and req.status == "done"
+    assert req.outcome == "rolled back to v1, re-issued without exploration as v3"
+    assert _running(rig) == dict.fromkeys(rig.agents, 3)
+    for agent in rig.agents.values():
+        assert agent.snapshot is not None and not any(agent.snapshot.policy.table.exploration)
+    assert rig.store.policy(2).status == "rolled_back"  # type: ignore[union-attr]
+    assert operator_state(rig.store.requests()).exploration_off
+
+
 async def test_operator_rollback_and_recalibrate(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, canary_fraction=1.0, bake_windows=1)
     await _bootstrap(rig)
