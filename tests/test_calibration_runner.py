@@ -9,6 +9,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,32 @@ max_attempts = 3
     return path
 
 
+@dataclass(frozen=True)
+class Recorded:
+    """What a run left in the store (read once, the store then closed)."""
+
+    policies: dict[int, Any]
+    desired: dict[str, int]
+    acked: dict[str, int | None]
+    calibrations: list[Any]
+    pushes: list[Any]
+    lease: Any
+
+    @property
+    def forced(self) -> list[Any]:
+        return [p for p in self.policies.values() if p.reason.startswith(FORCED_PREFIX)]
+
+
+def _recorded(store: Store) -> Recorded:
+    try:
+        with store.read() as tx:
+            return Recorded({p.version: p for p in tx.policies()}, tx.desired_versions(),
+                            {r.router_id: r.acked_version for r in tx.routers()},
+                            tx.calibrations(), tx.pushes(), tx.lease())
+    finally:
+        store.close()
+
+
 def _calibrate_active(tmp_path: Path, live_sim: dict[str, Any]
                       ) -> tuple[dict[str, Any], list[str]]:
     """`pdctl calibrate-active` with a small plan (about 6 s of load per phase) on a new
@@ -136,16 +163,11 @@ def test_active_calibration_builds_the_first_table_on_the_live_sim(
     report, routers = _calibrate_active(tmp_path, live_sim)
 
     store = Store(f"sqlite:///{tmp_path / 'history.db'}")
-    try:
-        with store.read() as tx:
-            policies = {p.version: p for p in tx.policies()}
-            pushes = tx.pushes()
-            calibrations = tx.calibrations()
-            desired = tx.desired_versions()
-            acked = {r.router_id: r.acked_version for r in tx.routers()}
-            phase_windows = [tx.windows_by_ids(ph["window_ids"]) for ph in report["phases"]]
-    finally:
-        store.close()
+    with store.read() as tx:
+        phase_windows = [tx.windows_by_ids(ph["window_ids"]) for ph in report["phases"]]
+    rec = _recorded(store)
+    policies, pushes, calibrations = rec.policies, rec.pushes, rec.calibrations
+    desired, acked = rec.desired, rec.acked
 
     # Both forced policies: stored with their reason, acknowledged by every router, and
     # superseded once the run is over (no rollback goes back to one).
@@ -252,16 +274,9 @@ async def test_out_of_bounds_the_run_stops_and_the_routers_return_to_their_polic
                        before=previous) as (runner, store, _):
         with pytest.raises(ActiveCalibrationError, match="bounds") as failed:
             await runner.run()
-    try:
-        with store.read() as tx:
-            forced = [p for p in tx.policies() if p.reason.startswith("active calibration")]
-            desired = tx.desired_versions()
-            acked = {r.router_id: r.acked_version for r in tx.routers()}
-            calibrations = tx.calibrations()
-            pushes = tx.pushes()
-            policies = {p.version: p for p in tx.policies()}
-    finally:
-        store.close()
+    rec = _recorded(store)
+    forced, desired, acked = rec.forced, rec.desired, rec.acked
+    calibrations, pushes, policies = rec.calibrations, rec.pushes, rec.policies
     report = failed.value.report
     assert report is not None and len(report.phases) == 1
     assert report.phases[0].requests_sent == 10  # the budget, not the plan's 32
@@ -296,15 +311,9 @@ def test_on_an_empty_store_the_routers_policy_is_adopted_and_judged_against(
     assert live_sim is not None
     report, routers = _calibrate_active(tmp_path, live_sim)
 
-    store = Store(f"sqlite:///{tmp_path / 'history.db'}")
-    try:
-        with store.read() as tx:
-            policies = {p.version: p for p in tx.policies()}
-            [cal] = tx.calibrations()
-            desired = tx.desired_versions()
-            acked = {r.router_id: r.acked_version for r in tx.routers()}
-    finally:
-        store.close()
+    rec = _recorded(Store(f"sqlite:///{tmp_path / 'history.db'}"))
+    policies, desired, acked = rec.policies, rec.desired, rec.acked
+    [cal] = rec.calibrations
     adopted = [p for p in policies.values() if p.reason.startswith("adopted: every router")]
     assert len(adopted) == 1 and adopted[0].status == "approved"
     assert set(loads(adopted[0].body_json).table.routes) == {Route.DECODE_LOCAL}
@@ -354,15 +363,10 @@ async def test_an_interrupted_run_leaves_routers_that_ran_no_policy_on_classic_p
             await run
         assert await daemon.ensure()  # released at the end
         await daemon.release()
-    try:
-        with store.read() as tx:
-            policies = {p.version: p for p in tx.policies()}
-            desired = tx.desired_versions()
-            acked = {r.router_id: r.acked_version for r in tx.routers()}
-            calibrations = tx.calibrations()
-    finally:
-        store.close()
-    forced = [p for p in policies.values() if p.reason.startswith(FORCED_PREFIX)]
+    rec = _recorded(store)
+    policies, desired, acked, calibrations = rec.policies, rec.desired, rec.acked, \
+        rec.calibrations
+    forced = rec.forced
     assert len(forced) == 2 and {p.status for p in forced} == {"superseded"}
     [fallback] = [p for p in policies.values() if p.reason == FALLBACK_REASON]
     assert fallback.version == max(policies)  # after both forced ones
@@ -431,14 +435,8 @@ def test_sigterm_ends_the_real_process_with_the_routers_sent_back(
             proc.kill()
             proc.wait(5)
     assert proc.returncode == 143, err
-    try:
-        with store.read() as tx:
-            policies = {p.version: p for p in tx.policies()}
-            desired = tx.desired_versions()
-            acked = {r.router_id: r.acked_version for r in tx.routers()}
-            lease = tx.lease()
-    finally:
-        store.close()
+    rec = _recorded(store)
+    policies, desired, acked, lease = rec.policies, rec.desired, rec.acked, rec.lease
     [fallback] = [p for p in policies.values() if p.reason == FALLBACK_REASON]
     routers = [r["grpc"] for r in live_sim["routers"]]
     assert desired == dict.fromkeys(routers, fallback.version)
@@ -480,13 +478,8 @@ async def test_what_would_fail_mid_run_refuses_it_first_or_stops_it_at_once(
                     tx.finish_request(rid, "pinned v1 on every router")
             with pytest.raises(ActiveCalibrationError, match=message):
                 await runner.run()
-        try:
-            with store.read() as tx:
-                forced = [p for p in tx.policies() if p.reason.startswith(FORCED_PREFIX)]
-                desired = tx.desired_versions()
-                acked = {r.router_id: r.acked_version for r in tx.routers()}
-        finally:
-            store.close()
+        rec = _recorded(store)
+        forced, desired, acked = rec.forced, rec.desired, rec.acked
         assert desired == dict.fromkeys(routers, 1), name
         if name == "unanswered":  # forced, then sent back
             assert len(forced) == 1 and forced[0].status == "superseded"
