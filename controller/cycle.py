@@ -1262,8 +1262,15 @@ class Cycle:
                 return self._exploration_off(tx, report), True
             return "paused: no approvals and no pushes until resume", True
         if r.kind == "resume":
-            return {"pin": "unpinned", "exploration": "exploration back on"}.get(
-                what, "resumed"), True
+            # Done either way (the state is what was asked), but say when nothing changed.
+            ops = operator_state(tx.requests(status="done"))
+            if what == "pin":
+                held = ops.pinned is not None or ops.fallback
+                return ("unpinned" if held else "nothing was pinned (no change)"), True
+            if what == "exploration":
+                return ("exploration back on" if ops.exploration_off
+                        else "exploration was on (no change)"), True
+            return ("resumed" if ops.paused else "was not paused (no change)"), True
         if r.kind == "rollback":
             if args.get("to") == FALLBACK_PREFILL:
                 return self._fallback(tx, r), True

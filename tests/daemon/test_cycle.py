@@ -769,6 +769,22 @@ async def test_a_rollback_while_exploration_is_off_does_not_turn_it_back_on(
     assert operator_state(rig.store.requests()).exploration_off
 
 
+async def test_a_resume_with_nothing_held_says_so(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    outcomes = []
+    for kind, what in (("resume", "pin"), ("resume", "approvals"), ("resume", "exploration"),
+                       ("pause", "approvals"), ("resume", "approvals")):
+        rid = rig.store.add_request(kind, {"what": what}, "dan@h", "")
+        await rig.step()
+        req = rig.store.request(rid)
+        assert req is not None and req.status == "done"
+        outcomes.append(req.outcome)
+    assert outcomes == ["nothing was pinned (no change)", "was not paused (no change)",
+                        "exploration was on (no change)",
+                        "paused: no approvals and no pushes until resume", "resumed"]
+
+
 async def test_operator_rollback_and_recalibrate(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, canary_fraction=1.0, bake_windows=1)
     await _bootstrap(rig)
