@@ -541,8 +541,10 @@ class ActiveCalibrationRunner:
         """Bring every router to ``policy`` and record the outcome. A router found at the
         same version with other content (or ahead) gets it re-issued above (the reconciler's
         rule); the re-issued version is stored and made desired, as the daemon does."""
+        with self.store.read() as tx:
+            floor = tx.next_version()  # a re-issue must not take a stored version's number
         statuses = await self.reconciler.reconcile(dict.fromkeys(self.routers, policy),
-                                                   rollback=rollback)
+                                                   rollback=rollback, version_floor=floor)
         reissued = sorted({s.reissued_as for s in statuses.values() if s.reissued_as})
         if reissued:
             old, policy = policy.version, policy.with_version(reissued[-1])

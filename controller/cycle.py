@@ -1108,9 +1108,15 @@ class Cycle:
 
         Canary and control share the workers, so this compares routing, not load."""
         cfg = self.config
-        windows = self._bake_windows(tx, record, unstored)
         canary_names = {self.outcome_names[r] for r in rollout.canary_routers}
         control_names = {self.outcome_names[r] for r in rollout.control_routers}
+        # A window in which a canary or control router's metrics failed (unreachable, or
+        # the first read after a restart, which only sets the counters' baseline) saw none
+        # of its requests: it is no bake window. Counted, a restart's empty first window
+        # promoted a canary on one real window of its two.
+        judged = canary_names | control_names
+        windows = [w for w in self._bake_windows(tx, record, unstored)
+                   if not judged & {f.target for f in w.failures}]
         met_c = n_c = met_k = n_k = 0.0
         for w in windows:
             for o in w.outcomes:
@@ -1427,16 +1433,24 @@ class Cycle:
                 if (a := acked.get(r)) is not None and a > p.version
                 and tx.policy(a) is not None
             }
+            # A re-issue above a router that is ahead (a manual `pdctl push`, a restored
+            # backup) takes a number no stored policy has: one above the routers' can still
+            # be a rejected candidate's, and storing it then failed the cycle after the
+            # router had applied it.
+            floor = tx.next_version()
         if not desired:
             return
         forward = {r: p for r, p in desired.items() if r not in back}
         backward = {r: p for r, p in desired.items() if r in back}
-        passes = [self.reconciler.reconcile(d, rollback=rb)
-                  for d, rb in ((forward, False), (backward, True)) if d]
         statuses: dict[str, RouterStatus] = {}
         t0 = self.clock.monotonic()
-        for part in await asyncio.gather(*passes):
-            statuses.update(part)
+        for d, rb in ((forward, False), (backward, True)):
+            if not d:
+                continue
+            part = await self.reconciler.reconcile(d, rollback=rb, version_floor=floor)
+            statuses.update(part)  # one pass after the other: their re-issues never collide
+            floor = max([floor, *(s.reissued_as + 1 for s in part.values()
+                                  if s.reissued_as is not None)])
         self.metrics.observe_job("reconcile", self.clock.monotonic() - t0)
         self._record_statuses(statuses, desired_versions, report)
 

@@ -213,23 +213,28 @@ class Reconciler:
         return RunningPolicy(policy, f"every router runs v{version} ({checksum[:12]})")
 
     async def reconcile(
-        self, desired: Mapping[str, Policy], *, rollback: bool = False
+        self, desired: Mapping[str, Policy], *, rollback: bool = False,
+        version_floor: int = 0,
     ) -> dict[str, RouterStatus]:
         """One pass over ``desired`` (router id -> policy); returns a status per router.
 
         ``rollback``: push a lower version as a rollback instead of re-issuing it above the
-        routers that are ahead.
+        routers that are ahead. ``version_floor``: the lowest version a re-issue may take
+        (the store's next version: a number above the routers' may still be a stored,
+        e.g. rejected, version).
         """
-        return await _Pass(self, desired, rollback).run()
+        return await _Pass(self, desired, rollback, version_floor).run()
 
 
 class _Pass:
     """The state of one reconcile pass (kept out of Reconciler so passes never share it)."""
 
-    def __init__(self, rec: Reconciler, desired: Mapping[str, Policy], rollback: bool) -> None:
+    def __init__(self, rec: Reconciler, desired: Mapping[str, Policy], rollback: bool,
+                 version_floor: int = 0) -> None:
         self.rec = rec
         self.desired = dict(desired)
         self.rollback = rollback
+        self.version_floor = version_floor
         self.sem = asyncio.Semaphore(rec._max_concurrency)
         self.started = rec._clock.monotonic()
         # Checksums are computed once per distinct policy object (large tables are slow).
@@ -417,7 +422,8 @@ class _Pass:
         if self.reissued is None:
             self.reissued = {}
             known = [t.state.version for t in self.tracks.values() if t.state is not None]
-            next_version = max([*known, *(p.version for p in self.desired.values())]) + 1
+            next_version = max([*known, *(p.version for p in self.desired.values()),
+                                self.version_floor - 1]) + 1
             diverged_groups = sorted(
                 {
                     self.group_key(r)

@@ -21,7 +21,7 @@ from controller.cycle import (
     two_proportion_z,
     watch_critical,
 )
-from controller.policy import Policy, Route
+from controller.policy import Policy, Route, dumps
 from tests.daemon.fakes import Rig, make_rig
 
 
@@ -147,6 +147,26 @@ async def test_a_refit_that_beats_its_canary_bakes_in_its_place(tmp_path: Path) 
     assert _desired(rig) == dict.fromkeys(rig.agents, 3)
     assert len(rig.store.calibrations()) == calibrations  # a refit is not refitted
     assert [p.version for p in rig.store.policies(status="approved")] == [1, 3]
+
+
+async def test_a_window_a_judged_router_failed_in_is_no_bake_window(tmp_path: Path) -> None:
+    """The canary router's metrics failed for one window (unreachable; after a restart the
+    first read only sets the baseline): the bake counts the windows it saw requests in."""
+    rig = make_rig(tmp_path)
+    await _canary_v2(rig, {1: 0.90, 2: 0.97})
+    canary = next(r for r, v in _desired(rig).items() if v == 2)
+    counts = []
+    for down in ({canary}, set(), set(), set()):
+        rig.source.down = down
+        report = await rig.step()
+        counts.append(report.canary)
+        if "promoted" in (report.canary or ""):
+            break
+    assert "over 0 window(s)" in (counts[0] or ""), counts
+    assert "over 1 window(s)" in (counts[1] or ""), counts
+    bake = rig.config.bake_windows
+    assert f"over {bake} window(s)" in (counts[-1] or "") and "promoted" in (counts[-1] or "")
+    assert len(counts) == bake + 1  # one window more than without the failure
 
 
 async def _bake_to_verdict(rig: Rig) -> CycleReport:
@@ -767,6 +787,30 @@ async def test_a_rollback_while_exploration_is_off_does_not_turn_it_back_on(
         assert agent.snapshot is not None and not any(agent.snapshot.policy.table.exploration)
     assert rig.store.policy(2).status == "rolled_back"  # type: ignore[union-attr]
     assert operator_state(rig.store.requests()).exploration_off
+
+
+async def test_a_reissue_above_a_manually_pushed_router_skips_stored_versions(
+    tmp_path: Path,
+) -> None:
+    """`pdctl push` put v2 on r0 while the store holds v2 and v3 as rejected candidates.
+    The re-issue of v1's table above r0 must not be numbered 3: storing it failed the cycle
+    after the router had applied it, and the push went unrecorded."""
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    other = Policy.uniform(2, Route.DECODE_LOCAL)
+    for version in (2, 3):
+        rejected = other.with_version(version)
+        rig.store.add_policy(version, rejected.checksum, dumps(rejected), "rejected", "worse")
+    rig.agents["r0"].apply(other)  # the manual push
+    report = await rig.step()
+    assert report.result == "ok", report.reason
+    assert _desired(rig) == dict.fromkeys(rig.agents, 4)
+    assert _running(rig) == dict.fromkeys(rig.agents, 4)
+    record = rig.store.policy(4)
+    assert record is not None and record.status == "approved"
+    assert record.checksum == rig.store.policy(1).checksum  # type: ignore[union-attr]
+    assert [(p.router_id, p.version) for p in rig.store.pushes()
+            if p.version == 4 and p.result == "ok"]  # recorded
 
 
 async def test_a_resume_with_nothing_held_says_so(tmp_path: Path) -> None:
