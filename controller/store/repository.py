@@ -162,8 +162,10 @@ class Tx:
         """Delete windows that ended before ``older_than``; return how many.
 
         Kept: the training windows of every approved policy's calibration (drift is measured
-        against them, and a rollback may need them). Policies, calibrations, drift events,
-        pushes and operator requests are never touched.
+        against them, and a rollback may need them), and the newest window: SQLite numbers a
+        new row one above the largest id left, so deleting the newest would hand its id to
+        the next window while calibrations, drift events and recommendations still name it.
+        Policies, calibrations, drift events, pushes and operator requests are never touched.
         """
         protected = exists(
             select(CalibrationRow.id)
@@ -174,8 +176,10 @@ class Tx:
                 CalibrationRow.last_window_id >= WindowRow.id,
             )
         )
+        newest = self._s.scalar(select(func.max(WindowRow.id)))
         result = self._s.execute(
-            delete(WindowRow).where(WindowRow.end_at < older_than, ~protected),
+            delete(WindowRow).where(WindowRow.end_at < older_than, ~protected,
+                                    WindowRow.id != newest),
             execution_options={"synchronize_session": False},
         )
         return _rowcount(result)

@@ -452,11 +452,27 @@ def test_bad_recommendations_are_refused_and_nothing_is_half_written(store: Stor
 def test_retention_keeps_recommendations(store: Store) -> None:
     rng = random.Random(12)
     wid = store.add_window(sample_window(rng, _epoch(T0), n_routers=1, cells=2))
+    store.add_window(sample_window(rng, _epoch(T0) + 60, n_routers=1, cells=2))
     store.add_recommendation(window_ids=[wid], workers=(1, 2), current=(1, 2),
                              binding=("a", "b"), utilisation=(0.4, 0.6), body={}, at=T0)
     assert store.compact_windows(older_than=T0 + timedelta(days=1)) == 1
     (rec,) = store.recommendations()
     assert rec.window_ids == (wid,)  # the record of what it was computed from stays
+
+
+def test_retention_never_hands_a_deleted_window_id_to_a_new_window(store: Store) -> None:
+    """Everything older than now deleted (`db compact --older-than-days 0`): SQLite numbers
+    a row one above the largest id left, so the newest window is kept; else the next
+    window took the id a calibration or drift event still names."""
+    rng = random.Random(13)
+    ids = [store.add_window(sample_window(rng, _epoch(T0) + 60 * i, n_routers=1, cells=2))
+           for i in range(4)]
+    store.add_drift_event("workload", 0.5, 0.2, ids[-2:], at=T0)
+    assert store.compact_windows(older_than=T0 + timedelta(days=1)) == 3
+    assert [w.id for w in store.windows()] == [ids[-1]]
+    new = store.add_window(sample_window(rng, _epoch(T0) + 600, n_routers=1, cells=2))
+    assert new > max(ids)
+    assert store.drift_events()[0].window_ids == tuple(ids[-2:])
 
 
 def _race(calls: list[Callable[[], T]]) -> list[T | None]:
