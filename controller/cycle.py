@@ -64,6 +64,7 @@ from controller.core.drift import (
     worker_counts,
 )
 from controller.core.window import Window
+from controller.errors import TransientError
 from controller.learning import (
     MIN_REGIME_WINDOWS,
     CalibrationOutcome,
@@ -525,6 +526,14 @@ class Cycle:
         try:
             plan.window = await self.source.window(start, end)
             self.metrics.observe_job("observe", self.clock.monotonic() - t0)
+            if plan.window.failures and not plan.window.answered:
+                # Nothing answered (the cluster, or our path to it, is down): not a scaling
+                # event to plan for, and not a successful cycle (PdControllerStalled and
+                # /healthz say so). Reconciling and operator requests go on.
+                failed = sorted({f.target for f in plan.window.failures})
+                plan.window = None
+                raise NothingAnswered(f"no target answered ({len(failed)} failed: "
+                                    f"{', '.join(failed[:3])}{', ...' if len(failed) > 3 else ''})")
         except Exception as e:
             report.result = "skipped"
             report.reason = f"observe failed: {type(e).__name__}: {e}"
@@ -1484,6 +1493,10 @@ class Cycle:
                 desired = s.reissued_as or desired_versions[router]
                 self.metrics.set_router_versions(router, desired, s.acked_version or 0)
             tx.record_acks(acks, at=at)
+
+
+class NothingAnswered(TransientError):
+    """A window in which every worker and router target failed."""
 
 
 class _LostLeadership(Exception):

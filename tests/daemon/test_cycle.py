@@ -813,6 +813,24 @@ async def test_a_reissue_above_a_manually_pushed_router_skips_stored_versions(
             if p.version == 4 and p.result == "ok"]  # recorded
 
 
+async def test_a_window_no_target_answered_in_skips_the_cycle(tmp_path: Path) -> None:
+    """Every worker and router down: the cycle is skipped (no successful-cycle timestamp,
+    no window stored, no scaling event planned for), and the routers are still reconciled."""
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    windows = len(rig.store.windows())
+    stamp = _metric(rig.registry, "pdctl_last_cycle_success_timestamp_seconds")
+    rig.source.down = set(rig.agents) | set(rig.source.workers)
+    report = await rig.step()
+    assert report.result == "skipped"
+    assert "no target answered (8 failed" in report.reason
+    assert len(rig.store.windows()) == windows
+    assert rig.store.recommendations() == []
+    assert _metric(rig.registry, "pdctl_last_cycle_success_timestamp_seconds") == stamp
+    rig.source.down = set()
+    assert (await rig.step()).result == "ok"
+
+
 async def test_a_resume_with_nothing_held_says_so(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     await _bootstrap(rig)
