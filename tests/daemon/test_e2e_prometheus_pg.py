@@ -327,8 +327,10 @@ def test_a_scripted_shift_is_detected_recalibrated_canaried_and_promoted(
             assert promoted_at - approved_at < (8 + 2) * INTERVAL_S, story
             assert dashboards == [], "\n".join(dashboards)
 
-            # A restart resumes without re-pushing an acknowledged version.
-            acked = max(r.acked_version or 0 for r in store.routers())
+            # A restart resumes without re-pushing an acknowledged version. It may still push
+            # a change: a promotion made just before the stop is watched on, and the watch
+            # can roll it back in the restart's first cycle (seen once in CI: v5 -> v3).
+            acked = {r.router_id: r.acked_version for r in store.routers()}
             pushes = len(store.pushes())
             proc = start_daemon(config, log)
             try:
@@ -338,7 +340,8 @@ def test_a_scripted_shift_is_detected_recalibrated_canaried_and_promoted(
                 time.sleep(2 * INTERVAL_S)
             finally:
                 assert stop_daemon(proc, 20) == 0
-            assert [p for p in store.pushes()[pushes:] if p.version <= acked] == []
+            again = [p for p in store.pushes()[pushes:] if p.version == acked[p.router_id]]
+            assert again == [], log.read_text(errors="replace")[-3000:]
             assert re.search(r'"stopped"', log.read_text())
         finally:
             store.close()
