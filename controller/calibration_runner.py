@@ -58,7 +58,7 @@ from controller.learning import (
 from controller.observe.source import MetricsSource
 from controller.policy import Policy, Route, dumps, loads
 from controller.rollout.reconciler import Reconciler, RouterStatus
-from controller.store import Store
+from controller.store import Lease, Store
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -187,15 +187,14 @@ class ActiveCalibrationRunner:
                 await keeper
             await self.leadership.release()
 
-    def _lease_holder(self) -> str:
+    def _lease_holder(self) -> tuple[str, Lease | None]:
         with self.store.read() as tx:
             lease = tx.lease()
-        return lease.holder if lease is not None and lease.holder else "another controller"
+        return (lease.holder if lease is not None and lease.holder
+                else "another controller"), lease
 
     def _lease_refusal(self) -> str:
-        with self.store.read() as tx:
-            lease = tx.lease()
-        holder = lease.holder if lease is not None and lease.holder else "another controller"
+        holder, lease = self._lease_holder()
         left = ""
         if lease is not None and lease.expires_at is not None:
             seconds = (lease.expires_at - self.clock.utcnow()).total_seconds()
@@ -210,7 +209,7 @@ class ActiveCalibrationRunner:
             try:
                 if await leadership.ensure():
                     continue
-                self._lease_lost = f"{self._lease_holder()} took the leader lease"
+                self._lease_lost = f"{self._lease_holder()[0]} took the leader lease"
             except Exception as e:  # the store unreachable: the next renewal tries again
                 log.warning("cannot renew the leader lease: %s", e)
 

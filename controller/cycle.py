@@ -1198,10 +1198,9 @@ class Cycle:
         re-issued without it (as ``exploration off`` does). What runs, for the outcome."""
         policy = self._policy(tx, target)
         if ops.exploration_off and any(policy.table.exploration):
-            version = tx.next_version()
-            self._everywhere(tx, without_exploration(policy).with_version(version),
-                             f"v{target} without exploration (rolled back while exploration "
-                             "is off)")
+            version = self._everywhere_without_exploration(
+                tx, policy, f"v{target} without exploration (rolled back while exploration "
+                "is off)")
             return f", re-issued without exploration as v{version}"
         for router in self.routers:
             tx.set_desired(router, target)
@@ -1330,11 +1329,16 @@ class Cycle:
         current = self._policy(tx, rollout.fleet_version)
         if not any(current.table.exploration):
             return f"exploration off (v{rollout.fleet_version} explores nothing)"
-        version = tx.next_version()
-        policy = without_exploration(current).with_version(version)
-        self._everywhere(tx, policy, f"v{rollout.fleet_version} without exploration (operator)")
+        version = self._everywhere_without_exploration(
+            tx, current, f"v{rollout.fleet_version} without exploration (operator)")
         report.approved_version = version
         return f"exploration off: every router to v{version}"
+
+    def _everywhere_without_exploration(self, tx: Tx, policy: Policy, reason: str) -> int:
+        """``policy``'s table with no exploration, as a new version on every router."""
+        version = tx.next_version()
+        self._everywhere(tx, without_exploration(policy).with_version(version), reason)
+        return version
 
     # -- reading the store ----------------------------------------------------------------
 
