@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +47,7 @@ import httpx
 from controller.clock import Clock
 from controller.core.active import ActivePlan, LoadPoint, Phase, schedule
 from controller.core.window import Window
-from controller.cycle import ADOPTED_PREFIX, operator_state, read_rollout
+from controller.cycle import ADOPTED_PREFIX, FALLBACK_PREFILL, operator_state, read_rollout
 from controller.leader import LeaseLeadership
 from controller.learning import (
     CalibrationOutcome,
@@ -58,7 +58,7 @@ from controller.learning import (
 from controller.observe.source import MetricsSource
 from controller.policy import Policy, Route, dumps, loads
 from controller.rollout.reconciler import Reconciler, RouterStatus
-from controller.store import Lease, Store
+from controller.store import Lease, OperatorRequest, Store
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -144,6 +144,7 @@ class ActiveCalibrationRunner:
         progress: Progress | None = None,
         http: httpx.AsyncClient | None = None,
         leadership: LeaseLeadership | None = None,
+        on_start: Callable[[], None] | None = None,
     ) -> None:
         if not routers:
             raise ValueError("an active calibration needs routers to force policies on")
@@ -164,6 +165,7 @@ class ActiveCalibrationRunner:
         # Held for the whole run (renewed every third of its lifetime): a daemon started
         # meanwhile follows instead of calibrating and approving over the forced policies.
         self.leadership = leadership
+        self.on_start = on_start  # called once the checks passed, before anything is forced
         self._lease_lost: str | None = None
         self._exploration_off = False
         self.report: ActiveReport | None = None  # the run's, as far as it got
@@ -220,6 +222,8 @@ class ActiveCalibrationRunner:
 
     async def _run_leading(self) -> ActiveReport:
         previous = await self._before()
+        if self.on_start is not None:
+            self.on_start()
         report = self.report = ActiveReport()
         try:
             await self._run(previous, report)
@@ -291,6 +295,8 @@ class ActiveCalibrationRunner:
             held = (lease is not None and lease.holder is not None and lease.holder != ours
                     and lease.expires_at is not None and lease.expires_at > now)
             ops = operator_state(tx.requests(status="done"))
+            waiting = [r for r in tx.requests(status="pending") + tx.requests(status="claimed")
+                       if r.kind in _ROLLOUT_REQUESTS]
             rollout = read_rollout(tx, self.routers)
             rec = tx.policy(rollout.fleet_version) if rollout.fleet_version else None
             empty = rec is None and not tx.policies(limit=1)
@@ -303,6 +309,14 @@ class ActiveCalibrationRunner:
             raise ActiveCalibrationError(
                 f"an operator holds the rollout: {what}; release it with the daemon running, "
                 "stop the daemon, then run again")
+        if waiting:
+            # The daemon would apply them when it starts, over the first table: a pin
+            # filed while it was stopped would undo the run the moment the loop took over.
+            listed = ", ".join(f"#{r.id} {_requested(r)}"
+                               for r in sorted(waiting, key=lambda r: r.id))
+            raise ActiveCalibrationError(
+                f"operator requests wait for the daemon: {listed}; start the daemon to apply "
+                "them (release a hold with it running), stop it, then run again")
         self._exploration_off = ops.exploration_off
         # Every router must answer before anything is forced: one that cannot would fail
         # the run only after the others ran the forced policy.
@@ -599,3 +613,19 @@ def _text(tokens: int) -> str:
     (``ceil(bytes / 4)``), about as many for a real tokenizer (one per short word)."""
     n = max(tokens, 1)
     return ("word " * n)[: 4 * n]
+
+
+# The requests a daemon would apply over the first table: holds and rollbacks.
+_ROLLOUT_REQUESTS = ("pause", "rollback")
+
+
+def _requested(r: OperatorRequest) -> str:
+    """What an operator asked, in the words of the command that filed it."""
+    args = r.args or {}
+    if r.kind == "rollback":
+        to = args.get("to")
+        return "fallback" if to == FALLBACK_PREFILL else f"rollback to v{args.get('version')}"
+    what = args.get("what", "approvals")
+    if what == "pin":
+        return f"pin v{args.get('version')}"
+    return "exploration off" if what == "exploration" else "pause"

@@ -6,6 +6,7 @@ Bounded: a small plan (about 6 s of load per phase), 1 s windows, every wait cap
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, asynccontextmanager
@@ -26,6 +27,7 @@ from controller.calibration_runner import (
 )
 from controller.cli import app
 from controller.clock import WallClock
+from controller.cycle import FALLBACK_PREFILL
 from controller.leader import LeaseLeadership
 from controller.policy import Policy, Route, dumps, loads
 from controller.store import Store
@@ -463,6 +465,8 @@ async def test_what_would_fail_mid_run_refuses_it_first_or_stops_it_at_once(
                           request_timeout_s=2.0)
     cases: list[tuple[str, dict[str, Any], str]] = [
         ("pinned", {}, "an operator holds the rollout: pinned to v1"),
+        ("pin waiting", {}, r"operator requests wait for the daemon: #\d+ pin v1, "
+                            r"#\d+ fallback; start the daemon"),
         ("unreachable", {"extra_router": "127.0.0.1:9"},
          "not every router answered, nothing was pushed: 127.0.0.1:9"),
         ("unanswered", {"endpoint": "http://127.0.0.1:9/v1"},
@@ -476,8 +480,16 @@ async def test_what_would_fail_mid_run_refuses_it_first_or_stops_it_at_once(
                 with store.cycle() as tx:
                     rid = tx.add_request("pause", {"what": "pin", "version": 1}, "ops")
                     tx.finish_request(rid, "pinned v1 on every router")
+            if name == "pin waiting":  # filed while the daemon was stopped
+                with store.cycle() as tx:
+                    tx.add_request("pause", {"what": "pin", "version": 1}, "ops")
+                    tx.add_request("rollback", {"to": FALLBACK_PREFILL}, "ops")
+                    tx.add_request("recalibrate", {}, "ops")  # no hold: not listed
+            started: list[bool] = []
+            runner.on_start = functools.partial(started.append, True)
             with pytest.raises(ActiveCalibrationError, match=message):
                 await runner.run()
+            assert started == ([True] if name == "unanswered" else []), name
         rec = _recorded(store)
         forced, desired, acked = rec.forced, rec.desired, rec.acked
         assert desired == dict.fromkeys(routers, 1), name

@@ -167,9 +167,6 @@ def calibrate_active(
         typer.echo("error: [routers] targets is empty", err=True)
         raise typer.Exit(_EXIT_BAD_INPUT)
     console = Console(stderr=True)
-    console.print(f"plan: {plan.requests} requests over {len(plan.cells())} cells, about "
-                  f"{plan.duration_s:.0f} s of load ({plan.dropped_points} load points "
-                  f"left out to fit the bounds)")
     store = _open_store(None, config)
     clock = WallClock()
     runners: list[ActiveCalibrationRunner] = []  # the run's report, after an interruption
@@ -193,7 +190,11 @@ def calibrate_active(
                 learner=CoreLearner(settings), clock=clock, limits=limits, model=model,
                 progress=progress, leadership=leadership_for(
                     store, clock, f"calibrate-active-{default_holder()}",
-                    settings.controller.lease_ttl_s))
+                    settings.controller.lease_ttl_s),
+                on_start=lambda: console.print(  # only once the run's checks passed
+                    f"plan: {plan.requests} requests over {len(plan.cells())} cells, about "
+                    f"{plan.duration_s:.0f} s of load ({plan.dropped_points} load points "
+                    "left out to fit the bounds)"))
             runners.append(runner)
             with progress:
                 return (await runner.run()).to_dict()
