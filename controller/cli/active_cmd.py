@@ -115,7 +115,8 @@ def calibrate_active(
 ) -> None:
     """Cold start: force all-prefill-node, then all-decode-local, on every router while a
     bounded synthetic two-turn load covers the table's cells; build the first table from the
-    windows observed. Run it with the daemon stopped (the run holds the leader lease).
+    windows observed. Run it with the daemon stopped (the run holds the leader lease) and no
+    operator hold (pin, pause, fallback) set or waiting: it refuses before forcing anything.
 
     A run that does not end on an approved table (refused, failed, out of bounds, Ctrl-C)
     sends the routers back to what they ran: the stored fleet version, the routers' own
