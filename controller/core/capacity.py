@@ -66,7 +66,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -74,6 +74,7 @@ from controller.core.latency_model import ComponentParams
 
 ROLES = ("prefill", "decode")
 MAX_PREFILL_UTILISATION = 0.9  # mean utilisation the prefill pool is planned up to (throughput)
+MAX_HEADROOM = 10.0  # 1000 % spare: beyond it the input is a mistake, not a plan
 UNREACHABLE_SLACK = 1.1  # plan for p99 within 10% of the unloaded floor when the SLO is below it
 Z99 = 2.326  # standard normal 0.99 quantile
 _QUANTILE = 0.99
@@ -484,7 +485,16 @@ def _ceil_workers(demand: float, capacity: float, headroom: float) -> int:
     return max(1, math.ceil(demand * (1.0 + headroom) / capacity - 1e-9))
 
 
-MAX_PREFILL_WORKERS = 4096  # the search for the prefill count stops here
+MAX_WORKERS = 4096  # per role: a plan beyond it is refused (the prefill search stops here)
+
+
+def _beyond_range(rate: float, workers: int) -> NoReturn:
+    """``workers``: the count the pool needs at least (above ``MAX_WORKERS``), or
+    ``MAX_WORKERS`` itself when the search reached it without meeting the target."""
+    need = f"{workers} or more" if workers > MAX_WORKERS else f"more than {MAX_WORKERS}"
+    raise CapacityError(
+        f"{rate:.4g} prefill-node req/s need {need} prefill workers: beyond the planner's "
+        f"range ({MAX_WORKERS} per role); plan the load in parts or check the inputs")
 
 
 def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
@@ -541,16 +551,20 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
             workers * MAX_PREFILL_UTILISATION * (1 + 1e-9)
 
     saturated = max(1, math.ceil(load * mean_s / MAX_PREFILL_UTILISATION - 1e-9))
+    if saturated > MAX_WORKERS:  # before simulating a pool that size
+        _beyond_range(rate, saturated)
     # more workers may hold more session KV (fewer tokens each): a smaller count can be the
     # throughput bound then
     while saturated > 1 and not saturated_at(saturated - 1):
         saturated -= 1
-    while saturated < MAX_PREFILL_WORKERS and saturated_at(saturated):
+    while saturated < MAX_WORKERS and saturated_at(saturated):
         saturated += 1
     workers = saturated
     if load > 0:
-        while workers < MAX_PREFILL_WORKERS and p99(load / workers, workers) > target:
+        while workers < MAX_WORKERS and p99(load / workers, workers) > target:
             workers += 1
+    if saturated_at(workers) or (load > 0 and p99(load / workers, workers) > target):
+        _beyond_range(rate, workers)  # the searches stopped at MAX_WORKERS
     final, final_laws = at_count(workers)
     if final is not demand:
         mean_s = float(final_laws[0].mean())
@@ -649,7 +663,8 @@ def decode_state(p: ComponentParams, demand: CapacityDemand, tokens_per_worker: 
 
     def survival(t: float) -> float:
         return sum(w if not math.isfinite(m) else
-                   (w * 0.5 * math.erfc((t - m) / (sd * math.sqrt(2.0))) if sd > 0
+                   # an sd below float resolution at m is no spread (m + 6 sd == m)
+                   (w * 0.5 * math.erfc((t - m) / (sd * math.sqrt(2.0))) if sd > 1e-12 * m
                     else (w if m > t else 0.0))
                    for w, m, _, sd in levels)
 
@@ -698,17 +713,31 @@ def _plan_decode(p: ComponentParams, demand: CapacityDemand, slo_tpot_s: float,
         f"{p.step_per_prefill_token_s * 1e6:.1f} us x prefill tokens/s) at "
         f"{ctx:.0f} mean resident context tokens",
     ]
+    # Near the step floor the per-worker load allowed goes to zero and the count to
+    # infinity; below it no count meets the SLO. Either way: plan for a p99 TPOT 10 % above
+    # the floor (as prefill does), so a tighter SLO never asks for fewer workers.
+    target = max(slo_tpot_s, UNREACHABLE_SLACK * p.step_base_s)
     candidates: list[tuple[float, str]] = []
+    tpot_cap = _largest(lambda x: decode_state(p, demand, x).p99_tpot_s <= target, hi * 0.999)
     if p.step_base_s > slo_tpot_s:
         lines.append(f"p99 TPOT: the step floor {p.step_base_s * 1e3:.1f} ms is above the "
-                     f"{slo_tpot_s:g} s SLO: no decode count meets it")
-        candidates.append((0.98 * hi, "p99 TPOT (unreachable)"))
+                     f"{slo_tpot_s:g} s SLO: no decode count meets it; sized for a p99 of "
+                     f"{target * 1e3:.2f} ms instead")
+        candidates.append((tpot_cap, "p99 TPOT (unreachable)"))
     else:
-        tpot_cap = _largest(lambda x: decode_state(p, demand, x).p99_tpot_s <= slo_tpot_s,
-                            hi * 0.999)
+        if target > slo_tpot_s:
+            lines.append(f"p99 TPOT: the {slo_tpot_s:g} s SLO is within "
+                         f"{UNREACHABLE_SLACK - 1:.0%} of the step floor "
+                         f"{p.step_base_s * 1e3:.2f} ms, met only as the load per worker goes "
+                         f"to zero; sized for a p99 of {target * 1e3:.2f} ms instead")
         candidates.append((tpot_cap, "p99 TPOT"))
     if kv_capacity_tokens is not None and kv_capacity_tokens > 0:
         max_batch_kv = kv_batch_limit(kv_capacity_tokens, demand)
+        if max_batch_kv < 1.0:
+            raise CapacityError(
+                f"a decode worker's KV cache of {kv_capacity_tokens:.0f} tokens cannot hold one "
+                f"sequence of {ctx:.0f} tokens on average (at the p99 of its length): no decode "
+                "count serves this load; check --kv-tokens")
         kv_cap = _largest(lambda x: _decode_level(p, demand, x * peak)[1] <= max_batch_kv,
                           hi * 0.999 / peak)
         candidates.append((kv_cap, "KV cache"))
@@ -728,6 +757,11 @@ def _plan_decode(p: ComponentParams, demand: CapacityDemand, slo_tpot_s: float,
     for value, name in sorted(candidates):
         lines.append(f"{name} limits a worker to {value:.4g} tokens/s")
     workers = _ceil_workers(d, cap, headroom)
+    if workers > MAX_WORKERS:
+        raise CapacityError(
+            f"{d:.4g} generated tokens/s need more than {MAX_WORKERS} decode workers "
+            f"({binding} limits one to {cap:.4g} tokens/s): beyond the planner's range; "
+            "plan the load in parts or check the inputs")
     at = decode_state(p, demand, d / workers)
     lines.append(f"{workers} worker(s) = ceil({d:.4g} x {1 + headroom:g} headroom / "
                  f"{cap:.4g}); predicted step {at.step_s * 1e3:.1f} ms, batch {at.batch:.0f}, "
@@ -893,8 +927,9 @@ def plan_capacity(
     for name, v in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
         if not math.isfinite(v) or v <= 0:
             raise CapacityError(f"{name}: must be > 0, got {v!r}")
-    if not math.isfinite(headroom) or headroom < 0:
-        raise CapacityError(f"headroom: must be >= 0, got {headroom!r}")
+    if not math.isfinite(headroom) or not 0 <= headroom <= MAX_HEADROOM:
+        raise CapacityError(f"headroom: must be between 0 and {MAX_HEADROOM:g} (a fraction: "
+                            f"0.2 is 20 % spare), got {headroom!r}")
     stay_s = demand.output_tokens * slo_tpot_s
 
     def plan_decode(dem: CapacityDemand) -> tuple[CapacityDemand, RoleRecommendation]:

@@ -119,6 +119,44 @@ def test_unreachable_slo_is_said() -> None:
     assert any("even with no queueing" in line for line in p.prefill.explanation)
 
 
+def test_a_tpot_slo_at_or_below_the_step_floor_never_asks_for_fewer_or_absurd_workers() -> None:
+    # Near the floor the allowed load per worker goes to zero: the count grew without bound
+    # (7.2e12 decode workers at the floor itself), and below it the unreachable branch
+    # planned 2, fewer than any reachable SLO got.
+    floor = PARAMS.step_base_s
+    slos = [floor * f for f in (0.9, 0.99, 1.0, 1.001, 1.05, 1.2, 2.0, 5.0)]
+    counts = [plan(replace(BASE, qps=60.0), slo_tpot_s=s, kv_capacity_tokens=None,
+                   max_num_seqs=None).decode.workers for s in slos]
+    assert counts == sorted(counts, reverse=True), counts  # tighter never asks for fewer
+    assert counts[0] < 1000, counts  # sized for 10 % above the floor, not for the floor
+    below = plan(replace(BASE, qps=60.0), slo_tpot_s=floor * 0.9)
+    assert below.decode.binding.endswith("(unreachable)")
+    at = plan(replace(BASE, qps=60.0), slo_tpot_s=floor * 1.001)
+    assert any("within 10% of the step floor" in line for line in at.decode.explanation)
+    assert at.decode.predicted_p99_s <= floor * 1.1 + 1e-9
+
+
+def test_a_nearly_zero_append_spread_is_no_spread() -> None:
+    # sd ~ 1e-144 s: m + 6 sd == m in floats, so the p99 search read every load as over the
+    # SLO and planned ~1e10 decode workers for 10 tokens/s
+    d = CapacityDemand(qps=1.0, input_tokens=50.0, cached_fraction=0.0, output_tokens=10.0,
+                       decode_local_share=1.7e-276, local_append_tokens=1.0)
+    p = plan(d)
+    assert p.decode.workers == 1
+    assert math.isfinite(p.decode.predicted_p99_s) and p.decode.predicted_p99_s < 0.04
+
+
+def test_inputs_no_worker_count_can_serve_are_refused_with_the_reason() -> None:
+    with pytest.raises(CapacityError, match="cannot hold one sequence"):
+        plan(kv_capacity_tokens=float(BASE.input_tokens))  # less than one prompt + output
+    with pytest.raises(CapacityError, match="more than 4096 decode workers"):
+        plan(replace(BASE, qps=1e6))
+    with pytest.raises(CapacityError, match="prefill workers: beyond the planner's range"):
+        plan(replace(BASE, qps=1e6, output_tokens=1.0), slo_tpot_s=1.0, max_num_seqs=None)
+    with pytest.raises(CapacityError, match="headroom: must be between 0 and 10"):
+        plan(headroom=1e308)
+
+
 def test_extrapolation_flag_follows_the_observed_range() -> None:
     inside = plan(observed=ObservedRange(prefill_rate_per_worker=1e6,
                                          decode_tokens_per_worker=1e9))
