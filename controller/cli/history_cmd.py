@@ -46,7 +46,11 @@ def parse_since(text: str, now: datetime) -> datetime:
     """``-1h`` (relative to ``now``) or an ISO 8601 time (naive means UTC)."""
     m = _RELATIVE.match(text.strip())
     if m:
-        return now - timedelta(seconds=float(m.group(1)) * _UNIT_S[m.group(2)])
+        try:
+            return now - timedelta(seconds=float(m.group(1)) * _UNIT_S[m.group(2)])
+        except OverflowError:  # an age beyond year 1: nothing is that old
+            raise ValueError(f"--since {text!r}: an age beyond the calendar "
+                             "(year 1); give a smaller one or leave --since out") from None
     try:
         t = datetime.fromisoformat(text.strip())
     except ValueError:

@@ -184,6 +184,9 @@ def test_parse_since() -> None:
     assert parse_since("2027-01-01 06:00", now) == datetime(2027, 1, 1, 6, tzinfo=UTC)
     with pytest.raises(ValueError, match="expected an ISO time"):
         parse_since("yesterday", now)
+    for age in ("-1000000d", "-99999999999d", "-200000w"):  # OverflowError tracebacks before
+        with pytest.raises(ValueError, match="beyond the calendar"):
+            parse_since(age, now)
 
 
 def test_a_bad_since_is_bad_input_wherever_the_store_is(tmp_path: Path) -> None:
@@ -192,4 +195,6 @@ def test_a_bad_since_is_bad_input_wherever_the_store_is(tmp_path: Path) -> None:
     missing = f"sqlite:///{tmp_path / 'nowhere.db'}"
     code, _, err = _pdctl("history", "pushes", "--url", missing, "--since", "yesterday")
     assert code == 2 and "--since 'yesterday'" in err, err
+    code, _, err = _pdctl("history", "windows", "--url", missing, "--since=-1000000d")
+    assert code == 2 and "beyond the calendar" in err, err
     assert not (tmp_path / "nowhere.db").exists()
