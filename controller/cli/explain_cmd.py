@@ -260,14 +260,23 @@ def drift_doc(store: Store, settings: Settings, last: int, replay: int = 512
     the daemon measures against (:func:`controller.cycle.reference_calibration`): the
     current calibration's, or a later refused one's that renewed it."""
     from controller.core import drift
-    from controller.cycle import reference_calibration
+    from controller.cycle import read_rollout, reference_calibration
     from controller.learning import drift_config
 
     learned = refit(store, settings)
     record = learned.record
-    if record.policy_version is not None:  # its own calibration, unless one renewed it
-        with store.read() as tx:
-            record = reference_calibration(tx, record.policy_version) or record
+    with store.read() as tx:
+        rollout = read_rollout(tx)
+        running = rollout.canary_version or rollout.fleet_version
+        # The running version's reference, as the daemon restores it: its own calibration or
+        # the one that renewed it (an adopted version has only renewals); for a version
+        # with neither (a re-issue), its table's calibration's. Never a dry run's, which
+        # renews nothing.
+        reference_record = (reference_calibration(tx, running) if running is not None
+                            else None)
+        if reference_record is None and record.policy_version is not None:
+            reference_record = reference_calibration(tx, record.policy_version)
+    record = reference_record or record
     details = record.details or {}
     if "drift_reference" not in details:
         raise NoCalibration(f"calibration #{record.id} stored no drift reference")
@@ -290,7 +299,8 @@ def drift_doc(store: Store, settings: Settings, last: int, replay: int = 512
                           for v in verdicts},
         })
     out: dict[str, Any] = _finite({
-        "calibration_id": record.id, "policy_version": learned.record.policy_version,
+        "calibration_id": record.id,
+        "policy_version": running if running is not None else learned.record.policy_version,
         "reference_window_range": list(reference.window_range),
         "windows_after_calibration": len(after), "windows_replayed": len(usable),
         "now": history[-1] if history else None,

@@ -278,3 +278,47 @@ def test_drift_replays_from_the_reference_a_refused_calibration_renewed(
     assert doc["calibration_id"] == renewal and doc["policy_version"] == version
     assert doc["windows_replayed"] == len(later)
     assert not any(h["detectors"]["workload"]["fired"] for h in doc["history"])
+
+
+def test_drift_of_an_adopted_version_replays_from_its_renewal_not_a_later_dry_run(
+        tmp_path: Path) -> None:
+    # An adopted version has no calibration of its own: the daemon measures drift against
+    # the calibration that renewed its reference (reference_for). A later dry run
+    # (`recalibrate --dry-run`) renews nothing; `pdctl drift` used to replay from it and
+    # print "policy vNone".
+    from controller.core.drift import reference_from_windows
+
+    config = _config(tmp_path)
+    windows = training_windows(Truth(), Mix(), 60, seed=1)
+    base = windows[-1].end
+    shifted = stationary(Truth(), Mix().scaled_context(3.0), 2.0, 0.5, 16, seed=8, start=base)
+    judged, later = shifted[:8], shifted[8:]
+    outcome = CoreLearner(load_settings(config)).calibrate(windows, None, base, "test")
+    store = _store(config)
+    try:
+        with store.cycle() as tx:
+            ids = [tx.add_window(w) for w in windows]
+            adopted = outcome.policy.with_version(1)
+            tx.add_policy(1, adopted.checksum, dumps(adopted), "approved", "adopted: routers")
+            tx.set_desired(ROUTER, 1)
+            judged_ids = [tx.add_window(w) for w in judged]
+            refused = outcome.policy.with_version(2)
+            tx.add_policy(2, refused.checksum, dumps(refused), "rejected", "no")
+            renewal = tx.add_calibration(
+                judged_ids, {}, 0.9, 0.9, 2,
+                {"approved": False, "reference_for": 1,
+                 "drift_reference": reference_from_windows(judged, None).to_dict()},
+                at=datetime.fromtimestamp(judged[-1].end, tz=UTC))
+            later_ids = [tx.add_window(w) for w in later]
+            tx.add_calibration(  # the dry run: trained on every window, no policy
+                ids + judged_ids + later_ids[:4], outcome.heldout_error, 0.9, 0.9, None,
+                {**outcome.details, "dry_run": True, "approved": False,
+                 "drift_reference": reference_from_windows(later[:4], None).to_dict()},
+                at=datetime.fromtimestamp(later[3].end, tz=UTC))
+    finally:
+        store.close()
+    doc = _drift_json(config, last=8)
+    assert doc["calibration_id"] == renewal and doc["policy_version"] == 1
+    assert doc["windows_replayed"] == len(later)
+    human = runner.invoke(app, ["drift", "--config", str(config)])
+    assert f"calibration #{renewal} (policy v1)" in human.output, human.output
