@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 STALENESS_CHECK_S = 30.0
 
 
-def _initial_policy(settings: Settings) -> Policy | None:
+def initial_policy(settings: Settings) -> Policy | None:
     from controller.errors import ConfigError
     from controller.policy import PolicyValidationError, loads
 
@@ -85,7 +85,7 @@ async def serve_agent(
         state_file=state_file,
         decision_timeout_ms=settings.ppd.decision_timeout_ms,
         stale_after_s=settings.agent.stale_after_s,
-        initial_policy=_initial_policy(settings),
+        initial_policy=initial_policy(settings),
         prefill_waiting=watch.value if watch is not None else None,
     )
     server = RouterServer(

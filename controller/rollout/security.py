@@ -342,6 +342,19 @@ def _checked_channel_credentials(config: SecurityConfig) -> grpc.ChannelCredenti
     return channel_credentials(config)
 
 
+def check_files(config: SecurityConfig) -> list[str]:
+    """Every problem with the files ``config`` names (token, certificates, CA), as the daemon
+    and the router agent would find them at start: for ``pdctl config check``."""
+    problems: list[str] = []
+    for check in (lambda: _token(config), lambda: _checked_channel_credentials(config)):
+        try:
+            check()
+        except ConfigError as e:
+            if str(e) not in problems:
+                problems.append(str(e))
+    return problems
+
+
 def reloading_channel_credentials(
     config: SecurityConfig | None,
 ) -> ReloadingFiles[grpc.ChannelCredentials | None] | None:

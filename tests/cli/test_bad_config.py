@@ -45,3 +45,28 @@ def test_config_check_needs_exactly_one_file(tmp_path: Path) -> None:
         assert result.exit_code == 2 and "name one config file" in result.output, args
     ok = CliRunner().invoke(app, ["config", "check", "-c", str(config)])
     assert ok.exit_code == 0 and "OK" in ok.output
+
+
+def test_config_check_reads_the_files_the_config_names(tmp_path: Path) -> None:
+    """What `pdctl run` / `router-agent` refuse at start is what `config check` reports (it
+    said OK to a missing token file and a missing or invalid lookup table)."""
+    from controller.policy import Policy, Route, dumps
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"bad": 1}')
+    config = tmp_path / "pd.toml"
+    config.write_text(f'[security]\ntoken_file = "{tmp_path / "no-token"}"\n'
+                      f'[ppd]\nlookup_table = "{bad}"\n')
+    result = CliRunner().invoke(app, ["config", "check", str(config)])
+    assert result.exit_code == 2, result.output
+    assert "2 problem(s)" in result.output
+    assert "security.token_file: cannot read" in result.output
+    assert f"ppd.lookup_table {bad}: invalid policy" in result.output
+    skipped = CliRunner().invoke(app, ["config", "check", "--skip-files", str(config)])
+    assert skipped.exit_code == 0 and "OK" in skipped.output, skipped.output
+    # the same files, readable and valid: OK, and no routers is said
+    (tmp_path / "no-token").write_text("s3cret\n")
+    bad.write_text(dumps(Policy.uniform(1, Route.PREFILL_NODE)))
+    fixed = CliRunner().invoke(app, ["config", "check", str(config)])
+    assert fixed.exit_code == 0, fixed.output
+    assert "0 router(s) configured: `pdctl run`" in fixed.output
