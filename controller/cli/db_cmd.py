@@ -144,7 +144,9 @@ def downgrade(
 
 @db_app.command("current")
 def current(url: UrlOption = None, config: ConfigOption = None) -> None:
-    """Print the database's revision and the code's; exit 1 when they differ."""
+    """Print the database's revision and the code's; exit 1 when they differ (a SQLite file
+    not created yet is at no revision, as an empty PostgreSQL database is), 2 bad input,
+    3 store unavailable."""
     from sqlalchemy.exc import DBAPIError
 
     from controller.store import migrate
