@@ -308,7 +308,9 @@ class ControllerConfig(_Section):
         "since the bake (a heavier load explains the fall without the policy).",
     )
     lease_ttl_s: float = Field(
-        15.0, gt=0, description="SQLite leader lease lifetime; a follower takes over after it."
+        15.0, gt=0, description="Leader lease lifetime (both stores: on PostgreSQL the lease "
+        "row on top of the advisory lock fences each cycle's writes); a follower takes over "
+        "once a dead leader's lease expired."
     )
     stalled_after_s: float | None = Field(
         None, gt=0, description="/healthz fails when no cycle completed for this long "

@@ -30,8 +30,13 @@ def check(
     assert config is not None
     settings = load_settings_or_exit(config)
     problems = [] if skip_files else _file_problems(settings)
+    if settings.controller.sidecar_router is not None and \
+            settings.store.url.startswith("sqlite"):  # what `pdctl run` refuses
+        problems.insert(0, "[controller] sidecar_router needs PostgreSQL as the shared store "
+                        "(every replica reconciles its own router)")
     if problems:
-        typer.echo(f"{config}: {len(problems)} problem(s) with the files it names:", err=True)
+        typer.echo(f"{config}: {len(problems)} problem(s) `pdctl run` or `pdctl router-agent` "
+                   "would refuse at start:", err=True)
         for problem in problems:
             typer.echo(f"  {problem}", err=True)
         raise typer.Exit(2)

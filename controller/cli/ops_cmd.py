@@ -287,11 +287,15 @@ def status_doc(store: Store, calibrate_every_s: float | None,
     now = store.clock.utcnow()
     with store.read() as tx:
         lease = tx.lease()
-        rollout = read_rollout(tx)
+        # The configured routers' rollout, as the cycle reads it: a router taken out of
+        # [routers] targets keeps its rows, and read as the fleet it hid a canary or a watch.
+        rollout = read_rollout(tx, list(configured) or None)
         desired = tx.desired_versions()
         routers = {r.router_id: r for r in tx.routers()}
         drift = tx.drift_events(limit=1)
         cal = tx.calibrations(limit=1)
+        cal_policy = (tx.policy(cal[-1].policy_version)
+                      if cal and cal[-1].policy_version is not None else None)
         done = tx.requests(status="done")
         pending = tx.requests(status="pending") + tx.requests(status="claimed")
         latest = tx.policies(limit=1)
@@ -319,9 +323,10 @@ def status_doc(store: Store, calibrate_every_s: float | None,
             "router": rid, "desired": want, "acked": acked,
             "last_seen": r.last_seen if r else None,
             "last_error": r.last_error if r else None,
-            "health": "ok" if healthy else ("error" if r and r.last_error else
-                                            "no policy yet" if want is None and r is None
-                                            else "behind"),
+            "health": "not in [routers] targets" if configured and rid not in configured
+            else "ok" if healthy else ("error" if r and r.last_error else
+                                       "no policy yet" if want is None and r is None
+                                       else "behind"),
         })
     last_cal = None
     next_due: datetime | None = None
@@ -330,6 +335,9 @@ def status_doc(store: Store, calibrate_every_s: float | None,
         details = c.details or {}
         last_cal = {"id": c.id, "at": c.created_at, "policy_version": c.policy_version,
                     "trigger": details.get("trigger"), "approved": details.get("approved"),
+                    # what became of its policy: "candidate" while an operator or a bake
+                    # held it, "rejected", "approved", later "superseded" or "rolled_back"
+                    "policy_status": cal_policy.status if cal_policy is not None else None,
                     "reason": details.get("reason"),
                     "predicted_goodput": {"current": c.predicted_goodput_current,
                                           "candidate": c.predicted_goodput_new}}
@@ -402,7 +410,8 @@ def _print_status(doc: dict[str, Any]) -> None:
                   else "[bold]drift[/]    none recorded")
     cal = doc["last_calibration"]
     if cal:
-        verdict = "approved" if cal["approved"] else "not approved"
+        verdict = ("held as a candidate" if cal.get("policy_status") == "candidate" else
+                   "approved" if cal["approved"] else "not approved")
         console.print(f"[bold]calib.[/]   #{cal['id']} at {_t(cal['at'])} ({cal['trigger']}): "
                       f"{verdict} v{cal['policy_version']} — {cal['reason']}")
     else:

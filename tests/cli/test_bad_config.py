@@ -59,7 +59,7 @@ def test_config_check_reads_the_files_the_config_names(tmp_path: Path) -> None:
                       f'[ppd]\nlookup_table = "{bad}"\n')
     result = CliRunner().invoke(app, ["config", "check", str(config)])
     assert result.exit_code == 2, result.output
-    assert "2 problem(s)" in result.output
+    assert "2 problem(s) `pdctl run` or `pdctl router-agent` would refuse" in result.output
     assert "security.token_file: cannot read" in result.output
     assert f"ppd.lookup_table {bad}: invalid policy" in result.output
     skipped = CliRunner().invoke(app, ["config", "check", "--skip-files", str(config)])
@@ -70,3 +70,13 @@ def test_config_check_reads_the_files_the_config_names(tmp_path: Path) -> None:
     fixed = CliRunner().invoke(app, ["config", "check", str(config)])
     assert fixed.exit_code == 0, fixed.output
     assert "0 router(s) configured: `pdctl run`" in fixed.output
+
+
+def test_config_check_refuses_a_sidecar_on_sqlite(tmp_path: Path) -> None:
+    config = tmp_path / "pd.toml"
+    config.write_text(f'[store]\nurl = "sqlite:///{tmp_path / "h.db"}"\n'
+                      '[routers]\ntargets = ["127.0.0.1:50151"]\n'
+                      '[controller]\nsidecar_router = "127.0.0.1:50151"\n')
+    result = CliRunner().invoke(app, ["config", "check", "--skip-files", str(config)])
+    assert result.exit_code == 2, result.output
+    assert "sidecar_router needs PostgreSQL" in result.output

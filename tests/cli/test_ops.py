@@ -199,3 +199,39 @@ def test_status_lists_the_configured_routers_before_the_store_knows_them(
     rows = json.loads(result.output)["routers"]
     assert [(r["router"], r["health"]) for r in rows] == [
         ("10.0.0.1:50151", "no policy yet"), ("10.0.0.2:50151", "no policy yet")]
+
+
+def test_status_reads_the_rollout_of_the_configured_routers_and_a_held_candidate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A router taken out of [routers] targets keeps its rows: read with it, the fleet's
+    version looked like a canary on the router left (the cycle reads the configured ones).
+    A recalibration held by an operator is a stored candidate, not "approved"."""
+    from controller.cli.ops_cmd import _print_status, status_doc
+    from controller.policy import Policy, Route, dumps
+    from controller.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 'h.db'}")
+    store.upgrade()
+    try:
+        with store.cycle() as tx:
+            for version, status in ((1, "approved"), (2, "approved"), (3, "candidate")):
+                policy = Policy.uniform(version, Route.DECODE_LOCAL)
+                tx.add_policy(version, policy.checksum, dumps(policy), status, "test")
+            tx.set_desired("r1", 1)
+            tx.set_desired("r2", 1)
+            tx.set_desired("r1", 2)  # r2 left the targets; r1 alone runs v2
+            tx.add_calibration([], {}, 0.9, 0.8, 3,
+                               {"approved": True, "trigger": "operator", "reason": "paused"})
+        everyone = status_doc(store, None, None)
+        assert everyone["canary"] is not None  # the stale row's reading
+        doc = status_doc(store, None, None, configured=["r1"])
+        assert doc["fleet_version"] == 2 and doc["canary"] is None
+        assert [(r["router"], r["health"]) for r in doc["routers"]] == [
+            ("r1", "behind"), ("r2", "not in [routers] targets")]
+        assert doc["last_calibration"]["policy_status"] == "candidate"
+        _print_status(doc)
+        out = capsys.readouterr().out
+        assert "held as a candidate v3" in out and "approved v3" not in out
+    finally:
+        store.close()
