@@ -504,6 +504,9 @@ class Cycle:
                 await self._reconcile(report)
         except _LostLeadership:
             pass
+        except TransientError as e:  # the store down, nothing answered: retried next cycle;
+            # the summary line below names it (a traceback each cycle flooded an outage's log)
+            report.result, report.reason = "failed", f"{type(e).__name__}: {e}"
         except Exception as e:  # a cycle never kills the daemon: record and go on
             log.exception("cycle failed")
             report.result, report.reason = "failed", f"{type(e).__name__}: {e}"
@@ -512,7 +515,8 @@ class Cycle:
         if report.result == "ok":
             self.last_completed_at = self.clock.now()
         self.last_report = report
-        log.info("cycle %s", report.summary(), extra={"cycle": _report_fields(report)})
+        log.log(logging.WARNING if report.result == "failed" else logging.INFO, "cycle %s",
+                report.summary(), extra={"cycle": _report_fields(report)})
         return report
 
     # -- deciding (leader only) -----------------------------------------------------------

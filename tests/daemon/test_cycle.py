@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 from statistics import NormalDist
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -1162,3 +1163,38 @@ async def test_a_new_leader_acts_on_the_drift_its_predecessor_held_back_once(
     triggers = [(await step("b")).trigger for _ in range(12)]
     assert triggers.count("drift") == 1
     assert [(await step("a")).trigger for _ in range(12)] == [None] * 12
+
+
+async def test_a_store_outage_is_one_warning_line_per_cycle_not_a_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A temporary failure (the store down) is retried next cycle: one WARNING summary line
+    naming it. A traceback each cycle (17 a minute at 3 s cycles) flooded an outage's log;
+    a bug (any other exception) keeps its traceback."""
+
+    from controller.store import StoreUnavailable
+
+    rig = make_rig(tmp_path)
+    await rig.step()
+
+    def down() -> Any:
+        raise StoreUnavailable("the database could not be reached: connection refused")
+
+    real = rig.store.cycle
+    rig.store.cycle = down  # type: ignore[method-assign]
+    caplog.set_level(logging.INFO, logger="pdctl")
+    report = await rig.step()
+    assert report.result == "failed" and "StoreUnavailable" in (report.reason or "")
+    lines = [r for r in caplog.records if r.name.startswith("pdctl")]
+    assert [r.levelno for r in lines if r.getMessage().startswith("cycle ")] == [logging.WARNING]
+    assert not any(r.exc_info for r in lines), [r.getMessage() for r in lines]
+
+    def broken() -> Any:
+        raise RuntimeError("a bug")
+
+    caplog.clear()
+    rig.store.cycle = broken  # type: ignore[method-assign]
+    assert (await rig.step()).result == "failed"
+    assert any(r.exc_info for r in caplog.records if r.name.startswith("pdctl"))
+    rig.store.cycle = real  # type: ignore[method-assign]
+    assert (await rig.step()).result == "ok"
