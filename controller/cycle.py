@@ -1424,9 +1424,13 @@ class Cycle:
                 tx.set_desired(r, rollout.fleet_version, at=now)
 
     def _set_state_metrics(self, tx: Tx) -> None:
+        """The leader's state gauges, from what this cycle's transaction leaves (set only at
+        events, the desired version read a canary's, missed a pin or a re-issue, and was 0
+        after a failover)."""
         ops = operator_state(tx.requests(status="done"))
         self.metrics.set_paused(ops.paused)
-        self.metrics.set_pinned(ops.pinned is not None)
+        self.metrics.set_pinned(ops.pinned is not None or ops.fallback)  # a fallback holds too
+        self.metrics.set_desired_version(self._rollout(tx).fleet_version)
 
     # -- reconcile (every replica) --------------------------------------------------------
 

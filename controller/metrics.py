@@ -165,7 +165,8 @@ class ControllerMetrics:
             registry=registry,
         )
         self.pinned = Gauge(
-            "pdctl_pinned", "1 while an operator has pinned a policy version, else 0.",
+            "pdctl_pinned", "1 while an operator holds a pinned version or a fallback "
+            "(until `pdctl unpin`), else 0.",
             registry=registry,
         )
 
@@ -302,6 +303,11 @@ class ControllerMetrics:
 
     def set_pinned(self, pinned: bool) -> None:
         self.pinned.set(1 if pinned else 0)
+
+    def set_desired_version(self, version: int | None) -> None:
+        """The fleet's version (not a baking canary's), read back from the store."""
+        if version is not None:
+            self.desired_version.set(version)
 
     # Capacity planning.
     def set_recommendation(self, role: str, workers: int, utilisation: float,

@@ -70,6 +70,8 @@ async def _canary_v2(rig: Rig, goodput: dict[int, float], approve_refit: bool = 
     rig.learner.approve_refit = approve_refit
     rig.learner.fire = True
     assert (await rig.step()).approved_version == 2
+    # baking: the fleet's version is still v1 (the gauge read the canary's v2)
+    assert _metric(rig.registry, "pdctl_desired_policy_version") == 1
 
 
 async def test_drift_calibrate_canary_promote_all_acked(tmp_path: Path) -> None:
@@ -716,11 +718,15 @@ async def test_pin_holds_a_version_until_unpinned(tmp_path: Path) -> None:
         await rig.step()
     assert _desired(rig) == dict.fromkeys(rig.agents, 2)
 
+    assert _metric(rig.registry, "pdctl_desired_policy_version") == 2
     rig.store.add_request("pause", {"what": "pin", "version": 1}, "bob@h", "incident")
     await rig.step()
     assert _desired(rig) == dict.fromkeys(rig.agents, 1)
     assert _running(rig) == dict.fromkeys(rig.agents, 1)
     assert operator_state(rig.store.requests()).pinned == 1
+    # what the fleet desires (it read 2, the pin's version never reached it)
+    assert _metric(rig.registry, "pdctl_desired_policy_version") == 1
+    assert _metric(rig.registry, "pdctl_pinned") == 1
     rig.learner.fire = True
     assert (await rig.step()).approved_version is None
     bad = rig.store.add_request("pause", {"what": "pin", "version": 42}, "bob@h", "")
@@ -748,6 +754,8 @@ async def test_fallback_prefill_reaches_every_router_at_once(tmp_path: Path) -> 
     assert any("fallback" in r for r in report.requests)
     state = operator_state(rig.store.requests())
     assert state.fallback and state.holding
+    assert _metric(rig.registry, "pdctl_pinned") == 1  # a fallback holds: it read 0
+    assert _metric(rig.registry, "pdctl_desired_policy_version") == version
     rig.learner.fire = True
     assert (await rig.step()).approved_version is None
 
