@@ -299,6 +299,7 @@ def status_doc(store: Store, calibrate_every_s: float | None,
         done = tx.requests(status="done")
         pending = tx.requests(status="pending") + tx.requests(status="claimed")
         latest = tx.policies(limit=1)
+        rolled_back = tx.policies(limit=1, status="rolled_back")
         fleet = tx.policy(rollout.fleet_version) if rollout.fleet_version is not None else None
     ops = operator_state(done)
     watch = None
@@ -357,6 +358,11 @@ def status_doc(store: Store, calibrate_every_s: float | None,
         "newest_policy": None if not latest else {
             "version": latest[-1].version, "status": latest[-1].status,
             "reason": latest[-1].reason, "promoted_at": latest[-1].promoted_at},
+        # The newest version a canary, the promotion watch or an operator rolled back, and
+        # why (the newest policy is often a later candidate by then).
+        "last_rollback": None if not rolled_back else {
+            "version": rolled_back[-1].version, "at": rolled_back[-1].updated_at,
+            "reason": rolled_back[-1].reason},
         "routers": router_rows,
         "last_drift": None if not drift else {
             "at": drift[-1].at, "kind": drift[-1].kind, "statistic": drift[-1].statistic,
@@ -404,6 +410,10 @@ def _print_status(doc: dict[str, Any]) -> None:
         table.add_row(r["router"], str(r["desired"] or "—"), str(r["acked"] or "—"),
                       r["health"], _t(r["last_seen"]), (r["last_error"] or "")[:60])
     console.print(table)
+    back = doc["last_rollback"]
+    if back:
+        console.print(f"[bold]rollback[/] v{back['version']} at {_t(back['at'])}: "
+                      f"{back['reason']}")
     drift = doc["last_drift"]
     console.print(f"[bold]drift[/]    {drift['kind']} {drift['statistic']:.3g} > "
                   f"{drift['threshold']:.3g} at {_t(drift['at'])}" if drift

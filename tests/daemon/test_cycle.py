@@ -269,7 +269,8 @@ async def _promote_v2(rig: Rig) -> float:
     return rig.clock.now()
 
 
-async def test_a_promotion_that_overloads_the_fleet_is_rolled_back(tmp_path: Path) -> None:
+async def test_a_promotion_that_overloads_the_fleet_is_rolled_back(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rig = make_rig(tmp_path)
     await _promote_v2(rig)
     # v2's routes were fine for the canary's share; for every router they overload a pool.
@@ -289,6 +290,15 @@ async def test_a_promotion_that_overloads_the_fleet_is_rolled_back(tmp_path: Pat
             for by in ("canary", "watch", "operator")] == [0, 1, 0]
     assert _metric(rig.registry, "pdctl_desired_policy_version") == 1
     assert rig.store.next_version() == 4  # the refit at the end of the bake was v3
+    from controller.cli.ops_cmd import _print_status, status_doc
+
+    rig.learner.fire = True  # a later candidate: the newest policy is no longer v2
+    await rig.step()
+    doc = status_doc(rig.store, None, None)
+    assert doc["last_rollback"]["version"] == 2
+    assert "rolled back after promotion: fleet goodput 0.4000" in doc["last_rollback"]["reason"]
+    _print_status(doc)
+    assert "rollback v2 at " in capsys.readouterr().out
 
 
 async def test_the_watch_keeps_a_promotion_when_the_load_rose_and_ends_after_its_windows(
