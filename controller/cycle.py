@@ -549,12 +549,14 @@ class Cycle:
             ops = operator_state(tx.requests(status="done"))
             current = self._current_policy(tx, rollout)
             self._restore_learner(tx, rollout)
-            empty = rollout.fleet_version is None and not tx.policies(limit=1)
+            # No configured router has a desired version: an empty store, or routers that
+            # replaced every earlier one (new addresses, a redeploy) on a store with history.
+            empty = rollout.fleet_version is None
         if empty and self.reconcile_only is None:
-            # With nothing stored, the policy every router already runs becomes the fleet's
-            # (written with this cycle): the first table is then judged against it and
-            # canaried, not approved unchecked to every router (docs/operations.md, "First
-            # start"). Sidecar replicas reach their own router only.
+            # The policy every router already runs becomes the fleet's (written with this
+            # cycle): the first table is then judged against it and canaried, not approved
+            # unchecked to every router (docs/operations.md, "First start"). Sidecar
+            # replicas reach their own router only.
             found = await self.reconciler.running_policy(self.routers)
             if found.policy is not None:
                 plan.adopted = found
@@ -809,7 +811,7 @@ class Cycle:
             if plan.window is not None:
                 report.window_id = tx.add_window(plan.window)
                 window_ids = [report.window_id]
-            if plan.adopted is not None and not tx.policies(limit=1):
+            if plan.adopted is not None and self._rollout(tx).fleet_version is None:
                 self._record_adoption(tx, plan.adopted, report)
             self._record_drift(tx, plan.findings, window_ids, report)
             self._record_recommendation(tx, plan, report)
@@ -942,11 +944,30 @@ class Cycle:
         self._link_retry_at = plan.link_retry_at  # any stored calibration replaces it
 
     def _record_adoption(self, tx: Tx, found: RunningPolicy, report: CycleReport) -> None:
-        assert found.policy is not None
-        self._everywhere(tx, found.policy, f"{ADOPTED_PREFIX}{found.why} when the controller "
-                         "started on an empty store")
+        policy = found.policy
+        assert policy is not None
+        stored = tx.policy(policy.version)
+        if stored is not None and stored.checksum == policy.checksum:
+            # The routers run a stored version (their rows were under other names): it is
+            # desired again as it is, no push.
+            for router in self.routers:
+                tx.set_desired(router, policy.version)
+            report.reason = _join(report.reason, f"the routers run stored v{policy.version}: "
+                                  "desired again")
+            return
+        if tx.policies(limit=1):
+            where = "no configured router had a desired version"
+            if stored is not None or policy.version < tx.next_version():
+                # Its number is taken or behind the store's: stored under the next one
+                # (the routers get the same table under it, one push each).
+                policy = policy.with_version(tx.next_version())
+        else:
+            where = "the controller started on an empty store"
+        self._everywhere(tx, policy, f"{ADOPTED_PREFIX}{found.why} when {where}")
+        renumbered = "" if policy.version == found.policy.version else \
+            f" (it ran as v{found.policy.version})"
         report.reason = _join(report.reason,
-                              f"adopted the routers' policy as v{found.policy.version}")
+                              f"adopted the routers' policy as v{policy.version}{renumbered}")
 
     def _everywhere(self, tx: Tx, policy: Policy, reason: str) -> None:
         """Store ``policy`` as approved and make it every router's desired version at once

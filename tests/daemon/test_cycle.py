@@ -23,6 +23,7 @@ from controller.cycle import (
     watch_critical,
 )
 from controller.policy import Policy, Route, dumps
+from controller.rollout.agent import RouterAgent
 from tests.daemon.fakes import Rig, make_rig
 
 
@@ -1216,3 +1217,41 @@ async def test_a_store_outage_is_one_warning_line_per_cycle_not_a_traceback(
     assert any(r.exc_info for r in caplog.records if r.name.startswith("pdctl"))
     rig.store.cycle = real  # type: ignore[method-assign]
     assert (await rig.step()).result == "ok"
+
+
+async def test_routers_that_replaced_every_earlier_one_are_adopted_on_a_store_with_history(
+    tmp_path: Path,
+) -> None:
+    """A redeploy under new addresses: no configured router has a desired version, though
+    the store holds the old fleet's. Their running policy is adopted (under the store's next
+    version when its own is taken) and the next table is judged against it and canaried;
+    before, adoption ran only on an empty store, and the first table went unchecked to
+    every router at once."""
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    old_next = rig.store.next_version()
+    for i in range(4, 8):  # the new routers, all on one policy of their own as v1
+        rig.agents[f"r{i}"] = RouterAgent(router_id=f"r{i}", clock=rig.clock)
+    for i in range(4):
+        del rig.agents[f"r{i}"]
+    rig.transport.agents = dict(rig.agents)  # it holds its own copy
+    own = Policy.uniform(1, Route.PREFILL_NODE, exploration=0.1)
+    for agent in rig.agents.values():
+        assert agent.apply(own).outcome.name == "APPLIED"
+    rig.new_cycle()
+    first = await rig.step()
+    assert f"adopted the routers' policy as v{old_next} (it ran as v1)" in first.reason, \
+        first.reason
+    adopted = rig.store.policy(old_next)
+    assert adopted is not None and adopted.status == "approved"
+    assert "no configured router had a desired version" in adopted.reason
+    assert {r: v for r, v in _desired(rig).items() if r in rig.agents} == \
+        dict.fromkeys(rig.agents, old_next)
+    report = first
+    for _ in range(4):
+        if report.approved_version is not None:
+            break
+        rig.learner.fire = True
+        report = await rig.step()
+    assert rig.learner.judged_against[-1] == old_next
+    assert report.canary and report.canary.startswith("baking"), report.canary
