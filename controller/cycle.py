@@ -964,8 +964,8 @@ class Cycle:
         else:
             where = "the controller started on an empty store"
         self._everywhere(tx, policy, f"{ADOPTED_PREFIX}{found.why} when {where}")
-        renumbered = "" if policy.version == found.policy.version else \
-            f" (it ran as v{found.policy.version})"
+        ran = found.policy.version if found.policy is not None else policy.version
+        renumbered = "" if policy.version == ran else f" (it ran as v{ran})"
         report.reason = _join(report.reason,
                               f"adopted the routers' policy as v{policy.version}{renumbered}")
 
