@@ -524,6 +524,15 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
+def sidecar_store_problem(settings: Settings) -> str | None:
+    """What `pdctl run` refuses (and `pdctl config check` reports) about a sidecar's store."""
+    if settings.controller.sidecar_router is not None and \
+            settings.store.url.startswith("sqlite"):
+        return ("[controller] sidecar_router needs PostgreSQL as the shared store (every "
+                "replica reconciles its own router)")
+    return None
+
+
 def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
     """Load the config file (absolute or relative to the working directory).
 

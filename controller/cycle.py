@@ -946,6 +946,7 @@ class Cycle:
     def _record_adoption(self, tx: Tx, found: RunningPolicy, report: CycleReport) -> None:
         policy = found.policy
         assert policy is not None
+        ran = policy.version
         stored = tx.policy(policy.version)
         if stored is not None and stored.checksum == policy.checksum:
             # The routers run a stored version (their rows were under other names): it is
@@ -964,7 +965,6 @@ class Cycle:
         else:
             where = "the controller started on an empty store"
         self._everywhere(tx, policy, f"{ADOPTED_PREFIX}{found.why} when {where}")
-        ran = found.policy.version if found.policy is not None else policy.version
         renumbered = "" if policy.version == ran else f" (it ran as v{ran})"
         report.reason = _join(report.reason,
                               f"adopted the routers' policy as v{policy.version}{renumbered}")

@@ -149,6 +149,7 @@ class Daemon:
             raise
 
     async def _build(self, store: Any, metrics: Any) -> Parts:
+        from controller.config import sidecar_store_problem
         from controller.cycle import Cycle, CycleConfig
         from controller.health import Health, HealthServer
         from controller.leader import default_holder, leadership_for
@@ -159,9 +160,9 @@ class Daemon:
 
         s = self.settings
         c = s.controller
-        if c.sidecar_router is not None and store.dialect == "sqlite":
-            raise ConfigError("[controller] sidecar_router needs PostgreSQL as the shared "
-                              "store (every replica reconciles its own router)")
+        problem = sidecar_store_problem(s)
+        if problem is not None:
+            raise ConfigError(problem)
         routers = list(s.routers.targets)
         if not routers:
             raise ConfigError("[routers] targets is empty: the daemon needs routers to control")

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from controller.cli._app import config_app, load_settings_or_exit
-from controller.config import Settings
+from controller.config import Settings, sidecar_store_problem
 
 
 @config_app.command("check")
@@ -30,10 +30,9 @@ def check(
     assert config is not None
     settings = load_settings_or_exit(config)
     problems = [] if skip_files else _file_problems(settings)
-    if settings.controller.sidecar_router is not None and \
-            settings.store.url.startswith("sqlite"):  # what `pdctl run` refuses
-        problems.insert(0, "[controller] sidecar_router needs PostgreSQL as the shared store "
-                        "(every replica reconciles its own router)")
+    sidecar = sidecar_store_problem(settings)
+    if sidecar is not None:
+        problems.insert(0, sidecar)
     if problems:
         typer.echo(f"{config}: {len(problems)} problem(s) `pdctl run` or `pdctl router-agent` "
                    "would refuse at start:", err=True)
