@@ -1148,9 +1148,8 @@ class Cycle:
         # the first read after a restart, which only sets the counters' baseline) saw none
         # of its requests: it is no bake window. Counted, a restart's empty first window
         # promoted a canary on one real window of its two.
-        judged = canary_names | control_names
-        windows = [w for w in self._bake_windows(tx, record, unstored)
-                   if not judged & {f.target for f in w.failures}]
+        windows = _seen_by(self._bake_windows(tx, record, unstored),
+                           canary_names | control_names)
         met_c = n_c = met_k = n_k = 0.0
         for w in windows:
             for o in w.outcomes:
@@ -1245,7 +1244,10 @@ class Cycle:
         if self.clock.now() - promoted > cfg.watch_s:
             return WatchVerdict("over", "watch over")
         half = 0.5 * cfg.interval_s
-        windows = self._bake_windows(tx, record)
+        # As in the bake, a window a router failed in is no look: a restart's first read
+        # (no requests seen) took one of the watch's looks and diluted its request rate.
+        windows = _seen_by(self._bake_windows(tx, record),
+                           {self.outcome_names[r] for r in self.routers})
         bake = [w for w in windows if w.end < promoted + half]
         watch = [w for w in windows if w.end >= promoted + half]
         if len(watch) > cfg.watch_windows:
@@ -1544,6 +1546,12 @@ def _push_result(s: RouterStatus) -> str:
     if s.outcome in ("invalid", "refused"):
         return "rejected"
     return "failed"
+
+
+def _seen_by(windows: Sequence[Window], routers: set[str]) -> list[Window]:
+    """The windows in which none of ``routers`` (outcome names) failed: unreachable, or a
+    snapshot source's first read, which only sets the counters' baseline."""
+    return [w for w in windows if not routers & {f.target for f in w.failures}]
 
 
 def _pooled(windows: Sequence[Window]) -> tuple[float, float, float]:

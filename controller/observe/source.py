@@ -170,6 +170,8 @@ class FakeSource:
                 failures.append(TargetFailure(t.name, "unreachable", "marked down"))
                 continue
             answered.append(t.name)
+            if not baseline:
+                failures.append(TargetFailure(t.name, "no_baseline", "first window"))
             if t.role == "router":
                 r = self._routers[t.name]
                 if baseline:
@@ -188,8 +190,6 @@ class FakeSource:
                 continue
             w = self._workers[t.name]
             role: Role = "prefill" if t.role == "prefill" else "decode"
-            if not baseline:
-                failures.append(TargetFailure(t.name, "no_baseline", "first window"))
             summaries = {
                 k: (Summary(mean=h.total / h.count, count=h.count)
                     if baseline and (h := w.hist.get(k)) is not None and h.count > 0 else None)

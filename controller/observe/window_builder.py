@@ -337,6 +337,13 @@ def router_stats(
     stays correct.
     """
     notes = list(delta.notes)
+    if not delta.has_baseline:
+        # Said as for a worker: a canary judge must not count this window's (absent)
+        # requests as a bake window of its routers.
+        notes.append(TargetFailure(
+            target=delta.target, kind="no_baseline",
+            message="first snapshot of this router: counters need a previous one",
+        ))
     cells: dict[tuple[Route, int, int], list[float]] = {}
 
     def cell(route_label: str | None, labels: Mapping[str, str]) -> list[float] | None:

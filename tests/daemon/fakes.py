@@ -28,7 +28,10 @@ class ObserveFailed(Exception):
 class PolicyAwareSource:
     """Each router serves ``requests`` per window; the share meeting the SLOs is
     ``goodput[v]`` for the policy version ``v`` the router's agent runs (``default`` else).
-    ``fail_next`` makes the next window raise; ``down`` lists targets reported failed."""
+    ``fail_next`` makes the next window raise; ``down`` lists targets reported failed.
+    ``unprimed``: the next window only sets the counters' baseline, as a snapshot source's
+    first read (after a start, or ``forget_baselines``): every target ``no_baseline``, no
+    requests (tests/observe/test_contract.py holds the real sources to it)."""
 
     name = "fake"
 
@@ -40,6 +43,7 @@ class PolicyAwareSource:
         self.goodput: dict[int, float] = {}
         self.fail_next = False
         self.down: set[str] = set()
+        self.unprimed = False
         self.calls = 0
         self.workers = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}
 
@@ -51,6 +55,16 @@ class PolicyAwareSource:
         if self.fail_next:
             self.fail_next = False
             raise ObserveFailed("scripted observe failure")
+        if self.unprimed:
+            self.unprimed = False
+            names = sorted({*self.agents, *self.workers} - self.down)
+            return Window.build(
+                start, end, max(end - start, 1.0), answered=names,
+                workers=[WorkerStats(n, r, "vllm")  # type: ignore[arg-type]
+                         for n, r in sorted(self.workers.items()) if n not in self.down],
+                failures=[TargetFailure(n, "no_baseline", "first window") for n in names]
+                + [TargetFailure(t, "unreachable", "scripted") for t in sorted(self.down)],
+                source="fake")
         outcomes = []
         for name, agent in sorted(self.agents.items()):
             if name in self.down:
@@ -69,7 +83,7 @@ class PolicyAwareSource:
                             failures=failures, source="fake")
 
     def forget_baselines(self) -> None:
-        return None
+        self.unprimed = True
 
     async def aclose(self) -> None:
         return None
@@ -158,8 +172,11 @@ class Rig:
     planner: CapacityPlanner | None = None
 
     def new_cycle(self) -> Cycle:
-        """A fresh Cycle (a restarted daemon) on the same store, routers and clock."""
+        """A fresh Cycle (a restarted daemon) on the same store, routers and clock. Its
+        source's first read only sets the counters' baseline, as a new process's does (a
+        rig that never read yet is primed, as the tests' first windows assume)."""
         self.registry = CollectorRegistry()
+        self.source.unprimed = self.source.calls > 0
         self.cycle = make_cycle(self)
         return self.cycle
 

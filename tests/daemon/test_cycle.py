@@ -173,6 +173,23 @@ async def test_a_window_a_judged_router_failed_in_is_no_bake_window(tmp_path: Pa
     assert len(counts) == bake + 1  # one window more than without the failure
 
 
+async def test_a_daemon_restarted_mid_bake_refits_the_canary_before_promoting_it(
+        tmp_path: Path) -> None:
+    """The restarted source's first read (no requests seen) is no bake window: the bake
+    ends a window later, and its refit runs on a complete window instead of being deferred
+    while the canary is promoted without it."""
+    rig = make_rig(tmp_path)
+    await _canary_v2(rig, {1: 0.90, 2: 0.96})
+    await rig.step()  # one of the bake's two windows
+    rig.new_cycle()
+    first = await rig.step()
+    assert first.trigger is None and "over 1 window(s)" in (first.canary or ""), first.canary
+    report = await rig.step()
+    assert report.trigger == "canary" and "promoted" in (report.canary or "")
+    assert "deferred" not in report.reason
+    assert rig.learner.reasons[-1] == "drift (canary refit of v2)"
+
+
 async def _bake_to_verdict(rig: Rig) -> CycleReport:
     return await _until_canary(rig, lambda text: "baking:" not in text)
 
@@ -349,6 +366,9 @@ async def test_a_restarted_daemon_goes_on_watching_a_promotion(tmp_path: Path) -
     await rig.step()  # one good window under watch
     rig.new_cycle()  # the watch lives in the store (promoted_at), not in the process
     rig.source.goodput = {1: 0.90, 2: 0.40}
+    # The restarted source's first read only sets its baseline: no look of the watch.
+    first = await rig.step()
+    assert first.canary is not None and "over 1 window(s) since the promotion" in first.canary
     report = await rig.step()
     assert report.canary is not None and UNPROMOTED in report.canary
     assert "over 2 window(s) since the promotion" in report.canary
