@@ -19,9 +19,10 @@ like the daemon records one (policy + calibration with its drift reference, trig
 ``active``) and, approved (always, with no current policy) or not, the routers are brought
 to the outcome: the first table, or back to the policy they ran before.
 
-What they ran before: the store's fleet version; on an empty store the policy every router
-reports (``GetPolicy``), adopted and recorded as the daemon's first start does, and judged
-by the guardrail against the first table. Routers that run no policy at all return to
+What they ran before: the store's fleet version; when no configured router has a desired
+version (an empty store, or routers replaced under new addresses) the policy every router
+reports (``GetPolicy``), adopted and recorded as the daemon adopts it, and judged by the
+guardrail against the first table. Routers that run no policy at all return to
 classic P/D (the forced all-prefill-node table, stored as its own version): a forced
 policy, decode-local above all, must never be left behind by a failed, refused or
 interrupted (Ctrl-C) run. A run refuses to start when it cannot tell what the routers run.
@@ -47,7 +48,7 @@ import httpx
 from controller.clock import Clock
 from controller.core.active import ActivePlan, LoadPoint, Phase, schedule
 from controller.core.window import Window
-from controller.cycle import ADOPTED_PREFIX, FALLBACK_PREFILL, operator_state, read_rollout
+from controller.cycle import FALLBACK_PREFILL, operator_state, read_rollout, record_adoption
 from controller.leader import LeaseLeadership
 from controller.learning import (
     CalibrationOutcome,
@@ -299,7 +300,6 @@ class ActiveCalibrationRunner:
                        if r.kind in _ROLLOUT_REQUESTS]
             rollout = read_rollout(tx, self.routers)
             rec = tx.policy(rollout.fleet_version) if rollout.fleet_version else None
-            empty = rec is None and not tx.policies(limit=1)
         if held:
             raise ActiveCalibrationError(self._lease_refusal())
         if ops.holding:
@@ -326,8 +326,10 @@ class ActiveCalibrationRunner:
                 f"not every router answered, nothing was pushed: {'; '.join(found.unanswered)}")
         if rec is not None:
             return None if rec.reason.startswith(FORCED_PREFIX) else loads(rec.body_json)
-        if not empty:
-            return None
+        # No configured router has a desired version: an empty store, or routers that
+        # replaced every earlier one (a redeploy under new addresses). What they run is
+        # adopted as the daemon adopts it, else a failed run would leave them on classic P/D
+        # and the first table would be approved with nothing to compare it with.
         if found.policy is None:
             if found.why:
                 raise ActiveCalibrationError(
@@ -336,13 +338,12 @@ class ActiveCalibrationRunner:
                     "(`pdctl push FILE`), then run again")
             return None  # new routers: a failed run leaves them on classic P/D
         with self.store.cycle() as tx:
-            policy = found.policy
-            tx.add_policy(policy.version, policy.checksum, dumps(policy), "approved",
-                          f"{ADOPTED_PREFIX}{found.why} when calibrate-active started on "
-                          "an empty store")
-            for r in self.routers:
-                tx.set_desired(r, policy.version)
-        return found.policy
+            policy, said, _ = record_adoption(tx, found, self.routers, "calibrate-active")
+            stored = tx.policy(policy.version)
+        log.info("%s", said)
+        # A stored forced version they still run (an interrupted run's) is nothing to keep.
+        forced = stored is not None and stored.reason.startswith(FORCED_PREFIX)
+        return None if forced else policy
 
     # -- one phase ----------------------------------------------------------------------
 

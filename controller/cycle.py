@@ -944,30 +944,11 @@ class Cycle:
         self._link_retry_at = plan.link_retry_at  # any stored calibration replaces it
 
     def _record_adoption(self, tx: Tx, found: RunningPolicy, report: CycleReport) -> None:
-        policy = found.policy
-        assert policy is not None
-        ran = policy.version
-        stored = tx.policy(policy.version)
-        if stored is not None and stored.checksum == policy.checksum:
-            # The routers run a stored version (their rows were under other names): it is
-            # desired again as it is, no push.
-            for router in self.routers:
-                tx.set_desired(router, policy.version)
-            report.reason = _join(report.reason, f"the routers run stored v{policy.version}: "
-                                  "desired again")
-            return
-        if tx.policies(limit=1):
-            where = "no configured router had a desired version"
-            if stored is not None or policy.version < tx.next_version():
-                # Its number is taken or behind the store's: stored under the next one
-                # (the routers get the same table under it, one push each).
-                policy = policy.with_version(tx.next_version())
-        else:
-            where = "the controller started on an empty store"
-        self._everywhere(tx, policy, f"{ADOPTED_PREFIX}{found.why} when {where}")
-        renumbered = "" if policy.version == ran else f" (it ran as v{ran})"
-        report.reason = _join(report.reason,
-                              f"adopted the routers' policy as v{policy.version}{renumbered}")
+        policy, said, added = record_adoption(tx, found, self.routers, "the controller")
+        if added:
+            self._policies[policy.version] = policy
+            self.metrics.policy_changed(policy.version)
+        report.reason = _join(report.reason, said)
 
     def _everywhere(self, tx: Tx, policy: Policy, reason: str) -> None:
         """Store ``policy`` as approved and make it every router's desired version at once
@@ -1546,6 +1527,38 @@ def _push_result(s: RouterStatus) -> str:
     if s.outcome in ("invalid", "refused"):
         return "rejected"
     return "failed"
+
+
+def record_adoption(tx: Tx, found: RunningPolicy, routers: Sequence[str], who: str
+                    ) -> tuple[Policy, str, bool]:
+    """Record the one policy every router runs (``found.policy``) as the fleet's, desired
+    for every router, when no configured router has a desired version: an empty store, or
+    routers that replaced every earlier one (``who`` started then). The policy as stored,
+    what was done, and whether a version was added (False: a stored one desired again)."""
+    policy = found.policy
+    assert policy is not None
+    ran = policy.version
+    stored = tx.policy(policy.version)
+    if stored is not None and stored.checksum == policy.checksum:
+        # The routers run a stored version (their rows were under other names): it is
+        # desired again as it is, no push.
+        for router in routers:
+            tx.set_desired(router, policy.version)
+        return policy, f"the routers run stored v{policy.version}: desired again", False
+    if tx.policies(limit=1):
+        where = f"{who} found no configured router with a desired version"
+        if stored is not None or policy.version < tx.next_version():
+            # Its number is taken or behind the store's: stored under the next one (the
+            # routers get the same table under it, one push each).
+            policy = policy.with_version(tx.next_version())
+    else:
+        where = f"{who} started on an empty store"
+    tx.add_policy(policy.version, policy.checksum, dumps(policy), "approved",
+                  f"{ADOPTED_PREFIX}{found.why} when {where}")
+    for router in routers:
+        tx.set_desired(router, policy.version)
+    renumbered = "" if policy.version == ran else f" (it ran as v{ran})"
+    return policy, f"adopted the routers' policy as v{policy.version}{renumbered}", True
 
 
 def _seen_by(windows: Sequence[Window], routers: set[str]) -> list[Window]:

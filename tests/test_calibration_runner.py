@@ -332,6 +332,36 @@ def test_on_an_empty_store_the_routers_policy_is_adopted_and_judged_against(
     assert desired == dict.fromkeys(routers, end) and acked == dict.fromkeys(routers, end)
 
 
+@pytest.mark.parametrize("live_sim", ["local"], indirect=True)
+async def test_routers_replaced_on_a_store_with_history_go_back_to_their_own_policy(
+    tmp_path: Path, live_sim: dict[str, Any] | None
+) -> None:
+    """The store's history belongs to routers that are gone (a redeploy under new
+    addresses): what the new ones run is adopted, under the next version since its number
+    is taken, and a failed run sends them back to it, not to classic P/D."""
+    require("pdctl sim serve (the live simulated cluster)", live_sim is not None)
+    assert live_sim is not None
+    limits = RunnerLimits(max_requests=200, max_duration_s=30, window_s=1.0,
+                          request_timeout_s=2.0)
+    old = Policy.uniform(1, Route.PREFILL_NODE)
+    async with _runner(tmp_path, live_sim, qps=8.0, sessions=4, limits=limits,
+                       endpoint="http://127.0.0.1:9/v1") as (runner, store, routers):
+        with store.cycle() as tx:
+            tx.add_policy(1, old.checksum, dumps(old), "approved", "before the redeploy")
+            tx.set_desired("10.0.0.9:50051", 1)
+        with pytest.raises(ActiveCalibrationError, match="were answered"):
+            await runner.run()
+    rec = _recorded(store)
+    [adopted] = [p for p in rec.policies.values() if p.reason.startswith("adopted: ")]
+    assert adopted.version == 2 and adopted.status == "approved"
+    assert "calibrate-active found no configured router with a desired version" \
+        in adopted.reason
+    assert set(loads(adopted.body_json).table.routes) == {Route.DECODE_LOCAL}
+    assert not [p for p in rec.policies.values() if p.reason == FALLBACK_REASON]
+    assert {rec.desired[r] for r in routers} == {2}
+    assert {rec.acked[r] for r in routers} == {2}
+
+
 async def test_an_interrupted_run_leaves_routers_that_ran_no_policy_on_classic_pd(
     tmp_path: Path, live_sim: dict[str, Any] | None
 ) -> None:

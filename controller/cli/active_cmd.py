@@ -120,7 +120,8 @@ def calibrate_active(
 
     A run that does not end on an approved table (refused, failed, out of bounds, Ctrl-C)
     sends the routers back to what they ran: the stored fleet version, the routers' own
-    policy on an empty store (adopted first), or classic P/D when they ran none.
+    policy when no configured router has a desired version (an empty store, or routers
+    replaced under new addresses; adopted first), or classic P/D when they ran none.
 
     Exit 0 first table recorded (approved or refused), 1 the run could not finish, 2 bad
     input, 3 store unavailable, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""

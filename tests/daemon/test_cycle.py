@@ -1264,7 +1264,7 @@ async def test_routers_that_replaced_every_earlier_one_are_adopted_on_a_store_wi
         first.reason
     adopted = rig.store.policy(old_next)
     assert adopted is not None and adopted.status == "approved"
-    assert "no configured router had a desired version" in adopted.reason
+    assert "the controller found no configured router with a desired version" in adopted.reason
     assert {r: v for r, v in _desired(rig).items() if r in rig.agents} == \
         dict.fromkeys(rig.agents, old_next)
     report = first
