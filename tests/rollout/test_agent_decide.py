@@ -6,6 +6,7 @@ import math
 import random
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 from hypothesis import given, settings
@@ -178,6 +179,8 @@ def test_decisions_never_mix_two_policies_while_updates_land() -> None:
     problems: list[str] = []
     seen_versions: list[set[int]] = []
     writer_done = threading.Event()
+    decided = [0] * 4  # each reader's decisions so far
+    finished = [False] * 4
 
     def reader(seed: int) -> None:
         rng = random.Random(seed)
@@ -201,12 +204,21 @@ def test_decisions_never_mix_two_policies_while_updates_land() -> None:
                 problems.append(f"went back from v{last_version} to v{snap.version}")
             last_version = snap.version
             versions.add(snap.version)
+            decided[seed] += 1
+        finished[seed] = True  # the writer waits for it no more
         seen_versions.append(versions)
 
     def writer() -> None:
         try:
             for v in range(2, 201):
                 assert agent.apply(policies[v]).outcome.value == "applied"
+                # Until every reader decided once more (bounded): on a loaded machine the
+                # readers were not scheduled before the writer was done, and saw one version.
+                mark, until = list(decided), time.monotonic() + 1.0
+                while any(d <= m and not f for d, m, f in zip(decided, mark, finished,
+                                                              strict=True)) \
+                        and time.monotonic() < until:
+                    time.sleep(0)
         finally:
             writer_done.set()
 
