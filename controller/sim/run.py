@@ -3,7 +3,8 @@
 Turn 1 of a session arrives at its (warped) start time; every later turn arrives ``think_s``
 after the previous turn of the session completes (closed loop). Sessions start until
 ``duration_s``; their later turns still run, up to ``drain_limit_s`` after ``duration_s``
-(requests unfinished by then are counted as rejected, reason ``unfinished``). A rejected turn
+(requests unfinished by then, and the turns their sessions had left, are counted as
+rejected, reason ``unfinished``). A rejected turn
 ends its session: the turns it would have led to are counted as rejected too
 (``session_aborted``), so every request of the workload is accounted for.
 
@@ -148,6 +149,20 @@ class ScenarioDriver:
         nxt = spec.turns[index + 1]
         loop.at(loop.now + nxt.think_s, self._issue, spec, index + 1)
 
+    def close_out(self) -> None:
+        """At the run's horizon: the turns of sessions still open (a turn in flight, or the
+        next one not issued yet) are counted as rejected, ``unfinished``. Without them the
+        workload's request count depended on the policy: one that left more sessions open
+        was scored on fewer requests, and looked better."""
+        now = self.cluster.loop.now
+        for spec, index in self._pending.values():
+            for turn in spec.turns[index + 1:]:
+                self.requests.append(SimRequest(
+                    self.next_rid(), spec.session_id, turn.turn, now, turn.prompt_tokens,
+                    turn.new_tokens, turn.output_tokens, turn.max_tokens, rejected=True,
+                    reject_reason="unfinished"))
+        self._pending.clear()
+
     def _start_next(self) -> None:
         item = next(self._feed, None)
         if item is not None:
@@ -223,6 +238,7 @@ def run_scenario(
     horizon = scenario.duration_s + drain_limit_s
     if not loop.run(horizon, max_events):
         raise RuntimeError(f"run exceeded max_events={max_events} at t={loop.now:.3f}s")
+    driver.close_out()
     records = []
     for r in requests:
         if not r.rejected and r.finish is None:

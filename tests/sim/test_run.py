@@ -45,6 +45,22 @@ def test_every_workload_request_is_recorded_once() -> None:
     assert all(router.decisions > 0 for router in res.cluster.routers)
 
 
+def test_every_policy_is_scored_on_the_same_requests_when_the_drain_runs_out() -> None:
+    """A link too slow to finish in the drain: sessions still open at the horizon (a turn in
+    flight, or between turns) count their remaining turns as unfinished. They were dropped,
+    so a policy that left more sessions open was scored on fewer requests."""
+    sc = _scenario(cluster={"prefill_workers": 1, "decode_workers": 2, "routers": 2,
+                            "kv_link_gbps": 0.01})
+    expected = _expected_turns(sc)
+    for route in (Route.PREFILL_NODE, Route.DECODE_LOCAL):
+        res = run_scenario(sc, Policy.uniform(1, route), drain_limit_s=30.0)
+        assert len(res.records) == expected, route
+        left = [r for r in res.records if r.reject_reason == "unfinished"]
+        assert left and all(r.ttft_s is None for r in left), route
+        # each session once per turn: nothing counted twice
+        assert len({(r.session, r.turn) for r in res.records}) == expected, route
+
+
 def test_same_seed_same_summary() -> None:
     sc = _scenario()
     a = summarize(run_scenario(sc, Policy.uniform(1, Route.PREFILL_NODE)))
