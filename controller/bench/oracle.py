@@ -109,7 +109,7 @@ def pick_per_phase(candidates: Mapping[str, RunResult]) -> list[OraclePick]:
         for key, cells in per.items():
             met, n = cells[i]
             g = met / n if n else -1.0
-            if g > best:
+            if best_key is None or g > best:  # a phase with no requests: the first one
                 best_key, best = key, g
         assert best_key is not None
         picks.append(OraclePick(i, best_key, best if best >= 0 else None))

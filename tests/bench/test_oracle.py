@@ -52,6 +52,16 @@ def test_ties_go_to_the_first_candidate() -> None:
     assert picks[0].policy == "a"
 
 
+def test_a_phase_without_requests_goes_to_the_first_candidate_with_no_goodput() -> None:
+    """A phase nobody's traffic reached (a late event, a sparse trace): the bench ended in
+    an AssertionError after all its replays."""
+    picks = pick_per_phase({"a": run("a", [(5, 10), (0, 0)]), "b": run("b", [(6, 10), (0, 0)])})
+    assert [(p.policy, p.goodput) for p in picks] == [("b", 0.6), ("a", None)]
+    recs = oracle_records({"a": run("a", [(5, 10), (0, 0)]), "b": run("b", [(6, 10), (0, 0)])},
+                          picks)
+    assert len(recs) == 10
+
+
 def test_adaptation_time_per_event() -> None:
     events = [Event(100.0, "rate_scale", 2.0), Event(200.0, "link_bandwidth", 0.5),
               Event(300.0, "rate_scale", 1.0)]
