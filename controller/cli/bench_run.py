@@ -57,7 +57,8 @@ def bench_run(
                                                   help="Scenario file (TOML).")],
     policy: Annotated[list[str] | None, typer.Option(
         "--policy", help="pd | local | ppd-static | threshold | adaptive | oracle | "
-        "PATH.json; repeat for several (default: the six policies).")] = None,
+        "PATH.json (reported under its file name, which must not be another policy's); "
+        "repeat for several (default: the six policies).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON summary.")] = False,
     out: Annotated[Path | None, typer.Option(
         "--out", help="Write summary.json, report.md, PNG plots and per-request records "
@@ -102,6 +103,12 @@ def bench_run(
                 names.append(spec)
             else:
                 key, pol = resolve_policy(spec, scenario)
+                if key in POLICIES or key.startswith("table-") or key in extra:
+                    # Results are keyed by name: one would replace the other's silently.
+                    taken = ("a built-in policy's" if key in POLICIES else "an oracle "
+                             "candidate's" if key.startswith("table-") else "another file's")
+                    raise ValueError(f"{spec}: reported as {key!r}, {taken} name; rename "
+                                     "the file")
                 extra[key] = pol
         thr = threshold_from_options(_threshold_options(threshold or []))
         if threshold and not {"threshold", "oracle"} & set(names):

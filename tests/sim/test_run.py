@@ -153,3 +153,27 @@ def test_bench_run_names_a_bad_key(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["bench", "run", str(toml), "--json"])
     assert r.exit_code == 2
     assert "cluster.routrs" in r.output
+
+
+def test_bench_run_refuses_two_policies_reported_under_one_name(tmp_path: Path) -> None:
+    """Results are keyed by name: a file named like a built-in policy, an oracle candidate
+    or another file replaced (or was replaced by) the other's results without a word."""
+    from controller.cli import app
+    from controller.policy import dumps
+
+    toml = tmp_path / "s.toml"
+    toml.write_text('name = "x"\nduration_s = 5\n[workload]\nsource = "synthetic"\n')
+    body = dumps(Policy.uniform(1, Route.DECODE_LOCAL))
+    for name in ("a/pd.json", "a/mine.json", "b/mine.json", "a/table-1:1.json"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(body)
+    out = tmp_path / "out"
+    for specs, said in ((["pd", "a/pd.json"], "a built-in policy's name"),
+                        (["a/mine.json", "b/mine.json"], "another file's name"),
+                        (["a/table-1:1.json"], "an oracle candidate's name")):
+        args = [a for s in specs for a in ("--policy", s if "/" not in s
+                                            else str(tmp_path / s))]
+        r = CliRunner().invoke(app, ["bench", "run", str(toml), *args, "--out", str(out)])
+        assert r.exit_code == 2, r.output
+        assert said in r.output and "rename the file" in r.output
+    assert not out.exists()  # refused before anything ran or was written
