@@ -21,6 +21,7 @@ from controller.sim.workloads.base import (
     Params,
     SessionSpec,
     WorkloadError,
+    reading,
     require_file,
 )
 from controller.sim.workloads.fit import (
@@ -53,7 +54,7 @@ def _seconds(stamp: str) -> float:
 def _load_cached(path: str, mtime_ns: int, size: int) -> tuple[SourceRequest, ...]:
     del mtime_ns, size  # cache key only
     rows: list[tuple[float, int, int]] = []
-    with open(path, newline="", encoding="utf-8") as fh:
+    with reading(path, "Azure trace"), open(path, newline="", encoding="utf-8") as fh:
         reader = csv.DictReader(fh)
         for number, row in enumerate(reader, start=2):
             try:

@@ -23,6 +23,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -160,7 +161,22 @@ def resolve_shared_dir(shared_dir: Path | None = None) -> Path:
     return (repo.parent / "shared").resolve()
 
 
+@contextmanager
+def reading(path: str, what: str) -> Iterator[None]:
+    """Errors reading a trace file, named with the file: not UTF-8, a damaged or cut gzip
+    (``EOFError`` read as Ctrl-C's "Aborted!" in the CLI), an I/O error."""
+    try:
+        yield
+    except UnicodeDecodeError as e:
+        raise WorkloadError(f"{path}: the {what} is not UTF-8 text ({e.reason} at byte "
+                            f"{e.start})") from None
+    except (EOFError, OSError) as e:  # gzip.BadGzipFile is an OSError
+        raise WorkloadError(f"{path}: cannot read the {what}: {e}") from None
+
+
 def require_file(path: Path, what: str) -> Path:
+    if path.is_dir():
+        raise WorkloadError(f"{what}: {path} is a directory, not a trace file")
     if not path.is_file():
         raise WorkloadError(
             f"{what}: file not found: {path} (set workload params.path, or ${SHARED_DIR_ENV} "

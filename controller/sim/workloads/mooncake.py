@@ -44,6 +44,7 @@ from controller.sim.workloads.base import (
     TurnSpec,
     WorkloadError,
     max_tokens_for,
+    reading,
     require_file,
 )
 
@@ -178,8 +179,10 @@ def parse_records(lines: Iterator[str], source: str) -> list[TraceRequest]:
 def _load_cached(path: str, mtime_ns: int, size: int) -> LinkedTrace:
     del mtime_ns, size  # part of the cache key only: a changed file is parsed again
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as fh:
+    with reading(path, "mooncake trace"), opener(path, "rt", encoding="utf-8") as fh:
         requests = parse_records(iter(fh), path)
+    if not requests:  # an empty file ran a bench of no requests, exit 0
+        raise WorkloadError(f"{path}: no requests")
     return LinkedTrace.from_requests(requests)
 
 

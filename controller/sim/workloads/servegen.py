@@ -37,6 +37,7 @@ from controller.sim.workloads.base import (
     Params,
     SessionSpec,
     WorkloadError,
+    reading,
     require_file,
 )
 from controller.sim.workloads.fit import (
@@ -97,7 +98,7 @@ class RateWindow:
 def _load_cached(path: str, mtime_ns: int, size: int) -> tuple[RateWindow, ...]:
     del mtime_ns, size  # cache key only
     windows = []
-    with open(path, newline="", encoding="utf-8") as fh:
+    with reading(path, "ServeGen trace"), open(path, newline="", encoding="utf-8") as fh:
         for number, row in enumerate(csv.DictReader(fh), start=2):
             try:
                 window = RateWindow(

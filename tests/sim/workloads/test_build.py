@@ -79,6 +79,33 @@ def test_malformed_trace_line_names_the_file_and_line(tmp_path: Path) -> None:
         build_workload(WorkloadConfig("mooncake", params={"path": str(path)}))
 
 
+def test_an_unreadable_trace_is_a_workload_error_naming_the_file(tmp_path: Path) -> None:
+    """A damaged or cut gzip, bytes that are not UTF-8, a directory, an empty file: each a
+    WorkloadError naming the file (a cut gzip's EOFError printed only "Aborted!")."""
+    import gzip
+
+    line = b'{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n'
+    cut = gzip.compress(line * 50)
+    cases = {
+        "plain.jsonl.gz": (line, "cannot read the mooncake trace"),
+        "cut.jsonl.gz": (cut[: len(cut) // 2], "cannot read the mooncake trace"),
+        "latin1.jsonl": (b'{"x": "\xff"}\n', "not UTF-8 text"),
+        "empty.jsonl": (b"", "no requests"),
+        "blank.jsonl": (b"\n\n", "no requests"),
+    }
+    for name, (data, said) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(WorkloadError, match=said) as e:
+            build_workload(WorkloadConfig("mooncake", params={"path": str(tmp_path / name)}))
+        assert name in str(e.value), name
+    (tmp_path / "azure.csv").write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n\xff,1,1\n")
+    with pytest.raises(WorkloadError, match=r"azure\.csv: the Azure trace is not UTF-8"):
+        build_workload(WorkloadConfig("azure-conv",
+                                      params={"path": str(tmp_path / "azure.csv")}))
+    with pytest.raises(WorkloadError, match="is a directory"):
+        build_workload(WorkloadConfig("mooncake", params={"path": str(tmp_path)}))
+
+
 def test_unknown_source_is_an_error_listing_the_choices() -> None:
     with pytest.raises(WorkloadError, match=r"workload\.source.*'sharegpt'.*mooncake"):
         WorkloadConfig("sharegpt")  # type: ignore[arg-type]
