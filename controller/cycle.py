@@ -633,10 +633,15 @@ class Cycle:
 
     def _claim_requests(self, report: CycleReport) -> list[OperatorRequest]:
         claimed: list[OperatorRequest] = []
+        holder = self.leadership.holder
         with self.store.cycle() as tx:
+            # Requests a previous leader claimed before our term began died with it (its
+            # writes are fenced out): claimed again now, not after request_stale_after_s.
+            lease = tx.lease()
+            since = lease.acquired_at if lease is not None and lease.holder == holder else None
             for _ in range(MAX_REQUESTS_PER_CYCLE):
-                r = tx.claim_next_request(self.leadership.holder,
-                                          stale_after_s=self.config.request_stale_after_s)
+                r = tx.claim_next_request(holder, stale_after_s=self.config.request_stale_after_s,
+                                          reclaim_before=since)
                 if r is None:
                     break
                 claimed.append(r)

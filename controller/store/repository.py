@@ -527,21 +527,25 @@ class Tx:
         return row.id
 
     def claim_next_request(
-        self, holder: str, at: datetime | None = None, stale_after_s: float | None = None
+        self, holder: str, at: datetime | None = None, stale_after_s: float | None = None,
+        reclaim_before: datetime | None = None,
     ) -> OperatorRequest | None:
         """Claim the oldest pending request for ``holder``; exactly one claimer wins it.
 
         With ``stale_after_s``, a request claimed that long ago and never finished (its
-        claimer died) is claimable again.
+        claimer died) is claimable again. With ``reclaim_before`` (when ``holder`` took the
+        leader lease), so is one another holder claimed before then: a previous leader's,
+        whose writes the lease now fences out, at once rather than after ``stale_after_s``.
         """
         now = self._at(at)
+        claimed = OperatorRequestRow.status == "claimed"
         claimable: ColumnElement[bool] = OperatorRequestRow.status == "pending"
         if stale_after_s is not None:
             stale = now - timedelta(seconds=stale_after_s)
-            claimable = or_(
-                claimable,
-                and_(OperatorRequestRow.status == "claimed", OperatorRequestRow.claimed_at < stale),
-            )
+            claimable = or_(claimable, and_(claimed, OperatorRequestRow.claimed_at < stale))
+        if reclaim_before is not None:
+            claimable = or_(claimable, and_(claimed, OperatorRequestRow.claimed_by != holder,
+                                            OperatorRequestRow.claimed_at < reclaim_before))
         pick = (
             select(OperatorRequestRow.id).where(claimable)
             .order_by(OperatorRequestRow.id).limit(1)

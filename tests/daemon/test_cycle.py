@@ -712,6 +712,27 @@ async def test_guardrail_rejection_is_recorded_and_pushes_nothing(tmp_path: Path
                    {"decision": "rejected"}) == 1
 
 
+async def test_a_new_leader_applies_a_request_its_killed_predecessor_claimed(
+        tmp_path: Path) -> None:
+    """SIGKILL right after a claim: the next leader's first cycle applies the request, not
+    one five minutes (request_stale_after_s) later."""
+    from controller.leader import LeaseLeadership
+
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    dead = LeaseLeadership(rig.store, rig.clock, "dead", ttl_s=15.0)
+    assert await dead.ensure()
+    rid = rig.store.add_request("pause", {}, "alice@host", "maintenance")
+    assert rig.store.claim_next_request("dead").id == rid  # type: ignore[union-attr]
+    rig.clock.advance(16)  # its lease ran out
+    rig.cycle.leadership = LeaseLeadership(rig.store, rig.clock, "next", ttl_s=15.0)
+    report = await rig.step()
+    assert report.leader
+    req = rig.store.request(rid)
+    assert req is not None and req.status == "done" and req.claimed_by == "next"
+    assert operator_state(rig.store.requests()).paused
+
+
 async def test_pause_and_resume(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     await _bootstrap(rig)

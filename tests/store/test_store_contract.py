@@ -326,6 +326,25 @@ def test_a_dead_claimers_request_is_claimable_after_it_goes_stale(store: Store) 
     assert again is not None and again.id == rid and again.claimed_by == "new-leader"
 
 
+def test_a_new_leader_reclaims_what_an_earlier_holder_claimed_before_its_term(
+        store: Store) -> None:
+    """A SIGKILLed leader's claimed request waited request_stale_after_s (5 min) under a
+    healthy new leader; claims from the new term on (its own, or anyone's) are kept."""
+    old = store.add_request("recalibrate", {}, who="ops", at=T0)
+    assert store.claim_next_request("dead-leader", at=T0) is not None
+    took_over = T0 + timedelta(seconds=20)
+    later = store.add_request("pause", {}, who="ops", at=took_over)
+    assert store.claim_next_request("racing", at=took_over + timedelta(seconds=1)) is not None
+    at = took_over + timedelta(seconds=2)
+    got = store.claim_next_request("new-leader", at=at, stale_after_s=300,
+                                   reclaim_before=took_over)
+    assert got is not None and got.id == old and got.claimed_by == "new-leader"
+    # claimed after the term began (``later``), and our own claims: not taken again
+    assert store.claim_next_request("new-leader", at=at, stale_after_s=300,
+                                    reclaim_before=took_over) is None
+    assert {r.id: r.claimed_by for r in store.requests()}[later] == "racing"
+
+
 def test_two_stores_never_claim_the_same_request(store: Store, other_store: Store) -> None:
     ids = [store.add_request("recalibrate", {"n": i}, who="ops") for i in range(6)]
     claims: dict[str, list[int]] = {"a": [], "b": []}
