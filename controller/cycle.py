@@ -95,6 +95,7 @@ log = logging.getLogger("pdctl.cycle")
 FALLBACK_PREFILL = "fallback-prefill"
 REFIT_PREFIX = "canary refit of v"  # a refit's policy reason starts so (never refitted)
 SUPERSEDED = "superseded by its canary refit"  # a superseded canary's reason starts so
+ABANDONED_PREFIX = "dropped from its bake by "  # a canary an operator action took off
 UNPROMOTED = "rolled back after promotion"  # a promotion the watch undid: reason starts so
 ADOPTED_PREFIX = "adopted: "  # the routers' own policy, recorded on an empty store
 MAX_REQUESTS_PER_CYCLE = 16
@@ -271,6 +272,7 @@ class CycleReport:
     calibration_id: int | None = None
     candidate_version: int | None = None
     candidate_status: str | None = None  # as stored: approved, rejected, candidate, advisory
+    not_stored: str = "dry run"  # why a calibration stored no policy (candidate_version None)
     approved_version: int | None = None
     guardrail: str | None = None
     canary: str | None = None
@@ -291,7 +293,7 @@ class CycleReport:
         if self.trigger is not None and self.guardrail is not None:
             # The guardrail's reason starts with its verdict; the version's stored status
             # is the cycle's (advisory, and a held rollout, keep an approval back).
-            stored = "not stored (dry run)" if self.candidate_version is None \
+            stored = f"not stored ({self.not_stored})" if self.candidate_version is None \
                 else f"v{self.candidate_version} {self.candidate_status}"
             parts.append(f"recalibration ({self.trigger}): {stored}, guardrail {self.guardrail}")
         parts += self.requests
@@ -597,7 +599,7 @@ class Cycle:
                                       f"{_why_incomplete(window)}")
                 plan.trigger = None
             else:
-                await self._calibrate(plan, current, now, recal, ops, report)
+                await self._calibrate(plan, current, now, recal, report)
         await self._recommend(plan, now, report)
         self._write(plan, claimed, rollout, ops, report)
 
@@ -732,8 +734,7 @@ class Cycle:
         return elapsed if elapsed >= 0 else math.inf
 
     async def _calibrate(self, plan: _Plan, current: Policy | None, now: float,
-                         recal: OperatorRequest | None, ops: OperatorState,
-                         report: CycleReport) -> None:
+                         recal: OperatorRequest | None, report: CycleReport) -> None:
         trigger = plan.trigger or "schedule"
         for_link = False  # a drift led by the KV link
         with self.store.read() as tx:
@@ -792,8 +793,6 @@ class Cycle:
             log.exception("calibration failed")
             plan.calibration_error = f"{type(e).__name__}: {e}"
             return
-        if ops.exploration_off:
-            outcome = replace(outcome, policy=without_exploration(outcome.policy))
         plan.calibration = outcome
         if for_link and not outcome.approved and not outcome.details.get("regime_only"):
             # Calibrated at the link's detection, it trained across the change. The change
@@ -822,13 +821,21 @@ class Cycle:
             self._record_recommendation(tx, plan, report)
             for r in claimed:
                 if r.kind != "recalibrate":
+                    baking = self._rollout(tx).canary_version
                     outcome, ok = self._apply_request(tx, r, report)
                     tx.finish_request(r.id, outcome, ok=ok)
                     report.requests.append(f"{r.kind}#{r.id}: {outcome}")
+                    self._drop_abandoned_canary(tx, baking, f"{r.kind}#{r.id}: {outcome}")
             # Operator actions above may have changed the rollout; read it again.
             rollout = self._rollout(tx)
             ops = operator_state(tx.requests(status="done"))
-            if rollout.canary_version is not None and plan.window is not None:
+            if rollout.canary_version is not None and plan.window is not None and ops.paused:
+                # A verdict is a push (a promotion or a rollback): it waits for resume, and
+                # the windows baked meanwhile count then. Promoted while paused, the watch
+                # judged a fleet that had not received the policy.
+                report.canary = (f"v{rollout.canary_version}: baking; not judged while paused "
+                                 "(no pushes)")
+            elif rollout.canary_version is not None and plan.window is not None:
                 refit = plan.calibration if plan.refit_of == rollout.canary_version else None
                 plan.canary_verdict = self._judge_canary(tx, rollout, report, refit)
                 rollout = self._rollout(tx)
@@ -884,10 +891,16 @@ class Cycle:
         ids = list(plan.calibration_windows) + ([report.window_id] if report.window_id else [])
         dry_run = bool(plan.recalibrate_request is not None
                        and (plan.recalibrate_request.args or {}).get("dry_run"))
+        not_stored = "dry run" if dry_run else None
         if plan.refit_of is not None and plan.canary_verdict not in ("promote", "superseded"):
             # The judge was asked before the refit; only an operator action in this cycle
-            # (a rollback, a pause) changes its answer. The refit is then only recorded.
+            # (a rollback, a pin, a pause) changes its answer. The refit is then only recorded.
             dry_run = True
+            not_stored = f"the refit of v{plan.refit_of}: its bake ended otherwise"
+            report.not_stored = not_stored
+        if ops.exploration_off:  # read after this cycle's requests: one may have turned it off
+            outcome = plan.calibration = replace(outcome,
+                                                 policy=without_exploration(outcome.policy))
         decision = "approved" if outcome.approved else "rejected"
         self.metrics.guardrail_decision(decision, "forced" if "forced" in outcome.reason
                                         else decision, self.clock.now())
@@ -941,6 +954,7 @@ class Cycle:
             outcome.predicted_goodput_current, version,
             # The cycle's own keys last: the learner's details carry the unforced verdict.
             {**_plain(outcome.details), "trigger": plan.trigger, "dry_run": dry_run,
+             "not_stored": not_stored,
              "approved": outcome.approved, "reason": outcome.reason,
              "refit_of": plan.refit_of, "reference_for": reference_for,
              "link_retry_at": plan.link_retry_at,
@@ -1304,10 +1318,26 @@ class Cycle:
             return self._rollback(tx, args.get("version"))
         return f"unknown request kind {r.kind}", False
 
+    def _drop_abandoned_canary(self, tx: Tx, baking: int | None, why: str) -> None:
+        """A canary that an operator action took off its routers (a pin of another version,
+        a fallback, exploration off) without promoting it is rolled back: left approved, a
+        later rollback or a watch went back to it though it had never run on the fleet."""
+        if baking is None:
+            return
+        after = self._rollout(tx)
+        record = tx.policy(baking)
+        if after.canary_version is None and after.fleet_version != baking \
+                and record is not None and record.status == "approved":
+            tx.set_policy_status(baking, "rolled_back", f"{ABANDONED_PREFIX}{why}")
+            self.metrics.set_canary_state("rolled_back")
+
     def _rollback(self, tx: Tx, version: Any) -> tuple[str, bool]:
         rollout = self._rollout(tx)
         newest = rollout.canary_version or rollout.fleet_version
         ops = operator_state(tx.requests(status="done"))
+        if version is not None and rollout.canary_version is None \
+                and rollout.fleet_version == int(version):
+            return f"v{rollout.fleet_version} already runs on every router (no change)", True
         if version is None:
             found = self._rollback_target(tx, newest, ops)
             if found is None:
@@ -1437,9 +1467,16 @@ class Cycle:
         events, the desired version read a canary's, missed a pin or a re-issue, and was 0
         after a failover)."""
         ops = operator_state(tx.requests(status="done"))
+        rollout = self._rollout(tx)
         self.metrics.set_paused(ops.paused)
         self.metrics.set_pinned(ops.pinned is not None or ops.fallback)  # a fallback holds too
-        self.metrics.set_desired_version(self._rollout(tx).fleet_version)
+        self.metrics.set_desired_version(rollout.fleet_version)
+        # Baking after a restart mid-bake (it read idle); a canary gone without a verdict
+        # of its own no longer reads baking.
+        if rollout.canary_version is not None:
+            self.metrics.set_canary_state("baking")
+        elif self.metrics.canary_state_now == "baking":
+            self.metrics.set_canary_state("idle")
 
     # -- reconcile (every replica) --------------------------------------------------------
 
@@ -1448,11 +1485,16 @@ class Cycle:
             return
         with self.store.read() as tx:
             ops = operator_state(tx.requests(status="done"))
-            if ops.paused:
-                report.reason = _join(report.reason, "paused: no pushes")
-                return
             desired_versions = tx.desired_versions()
             mine = self.reconcile_only if self.reconcile_only is not None else self.routers
+            if ops.paused:
+                report.reason = _join(report.reason, "paused: no pushes")
+                # Still what the store says: a router held behind by the pause shows it.
+                acked = {r.router_id: r.acked_version for r in tx.routers()}
+                for r in mine:
+                    self.metrics.set_router_versions(r, desired_versions.get(r, 0),
+                                                     acked.get(r) or 0)
+                return
             desired = {r: self._policy(tx, v) for r, v in desired_versions.items() if r in mine}
             # A router at a version we stored and moved back from (a rollback, a pin, a
             # rolled-back canary) gets a rollback push; a router ahead at a version we never

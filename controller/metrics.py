@@ -49,6 +49,7 @@ class ControllerMetrics:
 
     def __init__(self, registry: CollectorRegistry, version: str = __version__) -> None:
         self.registry = registry
+        self.canary_state_now = "idle"  # the state pdctl_canary_state reads 1 for
         self.build_info = Gauge(
             "pdctl_build_info", "Always 1; the version label names the running build.",
             ["version"], registry=registry,
@@ -256,6 +257,7 @@ class ControllerMetrics:
 
     def set_canary_state(self, state: str) -> None:
         _check("canary state", state, CANARY_STATES)
+        self.canary_state_now = state
         for s in CANARY_STATES:
             self.canary_state.labels(s).set(1 if s == state else 0)
 

@@ -340,6 +340,10 @@ def status_doc(store: Store, calibrate_every_s: float | None,
                     # held it, "rejected", "approved", later "superseded" or "rolled_back"
                     "policy_status": cal_policy.status if cal_policy is not None else None,
                     "reason": details.get("reason"),
+                    # why no policy was stored: a dry run, or a canary refit whose bake an
+                    # operator action ended in the same cycle
+                    "not_stored": None if c.policy_version is not None else
+                    details.get("not_stored") or ("dry run" if details.get("dry_run") else None),
                     "predicted_goodput": {"current": c.predicted_goodput_current,
                                           "candidate": c.predicted_goodput_new}}
         if calibrate_every_s is not None:
@@ -422,8 +426,10 @@ def _print_status(doc: dict[str, Any]) -> None:
     if cal:
         verdict = ("held as a candidate" if cal.get("policy_status") == "candidate" else
                    "approved" if cal["approved"] else "not approved")
+        what = (f"v{cal['policy_version']}" if cal["policy_version"] is not None
+                else f"(not stored: {cal['not_stored'] or 'no policy'})")
         console.print(f"[bold]calib.[/]   #{cal['id']} at {_t(cal['at'])} ({cal['trigger']}): "
-                      f"{verdict} v{cal['policy_version']} — {cal['reason']}")
+                      f"{verdict} {what} — {cal['reason']}")
     else:
         console.print("[bold]calib.[/]   none yet")
     ops = doc["operator"]

@@ -22,7 +22,7 @@ from controller.cycle import (
     two_proportion_z,
     watch_critical,
 )
-from controller.policy import Policy, Route, dumps
+from controller.policy import Policy, Route, dumps, loads
 from controller.rollout.agent import RouterAgent
 from tests.daemon.fakes import Rig, make_rig
 
@@ -1296,3 +1296,102 @@ async def test_routers_that_replaced_every_earlier_one_are_adopted_on_a_store_wi
         report = await rig.step()
     assert rig.learner.judged_against[-1] == old_next
     assert report.canary and report.canary.startswith("baking"), report.canary
+
+
+async def test_a_canary_a_pin_took_off_its_routers_is_never_rolled_back_to(
+        tmp_path: Path) -> None:
+    """Pinning v1 while v2 baked left v2 approved though it never ran on the fleet: a later
+    `pdctl rollback` (no version) went to it. It is rolled back by the pin now."""
+    rig = make_rig(tmp_path)
+    await _canary_v2(rig, {1: 0.90, 2: 0.96})
+    pin = rig.store.add_request("pause", {"what": "pin", "version": 1}, "ops", "incident")
+    report = await rig.step()
+    assert _desired(rig) == dict.fromkeys(rig.agents, 1)
+    v2 = rig.store.policy(2)
+    assert v2 is not None and v2.status == "rolled_back" and v2.promoted_at is None
+    assert v2.reason == f"dropped from its bake by pause#{pin}: pinned v1 on every router"
+    assert _metric(rig.registry, "pdctl_canary_state", {"state": "rolled_back"}) == 1
+    assert report.canary is None
+    rig.store.add_request("resume", {"what": "pin"}, "ops", "")
+    rig.store.add_request("pause", {"what": "exploration"}, "ops", "")  # v1 re-issued as v3
+    await rig.step()
+    assert _desired(rig) == dict.fromkeys(rig.agents, 3)
+    back = rig.store.add_request("rollback", {}, "ops", "")
+    await rig.step()
+    req = rig.store.request(back)
+    # v3 is v1 without exploration: nothing older differs but the dropped v2, passed over
+    assert req is not None and req.outcome == "nothing to roll back to", req
+
+
+async def test_a_canary_is_not_judged_while_paused(tmp_path: Path) -> None:
+    """A promotion is a push: paused, the judge waits (the log said `paused: no pushes;
+    canary v9: promoted` and the watch then judged a fleet that had not received v9)."""
+    rig = make_rig(tmp_path)
+    await _canary_v2(rig, {1: 0.90, 2: 0.97})
+    rig.store.add_request("pause", {}, "ops", "freeze")
+    for _ in range(rig.config.bake_windows + 1):
+        report = await rig.step()
+        assert report.canary is not None and "not judged while paused" in report.canary
+    assert rig.store.policy(2).promoted_at is None  # type: ignore[union-attr]
+    assert _metric(rig.registry, "pdctl_canary_state", {"state": "baking"}) == 1
+    # the canary routers' gauges say what the store says while no push runs
+    canary = next(r for r, v in _desired(rig).items() if v == 2)
+    assert _metric(rig.registry, "pdctl_router_desired_version", {"router": canary}) == 2
+    rig.store.add_request("resume", {}, "ops", "")
+    report = await rig.step()
+    assert "promoted" in (report.canary or ""), report.canary
+    assert _running(rig) == dict.fromkeys(rig.agents, 2)
+
+
+async def test_exploration_off_covers_a_candidate_approved_in_the_same_cycle(
+        tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.learner.fire = True  # a drift's candidate, approved in the cycle the request lands
+    rig.store.add_request("pause", {"what": "exploration"}, "ops", "")
+    report = await rig.step()
+    assert report.approved_version is not None
+    for version in set(_desired(rig).values()):
+        body = rig.store.policy(version).body_json  # type: ignore[union-attr]
+        assert not any(loads(body).table.exploration), version
+    for agent in rig.agents.values():
+        assert agent.snapshot is not None and not any(agent.snapshot.policy.table.exploration)
+
+
+async def test_a_restart_mid_bake_exports_the_canary_as_baking(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _canary_v2(rig, {1: 0.90, 2: 0.96})
+    rig.new_cycle()
+    await rig.step()
+    assert _metric(rig.registry, "pdctl_canary_state", {"state": "baking"}) == 1
+
+
+async def test_a_rollback_to_the_version_every_router_runs_changes_nothing(
+        tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rid = rig.store.add_request("rollback", {"version": 1}, "ops", "")
+    await rig.step()
+    req = rig.store.request(rid)
+    assert req is not None and req.status == "done"
+    assert req.outcome == "v1 already runs on every router (no change)"
+    assert _metric(rig.registry, "pdctl_rollbacks_total", {"by": "operator"}) == 0
+    assert rig.store.policy(1).status == "approved"  # type: ignore[union-attr]
+
+
+async def test_a_refit_whose_bake_a_pin_ended_says_why_it_was_not_stored(
+        tmp_path: Path) -> None:
+    """The refit ran before the cycle's pin was applied: it is only recorded, and the log
+    and `pdctl status` said "dry run" (none was asked for) and "approved vNone"."""
+    from controller.cli.ops_cmd import status_doc
+
+    rig = make_rig(tmp_path)
+    await _canary_v2(rig, {1: 0.90, 2: 0.96}, approve_refit=True)
+    await rig.step()  # one of the bake's two windows: the next one's verdict promotes
+    rig.store.add_request("pause", {"what": "pin", "version": 1}, "ops", "incident")
+    report = await rig.step()
+    assert report.trigger == "canary" and report.candidate_version is None
+    assert "not stored (the refit of v2: its bake ended otherwise)" in report.summary()
+    cal = status_doc(rig.store, None, None, list(rig.agents))["last_calibration"]
+    assert cal["policy_version"] is None
+    assert cal["not_stored"] == "the refit of v2: its bake ended otherwise"
