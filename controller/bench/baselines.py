@@ -11,6 +11,7 @@ it decode-local). It replaces the table through the simulated router's ``decider
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -82,6 +83,11 @@ def threshold_from_options(options: dict[str, float], base: ThresholdConfig | No
     if unknown:
         raise ValueError(f"threshold: unknown key(s) {', '.join(unknown)}; "
                          f"expected {', '.join(sorted(known))}")
-    typed: dict[str, Any] = {k: (int(v) if k == "prefill_waiting" else float(v))
-                             for k, v in options.items()}
+    typed: dict[str, Any] = {}
+    for k, v in options.items():
+        count = k == "prefill_waiting"  # requests waiting: a count, 1.5 was taken as 1
+        if not math.isfinite(v) or v < 0 or (count and v != int(v)):
+            raise ValueError(f"threshold: {k} must be a {'whole number' if count else 'number'}"
+                             f" >= 0, got {v:g}")
+        typed[k] = int(v) if count else float(v)
     return replace(cfg, **typed)

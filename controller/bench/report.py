@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from controller.sim.run import RequestRecord, RunResult
@@ -221,9 +221,19 @@ def markdown_report(doc: dict[str, Any], command: str | None = None) -> str:
         lines.append("Oracle picks per phase: " + ", ".join(
             f"{p['phase']}: {p['policy']} ({_num(p['goodput'])})" for p in doc["oracle_picks"]))
         lines.append("")
-    ratio = doc.get("oracle_ratio")
-    lines.append("adaptive / oracle goodput: " + ("not run" if ratio is None else f"{ratio:.3f}"))
+    lines.append(oracle_ratio_line(doc))
     for note in doc.get("notes") or []:
         lines.append(f"- note: {note}")
     lines.append("")
     return "\n".join(lines)
+
+
+def oracle_ratio_line(doc: Mapping[str, Any]) -> str:
+    """The report's adaptive / oracle line: "not run" only when one of them was not (with
+    no goodput for either, e.g. no requests, the ratio is undefined)."""
+    ratio = doc.get("oracle_ratio")
+    if ratio is not None:
+        return f"adaptive / oracle goodput: {ratio:.3f}"
+    ran = {"adaptive", "oracle"} <= set(doc.get("policies") or {})
+    return "adaptive / oracle goodput: " + ("undefined (no oracle goodput)" if ran
+                                            else "not run")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -45,7 +46,13 @@ from controller.core.window import Window
 from controller.learning import calibration_config
 from controller.policy import Policy, Route, Slo, Weights
 from controller.sim.run import RunResult, run_scenario
-from controller.sim.scenario import Event, Scenario, load_scenario
+from controller.sim.scenario import (
+    MAX_DURATION_S,
+    Event,
+    Scenario,
+    check_intervals,
+    load_scenario,
+)
 
 POLICIES: tuple[str, ...] = ("pd", "local", "ppd-static", "threshold", "adaptive", "oracle")
 STATIC = ("pd", "local", "ppd-static", "threshold")
@@ -80,13 +87,18 @@ def scale_scenario(scenario: Scenario, factor: float, min_interval_s: float = 10
                    ) -> Scenario:
     """A shortened scenario: duration and event times x ``factor``; the control interval
     x ``factor`` too, but not below ``min_interval_s`` (windows need requests)."""
-    if factor <= 0:
-        raise ValueError("--duration-scale must be > 0")
+    if not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"--duration-scale must be a number > 0, got {factor}")
     if factor == 1.0:
         return scenario
+    duration = scenario.duration_s * factor
+    if duration > MAX_DURATION_S:
+        raise ValueError(f"--duration-scale {factor:g} makes the run {duration:.3g} s; at most "
+                         f"{MAX_DURATION_S:.0f} s (30 days)")
+    interval = max(min_interval_s, scenario.interval_s * factor)
+    check_intervals(duration, interval)
     events = tuple(replace(e, at_s=e.at_s * factor) for e in scenario.events)
-    return replace(scenario, duration_s=scenario.duration_s * factor, events=events,
-                   interval_s=max(min_interval_s, scenario.interval_s * factor))
+    return replace(scenario, duration_s=duration, events=events, interval_s=interval)
 
 
 def slo_of(scenario: Scenario) -> Slo:

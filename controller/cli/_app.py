@@ -50,6 +50,9 @@ def writable_dir_or_exit(path: Path, flag: str = "--out") -> Path:
     to an output directory that cannot take its results."""
     import tempfile
 
+    if path.exists() and not path.is_dir():  # mkdir said only "File exists"
+        typer.echo(f"error: {flag} {path}: not a directory", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT)
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".pdctl-probe-"):

@@ -67,7 +67,7 @@ def bench_run(
         "--duration-scale", help="Multiply duration and event times (and the control "
         "interval, not below 10 s) by this factor.")] = 1.0,
     seed: Annotated[int | None, typer.Option(
-        "--seed", help="Replay with this seed instead of the scenario's (another draw of "
+        "--seed", min=0, help="Replay with this seed instead of the scenario's (another draw of "
         "the same workload: arrivals, lengths, think times).")] = None,
     short: Annotated[bool, typer.Option(
         "--short", help=f"CI-sized run: --duration-scale {SHORT_SCALE}.")] = False,
@@ -130,17 +130,31 @@ def bench_run(
     except ValueError as e:  # e.g. windows a table cannot be calibrated on
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted: nothing written", err=True)
+        raise typer.Exit(130) from None
     doc = evaluation_document(bench)
     command = "pdctl bench run " + " ".join(shlex.quote(a) for a in sys.argv[3:]) \
         if len(sys.argv) > 3 and sys.argv[1:3] == ["bench", "run"] else None
     if out is not None:
-        (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        (out / "report.md").write_text(markdown_report(doc, command), encoding="utf-8")
-        for key, run in bench.runs.items():
-            with (out / f"{key}.jsonl").open("w", encoding="utf-8") as f:
-                for rec in run.result.records:
-                    f.write(json.dumps(asdict(rec)) + "\n")
-        write_plots(out, bench, doc)
+        summary = out / "summary.json"
+        try:
+            # summary.json last, whole or not at all: a directory without one is a run
+            # that did not finish writing (an earlier run's is removed first).
+            summary.unlink(missing_ok=True)
+            write_plots(out, bench, doc)
+            for key, run in bench.runs.items():
+                with (out / f"{key}.jsonl").open("w", encoding="utf-8") as f:
+                    for rec in run.result.records:
+                        f.write(json.dumps(asdict(rec)) + "\n")
+            (out / "report.md").write_text(markdown_report(doc, command), encoding="utf-8")
+            partial = out / "summary.json.partial"
+            partial.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+            partial.replace(summary)
+        except KeyboardInterrupt:
+            typer.echo(f"interrupted while writing {out}: incomplete (no summary.json)",
+                       err=True)
+            raise typer.Exit(130) from None
     if as_json:
         typer.echo(json.dumps(doc, indent=2))
         return
@@ -201,7 +215,7 @@ def _print_table(doc: dict[str, Any], bench: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from controller.bench.report import seconds_list
+    from controller.bench.report import oracle_ratio_line, seconds_list
 
     table = Table(title=f"scenario {doc['scenario']}")
     for col in ("policy", "goodput", "phases", "requests", "T2+ TTFT mean ms",
@@ -221,7 +235,6 @@ def _print_table(doc: dict[str, Any], bench: Any) -> None:
     if not console.is_terminal:  # a log or a pipe: rich's 80 columns would cut every cell
         console = Console(width=200)
     console.print(table)
-    ratio = doc.get("oracle_ratio")
-    console.print("adaptive / oracle goodput: " + ("not run" if ratio is None else f"{ratio:.3f}"))
+    console.print(oracle_ratio_line(doc))
     for note in doc.get("notes") or []:
         console.print(f"note: {note}")

@@ -22,6 +22,20 @@ from controller.sim.workloads.base import SOURCES, WorkloadConfig
 
 EVENT_KINDS = ("rate_scale", "link_bandwidth", "remove_worker", "add_worker", "workload")
 SCHEMA_PATH = Path(__file__).with_name("scenario.schema.json")
+# Upper bounds: beyond them a run does not end in useful time, and nothing said why (a
+# billion workers, a microsecond control interval, a day scaled a million times).
+MAX_WORKERS = 4096  # per role, as `pdctl plan` sizes
+MAX_ROUTERS = 1024
+MAX_DURATION_S = 30 * 86_400.0
+MAX_INTERVALS = 100_000  # control intervals in one run
+MAX_RATE_FACTOR = 1000.0
+
+
+def check_intervals(duration_s: float, interval_s: float) -> None:
+    if duration_s / interval_s > MAX_INTERVALS:
+        raise ScenarioError(
+            f"controller.interval_s: {interval_s:g} s gives {duration_s / interval_s:.3g} "
+            f"control intervals over duration_s {duration_s:g}; at most {MAX_INTERVALS}")
 
 
 class ScenarioError(ConfigError):
@@ -76,7 +90,7 @@ class _Table:
         return f"{self.where}.{k}" if self.where else k
 
     def number(self, k: str, default: float | None = None, *, gt: float | None = None,
-               ge: float | None = None) -> float:
+               ge: float | None = None, le: float | None = None) -> float:
         v = self.data.get(k, default)
         if v is None:
             raise ScenarioError(f"{self.key(k)}: required")
@@ -86,9 +100,12 @@ class _Table:
             raise ScenarioError(f"{self.key(k)}: must be > {gt}, got {v}")
         if ge is not None and not v >= ge:
             raise ScenarioError(f"{self.key(k)}: must be >= {ge}, got {v}")
+        if le is not None and not v <= le:
+            raise ScenarioError(f"{self.key(k)}: at most {le:g}, got {v:g}")
         return float(v)
 
-    def integer(self, k: str, default: int | None = None, *, ge: int = 0) -> int:
+    def integer(self, k: str, default: int | None = None, *, ge: int = 0,
+                le: int | None = None) -> int:
         v = self.data.get(k, default)
         if v is None:
             raise ScenarioError(f"{self.key(k)}: required")
@@ -96,6 +113,8 @@ class _Table:
             raise ScenarioError(f"{self.key(k)}: expected an integer, got {v!r}")
         if v < ge:
             raise ScenarioError(f"{self.key(k)}: must be >= {ge}, got {v}")
+        if le is not None and v > le:
+            raise ScenarioError(f"{self.key(k)}: at most {le}, got {v}")
         return v
 
     def boolean(self, k: str, default: bool) -> bool:
@@ -157,9 +176,11 @@ def _buckets(data: Any) -> tuple[tuple[str, tuple[float, ...]], ...]:
     out = []
     for family, bounds in t.data.items():
         numbers = isinstance(bounds, list) and bool(bounds) and all(
-            isinstance(b, int | float) and not isinstance(b, bool) for b in bounds)
+            isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b)
+            for b in bounds)  # NaN compares false both ways: it passed as increasing
         if not numbers or any(b <= a for a, b in itertools.pairwise(bounds)):
-            raise ScenarioError(f"{where}.{family}: expected a strictly increasing list of numbers")
+            raise ScenarioError(
+                f"{where}.{family}: expected a strictly increasing list of finite numbers")
         out.append((str(family), tuple(float(b) for b in bounds)))
     return tuple(out)
 
@@ -169,8 +190,10 @@ def parse_scenario(data: Mapping[str, Any], source_path: Path | None = None) -> 
                             "events", "slo", "controller"})
     name = top.string("name")
     seed = top.integer("seed", 0)
-    duration = top.number("duration_s", gt=0)
-    description = str(data.get("description", ""))
+    duration = top.number("duration_s", gt=0, le=MAX_DURATION_S)
+    description = data.get("description", "")
+    if not isinstance(description, str):  # the schema says a string; the loader took any
+        raise ScenarioError(f"description: expected a string, got {description!r}")
     c = _Table(data.get("cluster", {}), "cluster", CLUSTER_KEYS)
     profile_ref = c.string("profile", "llama-3.1-8b-h100")
     if source_path is not None and profile_ref.endswith(".json"):
@@ -182,19 +205,19 @@ def parse_scenario(data: Mapping[str, Any], source_path: Path | None = None) -> 
     except ConfigError as e:
         raise ScenarioError(f"cluster.profile: {e}") from None
     cluster = ClusterConfig(
-        prefill_workers=c.integer("prefill_workers", 1, ge=0),
-        decode_workers=c.integer("decode_workers", 1, ge=1),
+        prefill_workers=c.integer("prefill_workers", 1, ge=0, le=MAX_WORKERS),
+        decode_workers=c.integer("decode_workers", 1, ge=1, le=MAX_WORKERS),
         profile=profile,
         kv_link_gbps=c.number("kv_link_gbps", 100.0, gt=0),
         kv_link_setup_s=c.number("kv_link_setup_ms", 1.0, ge=0) / 1000.0,
-        max_batch_tokens=c.integer("max_batch_tokens", 8192, ge=16),
-        routers=c.integer("routers", 1, ge=1),
+        max_batch_tokens=c.integer("max_batch_tokens", 8192, ge=16, le=1 << 22),
+        routers=c.integer("routers", 1, ge=1, le=MAX_ROUTERS),
         prefill_prefix_cache=c.boolean("prefill_prefix_cache", True),
         transfer_missing_only=c.boolean("transfer_missing_only", True),
         qps_window_s=c.number("qps_window_s", 10.0, gt=0),
         custom_histogram_buckets=_buckets(c.data.get("custom_histogram_buckets", {})),
         metrics_engine=c.string("metrics_engine", "vllm", choices=("vllm", "sglang")),
-        sglang_tp_ranks=c.integer("sglang_tp_ranks", 1, ge=1),
+        sglang_tp_ranks=c.integer("sglang_tp_ranks", 1, ge=1, le=64),
     )
     if "workload" not in data:
         raise ScenarioError("workload: required")
@@ -221,7 +244,8 @@ def parse_scenario(data: Mapping[str, Any], source_path: Path | None = None) -> 
         if events and at < events[-1].at_s:
             raise ScenarioError(f"{t.key('at_s')}: events must be in time order")
         if kind in ("rate_scale", "link_bandwidth"):
-            events.append(Event(at, kind, factor=t.number("factor", gt=0)))
+            events.append(Event(at, kind, factor=t.number(
+                "factor", gt=0, le=MAX_RATE_FACTOR if kind == "rate_scale" else None)))
         elif kind in ("remove_worker", "add_worker"):
             role = t.string("role", choices=("prefill", "decode"))
             count = t.integer("count", 1, ge=1)
@@ -230,6 +254,8 @@ def parse_scenario(data: Mapping[str, Any], source_path: Path | None = None) -> 
                 prefill_n += sign * count
             else:
                 decode_n += sign * count
+            if max(prefill_n, decode_n) > MAX_WORKERS:
+                raise ScenarioError(f"{t.key('count')}: more than {MAX_WORKERS} {role} workers")
             if prefill_n < 0 or decode_n < 1:
                 raise ScenarioError(
                     f"{t.key('count')}: removes more {role} workers than exist at that time"
@@ -241,11 +267,13 @@ def parse_scenario(data: Mapping[str, Any], source_path: Path | None = None) -> 
             events.append(Event(at, kind, workload=_workload(wl, where, duration)))
     slo = _Table(data.get("slo", {}), "slo", {"ttft_s", "tpot_s"})
     ctl = _Table(data.get("controller", {}), "controller", {"interval_s"})
+    interval = ctl.number("interval_s", 30.0, gt=0)
+    check_intervals(duration, interval)
     return Scenario(
         name=name, seed=seed, duration_s=duration, cluster=cluster, profile=profile,
         workload=workload, events=tuple(events),
         ttft_slo_s=slo.number("ttft_s", 2.0, gt=0), tpot_slo_s=slo.number("tpot_s", 0.1, gt=0),
-        interval_s=ctl.number("interval_s", 30.0, gt=0), description=description,
+        interval_s=interval, description=description,
         source_path=source_path,
     )
 

@@ -3,6 +3,7 @@ simulated routers apply it through the ``decider`` hook."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,10 @@ def test_overrides_change_the_rule() -> None:
     assert threshold_route(cfg, 3000, 2000, 50) is P     # busyness clause disabled
     with pytest.raises(ValueError, match="unknown key"):
         threshold_from_options({"max_tokens": 1})
+    with pytest.raises(ValueError, match="prefill_waiting must be a whole number"):
+        threshold_from_options({"prefill_waiting": 1.5})  # it ran as 1
+    with pytest.raises(ValueError, match="max_uncached_tokens must be a number >= 0"):
+        threshold_from_options({"max_uncached_tokens": math.nan})
     with pytest.raises(ValueError):
         ThresholdConfig(max_uncached_ratio=1.5)
 

@@ -177,3 +177,67 @@ def test_bench_run_refuses_two_policies_reported_under_one_name(tmp_path: Path) 
         assert r.exit_code == 2, r.output
         assert said in r.output and "rename the file" in r.output
     assert not out.exists()  # refused before anything ran or was written
+
+
+def test_bench_run_interrupted_while_writing_leaves_no_summary(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """summary.json is written last, whole: an interrupted run left summary.json and
+    report.md beside missing plots, a report that looked complete (an earlier run's
+    summary.json in the same directory too)."""
+    import controller.bench.plots as plots
+    from controller.cli import app
+
+    toml = tmp_path / "s.toml"
+    toml.write_text('name = "x"\nduration_s = 5\n[workload]\nsource = "synthetic"\n')
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")  # an earlier run's
+
+    def interrupted(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plots, "write_plots", interrupted)
+    r = CliRunner().invoke(app, ["bench", "run", str(toml), "--policy", "pd", "--out",
+                                 str(out)])
+    assert r.exit_code == 130, r.output
+    assert "interrupted while writing" in r.output
+    assert not (out / "summary.json").exists()
+    monkeypatch.undo()
+    r = CliRunner().invoke(app, ["bench", "run", str(toml), "--policy", "pd", "--out",
+                                 str(out)])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "summary.json").read_text())["policies"].keys() == {"pd"}
+    assert not (out / "summary.json.partial").exists()
+
+
+def test_bench_run_refuses_a_duration_scale_it_could_not_finish(tmp_path: Path) -> None:
+    from controller.cli import app
+
+    toml = tmp_path / "s.toml"
+    toml.write_text('name = "x"\nduration_s = 3600\n[workload]\nsource = "synthetic"\n')
+    for scale, said in (("nan", "--duration-scale must be a number > 0"),
+                        ("inf", "--duration-scale must be a number > 0"),
+                        ("1e6", "at most 2592000 s"),
+                        ("0", "--duration-scale must be a number > 0")):
+        r = CliRunner().invoke(app, ["bench", "run", str(toml), "--duration-scale", scale])
+        assert r.exit_code == 2, (scale, r.output)
+        assert said in r.output, (scale, r.output)
+
+
+def test_bench_run_out_at_a_file_says_it_is_not_a_directory(tmp_path: Path) -> None:
+    from controller.cli import app
+
+    toml = tmp_path / "s.toml"
+    toml.write_text('name = "x"\nduration_s = 5\n[workload]\nsource = "synthetic"\n')
+    (tmp_path / "afile").write_text("")
+    r = CliRunner().invoke(app, ["bench", "run", str(toml), "--out", str(tmp_path / "afile")])
+    assert r.exit_code == 2 and "afile: not a directory" in r.output, r.output
+
+
+def test_the_oracle_ratio_line_tells_not_run_from_undefined() -> None:
+    from controller.bench.report import oracle_ratio_line
+
+    assert oracle_ratio_line({"oracle_ratio": 0.98765}) == "adaptive / oracle goodput: 0.988"
+    both = {"oracle_ratio": None, "policies": {"adaptive": {}, "oracle": {}}}
+    assert oracle_ratio_line(both).endswith("undefined (no oracle goodput)")
+    assert oracle_ratio_line({"oracle_ratio": None, "policies": {"pd": {}}}).endswith("not run")

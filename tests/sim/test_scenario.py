@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,19 @@ def test_examples_cover_every_source_and_event_kind() -> None:
          "events[0].role"),
         ({"events": [{"at_s": 1, "kind": "remove_worker", "role": "decode", "count": 2}]},
          "events[0].count"),
+        # Beyond these a run hung silently (a billion workers, a microsecond interval).
+        ({"cluster": {"prefill_workers": 10**9}}, "cluster.prefill_workers"),
+        ({"cluster": {"decode_workers": 4097}}, "cluster.decode_workers"),
+        ({"cluster": {"routers": 10**9}}, "cluster.routers"),
+        ({"duration_s": 1e12}, "duration_s"),
+        ({"controller": {"interval_s": 1e-6}}, "controller.interval_s"),
+        ({"events": [{"at_s": 1, "kind": "rate_scale", "factor": 1e9}]}, "events[0].factor"),
+        ({"events": [{"at_s": 1, "kind": "add_worker", "role": "decode", "count": 10**6}]},
+         "events[0].count"),
+        ({"cluster": {"custom_histogram_buckets": {"inter_token_latency": [0.01, math.nan,
+                                                                           0.5]}}},
+         "cluster.custom_histogram_buckets.inter_token_latency"),
+        ({"description": 5}, "description"),
     ],
 )
 def test_bad_values_are_errors_naming_the_key(patch: dict[str, Any], key: str) -> None:

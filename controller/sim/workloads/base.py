@@ -205,7 +205,8 @@ class Params:
         return key in self._params
 
     def number(
-        self, key: str, default: float, *, minimum: float = 0.0, strict: bool = False
+        self, key: str, default: float, *, minimum: float = 0.0, strict: bool = False,
+        maximum: float | None = None,
     ) -> float:
         value = self._params.get(key, default)
         if (
@@ -217,6 +218,8 @@ class Params:
         if value < minimum or (strict and value == minimum):
             op = ">" if strict else ">="
             raise WorkloadError(f"{self._key(key)}: must be {op} {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise WorkloadError(f"{self._key(key)}: at most {maximum:g}, got {value:g}")
         return float(value)
 
     def integer(self, key: str, default: int, *, minimum: int = 0) -> int:

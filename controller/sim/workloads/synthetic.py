@@ -100,7 +100,7 @@ class SyntheticWorkload:
         for key, default in list(sizes.items()):
             sizes[key] = p.integer(key, default, minimum=1)
         shape = SyntheticShape(
-            qps=p.number("qps", 1.0, strict=True),
+            qps=p.number("qps", 1.0, strict=True, maximum=10_000.0),  # beyond: a silent hang
             turns=p.integer("turns", 2, minimum=1),
             think_s=p.number("think_s", 1.0),
             think=p.string("think", "fixed", ("fixed", "exp")),

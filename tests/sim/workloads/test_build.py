@@ -106,6 +106,11 @@ def test_an_unreadable_trace_is_a_workload_error_naming_the_file(tmp_path: Path)
         build_workload(WorkloadConfig("mooncake", params={"path": str(tmp_path)}))
 
 
+def test_a_synthetic_rate_beyond_ten_thousand_per_second_is_refused() -> None:
+    with pytest.raises(WorkloadError, match=r"workload\.params\.qps: at most 10000"):
+        build_workload(WorkloadConfig("synthetic", params={"qps": 1e9}))
+
+
 def test_unknown_source_is_an_error_listing_the_choices() -> None:
     with pytest.raises(WorkloadError, match=r"workload\.source.*'sharegpt'.*mooncake"):
         WorkloadConfig("sharegpt")  # type: ignore[arg-type]
