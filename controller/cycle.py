@@ -896,7 +896,8 @@ class Cycle:
             # The judge was asked before the refit; only an operator action in this cycle
             # (a rollback, a pin, a pause) changes its answer. The refit is then only recorded.
             dry_run = True
-            not_stored = f"the refit of v{plan.refit_of}: its bake ended otherwise"
+            not_stored = (f"the refit of v{plan.refit_of}, which an operator action in this "
+                          "cycle kept from its promotion")
             report.not_stored = not_stored
         if ops.exploration_off:  # read after this cycle's requests: one may have turned it off
             outcome = plan.calibration = replace(outcome,

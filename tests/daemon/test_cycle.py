@@ -1391,7 +1391,8 @@ async def test_a_refit_whose_bake_a_pin_ended_says_why_it_was_not_stored(
     rig.store.add_request("pause", {"what": "pin", "version": 1}, "ops", "incident")
     report = await rig.step()
     assert report.trigger == "canary" and report.candidate_version is None
-    assert "not stored (the refit of v2: its bake ended otherwise)" in report.summary()
+    assert ("not stored (the refit of v2, which an operator action in this cycle kept from "
+            "its promotion)") in report.summary()
     cal = status_doc(rig.store, None, None, list(rig.agents))["last_calibration"]
     assert cal["policy_version"] is None
-    assert cal["not_stored"] == "the refit of v2: its bake ended otherwise"
+    assert cal["not_stored"].startswith("the refit of v2, which an operator action")
