@@ -64,19 +64,26 @@ def writable_dir_or_exit(path: Path, flag: str = "--out") -> Path:
 
 
 def writable_file_or_exit(path: Path, flag: str) -> Path:
-    """``path`` can be written as a file: its directory exists and takes files, and it is
-    not a directory itself."""
-    import os
+    """``path`` can be written as a file: its directory exists and takes files (tried with
+    a temporary file: ``os.access`` says yes to root, on /proc too), and it is not a
+    directory, a device or a pipe itself."""
+    import tempfile
 
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         reason = "is a directory"
+    elif path.exists() and not path.is_file():
+        reason = "not a regular file (a device or a pipe)"
     elif not parent.is_dir():
         reason = f"no directory {parent}"
-    elif not os.access(parent, os.W_OK | os.X_OK):
-        reason = f"cannot write to {parent}"
     else:
-        return path
+        try:
+            with tempfile.NamedTemporaryFile(dir=parent, prefix=".pdctl-probe-"):
+                pass
+        except OSError as e:
+            reason = f"cannot write to {parent}: {e.strerror or e}"
+        else:
+            return path
     typer.echo(f"error: {flag} {path}: {reason}", err=True)
     raise typer.Exit(EXIT_BAD_INPUT)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import glob
 import logging
 import os
 import random
@@ -385,7 +386,16 @@ class RouterAgent:
 
     def _load_state_file(self) -> Policy | None:
         path = self._state_file
-        if path is None or not path.exists():
+        if path is None:
+            return None
+        self._remove_leftover_temps(path)
+        if not path.exists():
+            return None
+        if not path.is_file():
+            # A device or a pipe: never renamed as "corrupt" (/dev/null, as root), never
+            # read (a FIFO blocked the start for good).
+            self._log.error("router %s: state file %s is not a regular file; starting from "
+                            "the initial policy", self.router_id, path)
             return None
         try:
             data = path.read_bytes()
@@ -410,6 +420,18 @@ class RouterAgent:
             self.router_id, policy.version, policy.checksum[:12], path,
         )
         return policy
+
+    def _remove_leftover_temps(self, path: Path) -> None:
+        """Temporary files of writes a kill cut short (``atomic_write_bytes``): never the
+        state, up to a table's size each, and nothing else removes them."""
+        for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+            try:
+                tmp.unlink()
+            except OSError as e:
+                self._log.warning("router %s: cannot remove %s: %s", self.router_id, tmp, e)
+            else:
+                self._log.info("router %s: removed %s, left by an interrupted write",
+                               self.router_id, tmp)
 
     def _set_aside(self, path: Path) -> Path | None:
         """Rename a corrupt state file to ``<name>.corrupt-<n>`` (kept for a post-mortem)."""

@@ -3,6 +3,7 @@ before any long work starts, never a traceback."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -124,3 +125,10 @@ def test_router_agent_checks_its_state_file_directory(tmp_path: Path) -> None:
                            f"--state-file {missing}: no directory {missing.parent}")
     _process_fails_cleanly(["router-agent", "--listen", "127.0.0.1:0",
                             "--state-file", str(tmp_path)], "is a directory")
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # a FIFO blocked the start for good; a device was renamed "corrupt"
+    _process_fails_cleanly(["router-agent", "--listen", "127.0.0.1:0",
+                            "--state-file", str(fifo)], "not a regular file")
+    # os.access says yes to root on /proc; a temporary file there says no
+    _process_fails_cleanly(["router-agent", "--listen", "127.0.0.1:0",
+                            "--state-file", "/proc/pdctl-state.json"], "cannot write to /proc")

@@ -195,6 +195,53 @@ def test_corrupt_state_file_is_set_aside_and_the_initial_policy_used(
     assert any("corrupt" in r.getMessage() for r in caplog.records)
 
 
+def test_a_state_file_that_is_a_pipe_is_neither_read_nor_renamed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A FIFO blocked the start for good; a device (``/dev/null`` to mean "no state", as
+    root) was renamed to ``.corrupt-1``. Neither is read or moved now."""
+    import os
+    import threading
+    import time
+
+    fifo = tmp_path / "router.json"
+    os.mkfifo(fifo)
+    stop = threading.Event()
+
+    def unblock() -> None:  # were the agent to open it: its read ends (bounded, 10 s)
+        until = time.monotonic() + 10.0
+        while not stop.is_set() and time.monotonic() < until:
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                time.sleep(0.01)  # no reader (ENXIO): the agent did not open it
+
+    writer = threading.Thread(target=unblock)
+    writer.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger=AGENT_LOGGER):
+            agent = RouterAgent(clock=VirtualClock(), state_file=fifo,
+                                initial_policy=checkerboard(1))
+    finally:
+        stop.set()
+        writer.join()
+    assert agent.policy == checkerboard(1)
+    assert fifo.exists() and not (tmp_path / "router.json.corrupt-1").exists()
+    assert any("not a regular file" in r.getMessage() for r in caplog.records)
+
+
+def test_temporary_files_of_an_interrupted_write_are_removed_at_start(tmp_path: Path) -> None:
+    state = tmp_path / "router.json"
+    RouterAgent(clock=VirtualClock(), state_file=state).apply(checkerboard(7))
+    left = tmp_path / ".router.json.abc123.tmp"  # as atomic_write_bytes names them
+    left.write_bytes(b'{"cut off')
+    other = tmp_path / ".other.json.abc123.tmp"  # another file's: not ours to remove
+    other.write_bytes(b"x")
+    restarted = RouterAgent(clock=VirtualClock(), state_file=state)
+    assert restarted.policy == checkerboard(7)
+    assert not left.exists() and other.exists()
+
+
 def test_garbage_state_file_without_initial_policy_starts_empty(tmp_path: Path) -> None:
     state = tmp_path / "router.json"
     state.write_bytes(b"\xff\xfe not json")
