@@ -102,6 +102,12 @@ def _token(config: SecurityConfig) -> str | None:
         raise ConfigError(f"security.token_file: cannot read {config.token_file}: {e}") from None
     if token is not None and not token:
         raise ConfigError("security: the bearer token is empty")
+    if token is not None and not all(" " <= c <= "~" for c in token):
+        # gRPC refuses such metadata on every call ("Illegal metadata"), read as the router
+        # being unreachable after all the retries.
+        key = "token" if config.token is not None else f"token_file {config.token_file}"
+        raise ConfigError(f"security.{key}: the bearer token must be printable ASCII "
+                          "(gRPC metadata): no accents, tabs or newlines inside it")
     return token
 
 
@@ -260,8 +266,18 @@ def _certificate_configuration(
         raise ConfigError(
             f"security.tls_cert/tls_key: {cert} and {key} do not match: {e}"
         ) from None
-    roots = _read(ca, "tls_ca") if ca is not None else None
+    roots = None
+    if ca is not None:
+        _check_ca(ca)  # else gRPC core failed the bind, read as a port in use
+        roots = _read(ca, "tls_ca")
     return grpc.ssl_server_certificate_configuration([pair], root_certificates=roots)
+
+
+def _check_ca(ca: Path) -> None:
+    try:
+        ssl.create_default_context(cafile=str(ca))
+    except (ssl.SSLError, OSError) as e:
+        raise ConfigError(f"security.tls_ca: {ca} holds no usable certificate: {e}") from None
 
 
 def server_security(
@@ -335,10 +351,7 @@ def _checked_channel_credentials(config: SecurityConfig) -> grpc.ChannelCredenti
                 f"security.tls_cert/tls_key: {cert} and {key} do not match: {e}"
             ) from None
     if ca is not None:
-        try:
-            ssl.create_default_context(cafile=str(ca))
-        except (ssl.SSLError, OSError) as e:
-            raise ConfigError(f"security.tls_ca: {ca} holds no usable certificate: {e}") from None
+        _check_ca(ca)
     return channel_credentials(config)
 
 

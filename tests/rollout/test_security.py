@@ -231,6 +231,18 @@ def test_unreadable_or_empty_secrets_are_config_errors(tmp_path: Path, pki: Pki)
         server_security(SecurityConfig(token_file=empty), reg)
     with pytest.raises(ConfigError, match="tls_ca"):
         server_security(SecurityConfig(tls_ca=pki.ca), reg)
+    # a private key for the CA: gRPC core failed the bind ("cannot listen on ...")
+    with pytest.raises(ConfigError, match=r"tls_ca: .* holds no usable certificate"):
+        server_security(SecurityConfig(tls_cert=pki.server_cert, tls_key=pki.server_key,
+                                       tls_ca=pki.server_key), reg)
+    # gRPC sends no such metadata ("Illegal metadata", read as an unreachable router)
+    for bad in ("héllo", "to\tken"):
+        with pytest.raises(ConfigError, match=r"security\.token: .* printable ASCII"):
+            server_security(SecurityConfig(token=SecretStr(bad)), reg)
+    accented = tmp_path / "token"
+    accented.write_text("héllo\n")
+    with pytest.raises(ConfigError, match=r"security\.token_file .* printable ASCII"):
+        server_security(SecurityConfig(token_file=accented), reg)
 
 
 def test_unauthenticated_server_stays_on_loopback() -> None:
