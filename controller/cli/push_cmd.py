@@ -93,6 +93,11 @@ def push(
     except PolicyValidationError as e:
         typer.echo(f"{policy_file}: {e}", err=True)
         raise typer.Exit(2) from None
+    from controller.rollout.codec import MAX_MESSAGE_BYTES, policy_to_proto, too_large
+
+    if (size := policy_to_proto(policy).ByteSize()) > MAX_MESSAGE_BYTES:
+        typer.echo(f"{policy_file}: {too_large(size)}", err=True)
+        raise typer.Exit(2)
     routers = list(router or settings.routers.targets)
     if not routers:
         typer.echo("no routers: pass --router HOST:PORT or set [routers] targets", err=True)

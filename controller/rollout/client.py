@@ -33,6 +33,7 @@ from controller.rollout.codec import (
     policy_from_proto,
     policy_to_proto,
     timestamp_to_epoch,
+    too_large,
 )
 from controller.rollout.reconciler import ApplyReply, RouterState
 from controller.rollout.security import (
@@ -126,6 +127,7 @@ class GrpcRouterTransport:
         self._credentials = (self._credential_files.value if self._credential_files is not None
                              else channel_credentials(security))
         self._options = client_options(security, max_message_bytes, reconnect_backoff_max_s)
+        self._max_message_bytes = max_message_bytes
         self._retire_grace_s = retire_grace_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Future[None]] = set()
@@ -176,6 +178,11 @@ class GrpcRouterTransport:
     ) -> ApplyReply:
         stub = policy_grpc.RouterPolicyServiceStub(self.channel(router))
         request = self._request(policy, rollback)
+        if (size := request.ByteSize()) > self._max_message_bytes:
+            # Terminal: gRPC's own refusal (RESOURCE_EXHAUSTED) was retried and reported as
+            # an unreachable router.
+            raise RouterRefusedCall(router, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    too_large(size, self._max_message_bytes))
         try:
             response: policy_pb.ApplyPolicyResponse = await stub.ApplyPolicy(
                 request, timeout=deadline_s

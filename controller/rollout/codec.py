@@ -42,6 +42,11 @@ from controller.policy import (
 # cells, is about 4.5 MB on the wire.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
+
+def too_large(size: int, limit: int = MAX_MESSAGE_BYTES) -> str:
+    return (f"the policy is {size:,} bytes as a gRPC message, above the {limit:,}-byte "
+            f"limit ({limit / 2**20:g} MiB; a long provenance.reason, or very fine axes?)")
+
 # Wire value -> Route; anything else (0 = ROUTE_UNSPECIFIED, or a value from a newer schema)
 # is refused by name.
 _ROUTES: dict[int, Route] = {int(r): r for r in Route}

@@ -199,6 +199,15 @@ def test_bad_inputs_exit_2(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "no routers" in result.output
 
+    from controller.policy import Provenance
+
+    huge = tmp_path / "huge.json"  # a 17 MB reason: retried 5 times, then "unreachable"
+    huge.write_text(dumps(Policy.uniform(3, Route.DECODE_LOCAL,
+                                         provenance=Provenance(reason="x" * 17_000_000))))
+    result = runner.invoke(app, ["push", str(huge), "-r", "127.0.0.1:1"])
+    assert result.exit_code == 2, result.output
+    assert "limit (16 MiB" in result.output
+
     for address in ("notanaddress", "127.0.0.1:99999", "router one:50151"):
         result = runner.invoke(app, ["push", str(good), "-r", "127.0.0.1:1", "-r", address])
         assert result.exit_code == 2, (address, result.output)

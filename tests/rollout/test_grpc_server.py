@@ -316,6 +316,19 @@ async def test_largest_table_is_pushed_within_the_message_limit(
         await server.stop(grace=None)
 
 
+async def test_a_policy_above_the_message_limit_is_refused_before_any_call() -> None:
+    """gRPC's own RESOURCE_EXHAUSTED was retried five times and reported as unreachable."""
+    from controller.rollout.client import RouterRefusedCall
+
+    small = GrpcRouterTransport(max_message_bytes=1000)
+    try:
+        with pytest.raises(RouterRefusedCall, match="above the 1,000-byte limit") as e:
+            await small.apply("127.0.0.1:9", Policy.uniform(2, Route.DECODE_LOCAL), False, 1.0)
+        assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        await small.close()
+
+
 async def test_a_second_server_cannot_take_a_live_port(router: RouterServer) -> None:
     from controller.errors import ConfigError
 
