@@ -45,6 +45,15 @@ def load_settings_or_exit(config: Path | None) -> Settings:
         raise typer.Exit(EXIT_BAD_INPUT) from None
 
 
+def table_console() -> Any:
+    """A rich Console for tables: on a terminal its own width; elsewhere (cron, CI, a pipe)
+    200 columns, where rich's default 80 cut columns to "…" (push's ok and outcome)."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
 def writable_dir_or_exit(path: Path, flag: str = "--out") -> Path:
     """``path`` made and checked writable before any long work, so that a run is not lost
     to an output directory that cannot take its results."""

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from controller.cli._app import bench_app
+from controller.cli._app import bench_app, table_console
 
 
 def _fanout_policy(version: int) -> Any:
@@ -194,7 +194,6 @@ def fanout(
     if as_json:
         typer.echo(json.dumps(result))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"fan-out to {routers} router agents (persistence on)")
@@ -202,6 +201,6 @@ def fanout(
     table.add_column("value", justify="right")
     for key, value in result.items():
         table.add_row(key, str(value))
-    Console().print(table)
+    table_console().print(table)
     if result["failed"]:
         raise typer.Exit(1)

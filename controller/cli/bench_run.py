@@ -12,7 +12,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from controller.cli._app import bench_app, load_policy_or_exit, writable_dir_or_exit
+from controller.cli._app import (
+    bench_app,
+    load_policy_or_exit,
+    table_console,
+    writable_dir_or_exit,
+)
 
 if TYPE_CHECKING:
     from controller.policy import Policy
@@ -212,7 +217,6 @@ def _fmt(v: Any, scale: float = 1.0, digits: int = 3) -> str:
 
 
 def _print_table(doc: dict[str, Any], bench: Any) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from controller.bench.report import oracle_ratio_line, seconds_list
@@ -231,9 +235,7 @@ def _print_table(doc: dict[str, Any], bench: Any) -> None:
                       _fmt(s["tpot_mean_s"], 1e3, 2), _fmt(s["tpot_p99_s"], 1e3, 2),
                       _fmt(s["kv_bytes"], 1 / 2**30, 2), str(s.get("policy_changes", 0)),
                       adapt, detect, "-" if run is None else f"{run.result.wall_s:.1f}")
-    console = Console()
-    if not console.is_terminal:  # a log or a pipe: rich's 80 columns would cut every cell
-        console = Console(width=200)
+    console = table_console()
     console.print(table)
     console.print(oracle_ratio_line(doc))
     for note in doc.get("notes") or []:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from controller.cli._app import app, load_settings_or_exit
+from controller.cli._app import app, load_settings_or_exit, table_console
 
 if TYPE_CHECKING:
     from controller.config import Settings
@@ -331,10 +331,9 @@ def drift_command(
 
 
 def _print_drift(doc: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = table_console()
     console.print(f"calibration #{doc['calibration_id']} (policy v{doc['policy_version']}); "
                   f"{doc['windows_replayed']} window(s) replayed since")
     if doc["now"] is None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from controller.cli._app import app, load_settings_or_exit
+from controller.cli._app import app, load_settings_or_exit, table_console
 
 if TYPE_CHECKING:
     from controller.store import Store
@@ -384,10 +384,9 @@ def _t(value: datetime | None) -> str:
 
 
 def _print_status(doc: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = table_console()
     leader = doc["leader"]
     console.print(
         f"[bold]leader[/]   {leader['holder']} (term {leader['term']}, lease "

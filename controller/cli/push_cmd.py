@@ -15,18 +15,17 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from controller.cli._app import app, load_settings_or_exit
+from controller.cli._app import app, load_settings_or_exit, table_console
 
 if TYPE_CHECKING:
     from controller.rollout.reconciler import RouterStatus
 
 
 def _print_table(statuses: dict[str, RouterStatus], version: int, rollback: bool) -> None:
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    console = Console()
+    console = table_console()
     kind = "rollback to" if rollback else "push of"
     table = Table(title=f"{kind} policy v{version}")
     for col in ("router", "ok", "outcome", "acked", "checksum", "attempts", "ms"):

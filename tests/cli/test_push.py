@@ -156,10 +156,14 @@ def test_one_unreachable_router_fails_the_command_not_the_others(
         False, "unreachable", 2,
     )
 
+    # Not a terminal (cron, CI, a pipe): a long router name cut the ok and outcome columns
+    # to "…" at rich's default 80 columns.
+    long_name = "router-with-a-long-name.example.internal:9"
     table = runner.invoke(app, ["push", str(write_policy(tmp_path, 2)), "-r", agent.address,
-                                "-r", dead, "--config", str(config)])
+                                "-r", dead, "-r", long_name, "--config", str(config)])
     assert table.exit_code == 1
     assert "unreachable" in table.output and "in_sync" in table.output
+    assert long_name in table.output and "…" not in table.output
 
 
 def test_token_protected_agent_refuses_pushes_without_the_token(
