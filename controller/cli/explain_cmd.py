@@ -235,12 +235,18 @@ def explain_command(
     c = doc["cell"]
     typer.echo(f"cell      context bin {c['context_bin']}, io bin {c['io_bin']}, "
                f"qps bin {c['qps_bin']}")
+    compared = doc.get("compared") or {}
     for route, p in doc["predicted"].items():
-        typer.echo(f"{route:<13} TTFT {p['ttft_s'] * 1e3:8.1f} ms   "
-                   f"TPOT {p['tpot_s'] * 1e3:7.2f} ms")
+        line = f"{route:<13} TTFT {p['ttft_s'] * 1e3:8.1f} ms   TPOT {p['tpot_s'] * 1e3:7.2f} ms"
+        if route in compared:  # with the cost each route puts on the other requests
+            c = compared[route]
+            line += (f"   scored as TTFT {c['ttft_s'] * 1e3:8.1f} ms   "
+                     f"TPOT {c['tpot_s'] * 1e3:7.2f} ms")
+        typer.echo(line)
     s = doc["samples"]
     spread = "n/a" if s["residual_spread"] is None else f"{s['residual_spread']:.3f}"
-    typer.echo(f"score     {doc['score']:+.4f} (> 0: decode-local); exploration "
+    typer.echo(f"score     {doc['score']:+.4f} (> 0: decode-local; wtft (TTFT_p - TTFT_l) / "
+               f"TTFT_p - wtpot (TPOT_l - TPOT_p) / TPOT_p, as scored); exploration "
                f"{doc['exploration']:.3f}")
     typer.echo(f"confidence {doc['confidence']}: {s['rarer_route_requests']:.0f} requests on "
                f"the rarer route, residual spread {spread}")

@@ -193,6 +193,7 @@ class FixedPoint:
     converged: bool
     predicted_goodput: float
     stable_rows: Any  # bool [S]: QPS rows that reached a fixed point
+    terms: ScoreTerms  # what ``scores`` compared
 
 
 @dataclass(slots=True)
@@ -215,6 +216,7 @@ class CalibrationResult:
     grid: TableGrid
     predictions: Predictions  # under the candidate's load, [qps row, (ctx, io) cell, route]
     details: dict[str, Any] = field(default_factory=dict)
+    score_terms: ScoreTerms | None = None  # what the table's scores compared
 
     @property
     def approved(self) -> bool:
@@ -321,8 +323,19 @@ def table_grid(ts: TrainingSet, axes: Axes, recent_windows: int,
 
 
 
-def scores(pred: Predictions, sc: Scenario, weights: Weights) -> FloatArray:
-    """The paper's score per cell, with marginal (social) costs added to both routes."""
+@dataclass(frozen=True, slots=True)
+class ScoreTerms:
+    """What a cell's score compares, [qps row, (ctx, io) cell]: each route's predicted TTFT
+    and TPOT with the marginal cost it puts on the other requests added (``pdctl explain``
+    showed the predictions alone, which the score contradicted under load)."""
+
+    ttft_p: FloatArray
+    ttft_l: FloatArray
+    tpot_p: FloatArray
+    tpot_l: FloatArray
+
+
+def score_terms(pred: Predictions, sc: Scenario) -> ScoreTerms:
     ph = pred.physics
     ttft_p, ttft_l = pred.ttft[:, :, 0], pred.ttft[:, :, 1]
     tpot_p, tpot_l = pred.tpot[:, :, 0], pred.tpot[:, :, 1]
@@ -335,10 +348,17 @@ def scores(pred: Predictions, sc: Scenario, weights: Weights) -> FloatArray:
     d_step = (ph.step_per_local_tps / sc.n_decode)[:, None] * sc.append
     harm_l_tpot = rate_all[:, None] * d_step
     harm_l_ttft = rate_l[:, None] * d_step * 1.5
-    tp = ttft_p + harm_p
-    tl = ttft_l + harm_l_ttft
-    out: FloatArray = (weights.wtft * (tp - tl) / tp
-                       - weights.wtpot * (tpot_l + harm_l_tpot - tpot_p) / tpot_p)
+    return ScoreTerms(ttft_p + harm_p, ttft_l + harm_l_ttft, tpot_p, tpot_l + harm_l_tpot)
+
+
+def scores(pred: Predictions, sc: Scenario, weights: Weights) -> FloatArray:
+    """The paper's score per cell, with marginal (social) costs added to both routes."""
+    return score_from(score_terms(pred, sc), weights)
+
+
+def score_from(t: ScoreTerms, weights: Weights) -> FloatArray:
+    out: FloatArray = (weights.wtft * (t.ttft_p - t.ttft_l) / t.ttft_p
+                       - weights.wtpot * (t.tpot_l - t.tpot_p) / t.tpot_p)
     return out
 
 
@@ -439,8 +459,9 @@ def fixed_point(
     sc = grid.scenario(local_share(final, exploration))
     pred = model.predict(sc)
     g = evaluated_goodput(model, grid, final, exploration, slo)
-    return FixedPoint(final, scores(pred, sc, weights), pred, tuple(records),
-                      bool(stable.all()), g, stable)
+    terms = score_terms(pred, sc)
+    return FixedPoint(final, score_from(terms, weights), pred, tuple(records),
+                      bool(stable.all()), g, stable, terms)
 
 
 def pinned_point(model: LatencyModel, grid: TableGrid, weights: Weights, slo: Slo,
@@ -450,8 +471,9 @@ def pinned_point(model: LatencyModel, grid: TableGrid, weights: Weights, slo: Sl
     sc = grid.scenario(local_share(routes, 0.0))
     pred = model.predict(sc)
     g = evaluated_goodput(model, grid, routes, 0.0, slo)
-    return FixedPoint(routes, scores(pred, sc, weights), pred, (), True, g,
-                      np.ones(routes.shape[0], dtype=bool))
+    terms = score_terms(pred, sc)
+    return FixedPoint(routes, score_from(terms, weights), pred, (), True, g,
+                      np.ones(routes.shape[0], dtype=bool), terms)
 
 
 def _damped(routes: Any, new: Any, sc_scores: FloatArray, rnd: int) -> Any:
@@ -714,7 +736,7 @@ def calibrate(
         predicted_goodput_current=g_current, heldout=heldout,
         training_window_range=(float(ts.start.min()), float(ts.end.max())),
         n_training_windows=ts.n_windows, n_heldout_windows=n_hold, changed_cells=changed,
-        model=model, grid=grid, predictions=pred,
+        model=model, grid=grid, predictions=pred, score_terms=fp.terms,
         details={"decode_local_share": share,
                  "stable_qps_rows": [int(i) for i in np.flatnonzero(fp.stable_rows)],
                  "exploration_mean": float(explore[seen].mean()) if seen.any() else 0.0,
@@ -769,4 +791,15 @@ def explain(result: CalibrationResult, features: Features,
             rarer_route_requests is not None and rarer_route_requests[idx] <= 0) else (
             "high" if abs(score) >= 0.2 else "medium" if abs(score) >= 0.05 else "low"),
     )
+    t = result.score_terms
+    if t is not None:
+        # What the score compares: the predictions under the table's own load, plus the
+        # marginal cost each route puts on the other requests (score = wtft (TTFT_p -
+        # TTFT_l) / TTFT_p - wtpot (TPOT_l - TPOT_p) / TPOT_p over these).
+        out["compared"] = {
+            "PREFILL_NODE": {"ttft_s": float(t.ttft_p[i_qps, k]),
+                             "tpot_s": float(t.tpot_p[i_qps, k])},
+            "DECODE_LOCAL": {"ttft_s": float(t.ttft_l[i_qps, k]),
+                             "tpot_s": float(t.tpot_l[i_qps, k])},
+        }
     return out

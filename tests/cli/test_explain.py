@@ -120,6 +120,12 @@ def test_explain_shows_the_stored_policy_decision_with_refitted_predictions(
             assert doc["predicted"][route]["ttft_s"] > 0
             assert doc["predicted"][route]["tpot_s"] > 0
         assert doc["samples"]["rarer_route_requests"] > 0  # the mix covers these cells
+        # What it compared reproduces the score (the predictions alone contradicted it)
+        c, w = doc["compared"], doc["weights"]
+        p_, l_ = c["PREFILL_NODE"], c["DECODE_LOCAL"]
+        assert doc["score"] == pytest.approx(
+            w["wtft"] * (p_["ttft_s"] - l_["ttft_s"]) / p_["ttft_s"]
+            - w["wtpot"] * (l_["tpot_s"] - p_["tpot_s"]) / p_["tpot_s"], rel=1e-6, abs=1e-9)
     # A 64x longer context costs the prefill-node route more time to first token.
     assert (docs[24576]["predicted"]["PREFILL_NODE"]["ttft_s"]
             > docs[384]["predicted"]["PREFILL_NODE"]["ttft_s"])
@@ -129,6 +135,7 @@ def test_explain_shows_the_stored_policy_decision_with_refitted_predictions(
                                 str(config)])
     assert human.exit_code == 0, human.output
     assert f"policy v{version}" in human.output and "confidence" in human.output
+    assert "scored as TTFT" in human.output
 
 
 def test_explain_a_re_issued_version_with_the_calibration_its_table_came_from(
