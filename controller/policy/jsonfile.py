@@ -237,7 +237,10 @@ def policy_from_dict(d: Any) -> Policy:
             trained_to=r.when(pd_, "trained_to", "provenance"),
         ),
     )
-    problems = r.problems + validate_policy(policy)
+    # A field the reader already refused (``"version": 5.0``) holds a placeholder: its
+    # "must be between 1 and ..., got 0" would be a second, bogus problem.
+    refused = {p.path for p in r.problems}
+    problems = r.problems + [p for p in validate_policy(policy) if p.path not in refused]
     if not problems and "checksum" in top:
         cs = top["checksum"]
         if cs != policy.checksum:
@@ -254,10 +257,22 @@ def loads(text: str | bytes) -> Policy:
     if len(text) > MAX_FILE_BYTES:
         raise PolicyValidationError([Problem("$", f"file larger than {MAX_FILE_BYTES} bytes")])
     try:
-        data = json.loads(text, parse_constant=_reject_constant)
+        data = json.loads(text, parse_constant=_reject_constant,
+                          object_pairs_hook=_no_duplicate_keys)
     except (ValueError, RecursionError) as e:
         raise PolicyValidationError([Problem("$", f"not valid JSON: {e}")]) from None
     return policy_from_dict(data)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json keeps the last of two equal keys: '"version": 2, "version": 99' applied v99,
+    # while an unknown key is refused.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
 
 
 def _reject_constant(name: str) -> float:

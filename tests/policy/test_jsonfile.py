@@ -100,6 +100,22 @@ def test_not_an_object_and_not_json() -> None:
         loads("{broken")
     with pytest.raises(PolicyValidationError, match="NaN is not allowed"):
         loads('{"version": NaN}')
+    # json keeps the last of two equal keys: this applied as v99
+    good = json.loads(dumps(Policy.uniform(2, Route.DECODE_LOCAL)))
+    doubled = json.dumps(good)[:-1] + ', "version": 99}'
+    with pytest.raises(PolicyValidationError, match="duplicate key 'version'"):
+        loads(doubled)
+
+
+def test_a_refused_field_is_one_problem_not_two() -> None:
+    """``"version": 5.0`` also said "must be between 1 and ..., got 0"."""
+    for bad in (5.0, True):
+        d = json.loads(dumps(Policy.uniform(2, Route.DECODE_LOCAL)))
+        d["version"] = bad
+        d.pop("checksum", None)
+        with pytest.raises(PolicyValidationError) as e:
+            loads(json.dumps(d))
+        assert [p.path for p in e.value.problems] == ["version"], e.value.problems
 
 
 def test_checksum_optional_on_import_and_verified_when_present() -> None:
