@@ -32,6 +32,7 @@ from controller.clock import Clock
 from controller.config import RolloutConfig
 from controller.errors import TerminalError, TransientError
 from controller.policy import Policy
+from controller.policy.validation import MAX_VERSION
 from controller.rollout.agent import ApplyOutcome, RouterAgent
 
 T = TypeVar("T")
@@ -377,6 +378,9 @@ class _Pass:
             await self.all_gets_done.wait()
             target = self.reissue_target(router)
             reissued_as = target.version
+            if target.version > MAX_VERSION:
+                track.status = self.failed(router, "refused", _VERSIONS_USED_UP)
+                return
             if track.state.version > target.version:  # cannot happen: target is above all
                 track.status = self.failed(router, "ahead", "ahead of the re-issued version")
                 return
@@ -385,6 +389,9 @@ class _Pass:
     async def follow_reissue(self, router: str) -> None:
         track = self.tracks[router]
         target = self.reissue_target(router)
+        if target.version > MAX_VERSION:
+            track.status = self.failed(router, "refused", _VERSIONS_USED_UP)
+            return
         try:
             track.status = await self.bring_to(track, target, target.version)
         except Exception as e:
@@ -439,6 +446,10 @@ class _Pass:
                 self.reissued[key] = reissue
                 next_version += 1
         return self.reissued[self.group_key(router)]
+
+
+_VERSIONS_USED_UP = (f"cannot re-issue above the router's version: versions end at "
+                     f"{MAX_VERSION}; push with --rollback (the file's version as it is)")
 
 
 class FakeRouterTransport:

@@ -220,6 +220,24 @@ async def test_same_version_other_content_is_reissued_not_left_in_conflict(
     assert running(cluster) == dict.fromkeys(cluster.routers, (5, other.checksum))
 
 
+async def test_a_router_at_the_last_version_is_refused_a_reissue_with_the_way_out(
+    cluster: Cluster,
+) -> None:
+    """v2^63-1 then another table: the re-issue above it failed as "error: ValueError: Value
+    out of range" (the proto's int64) with every attempt."""
+    from controller.policy.validation import MAX_VERSION
+
+    rec = reconciler(cluster)
+    await rec.reconcile(everywhere(cluster, policy(MAX_VERSION)))
+    statuses = await rec.reconcile(everywhere(cluster, policy(2, Route.PREFILL_NODE)))
+    assert {s.outcome for s in statuses.values()} == {"refused"}
+    assert all("--rollback" in (s.last_error or "") for s in statuses.values())
+    assert running(cluster) == dict.fromkeys(cluster.routers,
+                                             (MAX_VERSION, policy(MAX_VERSION).checksum))
+    back = await rec.reconcile(everywhere(cluster, policy(2, Route.PREFILL_NODE)), rollback=True)
+    assert all(s.ok for s in back.values())
+
+
 async def test_rollback_pushes_the_lower_version_instead_of_reissuing(cluster: Cluster) -> None:
     v5, v3 = policy(5), policy(3, Route.PREFILL_NODE)
     rec = reconciler(cluster)
