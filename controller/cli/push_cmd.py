@@ -70,7 +70,9 @@ def push(
 
     A router ahead of the file's version (or at it with other content) gets the table under
     a new version above its own, shown as "(re-issued)"; --rollback applies the file's
-    version as it is. Exit 0 every router acknowledged, 1 any did not, 2 bad input.
+    version as it is to a router ahead (one at that version with other content still gets
+    it re-issued: two tables never share a version). Exit 0 every router acknowledged, 1
+    any did not, 2 bad input.
 
     This push is not recorded in the store: with `pdctl run` leading, the daemon brings the
     routers back to its desired version on its next cycle (use `pdctl rollback` there)."""
@@ -137,8 +139,9 @@ def push(
     else:
         _print_table(statuses, policy.version, rollback)
         for version in sorted(set(reissued_versions(statuses).values())):
+            why = "with other content" if rollback else "with other content, or a later one"
             typer.echo(
-                f"note: a router was ahead of v{policy.version}; the same policy now runs as "
+                f"note: a router ran v{policy.version} {why}; the same policy now runs as "
                 f"v{version} - use v{version} as the desired version from now on"
             )
     if not all(s.ok for s in statuses.values()):
