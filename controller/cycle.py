@@ -1245,10 +1245,13 @@ class Cycle:
         if self.clock.now() - promoted > cfg.watch_s:
             return WatchVerdict("over", "watch over")
         half = 0.5 * cfg.interval_s
-        # As in the bake, a window a router failed in is no look: a restart's first read
-        # (no requests seen) took one of the watch's looks and diluted its request rate.
-        windows = _seen_by(self._bake_windows(tx, record),
-                           {self.outcome_names[r] for r in self.routers})
+        # A window no router answered in is no look: a restart's first read (no requests
+        # seen) took one of the watch's looks and diluted its request rate. One router's
+        # failure leaves the others' requests, pooled as before (in a large fleet some
+        # router often fails a scrape: the watch would see no window at all).
+        names = {self.outcome_names[r] for r in self.routers}
+        windows = [w for w in self._bake_windows(tx, record)
+                   if not names <= {f.target for f in w.failures}]
         bake = [w for w in windows if w.end < promoted + half]
         watch = [w for w in windows if w.end >= promoted + half]
         if len(watch) > cfg.watch_windows:

@@ -375,6 +375,17 @@ async def test_a_restarted_daemon_goes_on_watching_a_promotion(tmp_path: Path) -
     assert _desired(rig) == dict.fromkeys(rig.agents, 1)
 
 
+async def test_one_router_failing_a_window_leaves_it_a_look_of_the_watch(
+        tmp_path: Path) -> None:
+    """Only a window no router answered in (a restart's first read) is no look: in a large
+    fleet one router often fails a scrape, and the watch would then see no window."""
+    rig = make_rig(tmp_path)
+    await _promote_v2(rig)
+    rig.source.down = {"r0"}
+    report = await rig.step()
+    assert "over 1 window(s) since the promotion" in (report.canary or ""), report.canary
+
+
 async def test_failed_observes_do_not_stretch_the_watch(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     await _promote_v2(rig)
