@@ -258,6 +258,36 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
 
 
 UP_QUERY = "max by (instance) (up)"
+# Per series (instance and job): each one's value and the time of its newest sample. An
+# instant query answers with a sample up to 5 minutes old (the lookback): old data read as
+# live (a Prometheus down, behind or slower than the window), and a frozen or second job
+# answered for the target.
+UP_SERIES_QUERY = "up"
+UP_TIMES_QUERY = "timestamp(up)"
+BASELINE_TIMES_QUERY = "max by (instance) (timestamp(up))"
+
+
+@dataclass(frozen=True, slots=True)
+class _UpSeries:
+    job: str
+    value: float
+    sampled_at: float
+
+
+def _up_series(values: Sequence[Mapping[str, Any]], times: Sequence[Mapping[str, Any]]
+               ) -> dict[str, list[_UpSeries]]:
+    def key(row: Mapping[str, Any]) -> tuple[str, str]:
+        m = row.get("metric", {})
+        return m.get("instance", ""), m.get("job", "")
+
+    when = {key(r): parse_value(r["value"][1]) for r in times}
+    out: dict[str, list[_UpSeries]] = {}
+    for r in values:
+        instance, job = key(r)
+        if instance:
+            out.setdefault(instance, []).append(_UpSeries(
+                job, parse_value(r["value"][1]), when.get((instance, job), math.nan)))
+    return out
 
 
 def _rows_by_instance(
@@ -309,15 +339,23 @@ class PrometheusSource:
         return merged
 
     async def window(self, start: float, end: float) -> Window:
-        up_rows = await self._client.query(UP_QUERY, end)
-        up = {r["metric"].get("instance"): parse_value(r["value"][1]) for r in up_rows}
+        up_values, up_times = await asyncio.gather(
+            self._client.query(UP_SERIES_QUERY, end), self._client.query(UP_TIMES_QUERY, end))
+        series = _up_series(up_values, up_times)
+        fresh = {name: [s for s in rows if s.sampled_at > start]
+                 for name, rows in series.items()}
+        up = {name: rows[0].value for name, rows in fresh.items() if len(rows) == 1}
+        baseline_at: dict[str, float] = {}
         if self._mode == "increase":
             window_ms = max(1, round((end - start) * 1000))
             at_end = await self._collect(end, window_ms)
             at_start: dict[str, dict[str, dict[LabelKey, float]]] | None = None
         else:
-            at_end, at_start = await asyncio.gather(self._collect(end, None),
-                                                    self._collect(start, None))
+            at_end, at_start, baseline_rows = await asyncio.gather(
+                self._collect(end, None), self._collect(start, None),
+                self._client.query(BASELINE_TIMES_QUERY, start))
+            baseline_at = {r["metric"].get("instance", ""): parse_value(r["value"][1])
+                           for r in baseline_rows}
         down = [t for t in self._targets if up.get(t.name) != 1.0]
         errors: dict[str, str] = {}
         if down:
@@ -325,16 +363,18 @@ class PrometheusSource:
         results: list[TargetResult] = []
         for t in self._targets:
             if t in down:
-                if t.name not in up:
-                    message = "not among Prometheus' scrape targets (instance label)"
-                else:
-                    message = "Prometheus' last scrape failed: " + errors.get(t.name, "up == 0")
-                results.append(TargetResult(t.name, t.role, failure=TargetFailure(
-                    t.name, "unreachable", message)))
+                results.append(TargetResult(t.name, t.role, failure=_down(
+                    t.name, series.get(t.name, []), fresh.get(t.name, []), errors, end)))
                 continue
+            start_samples = None if at_start is None else at_start.get(t.name, {})
+            # The start edge's sample from before a gap (Prometheus down or behind): the
+            # diff would put the gap's traffic in this window (12x the rate in one). Gauges
+            # only, as after a restart.
+            if start_samples is not None \
+                    and not baseline_at.get(t.name, -math.inf) >= start - max(end - start, 1.0):
+                start_samples = {}
             results.append(TargetResult(t.name, t.role, delta=self._delta(
-                t.name, at_end.get(t.name, {}), None if at_start is None
-                else at_start.get(t.name, {}), start, end)))
+                t.name, at_end.get(t.name, {}), start_samples, start, end)))
         return assemble_window(
             start, end, results, source=f"{self.name}:{self._mode}",
             ctx_labels=CONTEXT_BINS.labels, io_labels=IO_RATIO_BINS.labels,
@@ -388,3 +428,24 @@ def _gauge_names() -> frozenset[str]:
         names |= {g.family for g in engine.gauges.values()}
         names |= set(engine.markers)
     return frozenset(names)
+
+
+def _down(name: str, series: Sequence[_UpSeries], fresh: Sequence[_UpSeries],
+          errors: Mapping[str, str], end: float) -> TargetFailure:
+    """Why a target counts as not answering this window."""
+    if not series:
+        return TargetFailure(name, "unreachable",
+                             "not among Prometheus' scrape targets (instance label)")
+    if len(fresh) > 1:
+        jobs = ", ".join(sorted(s.job for s in fresh))
+        return TargetFailure(name, "duplicate_series", f"scraped by {len(fresh)} jobs ({jobs}): "
+                             "its counts would be summed twice; scrape it in one job")
+    if not fresh:
+        newest = max((s.sampled_at for s in series if not math.isnan(s.sampled_at)),
+                     default=math.nan)
+        age = f"{end - newest:.0f} s old" if not math.isnan(newest) else "of unknown age"
+        return TargetFailure(name, "stale", f"Prometheus' newest sample is {age}: none in "
+                             "this window (Prometheus behind, or scraping less often than "
+                             "[controller] interval_s)")
+    return TargetFailure(name, "unreachable",
+                         "Prometheus' last scrape failed: " + errors.get(name, "up == 0"))

@@ -23,8 +23,10 @@ import pytest
 
 from controller.errors import TransientError
 from controller.observe.prometheus import (
+    BASELINE_TIMES_QUERY,
     SERIES_LABEL,
-    UP_QUERY,
+    UP_SERIES_QUERY,
+    UP_TIMES_QUERY,
     PrometheusClient,
     PrometheusSource,
     PrometheusUnavailable,
@@ -38,6 +40,10 @@ END = 1_800_000_000.0
 
 class _Prometheus(BaseHTTPRequestHandler):
     up: ClassVar[dict[str, str]] = {}  # instance -> "1" / "0"
+    age: ClassVar[dict[str, float]] = {}  # instance -> its newest sample's age (s; default 1)
+    jobs: ClassVar[dict[str, list[str]]] = {}  # instance -> the jobs scraping it (default pd)
+    marker: ClassVar[bool] = False  # data rows include vLLM's marker family (engine found)
+    baseline_age: ClassVar[float | None] = None  # at the start edge (None: as ``age``)
     data_value: ClassVar[str | None] = None  # None: data queries answer no rows
     last_error: ClassVar[dict[str, str]] = {}
     delay: ClassVar[threading.Event | None] = None
@@ -51,15 +57,29 @@ class _Prometheus(BaseHTTPRequestHandler):
                       for i, e in _Prometheus.last_error.items()]
             self._json({"status": "success", "data": {"activeTargets": active}})
             return
-        query = urllib.parse.parse_qs(parsed.query).get("query", [""])[0]
-        if query == UP_QUERY:
-            rows = [{"metric": {"instance": i}, "value": [END, v]}
-                    for i, v in _Prometheus.up.items()]
+        args = urllib.parse.parse_qs(parsed.query)
+        query = args.get("query", [""])[0]
+        at = float(args.get("time", [str(END)])[0])
+
+        def sampled(i: str, baseline: bool = False) -> str:  # the newest sample's time
+            age = _Prometheus.baseline_age if baseline else None
+            return str(at - (age if age is not None else _Prometheus.age.get(i, 1.0)))
+
+        if query in (UP_SERIES_QUERY, UP_TIMES_QUERY):
+            rows = [{"metric": {"instance": i, "job": job},
+                     "value": [at, v if query == UP_SERIES_QUERY else sampled(i)]}
+                    for i, v in _Prometheus.up.items()
+                    for job in _Prometheus.jobs.get(i, ["pd"])]
+        elif query == BASELINE_TIMES_QUERY:
+            rows = [{"metric": {"instance": i}, "value": [at, sampled(i, baseline=True)]}
+                    for i in _Prometheus.up]
         elif _Prometheus.data_value is None:
             rows = []
         else:
-            rows = [{"metric": {"instance": t.name, SERIES_LABEL: "vllm:num_requests_running"},
-                     "value": [END, _Prometheus.data_value]} for t in TARGETS]
+            names = ["vllm:num_requests_running"] + (
+                ["vllm:kv_cache_usage_perc"] if _Prometheus.marker else [])
+            rows = [{"metric": {"instance": t.name, SERIES_LABEL: name},
+                     "value": [END, _Prometheus.data_value]} for t in TARGETS for name in names]
         self._json({"status": "success", "data": {"resultType": "vector", "result": rows}})
 
     def do_POST(self) -> None:
@@ -89,6 +109,8 @@ class _Server(ThreadingHTTPServer):
 @pytest.fixture
 def prometheus() -> Iterator[str]:
     _Prometheus.up, _Prometheus.data_value, _Prometheus.last_error = {}, None, {}
+    _Prometheus.age, _Prometheus.jobs, _Prometheus.marker = {}, {}, False
+    _Prometheus.baseline_age = None
     _Prometheus.delay = None
     server = _Server(("127.0.0.1", 0), _Prometheus)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -173,3 +195,75 @@ async def test_nan_or_missing_data_is_never_turned_into_zeros(
     assert {f.target: f.kind for f in window.failures} == {
         TARGETS[0].name: "missing_family", TARGETS[1].name: "missing_family"}
     assert window.workers == () and window.outcomes == ()
+
+
+async def test_old_samples_are_stale_not_a_live_window(prometheus: str) -> None:
+    """An instant query answers with a sample up to 5 minutes old: with Prometheus down,
+    behind or scraping less often than the window, windows of 0 requests and then one with
+    the whole gap's traffic were stored as live (12x the rate in one 3 s window)."""
+    _Prometheus.up = dict.fromkeys((t.name for t in TARGETS), "1")
+    _Prometheus.data_value = "4"
+    _Prometheus.marker = True
+    _Prometheus.age = {TARGETS[0].name: 45.0}  # no sample within the 30 s window
+    src = source(prometheus)
+    try:
+        window = await src.window(END - 30, END)
+    finally:
+        await src.aclose()
+    kinds = {f.target: f.kind for f in window.failures}
+    assert kinds[TARGETS[0].name] == "stale"
+    assert "45 s old" in next(f.message for f in window.failures if f.kind == "stale")
+    assert TARGETS[0].name not in {w.worker for w in window.workers}
+    assert TARGETS[1].name in {w.worker for w in window.workers}  # fresh: still read
+
+
+async def test_a_start_edge_from_before_a_gap_gives_gauges_only(prometheus: str) -> None:
+    """Edges mode: the start edge resolved to a sample from before an outage, so the diff
+    held the outage's traffic. The window keeps the gauges and says there is no baseline."""
+    from controller.observe.prometheus import PrometheusClient, PrometheusSource
+
+    _Prometheus.up = dict.fromkeys((t.name for t in TARGETS), "1")
+    _Prometheus.data_value = "4"
+    _Prometheus.marker = True
+    _Prometheus.age = dict.fromkeys((t.name for t in TARGETS), 1.0)
+    src = PrometheusSource(PrometheusClient(prometheus, timeout_s=2.0, retries=0), TARGETS,
+                           mode="edges")
+    try:
+        fresh = await src.window(END - 30, END)
+        _Prometheus.baseline_age = 40.0  # Prometheus was down: the start edge is 40 s old
+        gap = await src.window(END - 3, END)
+    finally:
+        await src.aclose()
+    assert not [f for f in fresh.failures if f.kind == "no_baseline"]
+    assert {f.target for f in gap.failures if f.kind == "no_baseline"} >= {
+        TARGETS[0].name, TARGETS[1].name}
+
+
+async def test_a_target_two_jobs_scrape_is_refused_not_counted_twice(prometheus: str) -> None:
+    _Prometheus.up = dict.fromkeys((t.name for t in TARGETS), "1")
+    _Prometheus.data_value = "4"
+    _Prometheus.marker = True
+    _Prometheus.jobs = {TARGETS[0].name: ["pd", "kubernetes-pods"]}
+    src = source(prometheus)
+    try:
+        window = await src.window(END - 30, END)
+    finally:
+        await src.aclose()
+    dup = [f for f in window.failures if f.target == TARGETS[0].name]
+    assert [f.kind for f in dup] == ["duplicate_series"]
+    assert "kubernetes-pods, pd" in dup[0].message
+
+
+async def test_a_job_whose_series_froze_does_not_answer_for_a_target_that_is_down(
+        prometheus: str) -> None:
+    """After a relabel the old job's series stay frozen (no staleness markers) at up 1; the
+    new job says 0. Read as max over jobs, a stopped cluster looked healthy."""
+    _Prometheus.up = dict.fromkeys((t.name for t in TARGETS), "1")
+    src = source(prometheus)
+    # one fresh job at up 0 and a frozen one at up 1: reported by _up_series per job
+    from controller.observe.prometheus import _down, _UpSeries
+
+    old, new = _UpSeries("pd", 1.0, END - 200), _UpSeries("pd-prefill", 0.0, END - 1)
+    failure = _down("x:1", [old, new], [new], {}, END)
+    assert failure.kind == "unreachable"
+    await src.aclose()
