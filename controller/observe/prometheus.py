@@ -2,19 +2,22 @@
 
 A handful of queries per window, whatever the number of workers: every histogram bucket
 family in one union query, every ``_sum`` in one, every ``_count`` in one, the counters in
-one, the gauges in one, plus ``up``. Each aggregates ``by (instance, ...)`` and tags its rows
-with ``pd_series`` (``label_replace``) so one answer carries many families. Only
-``/api/v1/query`` and ``/api/v1/targets`` are used, so Thanos and Mimir work too.
+one, the gauges in one, plus ``up`` and its sample times (an instant query answers with a
+sample up to 5 minutes old: freshness is checked per target, see ``_down``). Each
+aggregates ``by (instance, ...)`` and tags its rows with ``pd_series`` (``label_replace``)
+so one answer carries many families. Only ``/api/v1/query`` and ``/api/v1/targets`` are
+used, so Thanos and Mimir work too.
 
 Two ways to turn counters into window increases (``[prometheus] window_mode``):
 
-- ``increase`` (default): ``increase(x[<W>ms])`` evaluated at the window end. Prometheus
+- ``increase`` (this class's default; the config's is ``edges``): ``increase(x[<W>ms])``
+  evaluated at the window end. Prometheus
   handles counter resets between every pair of samples; it extrapolates to the window edges,
   so counts are estimates (means, being ratios of equally extrapolated sums and counts, are
   not affected).
-- ``edges``: the aggregated cumulative values at ``start`` and at ``end`` (two evaluations
-  of the same queries), diffed with the same code as a direct scrape: exact counts, resets
-  detected only at the edges.
+- ``edges`` (``[prometheus] window_mode``'s default): the aggregated cumulative values at
+  ``start`` and at ``end`` (two evaluations of the same queries), diffed with the same code
+  as a direct scrape: exact counts, resets detected only at the edges.
 
 The client is ``prometheus-api-client`` wrapped: a request timeout, bounded retries with
 ``raise_on_status=False``, calls made off the event loop, values read with ``float()``
