@@ -27,6 +27,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdctl.daemon")
 
 JOB_ID = "cycle"
+COMPACT_FIRST_S = 300.0  # the first compaction, after the start (then hourly)
 # The one scheduler job runs the whole cycle; overlap and misses are counted under the label
 # of its first phase. Phase durations (observe, assess, calibrate, reconcile) come from the
 # cycle itself.
@@ -167,7 +169,7 @@ class Daemon:
         if not routers:
             raise ConfigError("[routers] targets is empty: the daemon needs routers to control")
         if store.dialect == "sqlite":
-            await asyncio.to_thread(store.upgrade)  # the embedded default migrates itself
+            await asyncio.to_thread(store.upgrade_embedded)  # the embedded default
         else:
             await asyncio.to_thread(store.require_schema)  # production: `pdctl db upgrade`
         names: dict[str, str] = {}
@@ -240,7 +242,6 @@ class Daemon:
         assert self.parts is not None
         if not self.parts.leadership.is_leader:
             return
-        from datetime import timedelta
 
         older_than = self.clock.utcnow() - timedelta(days=self.settings.store.retention_days)
         try:
@@ -303,8 +304,11 @@ class Daemon:
         ttl = self.settings.controller.lease_ttl_s
         scheduler.add_job(self._renew_lease, "interval", seconds=max(ttl / 3, 0.5),
                           id="lease", replace_existing=True)
+        # First a few minutes after the start, then hourly: a daemon restarted more often
+        # than hourly (a crash loop, frequent deploys) never compacted.
         scheduler.add_job(self._compact, "interval", seconds=3600, id="compact",
-                          replace_existing=True, jitter=60)
+                          replace_existing=True, jitter=60,
+                          next_run_time=_now_dt(self.clock) + timedelta(seconds=COMPACT_FIRST_S))
         scheduler.start()
         parts.health.ready = True
         notify("READY=1", f"STATUS=controlling {len(parts.cycle.routers)} router(s)")

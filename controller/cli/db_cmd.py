@@ -98,7 +98,9 @@ def upgrade(
     config: ConfigOption = None,
     revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
 ) -> None:
-    """Apply the migrations up to REVISION (default: the latest)."""
+    """Apply the migrations up to REVISION (default: the latest). Exit 2 bad input (an
+    unknown revision), 3 store unavailable or a database from a newer release (run that
+    release's pdctl, or downgrade with it)."""
     from alembic.util import CommandError
     from sqlalchemy.exc import DBAPIError
 
@@ -108,6 +110,10 @@ def upgrade(
     try:
         migrate.check_revision(revision)
         before = migrate.current_revision(target)
+        if migrate.newer_than_code(before):
+            advice = migrate.schema_advice(before, migrate.head_revision())
+            typer.echo(f"error: {_safe(target)} is at revision {before}: {advice}", err=True)
+            raise typer.Exit(_EXIT_UNAVAILABLE)
         migrate.upgrade(target, revision)
         after = migrate.current_revision(target)
     except DBAPIError as e:
@@ -161,7 +167,8 @@ def current(url: UrlOption = None, config: ConfigOption = None) -> None:
     except DBAPIError as e:
         raise _fail_unavailable(target, e) from None
     head = migrate.head_revision()
-    state = "up to date" if at == head else "needs `pdctl db upgrade`"
+    state = ("up to date" if at == head else migrate.schema_advice(at, head)
+             if migrate.newer_than_code(at) else "needs `pdctl db upgrade`")
     typer.echo(f"{_safe(target)}: revision {at or 'none'} (code: {head}) - {state}")
     if at != head:
         raise typer.Exit(1)

@@ -59,3 +59,27 @@ def check_revision(revision: str) -> None:
 
 def head_revision() -> str | None:
     return ScriptDirectory(str(MIGRATIONS_DIR)).get_current_head()
+
+
+def schema_advice(current: str | None, head: str | None) -> str:
+    """What to do about a database at ``current`` for code at ``head`` (empty: nothing). A
+    revision this code has no migration for is newer than this release: "run `pdctl db
+    upgrade`" could only fail (alembic: "Can't locate revision")."""
+    if current == head:
+        return ""
+    if newer_than_code(current):
+        return (f"it is newer than this release (which knows up to {head}): run the newer "
+                f"pdctl, or downgrade the database with it (`pdctl db downgrade {head}`)")
+    return "run `pdctl db upgrade`"
+
+
+def newer_than_code(revision: str | None) -> bool:
+    """A revision no migration of this code has (an old release on an upgraded database)."""
+    from alembic.util import CommandError
+
+    if revision is None:
+        return False
+    try:
+        return ScriptDirectory(str(MIGRATIONS_DIR)).get_revision(revision) is None
+    except CommandError:
+        return True

@@ -729,6 +729,21 @@ class Store:
         migrate.upgrade(self.url, revision)
         self.engine.dispose()  # pooled connections predate the schema change
 
+    def upgrade_embedded(self) -> None:
+        """The embedded default (SQLite) migrates itself at start; a file that is not a
+        database, a directory that does not exist or a database from a newer release is a
+        StoreError naming it (they were alembic and sqlite tracebacks, exit 1)."""
+        from controller.store import migrate
+
+        try:
+            current = migrate.current_revision(self.url)
+        except DBAPIError as e:
+            raise StoreUnavailable(f"cannot open {self.safe_url}: {e.orig}") from None
+        if migrate.newer_than_code(current):
+            advice = migrate.schema_advice(current, migrate.head_revision())
+            raise StoreError(f"database {self.safe_url} is at revision {current}: {advice}")
+        self.upgrade()
+
     def require_schema(self) -> None:
         """Raise :class:`StoreError` unless the database is at the code's migration head."""
         from controller.store import migrate
@@ -741,7 +756,7 @@ class Store:
         if current != head:
             raise StoreError(
                 f"database {self.safe_url} is at revision {current or 'none'}, this version "
-                f"needs {head}: run `pdctl db upgrade`"
+                f"needs {head}: {migrate.schema_advice(current, head)}"
             )
 
     @property

@@ -44,6 +44,36 @@ def test_db_upgrade_and_current_from_any_directory(
     assert code == 0 and "now at base" in out
 
 
+def test_a_database_from_a_newer_release_is_said_to_be_one(db_url: str) -> None:
+    """An old release on an upgraded database was told "run `pdctl db upgrade`", which
+    failed ("Can't locate revision"); `pdctl run` on SQLite ended in an alembic traceback."""
+    from controller.store import StoreError
+
+    with Store(db_url) as store:
+        store.upgrade()
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql("UPDATE alembic_version SET version_num = '0099'")
+        with pytest.raises(StoreError, match="newer than this release"):
+            store.require_schema()
+        with pytest.raises(StoreError, match="newer than this release"):
+            store.upgrade_embedded()  # what `pdctl run` does on SQLite
+    code, out, _ = _pdctl("db", "current", "--url", db_url)
+    assert code == 1 and "revision 0099" in out and "newer than this release" in out
+    assert "pdctl db upgrade" not in out
+    code, _, err = _pdctl("db", "upgrade", "--url", db_url)
+    assert code == 3 and "newer than this release" in err
+
+
+def test_the_embedded_store_names_a_file_that_is_not_a_database(tmp_path: Path) -> None:
+    from controller.store import StoreUnavailable
+
+    text = tmp_path / "notes.db"
+    text.write_text("not a database\n" * 100)
+    for url in (f"sqlite:///{text}", f"sqlite:///{tmp_path / 'no-such-dir' / 'pd.db'}"):
+        with Store(url) as store, pytest.raises(StoreUnavailable, match="cannot open"):
+            store.upgrade_embedded()
+
+
 def test_bad_urls_and_revisions_are_one_line_errors(tmp_path: Path) -> None:
     """Exit 2 and a reason, not a traceback (a password in the URL is not echoed)."""
     db = f"sqlite:///{tmp_path / 'pd.db'}"
