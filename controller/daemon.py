@@ -242,7 +242,6 @@ class Daemon:
         assert self.parts is not None
         if not self.parts.leadership.is_leader:
             return
-
         older_than = self.clock.utcnow() - timedelta(days=self.settings.store.retention_days)
         try:
             n = await asyncio.to_thread(self.parts.store.compact_windows, older_than)
