@@ -400,7 +400,7 @@ class PrometheusConfig(_Section):
     )
     discover_targets: bool = Field(
         False, description="Take workers and routers from /api/v1/targets instead of the "
-        "static lists.",
+        "static lists (again every 60 s: pods come and go).",
     )
     role_label: str = Field(
         "role", description="Target label holding prefill|decode|router (else the job name)."

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Literal
 
 from controller.clock import Clock
 from controller.observe.discovery import static_targets_async, targets_from_prometheus
-from controller.observe.source import MetricsSource
+from controller.observe.source import MetricsSource, Target
 
 if TYPE_CHECKING:
     from controller.config import Settings
@@ -25,14 +25,18 @@ async def source_from_settings(
 
         p = settings.prometheus
         client = PrometheusClient(p.url, timeout_s=p.timeout_s, retries=p.retries)
+        rediscover = None
         if p.discover_targets:
-            targets = targets_from_prometheus(await client.targets(), p.role_label)
+            async def rediscover() -> list[Target]:
+                return targets_from_prometheus(await client.targets(), p.role_label)
+
+            targets = await rediscover()
         else:
             targets = await static_targets_async(
                 settings.prefill_pool.nodes, settings.decode_pool.nodes,
                 settings.routers.metrics_targets)
         return PrometheusSource(client, targets, mode=p.window_mode,
-                                escaped_names=p.escaped_names)
+                                escaped_names=p.escaped_names, rediscover=rediscover)
     from controller.observe.scrape import ScrapeSource
 
     targets = await static_targets_async(

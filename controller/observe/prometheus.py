@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -56,6 +57,7 @@ from controller.observe.window_builder import (
 from controller.rollout.agent_metrics import CONTEXT_BINS, IO_RATIO_BINS
 
 WindowMode = Literal["increase", "edges"]
+_log = logging.getLogger("pdctl.observe")
 SERIES_LABEL = "pd_series"
 _ROUTER_CELL = ("route", "ctx_bin", "io_bin")
 
@@ -261,6 +263,7 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
 
 
 UP_QUERY = "max by (instance) (up)"
+REDISCOVER_EVERY_S = 60.0
 # Per series (instance and job): each one's value and the time of its newest sample. An
 # instant query answers with a sample up to 5 minutes old (the lookback): old data read as
 # live (a Prometheus down, behind or slower than the window), and a frozen or second job
@@ -319,11 +322,19 @@ class PrometheusSource:
         *,
         mode: WindowMode = "increase",
         escaped_names: bool = False,
+        rediscover: Callable[[], Awaitable[list[Target]]] | None = None,
+        rediscover_every_s: float = REDISCOVER_EVERY_S,
     ) -> None:
         self._client = client
         self._targets = list(targets)
         self._mode = mode
         self._escaped = escaped_names
+        # ``[prometheus] discover_targets``: Prometheus' targets again every so often (by
+        # window end time); found once at the start, new pods were never observed and a
+        # replaced one stayed under its old address.
+        self._rediscover = rediscover
+        self._rediscover_every_s = rediscover_every_s
+        self._discovered_at: float | None = None
 
     def targets(self) -> Sequence[Target]:
         return list(self._targets)
@@ -341,7 +352,34 @@ class PrometheusSource:
                 merged.setdefault(instance, {}).update(samples)
         return merged
 
+    async def _refresh_targets(self, now: float) -> None:
+        if self._rediscover is None:
+            return
+        if self._discovered_at is None:
+            self._discovered_at = now  # the targets given were discovered at the start
+            return
+        if now - self._discovered_at < self._rediscover_every_s:
+            return
+        try:
+            found = await self._rediscover()
+        except PrometheusError as e:  # this window's queries say the rest
+            _log.warning("target discovery failed, keeping %d target(s): %s",
+                         len(self._targets), e)
+            return
+        self._discovered_at = now
+        if not found:
+            _log.warning("target discovery found none, keeping %d target(s)",
+                         len(self._targets))
+            return
+        before, after = {t.name for t in self._targets}, {t.name for t in found}
+        if found != self._targets:
+            _log.info("targets discovered again: %d (added %s; gone %s)", len(found),
+                      ", ".join(sorted(after - before)) or "none",
+                      ", ".join(sorted(before - after)) or "none")
+            self._targets = list(found)
+
     async def window(self, start: float, end: float) -> Window:
+        await self._refresh_targets(end)
         up_values, up_times = await asyncio.gather(
             self._client.query(UP_SERIES_QUERY, end), self._client.query(UP_TIMES_QUERY, end))
         series = _up_series(up_values, up_times)

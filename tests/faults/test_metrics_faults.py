@@ -267,3 +267,41 @@ async def test_a_job_whose_series_froze_does_not_answer_for_a_target_that_is_dow
     failure = _down("x:1", [old, new], [new], {}, END)
     assert failure.kind == "unreachable"
     await src.aclose()
+
+
+async def test_discovered_targets_are_discovered_again_every_minute(prometheus: str) -> None:
+    """Discovered once at the start, new pods were never observed and a replaced pod stayed
+    under its old address. A failed or empty discovery keeps the targets it had."""
+    from controller.observe.prometheus import (
+        PrometheusClient,
+        PrometheusSource,
+        PrometheusUnavailable,
+    )
+
+    answers: list[list[Target] | Exception] = [
+        TARGETS[:2], PrometheusUnavailable("down"), [], TARGETS[1:]]
+    asked: list[int] = []
+
+    async def rediscover() -> list[Target]:
+        asked.append(1)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    _Prometheus.up = dict.fromkeys((t.name for t in TARGETS), "1")
+    src = PrometheusSource(PrometheusClient(prometheus, timeout_s=2.0, retries=0), TARGETS,
+                           rediscover=rediscover, rediscover_every_s=60.0)
+    seen = []
+    try:
+        for at in (0.0, 30.0, 61.0, 125.0, 190.0, 255.0):
+            await src.window(END + at - 30, END + at)
+            seen.append(sorted(t.name for t in src.targets()))
+    finally:
+        await src.aclose()
+    every = sorted(t.name for t in TARGETS)
+    assert len(asked) == 4  # at 61, 125, 190 and 255 s: not before a minute had passed
+    assert seen == [every, every, sorted(t.name for t in TARGETS[:2]),
+                    sorted(t.name for t in TARGETS[:2]),  # discovery failed: kept
+                    sorted(t.name for t in TARGETS[:2]),  # found none: kept
+                    sorted(t.name for t in TARGETS[1:])]
