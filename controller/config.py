@@ -384,7 +384,8 @@ class PrometheusConfig(_Section):
     """The Prometheus (or Thanos/Mimir) HTTP API the prometheus source queries."""
 
     url: str = Field("http://127.0.0.1:9090", description="Base URL of the HTTP API.")
-    timeout_s: float = Field(10.0, gt=0, description="Timeout of one API request.")
+    timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False,
+                             description="Timeout of one API request.")
     retries: int = Field(
         2, ge=0, le=10, description="Retries on connection errors and HTTP 429/502/503/504."
     )
@@ -414,6 +415,15 @@ class PrometheusConfig(_Section):
         parts = urlsplit(v)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError(f"expected an http:// or https:// URL, got {v!r}")
+        # Each of these passed and then failed every cycle as a transient error.
+        try:
+            parts.port  # noqa: B018 - raises for a port out of range
+        except ValueError:
+            raise ValueError(f"{v!r}: the port must be 1-65535") from None
+        if parts.query or parts.fragment:
+            raise ValueError(f"{v!r}: the base URL takes no ?query or #fragment")
+        if parts.path.rstrip("/").endswith("/api/v1"):
+            raise ValueError(f"{v!r}: give the base URL, without /api/v1 (it is added)")
         return v
 
 
@@ -423,7 +433,8 @@ class ObserveConfig(_Section):
     source: Literal["scrape", "prometheus"] = Field(
         "scrape", description="scrape: GET every target's /metrics; prometheus: PromQL."
     )
-    scrape_timeout_s: float = Field(5.0, gt=0, description="Timeout of one /metrics scrape.")
+    scrape_timeout_s: float = Field(5.0, gt=0, allow_inf_nan=False,
+                                    description="Timeout of one /metrics scrape.")
     scrape_concurrency: int = Field(32, ge=1, description="Scrapes in flight at once.")
 
 

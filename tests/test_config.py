@@ -87,6 +87,12 @@ def test_environment_overrides_one_nested_key(
     ("routers", 'metrics_targets = ["dns+routers"]', "routers.metrics_targets", "HOST:PORT"),
     ("decode_pool", 'nodes = ["a:b:c"]', "decode_pool.nodes", "'a:b:c'"),
     ("prometheus", 'url = "prometheus:9090"', "prometheus.url", "http://"),
+    # each of these passed, then failed every cycle as a transient error
+    ("prometheus", 'url = "http://127.0.0.1:99999"', "prometheus.url", "1-65535"),
+    ("prometheus", 'url = "http://p:9090/?x=1"', "prometheus.url", "no ?query"),
+    ("prometheus", 'url = "http://p:9090/api/v1"', "prometheus.url", "without /api/v1"),
+    ("prometheus", "timeout_s = inf", "prometheus.timeout_s", "finite"),
+    ("observe", "scrape_timeout_s = inf", "observe.scrape_timeout_s", "finite"),
     ("store", 'url = "mysql://pdc:hunter2@db/pdc"', "store.url", "sqlite or postgresql"),
     ("store", 'url = "pdc:hunter2@db"', "store.url", "not a database URL"),
 ])
