@@ -80,6 +80,12 @@ async def _observe_once(settings: Settings, kind: str, length: float) -> Window:
     src = await source_from_settings(settings, kind, clock)  # type: ignore[arg-type]
     if not src.targets():
         await src.aclose()
+        p = settings.prometheus
+        if kind == "prometheus" and p.discover_targets:
+            raise ConfigError(
+                f"no targets: none of Prometheus' active targets has a role (label "
+                f"{p.role_label!r} = prefill, decode or router, or a job name containing "
+                "one): set [prometheus] role_label, or relabel the scrape jobs")
         raise ConfigError(
             "no targets: set [prefill_pool].nodes, [decode_pool].nodes and "
             "[routers].metrics_targets, or [prometheus] discover_targets = true"

@@ -305,3 +305,19 @@ async def test_discovered_targets_are_discovered_again_every_minute(prometheus: 
                     sorted(t.name for t in TARGETS[:2]),  # discovery failed: kept
                     sorted(t.name for t in TARGETS[:2]),  # found none: kept
                     sorted(t.name for t in TARGETS[1:])]
+
+
+def test_discovery_that_finds_no_role_says_so(prometheus: str, tmp_path: Any) -> None:
+    """It advised setting discover_targets = true, which was set."""
+    from typer.testing import CliRunner
+
+    from controller.cli import app
+
+    _Prometheus.last_error = {"127.0.0.1:9101": ""}  # an active target without a role label
+    config = tmp_path / "pd.toml"
+    config.write_text(f'[prometheus]\nurl = "{prometheus}"\ndiscover_targets = true\n')
+    r = CliRunner().invoke(app, ["observe", "--once", "--source", "prometheus", "--config",
+                                 str(config)])
+    assert r.exit_code == 2, r.output
+    assert "none of Prometheus' active targets has a role" in r.output
+    assert "discover_targets = true" not in r.output
