@@ -532,6 +532,8 @@ class Cycle:
         try:
             plan.window = await self.source.window(start, end)
             self.metrics.observe_job("observe", self.clock.monotonic() - t0)
+            for failure in plan.window.failures:  # why, on /metrics (the log only said so)
+                self.metrics.observe_failed(failure.kind)
             if plan.window.failures and not plan.window.answered:
                 # Nothing answered (the cluster, or our path to it, is down): not a scaling
                 # event to plan for, and not a successful cycle (PdControllerStalled and
@@ -541,6 +543,8 @@ class Cycle:
                 raise NothingAnswered(f"no target answered ({len(failed)} failed: "
                                     f"{', '.join(failed[:3])}{', ...' if len(failed) > 3 else ''})")
         except Exception as e:
+            if not isinstance(e, NothingAnswered):  # the source itself failed
+                self.metrics.observe_failed("source")
             report.result = "skipped"
             report.reason = f"observe failed: {type(e).__name__}: {e}"
             log.warning("%s", report.reason)

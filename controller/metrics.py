@@ -20,6 +20,7 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controller import __version__
+from controller.core.window import FAILURE_KINDS
 
 CYCLE_RESULTS = ("ok", "skipped", "failed")
 JOBS = ("observe", "assess", "calibrate", "reconcile")
@@ -29,6 +30,8 @@ RECALIBRATION_TRIGGERS = ("drift", "schedule", "scaling", "operator", "canary")
 GUARDRAIL_DECISIONS = ("approved", "rejected")
 GOODPUT_POLICIES = ("current", "candidate")
 CANARY_STATES = ("idle", "baking", "promoted", "rolled_back")
+# pdctl_observe_failures' kinds (bounded: any other word counts as "other").
+OBSERVE_FAILURE_KINDS = (*FAILURE_KINDS, "no_baseline", "stale", "source", "other")
 # Who rolled a policy back: the canary's judge, the post-promotion watch, an operator.
 ROLLBACK_DECIDERS = ("canary", "watch", "operator")
 ROLES = ("prefill", "decode")
@@ -205,6 +208,12 @@ class ControllerMetrics:
             "Capacity plans that failed (the cycle goes on without a new recommendation).",
             registry=registry,
         )
+        self.observe_failures = Counter(
+            "pdctl_observe_failures",
+            "Targets that failed a window, by why (unreachable, timeout, stale, no_baseline, "
+            "...); source: the whole observation failed (the metrics source down).",
+            ["kind"], registry=registry,
+        )
 
         for result in CYCLE_RESULTS:
             self.cycles.labels(result)
@@ -218,6 +227,8 @@ class ControllerMetrics:
             self.guardrail_decisions.labels(decision)
         for by in ROLLBACK_DECIDERS:
             self.rollbacks.labels(by)
+        for kind in OBSERVE_FAILURE_KINDS:
+            self.observe_failures.labels(kind)
         self.set_canary_state("idle")
 
     # The loop.
@@ -330,6 +341,11 @@ class ControllerMetrics:
 
     def capacity_plan_failed(self) -> None:
         self.capacity_plan_failures.inc()
+
+    def observe_failed(self, kind: str) -> None:
+        """One target's failure in a window (``source``: no window at all)."""
+        known = kind in OBSERVE_FAILURE_KINDS
+        self.observe_failures.labels(kind if known else "other").inc()
 
     def clear_recommendation(self) -> None:
         """Drop the per-role series (a follower must not feed an autoscaler stale counts)."""

@@ -1407,3 +1407,18 @@ async def test_a_refit_whose_bake_a_pin_ended_says_why_it_was_not_stored(
     cal = status_doc(rig.store, None, None, list(rig.agents))["last_calibration"]
     assert cal["policy_version"] is None
     assert cal["not_stored"].startswith("the refit of v2, which an operator action")
+
+
+async def test_why_observation_failed_is_on_metrics(tmp_path: Path) -> None:
+    """The metrics source down and a worker down looked the same on /metrics (a skipped
+    cycle), and a window with failed targets counted only as ok."""
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.source.down = {"p0"}
+    await rig.step()
+    rig.source.down = set()
+    rig.source.fail_next = True
+    await rig.step()
+    assert _metric(rig.registry, "pdctl_observe_failures_total", {"kind": "unreachable"}) == 1
+    assert _metric(rig.registry, "pdctl_observe_failures_total", {"kind": "source"}) == 1
+    assert _metric(rig.registry, "pdctl_observe_failures_total", {"kind": "stale"}) == 0
