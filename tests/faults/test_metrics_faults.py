@@ -127,6 +127,15 @@ def source(url: str, timeout_s: float = 2.0) -> PrometheusSource:
     return PrometheusSource(PrometheusClient(url, timeout_s=timeout_s, retries=0), TARGETS)
 
 
+async def one_window(url: str) -> Any:
+    """The default source's window over the 30 s before END, the source closed after."""
+    src = source(url)
+    try:
+        return await src.window(END - 30, END)
+    finally:
+        await src.aclose()
+
+
 def numbers(value: Any) -> list[float]:
     if isinstance(value, bool):
         return []
@@ -153,11 +162,7 @@ async def test_slow_prometheus_is_a_transient_error_not_an_empty_window(promethe
 
 
 async def test_empty_answers_name_every_target_and_invent_nothing(prometheus: str) -> None:
-    src = source(prometheus)
-    try:
-        window = await src.window(END - 30, END)
-    finally:
-        await src.aclose()
+    window = await one_window(prometheus)
     assert {f.target: f.kind for f in window.failures} == dict.fromkeys(
         (t.name for t in TARGETS), "unreachable")
     assert all("not among Prometheus' scrape targets" in f.message for f in window.failures)
@@ -167,11 +172,7 @@ async def test_empty_answers_name_every_target_and_invent_nothing(prometheus: st
 async def test_stale_target_reports_prometheus_last_scrape_error(prometheus: str) -> None:
     _Prometheus.up = {TARGETS[0].name: "0", TARGETS[1].name: "1", TARGETS[2].name: "1"}
     _Prometheus.last_error = {TARGETS[0].name: "context deadline exceeded"}
-    src = source(prometheus)
-    try:
-        window = await src.window(END - 30, END)
-    finally:
-        await src.aclose()
+    window = await one_window(prometheus)
     stale = [f for f in window.failures if f.target == TARGETS[0].name]
     assert len(stale) == 1 and stale[0].kind == "unreachable"
     assert "context deadline exceeded" in stale[0].message
@@ -184,11 +185,7 @@ async def test_nan_or_missing_data_is_never_turned_into_zeros(
 ) -> None:
     _Prometheus.up = dict.fromkeys((t.name for t in TARGETS), "1")
     _Prometheus.data_value = value
-    src = source(prometheus)
-    try:
-        window = await src.window(END - 30, END)
-    finally:
-        await src.aclose()
+    window = await one_window(prometheus)
     body = window.to_dict()
     assert all(math.isfinite(n) for n in numbers(body))
     # Workers whose families are all missing or NaN are failures that say so, not zeros.
@@ -205,11 +202,7 @@ async def test_old_samples_are_stale_not_a_live_window(prometheus: str) -> None:
     _Prometheus.data_value = "4"
     _Prometheus.marker = True
     _Prometheus.age = {TARGETS[0].name: 45.0}  # no sample within the 30 s window
-    src = source(prometheus)
-    try:
-        window = await src.window(END - 30, END)
-    finally:
-        await src.aclose()
+    window = await one_window(prometheus)
     kinds = {f.target: f.kind for f in window.failures}
     assert kinds[TARGETS[0].name] == "stale"
     assert "45 s old" in next(f.message for f in window.failures if f.kind == "stale")
@@ -244,11 +237,7 @@ async def test_a_target_two_jobs_scrape_is_refused_not_counted_twice(prometheus:
     _Prometheus.data_value = "4"
     _Prometheus.marker = True
     _Prometheus.jobs = {TARGETS[0].name: ["pd", "kubernetes-pods"]}
-    src = source(prometheus)
-    try:
-        window = await src.window(END - 30, END)
-    finally:
-        await src.aclose()
+    window = await one_window(prometheus)
     dup = [f for f in window.failures if f.target == TARGETS[0].name]
     assert [f.kind for f in dup] == ["duplicate_series"]
     assert "kubernetes-pods, pd" in dup[0].message
