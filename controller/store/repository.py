@@ -161,17 +161,23 @@ class Tx:
     def compact_windows(self, older_than: datetime) -> int:
         """Delete windows that ended before ``older_than``; return how many.
 
-        Kept: the training windows of every approved policy's calibration (drift is measured
-        against them, and a rollback may need them), and the newest window: SQLite numbers a
-        new row one above the largest id left, so deleting the newest would hand its id to
-        the next window while calibrations, drift events and recommendations still name it.
+        Kept: the training windows of every approved policy's calibration and of every
+        calibration that renewed an approved policy's drift reference (drift is measured
+        against them, explain refits them, a rollback may need them), and the newest window:
+        SQLite numbers a new row one above the largest id left, so deleting the newest would
+        hand its id to the next window while calibrations, drift events and recommendations
+        still name it.
         Policies, calibrations, drift events, pushes and operator requests are never touched.
         """
+        approved = select(PolicyRow.version).where(PolicyRow.status == "approved")
         protected = exists(
             select(CalibrationRow.id)
-            .join(PolicyRow, PolicyRow.version == CalibrationRow.policy_version)
             .where(
-                PolicyRow.status == "approved",
+                # Its own calibration's, or one that renewed its drift reference (a refused
+                # candidate's, judged on the traffic since): what the daemon restores and
+                # `pdctl explain` refits for it, an adopted or re-issued version included.
+                or_(CalibrationRow.policy_version.in_(approved),
+                    CalibrationRow.reference_for.in_(approved)),
                 CalibrationRow.first_window_id <= WindowRow.id,
                 CalibrationRow.last_window_id >= WindowRow.id,
             )

@@ -378,6 +378,11 @@ def test_retention_compacts_windows_only(store: Store) -> None:
     store.add_policy(2, "bb" * 32, "{}", "rejected", "worse", at=T0)
     store.add_calibration(ids[1:3], {"mape": 0.1}, 0.9, 0.8, policy_version=1, at=T0)
     store.add_calibration([ids[3]], {"mape": 0.3}, 0.7, 0.8, policy_version=2, at=T0)
+    # window 0 trained a refused candidate that renewed v1's drift reference: what a
+    # restart restores and `pdctl explain` refits for v1 (compaction deleted it)
+    store.add_policy(3, "cc" * 32, "{}", "rejected", "kept v1", at=T0)
+    store.add_calibration([ids[0]], {"mape": 0.2}, 0.8, 0.8, policy_version=3,
+                          details={"reference_for": 1}, at=T0)
     store.add_drift_event("workload", 0.5, 0.2, ids[:2], at=T0)
     store.add_push("r1", 1, "applied", 0.01, at=T0)
     store.add_request("pause", {}, who="ops", at=T0)
@@ -385,10 +390,10 @@ def test_retention_compacts_windows_only(store: Store) -> None:
 
     cutoff = T0 + timedelta(days=4, seconds=1)  # windows 0-3 ended before it
     deleted = store.compact_windows(older_than=cutoff)
-    assert deleted == 2
-    assert [w.id for w in store.windows()] == [ids[1], ids[2], ids[4], ids[5]]
-    assert [p.version for p in store.policies()] == [1, 2]
-    assert len(store.calibrations()) == 2 and len(store.drift_events()) == 1
+    assert deleted == 1
+    assert [w.id for w in store.windows()] == [ids[0], ids[1], ids[2], ids[4], ids[5]]
+    assert [p.version for p in store.policies()] == [1, 2, 3]
+    assert len(store.calibrations()) == 3 and len(store.drift_events()) == 1
     assert len(store.pushes()) == 1 and len(store.requests()) == 1
     assert store.desired_versions() == {"r1": 1}
     assert store.compact_windows(older_than=cutoff) == 0
