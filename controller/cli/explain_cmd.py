@@ -113,8 +113,10 @@ def refit(store: Store, settings: Settings) -> Learned:
     from controller.core.calibrate import (
         CalibrationError,
         calibrate,
+        local_share,
         policy_routes_on,
         predicted_goodput,
+        score_terms,
     )
     from controller.learning import calibration_config
 
@@ -127,10 +129,13 @@ def refit(store: Store, settings: Settings) -> Learned:
         raise NoCalibration(f"calibration #{record.id}: its stored training windows "
                             f"({len(windows)}) cannot be refitted: {e}") from None
     if policy is not None and policy.table.axes == cfg.axes:
-        # Predict under the load the stored policy creates, not the refit's own candidate.
+        # Predict under the load the stored policy creates, not the refit's own candidate;
+        # what its scores compared, as the calibration's fixed point does (no exploration).
         routes, exploration = policy_routes_on(policy, result.grid)
         _, pred = predicted_goodput(result.model, result.grid, routes, exploration, cfg.slo)
-        result = replace(result, policy=policy, predictions=pred)
+        scored = result.grid.scenario(local_share(routes, 0.0))
+        terms = score_terms(result.model.predict(scored), scored)
+        result = replace(result, policy=policy, predictions=pred, score_terms=terms)
     return Learned(record, policy, windows, result)
 
 

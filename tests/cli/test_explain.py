@@ -183,6 +183,11 @@ def test_explain_a_re_issued_version_with_the_calibration_its_table_came_from(
     assert doc["decision"] == ours.name
     assert doc["policy_version"] == again and doc["calibration_policy_version"] == first
     assert doc["calibration_id"] == first_cal.id
+    c, w = doc["compared"], doc["weights"]  # the stored table's score, as it was scored
+    p_, l_ = c["PREFILL_NODE"], c["DECODE_LOCAL"]
+    assert doc["score"] == pytest.approx(
+        w["wtft"] * (p_["ttft_s"] - l_["ttft_s"]) / p_["ttft_s"]
+        - w["wtpot"] * (l_["tpot_s"] - p_["tpot_s"]) / p_["tpot_s"], rel=1e-6, abs=1e-9)
     human = runner.invoke(app, args)
     assert f"policy v{again}, learned for v{first}" in human.output, human.output
 
