@@ -110,9 +110,9 @@ def upgrade(
     try:
         migrate.check_revision(revision)
         before = migrate.current_revision(target)
-        if migrate.newer_than_code(before):
-            advice = migrate.schema_advice(before, migrate.head_revision())
-            typer.echo(f"error: {_safe(target)} is at revision {before}: {advice}", err=True)
+        problem = migrate.newer_release_problem(_safe(target), before)
+        if problem is not None:
+            typer.echo(f"error: {problem}", err=True)
             raise typer.Exit(_EXIT_UNAVAILABLE)
         migrate.upgrade(target, revision)
         after = migrate.current_revision(target)

@@ -262,7 +262,6 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
     ]
 
 
-UP_QUERY = "max by (instance) (up)"
 REDISCOVER_EVERY_S = 60.0
 # Per series (instance and job): each one's value and the time of its newest sample. An
 # instant query answers with a sample up to 5 minutes old (the lookback): old data read as

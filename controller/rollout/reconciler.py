@@ -378,8 +378,7 @@ class _Pass:
             await self.all_gets_done.wait()
             target = self.reissue_target(router)
             reissued_as = target.version
-            if target.version > MAX_VERSION:
-                track.status = self.failed(router, "refused", _VERSIONS_USED_UP)
+            if self._versions_used_up(track, target):
                 return
             if track.state.version > target.version:  # cannot happen: target is above all
                 track.status = self.failed(router, "ahead", "ahead of the re-issued version")
@@ -389,13 +388,19 @@ class _Pass:
     async def follow_reissue(self, router: str) -> None:
         track = self.tracks[router]
         target = self.reissue_target(router)
-        if target.version > MAX_VERSION:
-            track.status = self.failed(router, "refused", _VERSIONS_USED_UP)
+        if self._versions_used_up(track, target):
             return
         try:
             track.status = await self.bring_to(track, target, target.version)
         except Exception as e:
             track.status = self.failed(router, "error", f"{type(e).__name__}: {e}")
+
+    def _versions_used_up(self, track: _Track, target: Policy) -> bool:
+        """A re-issue above the last version (2^63-1) is refused, with the way out."""
+        if target.version <= MAX_VERSION:
+            return False
+        track.status = self.failed(track.router, "refused", _VERSIONS_USED_UP)
+        return True
 
     async def bring_to(
         self, track: _Track, target: Policy, reissued_as: int | None

@@ -73,6 +73,13 @@ def schema_advice(current: str | None, head: str | None) -> str:
     return "run `pdctl db upgrade`"
 
 
+def newer_release_problem(where: str, current: str | None) -> str | None:
+    """``where is at revision X: <advice>`` when ``current`` is newer than this code."""
+    if not newer_than_code(current):
+        return None
+    return f"{where} is at revision {current}: {schema_advice(current, head_revision())}"
+
+
 def newer_than_code(revision: str | None) -> bool:
     """A revision no migration of this code has (an old release on an upgraded database)."""
     from alembic.util import CommandError

@@ -745,9 +745,9 @@ class Store:
             current = migrate.current_revision(self.url)
         except DBAPIError as e:
             raise StoreUnavailable(f"cannot open {self.safe_url}: {e.orig}") from None
-        if migrate.newer_than_code(current):
-            advice = migrate.schema_advice(current, migrate.head_revision())
-            raise StoreError(f"database {self.safe_url} is at revision {current}: {advice}")
+        problem = migrate.newer_release_problem(f"database {self.safe_url}", current)
+        if problem is not None:
+            raise StoreError(problem)
         self.upgrade()
 
     def require_schema(self) -> None:
