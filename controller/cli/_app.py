@@ -54,18 +54,24 @@ def table_console() -> Any:
     return console if console.is_terminal else Console(width=200)
 
 
+def _probe(directory: Path) -> None:
+    """Create and remove a file in ``directory`` (``os.access`` says yes to root, on /proc
+    too); raises OSError."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".pdctl-probe-"):
+        pass
+
+
 def writable_dir_or_exit(path: Path, flag: str = "--out") -> Path:
     """``path`` made and checked writable before any long work, so that a run is not lost
     to an output directory that cannot take its results."""
-    import tempfile
-
     if path.exists() and not path.is_dir():  # mkdir said only "File exists"
         typer.echo(f"error: {flag} {path}: not a directory", err=True)
         raise typer.Exit(EXIT_BAD_INPUT)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".pdctl-probe-"):
-            pass
+        _probe(path)
     except OSError as e:
         typer.echo(f"error: {flag} {path}: {e.strerror or e}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
@@ -73,11 +79,8 @@ def writable_dir_or_exit(path: Path, flag: str = "--out") -> Path:
 
 
 def writable_file_or_exit(path: Path, flag: str) -> Path:
-    """``path`` can be written as a file: its directory exists and takes files (tried with
-    a temporary file: ``os.access`` says yes to root, on /proc too), and it is not a
-    directory, a device or a pipe itself."""
-    import tempfile
-
+    """``path`` can be written as a file: its directory exists and takes files, and it is
+    not a directory, a device or a pipe itself."""
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         reason = "is a directory"
@@ -87,8 +90,7 @@ def writable_file_or_exit(path: Path, flag: str) -> Path:
         reason = f"no directory {parent}"
     else:
         try:
-            with tempfile.NamedTemporaryFile(dir=parent, prefix=".pdctl-probe-"):
-                pass
+            _probe(parent)
         except OSError as e:
             reason = f"cannot write to {parent}: {e.strerror or e}"
         else:
