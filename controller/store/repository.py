@@ -142,6 +142,14 @@ class Tx:
             q = q.where(WindowRow.start_at < until)
         return _decode_windows(self._newest(q, WindowRow.start_at, WindowRow.id, limit))
 
+    def window_ids(self, since: datetime | None = None, limit: int | None = None) -> list[int]:
+        """The ids :meth:`windows` would return, in its order, without reading a body: a
+        long read can then fetch the windows a chunk at a time."""
+        q = select(WindowRow.id)
+        if since is not None:
+            q = q.where(WindowRow.start_at >= since)
+        return [int(r[0]) for r in self._newest(q, WindowRow.start_at, WindowRow.id, limit)]
+
     def last_window_end(self) -> datetime | None:
         """Where the newest stored window (by start) ends: a replica that starts or leads
         again continues from there instead of re-observing time already stored."""

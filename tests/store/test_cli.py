@@ -164,6 +164,41 @@ def test_history_lists_what_the_store_holds(migrated_url: str) -> None:
     assert "drift in io_ratio" in _pdctl("history", "policies", "--url", migrated_url)[1]
 
 
+def test_history_windows_are_read_and_printed_a_chunk_at_a_time(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """5,000 windows as one JSON document took 7.3 GB (benchmarks/history_windows_memory.py):
+    every window was read, then the whole document built, before a byte was printed."""
+    from controller.cli import history_cmd
+    from controller.store.repository import Tx
+
+    now = WallClock().utcnow().timestamp()
+    rng = random.Random(11)
+    with Store(migrated_url) as store:
+        ids = [store.add_window(sample_window(rng, now - 30 * (7 - i))) for i in range(7)]
+    reads: list[int] = []
+    by_ids = Tx.windows_by_ids
+
+    def counted(tx: Tx, wanted: list[int]) -> list[object]:
+        reads.append(len(wanted))
+        return by_ids(tx, wanted)
+
+    monkeypatch.setattr(history_cmd, "_WINDOW_CHUNK", 2)
+    monkeypatch.setattr(Tx, "windows_by_ids", counted)
+    code, out, err = _pdctl("history", "windows", "--url", migrated_url, "--json", "-n", "5")
+    assert code == 0, err
+    listed = json.loads(out)
+    assert [w["id"] for w in listed] == ids[2:]  # the newest five, oldest first
+    assert reads == [2, 2, 1]
+    assert out == json.dumps(listed, indent=2) + "\n"  # the same text as one json.dumps
+    code, out, _ = _pdctl("history", "windows", "--url", migrated_url, "--json",
+                          "--since", "2100-01-01T00:00:00Z")
+    assert (code, out) == (0, "[]\n")
+    code, out, _ = _pdctl("history", "windows", "--url", migrated_url, "-n", "3")
+    assert code == 0 and "windows (3)" in out
+    assert all(f"│ {i} " in out for i in ids[4:]) and f"│ {ids[3]} " not in out
+
+
 def test_history_recommendations(migrated_url: str) -> None:
     now = WallClock().utcnow()
     body = {"prefill": {"workers": 3, "explanation": ["p99 TTFT binds at 4.1 req/s"]},
