@@ -105,7 +105,7 @@ class PoolConfig(_Section):
     nodes: list[str] = Field(
         default_factory=list,
         description="Worker addresses HOST:PORT (/metrics); dns+NAME:PORT expands to every "
-        "address of a headless service.",
+        "address of a headless service (resolved again every 60 s).",
     )
     max_concurrent: int = Field(8, ge=1, description="Concurrent requests per worker.")
     local_append_prefill: bool = Field(
@@ -147,7 +147,8 @@ class RoutersConfig(_Section):
     metrics_targets: list[str] = Field(
         default_factory=list,
         description="Routers' /metrics addresses HOST:PORT (pdrouter_* series) for the scrape "
-        "source; dns+NAME:PORT expands to every address of a headless service.",
+        "source; dns+NAME:PORT expands to every address of a headless service (resolved "
+        "again every 60 s).",
     )
 
     @field_validator("targets")

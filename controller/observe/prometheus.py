@@ -34,7 +34,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,6 +47,7 @@ from controller.core.window import TargetFailure, Window
 from controller.errors import ControllerError, TerminalError, TransientError
 from controller.observe.catalog import ENGINES, REPLICA_RANK_LABELS, ROUTER, HistogramSpec
 from controller.observe.exposition import LabelKey, Snapshot, base_name
+from controller.observe.rediscovery import Rediscovery
 from controller.observe.source import Target
 from controller.observe.window_builder import (
     TargetDelta,
@@ -262,7 +263,6 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
     ]
 
 
-REDISCOVER_EVERY_S = 60.0
 # Per series (instance and job): each one's value and the time of its newest sample. An
 # instant query answers with a sample up to 5 minutes old (the lookback): old data read as
 # live (a Prometheus down, behind or slower than the window), and a frozen or second job
@@ -321,19 +321,14 @@ class PrometheusSource:
         *,
         mode: WindowMode = "increase",
         escaped_names: bool = False,
-        rediscover: Callable[[], Awaitable[list[Target]]] | None = None,
-        rediscover_every_s: float = REDISCOVER_EVERY_S,
+        rediscovery: Rediscovery | None = None,
     ) -> None:
         self._client = client
         self._targets = list(targets)
         self._mode = mode
         self._escaped = escaped_names
-        # ``[prometheus] discover_targets``: Prometheus' targets again every so often (by
-        # window end time); found once at the start, new pods were never observed and a
-        # replaced one stayed under its old address.
-        self._rediscover = rediscover
-        self._rediscover_every_s = rediscover_every_s
-        self._discovered_at: float | None = None
+        # ``[prometheus] discover_targets`` or ``dns+`` names: found again as it runs.
+        self._rediscovery = rediscovery
 
     def targets(self) -> Sequence[Target]:
         return list(self._targets)
@@ -352,30 +347,10 @@ class PrometheusSource:
         return merged
 
     async def _refresh_targets(self, now: float) -> None:
-        if self._rediscover is None:
-            return
-        if self._discovered_at is None:
-            self._discovered_at = now  # the targets given were discovered at the start
-            return
-        if now - self._discovered_at < self._rediscover_every_s:
-            return
-        try:
-            found = await self._rediscover()
-        except PrometheusError as e:  # this window's queries say the rest
-            _log.warning("target discovery failed, keeping %d target(s): %s",
-                         len(self._targets), e)
-            return
-        self._discovered_at = now
-        if not found:
-            _log.warning("target discovery found none, keeping %d target(s)",
-                         len(self._targets))
-            return
-        before, after = {t.name for t in self._targets}, {t.name for t in found}
-        if found != self._targets:
-            _log.info("targets discovered again: %d (added %s; gone %s)", len(found),
-                      ", ".join(sorted(after - before)) or "none",
-                      ", ".join(sorted(before - after)) or "none")
-            self._targets = list(found)
+        if self._rediscovery is not None:
+            found = await self._rediscovery.refresh(self._targets, now)
+            if found is not None:
+                self._targets = found
 
     async def window(self, start: float, end: float) -> Window:
         await self._refresh_targets(end)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import httpx
 
 from controller.clock import Clock
+from controller.observe.rediscovery import Rediscovery
 from controller.observe.snapshot import FetchError, SnapshotSource
 from controller.observe.source import Target
 
@@ -33,8 +34,9 @@ class ScrapeSource(SnapshotSource):
         concurrency: int = 32,
         clock: Clock | None = None,
         client: httpx.AsyncClient | None = None,
+        rediscovery: Rediscovery | None = None,
     ) -> None:
-        super().__init__(targets, clock)
+        super().__init__(targets, clock, rediscovery)
         self._timeout = timeout_s
         self._semaphore = asyncio.Semaphore(max(1, concurrency))
         # One small client per target, each keeping its connection alive: httpcore scans its
@@ -82,6 +84,12 @@ class ScrapeSource(SnapshotSource):
             return response.content.decode("utf-8")
         except UnicodeDecodeError:
             return FetchError("parse", "the answer is not UTF-8 text")
+
+    async def forget_targets(self, names: set[str]) -> None:
+        for name in names:
+            client = self._clients.pop(name, None)
+            if client is not None:
+                await client.aclose()
 
     async def aclose(self) -> None:
         clients, self._clients = list(self._clients.values()), {}

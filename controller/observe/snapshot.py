@@ -16,6 +16,7 @@ from controller.clock import Clock, WallClock
 from controller.core.window import TargetFailure, Window
 from controller.observe.catalog import wanted_families
 from controller.observe.exposition import ExpositionError, Snapshot, parse_exposition
+from controller.observe.rediscovery import Rediscovery
 from controller.observe.source import Target
 from controller.observe.window_builder import (
     TargetResult,
@@ -46,10 +47,12 @@ def snapshot_from_text(text: str, target: str, taken_at: float) -> Snapshot:
 class SnapshotSource(abc.ABC):
     name = "snapshot"
 
-    def __init__(self, targets: Sequence[Target], clock: Clock | None = None) -> None:
+    def __init__(self, targets: Sequence[Target], clock: Clock | None = None,
+                 rediscovery: Rediscovery | None = None) -> None:
         self._targets = list(targets)
         self._clock = clock or WallClock()
         self._previous: dict[str, Snapshot] = {}
+        self._rediscovery = rediscovery  # ``dns+`` names resolved again as it runs
 
     def targets(self) -> Sequence[Target]:
         return list(self._targets)
@@ -59,6 +62,14 @@ class SnapshotSource(abc.ABC):
         """Each target's exposition text, or why there is none (same order)."""
 
     async def window(self, start: float, end: float) -> Window:
+        if self._rediscovery is not None:
+            found = await self._rediscovery.refresh(self._targets, end)
+            if found is not None:
+                gone = {t.name for t in self._targets} - {t.name for t in found}
+                self._targets = found
+                for name in gone:
+                    self._previous.pop(name, None)
+                await self.forget_targets(gone)
         texts = await self.fetch_all(self._targets)
         taken_at = self._clock.now()
         results = [self._result(t, text, taken_at) for t, text in zip(self._targets, texts,
@@ -83,6 +94,10 @@ class SnapshotSource(abc.ABC):
         delta = diff_snapshots(self._previous.get(target.name), snap)
         self._previous[target.name] = snap
         return TargetResult(target.name, target.role, delta=delta)
+
+    async def forget_targets(self, names: set[str]) -> None:
+        """Targets no longer observed: a subclass frees what it holds for them."""
+        return None
 
     def forget_baselines(self) -> None:
         # Counters diffed from a snapshot older than the window would be divided by the

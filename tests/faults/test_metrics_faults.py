@@ -266,6 +266,7 @@ async def test_discovered_targets_are_discovered_again_every_minute(prometheus: 
         PrometheusSource,
         PrometheusUnavailable,
     )
+    from controller.observe.rediscovery import Rediscovery
 
     answers: list[list[Target] | Exception] = [
         TARGETS[:2], PrometheusUnavailable("down"), [], TARGETS[1:]]
@@ -280,7 +281,7 @@ async def test_discovered_targets_are_discovered_again_every_minute(prometheus: 
 
     _Prometheus.up = dict.fromkeys((t.name for t in TARGETS), "1")
     src = PrometheusSource(PrometheusClient(prometheus, timeout_s=2.0, retries=0), TARGETS,
-                           rediscover=rediscover, rediscover_every_s=60.0)
+                           rediscovery=Rediscovery(rediscover, what="target discovery"))
     seen = []
     try:
         for at in (0.0, 30.0, 61.0, 125.0, 190.0, 255.0):

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from controller.config import load_settings
@@ -58,3 +60,55 @@ def test_prometheus_targets_take_roles_from_labels_or_job() -> None:
         ("a:1", "prefill", "http://a:1/m"), ("b:1", "decode", "http://b:1/metrics")]
     assert [t.role for t in targets_from_prometheus(active, role_label="tier")] == [
         "decode", "router"]
+
+
+@pytest.mark.integration
+async def test_dns_names_are_resolved_again_as_the_source_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A headless service's addresses were resolved once, at the start: a pod added later
+    was never scraped, a replaced one was scraped at its old address. A lookup that fails
+    or finds none keeps the targets the source had."""
+    from prometheus_client import generate_latest
+
+    from controller.observe import discovery
+    from controller.observe.factory import source_from_settings
+    from tests.observe.cluster import VllmWorker
+    from tests.observe.textserver import TextServer
+
+    text = generate_latest(VllmWorker().registry).decode()
+    first = TextServer(text)
+    second = TextServer(text, host="127.0.0.2", port=first.port)
+    a, b = first.address, second.address
+    answers: list[list[str] | Exception] = [
+        [a], [a, b], ConfigError("cannot resolve 'workers.test'"), [b]]
+    asked: list[str] = []
+
+    def resolve_all(host: str, port: int) -> list[str]:
+        asked.append(host)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return [x for x in answer if x.endswith(f":{port}")]
+
+    monkeypatch.setattr(discovery, "resolve_all", resolve_all)
+    cfg = tmp_path / "pd.toml"
+    cfg.write_text(f'[decode_pool]\nnodes = ["dns+workers.test:{first.port}"]\n')
+    source = await source_from_settings(load_settings(cfg), "scrape")
+    seen = []
+    try:
+        for at in (30.0, 60.0, 91.0, 152.0, 213.0):
+            w = await source.window(at - 30, at)
+            seen.append(([t.name for t in source.targets()], sorted(w.answered),
+                         sorted(f.target for f in w.failures if f.kind == "no_baseline")))
+    finally:
+        await source.aclose()
+        first.close()
+        second.close()
+    assert asked == ["workers.test"] * 4  # at the start, then at 91, 152 and 213 s
+    assert seen == [([a], [a], [a]), ([a], [a], []),
+                    ([a, b], [a, b], [b]),  # the added pod, from its first window
+                    ([a, b], [a, b], []),  # the lookup failed: both kept
+                    ([b], [b], [])]  # the first one gone
+    assert source._previous.keys() == {b}  # type: ignore[attr-defined]
+    assert source._clients.keys() == set()  # type: ignore[attr-defined]  # closed by aclose

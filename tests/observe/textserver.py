@@ -8,10 +8,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class TextServer:
     """Serves ``default`` on every path, except the paths in ``bodies`` (status, content type,
-    text). Both may be changed between requests; ``address`` is ``127.0.0.1:PORT``."""
+    text). Both may be changed between requests; ``address`` is ``HOST:PORT``."""
 
     def __init__(self, default: str = "",
-                 content_type: str = "text/plain; version=0.0.4") -> None:
+                 content_type: str = "text/plain; version=0.0.4",
+                 host: str = "127.0.0.1", port: int = 0) -> None:
         self.default = default
         self.content_type = content_type
         self.bodies: dict[str, tuple[int, str, str]] = {}
@@ -31,8 +32,9 @@ class TextServer:
             def log_message(self, *args: object) -> None:
                 return
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.address = f"127.0.0.1:{self._server.server_port}"
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self.port = self._server.server_port
+        self.address = f"{host}:{self.port}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     def close(self) -> None:

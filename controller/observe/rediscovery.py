@@ -1,0 +1,61 @@
+"""Finding a source's targets again while it runs.
+
+Targets found once at the start go stale in a cluster that changes: with
+``[prometheus] discover_targets`` new pods were never observed, and a ``dns+NAME:PORT``
+(a Kubernetes headless service) kept the addresses its pods had at the start, so a
+replaced pod was scraped at its old address and an added one never. Both sources ask
+again every ``REDISCOVER_EVERY_S`` of window time (the virtual clock's in a replay). A
+failed or empty answer keeps the targets the source had: a DNS or Prometheus hiccup must
+not empty the fleet, and the window's own scrapes say what is down.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+from controller.errors import ControllerError
+from controller.observe.source import Target
+
+REDISCOVER_EVERY_S = 60.0
+
+_log = logging.getLogger(__name__)
+
+
+class Rediscovery:
+    def __init__(
+        self,
+        find: Callable[[], Awaitable[list[Target]]],
+        *,
+        what: str,
+        every_s: float = REDISCOVER_EVERY_S,
+    ) -> None:
+        self._find = find
+        self._what = what  # for the log: "target discovery", "DNS"
+        self._every_s = every_s
+        self._found_at: float | None = None
+
+    async def refresh(self, targets: Sequence[Target], now: float) -> list[Target] | None:
+        """The targets found again when they are due and differ from ``targets``, else
+        None. The first call only starts the clock: ``targets`` were found at the start."""
+        if self._found_at is None:
+            self._found_at = now
+            return None
+        if now - self._found_at < self._every_s:
+            return None
+        try:
+            found = await self._find()
+        except ControllerError as e:  # Prometheus unavailable, a name that stopped resolving
+            _log.warning("%s failed, keeping %d target(s): %s", self._what, len(targets), e)
+            return None
+        self._found_at = now
+        if not found:
+            _log.warning("%s found none, keeping %d target(s)", self._what, len(targets))
+            return None
+        if found == list(targets):
+            return None
+        before, after = {t.name for t in targets}, {t.name for t in found}
+        _log.info("%s again: %d target(s) (added %s; gone %s)", self._what, len(found),
+                  ", ".join(sorted(after - before)) or "none",
+                  ", ".join(sorted(before - after)) or "none")
+        return list(found)
