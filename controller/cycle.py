@@ -349,8 +349,16 @@ def read_rollout(tx: Tx, routers: Sequence[str] | None = None) -> Rollout:
     versions = sorted(set(desired.values()))
     if len(versions) == 1:
         return Rollout(versions[0], None)
-    canary = versions[-1]
-    rec = tx.policy(canary)
+    # Tables in the order they were made: a fleet table re-issued mid-bake (above a router
+    # that was ahead) takes a number above the canary's, and was read as the canary.
+    records = {v: tx.policy(v) for v in versions}
+
+    def made(v: int) -> tuple[int, int]:
+        rec = records[v]
+        return (rec.reissue_of if rec is not None and rec.reissue_of is not None else v), v
+
+    canary = max(versions, key=made)
+    rec = records[canary]
     counts: dict[int, int] = {}
     for v in desired.values():
         counts[v] = counts.get(v, 0) + 1
@@ -1545,8 +1553,11 @@ class Cycle:
                     old = desired_versions[router]
                     if old not in reissued and tx.policy(s.reissued_as) is None:
                         policy = self._policy(tx, old).with_version(s.reissued_as)
+                        rec = tx.policy(old)
                         tx.add_policy(s.reissued_as, policy.checksum, dumps(policy), "approved",
-                                      f"v{old} re-issued above a router that was ahead")
+                                      f"v{old} re-issued above a router that was ahead",
+                                      reissue_of=(rec.reissue_of if rec and rec.reissue_of
+                                                  else old))
                         self._policies[s.reissued_as] = policy
                     reissued[old] = s.reissued_as
                     tx.set_desired(router, s.reissued_as, at=at)

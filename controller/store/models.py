@@ -80,6 +80,8 @@ class PolicyRow(Base):
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
     # When a canary became the fleet's policy: the post-promotion watch counts from it (0004).
     promoted_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    # The version whose table a re-issue carries: the rollout orders tables by it (0005).
+    reissue_of: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class CalibrationRow(Base):

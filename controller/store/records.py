@@ -25,6 +25,7 @@ class PolicyRecord:
     created_at: datetime
     updated_at: datetime
     promoted_at: datetime | None = None  # a canary's promotion to every router
+    reissue_of: int | None = None  # re-issued under this number: the table of that version
 
 
 @dataclass(frozen=True, slots=True)

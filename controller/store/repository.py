@@ -208,6 +208,7 @@ class Tx:
         status: str = "candidate",
         reason: str = "",
         at: datetime | None = None,
+        reissue_of: int | None = None,
     ) -> PolicyRecord:
         if status not in POLICY_STATUSES:
             raise StoreError(f"unknown policy status {status!r}; expected one of {POLICY_STATUSES}")
@@ -218,7 +219,7 @@ class Tx:
         when = self._at(at)
         row = PolicyRow(
             version=version, checksum=checksum, body=body_json, status=status, reason=reason,
-            created_at=when, updated_at=when,
+            created_at=when, updated_at=when, reissue_of=reissue_of,
         )
         self._s.add(row)
         self._s.flush()
@@ -906,7 +907,7 @@ def _policy(r: PolicyRow) -> PolicyRecord:
     return PolicyRecord(
         version=int(r.version), checksum=r.checksum, body_json=r.body, status=r.status,
         reason=r.reason, created_at=r.created_at, updated_at=r.updated_at,
-        promoted_at=r.promoted_at,
+        promoted_at=r.promoted_at, reissue_of=None if r.reissue_of is None else int(r.reissue_of),
     )
 
 

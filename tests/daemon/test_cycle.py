@@ -1422,3 +1422,35 @@ async def test_why_observation_failed_is_on_metrics(tmp_path: Path) -> None:
     assert _metric(rig.registry, "pdctl_observe_failures_total", {"kind": "unreachable"}) == 1
     assert _metric(rig.registry, "pdctl_observe_failures_total", {"kind": "source"}) == 1
     assert _metric(rig.registry, "pdctl_observe_failures_total", {"kind": "stale"}) == 0
+
+
+async def test_a_fleet_version_re_issued_mid_bake_is_not_taken_for_the_canary(
+        tmp_path: Path) -> None:
+    """A fleet router found ahead mid-bake (a restored backup, a manual push) gets the fleet
+    table re-issued above it, under a number above the canary's: read as the newest
+    approved version, the old fleet table was baked as the candidate, and the candidate
+    judged as the fleet."""
+    from controller.cycle import read_rollout
+
+    rig = make_rig(tmp_path)
+    await _canary_v2(rig, {1: 0.90, 2: 0.96})
+    canary = canary_subset(list(rig.agents), 0.25, 2)
+    fleet = sorted(set(rig.agents) - set(canary))
+    ahead = rig.agents[fleet[0]]
+    ahead.apply(ahead.snapshot.policy.with_version(7))  # type: ignore[union-attr]
+    report = await rig.step()
+    desired = _desired(rig)
+    reissued = desired[fleet[0]]
+    assert reissued > 7 and {desired[r] for r in fleet} == {reissued}
+    assert {desired[r] for r in canary} == {2}
+    with rig.store.read() as tx:
+        rollout = read_rollout(tx, list(rig.agents))
+    assert (rollout.fleet_version, rollout.canary_version) == (reissued, 2)
+    assert rollout.canary_routers == tuple(canary)
+    assert report.canary is None or "baking" in report.canary or "promoted" in report.canary
+    for _ in range(6):  # the bake goes on, judging v2 against the re-issued fleet table
+        report = await rig.step()
+        if report.canary and "promoted" in report.canary:
+            break
+    assert report.canary is not None and "v2" in report.canary and "promoted" in report.canary
+    assert _desired(rig) == dict.fromkeys(rig.agents, 2)

@@ -76,7 +76,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "9001"
-down_revision = "0004"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 
@@ -105,14 +105,14 @@ def test_batch_migration_of_a_parent_table_keeps_its_children(
     cfg = migrate.alembic_config(db_url)
     cfg.set_main_option("script_location", str(scripts))
 
-    command.upgrade(cfg, "0004")
+    command.upgrade(cfg, "0005")
     with Store(db_url) as store:
         store.add_policy(1, "aa" * 32, "{}", "approved", "seed")
         store.set_desired("r1", 1)
         store.add_calibration([1], {"mape": 0.1}, 0.9, None, policy_version=1)
 
     command.upgrade(cfg, "9001")
-    command.downgrade(cfg, "0004")
+    command.downgrade(cfg, "0005")
 
     with Store(db_url) as store:
         assert store.desired_versions() == {"r1": 1}
@@ -299,7 +299,7 @@ def test_upgrade_from_0003_adds_promoted_at_and_downgrade_keeps_the_policies(
                 ":details)"), {"details": '{"approved":false,"reference_for":1}'})
     finally:
         engine.dispose()
-    migrate.upgrade(db_url, "0004")
+    migrate.upgrade(db_url)  # 0004 and after: today's models read the rows
     with Store(db_url) as store:
         renewal = store.newest_renewal(1)
         assert renewal is not None and renewal.training_window_ids == (2,)
@@ -326,3 +326,40 @@ def test_upgrade_from_0003_adds_promoted_at_and_downgrade_keeps_the_policies(
         assert [(p.version, p.promoted_at) for p in store.policies()] == [(1, None), (2, None)]
         assert store.desired_versions() == {"r1": 1}
         assert store.newest_renewal(1) is not None  # copied out of the details again
+
+
+def test_upgrade_from_0004_fills_reissue_of_from_the_reason_and_downgrade_drops_it(
+    db_url: str,
+) -> None:
+    migrate.upgrade(db_url, "0004")
+    _seed_0001(db_url)
+    engine = make_engine(db_url)
+    try:  # a 0004 build's re-issue: the original only in the reason
+        with engine.begin() as conn:
+            for version, reason in ((7, "v1 re-issued above a router that was ahead"),
+                                    (8, "a v1 re-issued above nothing: not one")):
+                conn.execute(sa.text(
+                    "INSERT INTO policies (version, checksum, body, status, reason, created_at, "
+                    "updated_at) VALUES (:v, :c, '{}', 'approved', :r, '2026-12-01 00:00:00', "
+                    "'2026-12-01 00:00:00')"), {"v": version, "c": "aa" * 32, "r": reason})
+    finally:
+        engine.dispose()
+    migrate.upgrade(db_url, "0005")
+    with Store(db_url) as store:
+        assert [(p.version, p.reissue_of) for p in store.policies()] == [
+            (1, None), (7, 1), (8, None)]
+        store.add_policy(9, "aa" * 32, "{}", "approved", "again", reissue_of=1)
+        assert store.policy(9).reissue_of == 1  # type: ignore[union-attr]
+    migrate.downgrade(db_url, "0004")
+    engine = make_engine(db_url)
+    try:
+        columns = {c["name"] for c in sa.inspect(engine).get_columns("policies")}
+    finally:
+        engine.dispose()
+    assert "reissue_of" not in columns
+    with Store(db_url) as store:
+        assert store.desired_versions() == {"r1": 1}
+    migrate.upgrade(db_url)
+    with Store(db_url) as store:
+        assert [(p.version, p.reissue_of) for p in store.policies()] == [
+            (1, None), (7, 1), (8, None), (9, None)]  # 9's origin was only in the column
