@@ -20,6 +20,7 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controller import __version__
+from controller.core.drift import KINDS as DRIFT_DETECTORS
 from controller.core.window import FAILURE_KINDS
 
 CYCLE_RESULTS = ("ok", "skipped", "failed")
@@ -229,6 +230,10 @@ class ControllerMetrics:
             self.rollbacks.labels(by)
         for kind in OBSERVE_FAILURE_KINDS:
             self.observe_failures.labels(kind)
+        # increase() over a series that appears at 1 misses that first event: an alert on
+        # repeated drift fired one event late after every restart.
+        for detector in DRIFT_DETECTORS:
+            self.drift_events.labels(detector)
         self.set_canary_state("idle")
 
     # The loop.
@@ -278,7 +283,7 @@ class ControllerMetrics:
         self.drift_threshold.labels(detector, feature).set(threshold)
 
     def drift_event(self, detector: str) -> None:
-        self.drift_events.labels(detector).inc()
+        self.drift_events.labels(_check("detector", detector, DRIFT_DETECTORS)).inc()
 
     def recalibration(self, trigger: str) -> None:
         self.recalibrations.labels(_check("trigger", trigger, RECALIBRATION_TRIGGERS)).inc()

@@ -55,6 +55,8 @@ def test_enum_children_exist_from_the_first_scrape(registry: CollectorRegistry) 
         assert value(s, "pdctl_recalibrations_total", trigger=trigger) == 0
     for decision in GUARDRAIL_DECISIONS:
         assert value(s, "pdctl_guardrail_decisions_total", decision=decision) == 0
+    for detector in ("workload", "performance", "slo"):
+        assert value(s, "pdctl_drift_events_total", detector=detector) == 0
     assert [value(s, "pdctl_canary_state", state=st) for st in CANARY_STATES] == [1, 0, 0, 0]
     assert value(s, "pdctl_last_cycle_success_timestamp_seconds") == 0
 
@@ -110,9 +112,9 @@ def test_jobs_pushes_and_router_versions(registry: CollectorRegistry) -> None:
 
 def test_drift_guardrail_goodput_and_operator_state(registry: CollectorRegistry) -> None:
     m = ControllerMetrics(registry)
-    m.set_drift("ks", "context_tokens", statistic=0.31, threshold=0.2)
-    m.drift_event("ks")
-    m.drift_event("ks")
+    m.set_drift("workload", "context_tokens", statistic=0.31, threshold=0.2)
+    m.drift_event("workload")
+    m.drift_event("workload")
     m.recalibration("drift")
     m.guardrail_decision("rejected", "goodput_margin", now=500.0)
     m.guardrail_decision("approved", "better", now=600.0)
@@ -123,9 +125,9 @@ def test_drift_guardrail_goodput_and_operator_state(registry: CollectorRegistry)
     m.set_pinned(False)
     m.set_canary_state("baking")
     s = scrape(registry)
-    assert value(s, "pdctl_drift_statistic", detector="ks", feature="context_tokens") == 0.31
-    assert value(s, "pdctl_drift_threshold", detector="ks", feature="context_tokens") == 0.2
-    assert value(s, "pdctl_drift_events_total", detector="ks") == 2
+    assert value(s, "pdctl_drift_statistic", detector="workload", feature="context_tokens") == 0.31
+    assert value(s, "pdctl_drift_threshold", detector="workload", feature="context_tokens") == 0.2
+    assert value(s, "pdctl_drift_events_total", detector="workload") == 2
     assert value(s, "pdctl_recalibrations_total", trigger="drift") == 1
     assert value(s, "pdctl_guardrail_decisions_total", decision="rejected") == 1
     assert value(s, "pdctl_guardrail_decisions_total", decision="approved") == 1
@@ -155,6 +157,7 @@ def test_drift_guardrail_goodput_and_operator_state(registry: CollectorRegistry)
         lambda m: m.recalibration("cron"),
         lambda m: m.guardrail_decision("maybe", "x", now=1.0),
         lambda m: m.set_canary_state("canary"),
+        lambda m: m.drift_event("weather"),
         lambda m: m.set_recommendation("router", 2, 0.5, 2, False),
     ],
 )
@@ -209,7 +212,7 @@ def test_exposition_passes_promtool_check_metrics(registry: CollectorRegistry) -
     m.observe_cycle("ok", 0.1, now=10.0)
     m.observe_push("router-a", "ok", 0.01)
     m.set_router_versions("router-a", 1, 1)
-    m.set_drift("ks", "io_ratio", 0.1, 0.2)
+    m.set_drift("workload", "io_ratio", 0.1, 0.2)
     m.guardrail_decision("approved", "better", now=10.0)
     m.set_predicted_goodput(0.8, 0.85)
     m.set_recommendation("prefill", 3, 0.7, 2, False)

@@ -92,6 +92,16 @@ def test_unit_settings_that_the_daemon_relies_on() -> None:
     assert config.parent.name == settings["ConfigurationDirectory"][0]
 
 
+def test_the_system_call_filter_refuses_calls_instead_of_killing() -> None:
+    """``~@resources`` holds ``mbind``, which numpy's OpenBLAS calls at import: with the
+    default action (SIGSYS) the daemon died before its first log line, restarted, and died
+    again (a seccomp filter of systemd's @resources set, run by hand, showed it)."""
+    settings = _unit_settings(UNIT.read_text())
+    denied = [f for f in settings.get("SystemCallFilter", []) if f.startswith("~")]
+    assert any("@resources" in f for f in denied)  # still hardened
+    assert settings.get("SystemCallErrorNumber") == ["EPERM"]
+
+
 def test_example_config_loads_and_keeps_its_state_in_the_state_directory() -> None:
     settings = load_settings(SYSTEMD / "pd-controller.toml")
     assert settings.store.url.startswith("sqlite:////var/lib/pd-controller/")
