@@ -141,7 +141,7 @@ def exposed_names() -> set[str]:
     m.observe_push("r", "ok", 0.01)
     m.set_router_versions("r", 1, 1)
     m.set_drift("ks", "ctx", 0.1, 0.2)
-    m.drift_event("ks")
+    m.drift_event("workload")
     m.guardrail_decision("approved", "better", now=1.0)
     m.set_predicted_goodput(0.9, 0.9)
     m.set_recommendation("prefill", 2, 0.6, 2, False)  # per-role series exist once planned

@@ -68,7 +68,7 @@ def exporters() -> dict[str, tuple[str | None, CollectorRegistry]]:
     m.observe_push("router-0", "failed", 2.0)
     m.set_router_versions("router-0", desired=2, acked=1)
     m.set_drift("ks", "context_tokens", statistic=0.3, threshold=0.2)
-    m.drift_event("ks")
+    m.drift_event("workload")
     m.guardrail_decision("approved", "better", now=time.time())
     m.set_predicted_goodput(0.8, 0.9)
     m.policy_changed(2)
