@@ -11,7 +11,9 @@ models (CI checks the committed file is current).
 
 from __future__ import annotations
 
+import ipaddress
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -43,6 +45,43 @@ def check_host_port(value: str, *, listen: bool = False) -> str:
             or any(c.isspace() for c in value) or host.startswith("[") != host.endswith("]"):
         raise ValueError(f"expected HOST:PORT with a port in {low}..65535, got {value!r}")
     return value
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback IP (``127.0.0.0/8``, ``::1``); brackets allowed."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_local_target(target: str) -> bool:
+    """A loopback HOST:PORT gRPC target (``dns:///`` and ``ipv4:``/``ipv6:`` prefixes
+    allowed). Not a Unix socket: the client's local credentials are LOCAL_TCP."""
+    for prefix in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if target.startswith(prefix):
+            target = target[len(prefix):]
+            break
+    return is_loopback(target.rpartition(":")[0] or target)
+
+
+def token_without_tls_problem(security: SecurityConfig, targets: Iterable[str],
+                              what: str) -> str | None:
+    """Why a bearer token without TLS cannot reach ``targets``, or None. gRPC sends call
+    credentials only over TLS or a local connection: every call to another host failed as
+    "Endpoint is neither UDS or TCP loopback address", read as an unreachable router."""
+    if not security.has_token() or security.uses_tls():
+        return None
+    remote = [t for t in targets if not is_local_target(t)]
+    if not remote:
+        return None
+    return (f"[security] token/token_file without TLS works on loopback only (gRPC sends a "
+            f"token over TLS or a local connection), and {what} {remote[0]!r} is not "
+            "loopback: set tls_ca (the routers' CA; tls_cert/tls_key too for mutual TLS), "
+            "or leave the token out")
 
 
 def _scrape_address(value: str) -> str:
@@ -175,6 +214,13 @@ class SecurityConfig(_Section):
     server_name: str | None = Field(
         None, description="Override the TLS server name checked on the router's certificate."
     )
+
+    def has_token(self) -> bool:
+        return self.token is not None or self.token_file is not None
+
+    def uses_tls(self) -> bool:
+        """The client side's test (``rollout.security.channel_credentials``)."""
+        return self.tls_ca is not None or self.tls_cert is not None
 
     def bearer_token(self) -> str | None:
         if self.token is not None:
@@ -518,6 +564,14 @@ class Settings(BaseSettings):
             # a policy, so this replica would push nothing, ever.
             raise ValueError(f"controller.sidecar_router: {mine!r} is not one of [routers] "
                              f"targets {targets}: its router would never be given a policy")
+        return self
+
+    @model_validator(mode="after")
+    def _token_reaches_the_routers(self) -> Settings:
+        problem = token_without_tls_problem(self.security, self.routers.targets,
+                                            "router target")
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @classmethod

@@ -38,8 +38,8 @@ tpot_s = 0.08
 """
 
 
-def write(tmp_path: Path, text: str) -> Path:
-    p = tmp_path / "pd.toml"
+def write(tmp_path: Path, text: str, name: str = "pd.toml") -> Path:
+    p = tmp_path / name
     p.write_text(text)
     return p
 
@@ -162,6 +162,30 @@ def test_a_sidecar_router_must_be_one_of_the_targets(
         in str(e.value)
     monkeypatch.setenv("PDCTL_CONTROLLER__SIDECAR_ROUTER", "pd-router-0.pd-router:50151")
     assert load_settings(config).controller.sidecar_router == "pd-router-0.pd-router:50151"
+
+
+@pytest.mark.parametrize("targets, ok", [
+    ('["127.0.0.1:50151", "localhost:50152", "[::1]:50153"]', True),
+    ('["127.0.0.1:50151", "pd-router-0.pd-router:50151"]', False),
+    ('["dns:///routers.example:50151"]', False),
+    ('["10.0.0.7:50151"]', False),
+])
+def test_a_token_without_tls_must_not_name_a_router_on_another_host(
+    tmp_path: Path, targets: str, ok: bool
+) -> None:
+    """gRPC sends a token over TLS or a local connection only: the shipped configs (a token,
+    no TLS, routers on other hosts) passed `config check` and then no push ever reached a
+    router ("Endpoint is neither UDS or TCP loopback address", read as unreachable)."""
+    token = write(tmp_path, "secret\n", "token")
+    body = f'[routers]\ntargets = {targets}\n[security]\ntoken_file = "{token}"\n'
+    if ok:
+        assert load_settings(write(tmp_path, body)).security.has_token()
+    else:
+        with pytest.raises(ConfigError, match=r"security\] token/token_file without TLS "
+                                              r"works on loopback only"):
+            load_settings(write(tmp_path, body))
+    ca = write(tmp_path, "not read when loading\n", "ca.pem")
+    assert load_settings(write(tmp_path, body + f'tls_ca = "{ca}"\n')).security.uses_tls()
 
 
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:

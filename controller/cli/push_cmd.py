@@ -79,7 +79,7 @@ def push(
     import asyncio
 
     from controller.clock import WallClock
-    from controller.config import check_host_port
+    from controller.config import check_host_port, token_without_tls_problem
     from controller.errors import ConfigError
     from controller.policy import PolicyValidationError, loads
     from controller.rollout.client import GrpcRouterTransport
@@ -109,6 +109,9 @@ def push(
         except ValueError as e:
             typer.echo(f"--router {address}: {e}", err=True)
             raise typer.Exit(2) from None
+    if problem := token_without_tls_problem(settings.security, router or [], "--router"):
+        typer.echo(problem, err=True)
+        raise typer.Exit(2)
 
     async def once() -> dict[str, RouterStatus]:
         transport = GrpcRouterTransport(settings.security)

@@ -34,7 +34,6 @@ Python code runs: they never reach the agent, and the refused client sees ``UNAV
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 import os
 import ssl
@@ -49,7 +48,7 @@ import grpc
 import grpc.aio
 from prometheus_client import CollectorRegistry, Counter
 
-from controller.config import SecurityConfig
+from controller.config import SecurityConfig, is_loopback
 from controller.errors import ConfigError
 
 AUTHORIZATION = "authorization"
@@ -239,6 +238,11 @@ class ServerSecurity:
     def authenticates(self) -> bool:
         return self.client_certificates or self.token
 
+    @property
+    def loopback_only(self) -> bool:
+        """A token without TLS: ``local_server_credentials`` refuse every other peer."""
+        return self.token and not self.tls
+
     def describe(self) -> str:
         parts = ["mTLS" if self.client_certificates else ("TLS" if self.tls else "plaintext")]
         if self.token:
@@ -408,18 +412,16 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_listen(listen: str, security: ServerSecurity, *, allow_unauthenticated: bool) -> None:
     """Refuse to serve policy updates to the network without any authentication."""
     host, _ = split_host_port(listen)
+    if security.loopback_only and not is_loopback(host):
+        raise ConfigError(
+            f"refusing to listen on {listen} with a bearer token and no TLS: gRPC accepts "
+            "the token from loopback peers only, so no other host (nor a kubelet probe) "
+            "could reach it. Configure [security] tls_cert/tls_key (tls_ca for mutual TLS), "
+            "or listen on 127.0.0.1."
+        )
     if security.authenticates or is_loopback(host) or allow_unauthenticated:
         return
     raise ConfigError(

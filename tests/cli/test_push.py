@@ -217,6 +217,14 @@ def test_bad_inputs_exit_2(tmp_path: Path) -> None:
         assert result.exit_code == 2, (address, result.output)
         assert f"--router {address}: expected HOST:PORT" in result.output
 
+    # A token without TLS reaches loopback only: refused before any call, not "unreachable".
+    token_only = tmp_path / "token-only.toml"
+    token_only.write_text('[security]\ntoken = "t"\n')
+    result = runner.invoke(app, ["push", str(good), "--config", str(token_only),
+                                 "-r", "127.0.0.1:1", "-r", "10.0.0.7:50151"])
+    assert result.exit_code == 2, result.output
+    assert "'10.0.0.7:50151' is not loopback" in result.output
+
 
 def test_agent_refuses_an_unauthenticated_public_listen_address() -> None:
     proc = subprocess.run(

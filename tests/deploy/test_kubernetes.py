@@ -166,6 +166,18 @@ def test_sidecar_is_native_and_does_not_wait_on_its_router(tmp_path: Path) -> No
         assert mine.rsplit(":", 1)[1] == "50151"
         seen.add(mine)
     assert seen == set(base.routers.targets)
+    # The router's agent reads the same [security] (mutual TLS + token) from the same files,
+    # and is probed without gRPC: the kubelet's gRPC probe cannot speak TLS.
+    (router,) = pod["containers"]
+    mounts = {(m["name"], m["mountPath"]) for m in sidecar["volumeMounts"]
+              if m["name"] != "tmp"}
+    assert mounts <= {(m["name"], m["mountPath"]) for m in router["volumeMounts"]}
+    assert "grpc" not in router["readinessProbe"]
+    assert base.security.uses_tls() and base.security.tls_cert is not None
+    files = [base.security.tls_cert, base.security.tls_key, base.security.tls_ca,
+             base.security.token_file]
+    assert {f.parent.as_posix() for f in files if f} == {
+        m["mountPath"] for m in sidecar["volumeMounts"] if m["name"] == "router-credentials"}
 
 
 SIDECAR_OF_ROUTER_0 = {"controller": {"sidecar_router": "pd-router-0.pd-router:50151"}}

@@ -124,8 +124,9 @@ def test_every_file_the_example_config_reads_is_readable_by_the_dynamic_user() -
     credentials = dict(c.split(":", 1) for c in _unit_settings(unit).get("LoadCredential", []))
     settings = load_settings(SYSTEMD / "pd-controller.toml")
     here = Path("/run/credentials") / UNIT.name
-    secrets = [p for p in (settings.security.token_file, settings.security.tls_key) if p]
-    assert secrets  # the example authenticates to its routers
+    sec = settings.security
+    secrets = [p for p in (sec.token_file, sec.tls_cert, sec.tls_key, sec.tls_ca) if p]
+    assert len(secrets) == 4  # mutual TLS and a token: a token alone reaches loopback only
     for path in secrets:
         assert path.parent == here, path
         assert path.name in credentials, (path, credentials)

@@ -255,8 +255,15 @@ def test_unauthenticated_server_stays_on_loopback() -> None:
     with pytest.raises(ConfigError, match="without authentication"):
         check_listen("router.example:50051", plain, allow_unauthenticated=False)
     check_listen("0.0.0.0:50051", plain, allow_unauthenticated=True)
-    with_token = ServerSecurity(None, (), False, False, True)
-    check_listen("0.0.0.0:50051", with_token, allow_unauthenticated=False)
+    # A token without TLS: gRPC takes it from loopback peers only (local credentials), so a
+    # wider listen served nobody, the kubelet's probe included.
+    token_only = ServerSecurity(None, (), False, False, True)
+    check_listen("127.0.0.1:50051", token_only, allow_unauthenticated=False)
+    for insecure in (False, True):
+        with pytest.raises(ConfigError, match="loopback peers only"):
+            check_listen("0.0.0.0:50051", token_only, allow_unauthenticated=insecure)
+    check_listen("0.0.0.0:50051", ServerSecurity(None, (), True, False, True),
+                 allow_unauthenticated=False)
     with pytest.raises(ConfigError, match="HOST:PORT"):
         split_host_port("no-port")
     assert is_loopback("127.8.0.1") and not is_loopback("10.0.0.1")
