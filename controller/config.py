@@ -185,9 +185,11 @@ class RoutersConfig(_Section):
     )
     metrics_targets: list[str] = Field(
         default_factory=list,
-        description="Routers' /metrics addresses HOST:PORT (pdrouter_* series) for the scrape "
-        "source; dns+NAME:PORT expands to every address of a headless service (resolved "
-        "again every 60 s).",
+        description="Routers' /metrics addresses HOST:PORT (pdrouter_* series), one per "
+        "router target and in the same order: the canary judge pairs them (with the "
+        "prometheus source, each must be the router's `instance` label). The scrape source "
+        "scrapes them; dns+NAME:PORT expands to every address of a headless service "
+        "(resolved again every 60 s), scraped but not paired.",
     )
 
     @field_validator("targets")
@@ -597,6 +599,39 @@ def sidecar_store_problem(settings: Settings) -> str | None:
         return ("[controller] sidecar_router needs PostgreSQL as the shared store (every "
                 "replica reconciles its own router)")
     return None
+
+
+def router_outcome_names(settings: Settings) -> dict[str, str]:
+    """Each router target's name in the windows' outcomes (the scrape target, or Prometheus'
+    ``instance`` label): its ``[routers] metrics_targets`` entry in the same place, when the
+    two lists pair up one to one; else none (an outcome is then named by its target)."""
+    targets, metrics = settings.routers.targets, settings.routers.metrics_targets
+    if len(metrics) != len(targets) or any(m.startswith("dns+") for m in metrics):
+        return {}
+    return dict(zip(targets, metrics, strict=True))
+
+
+def canary_names_problem(settings: Settings) -> str | None:
+    """What `pdctl run` refuses (and `pdctl config check` reports) when the canary judge
+    could not tell canary routers' requests from control routers': it pairs router targets
+    with metrics names by position, and without a pair every canary saw no requests and was
+    rolled back after ``max_bake_windows``."""
+    targets, metrics = settings.routers.targets, settings.routers.metrics_targets
+    has_control = len(targets) >= 2 and settings.controller.canary_fraction < 1
+    # Observing nothing, the daemon never calibrates: only operator actions, which skip the
+    # canary.
+    observes = (settings.observe.source == "prometheus" or metrics
+                or settings.prefill_pool.nodes or settings.decode_pool.nodes)
+    if not has_control or not observes or router_outcome_names(settings):
+        return None
+    have = (f"{len(metrics)} entr{'y' if len(metrics) == 1 else 'ies'}"
+            + (" with a dns+ name" if any(m.startswith("dns+") for m in metrics) else ""))
+    return (f"[routers] metrics_targets must name each of the {len(targets)} router targets' "
+            f"/metrics address HOST:PORT, in the same order (has {have}; with the "
+            "prometheus source each must be the router's `instance` label): the canary "
+            "judge tells canary routers' requests from control routers' by them, and "
+            "without them every canary is rolled back for want of requests. Or set "
+            "[controller] canary_fraction = 1 (no canary)")
 
 
 def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:

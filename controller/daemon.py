@@ -154,7 +154,11 @@ class Daemon:
             raise
 
     async def _build(self, store: Any, metrics: Any) -> Parts:
-        from controller.config import sidecar_store_problem
+        from controller.config import (
+            canary_names_problem,
+            router_outcome_names,
+            sidecar_store_problem,
+        )
         from controller.cycle import Cycle, CycleConfig
         from controller.health import Health, HealthServer
         from controller.leader import default_holder, leadership_for
@@ -165,9 +169,9 @@ class Daemon:
 
         s = self.settings
         c = s.controller
-        problem = sidecar_store_problem(s)
-        if problem is not None:
-            raise ConfigError(problem)
+        for problem in (sidecar_store_problem(s), canary_names_problem(s)):
+            if problem is not None:
+                raise ConfigError(problem)
         routers = list(s.routers.targets)
         if not routers:
             raise ConfigError("[routers] targets is empty: the daemon needs routers to control")
@@ -175,9 +179,7 @@ class Daemon:
             await asyncio.to_thread(store.upgrade_embedded)  # the embedded default
         else:
             await asyncio.to_thread(store.require_schema)  # production: `pdctl db upgrade`
-        names: dict[str, str] = {}
-        if len(s.routers.metrics_targets) == len(routers):
-            names = dict(zip(routers, s.routers.metrics_targets, strict=True))
+        names = router_outcome_names(s)
         source = await source_from_settings(s, clock=self.clock)
         transport = GrpcRouterTransport(s.security)
         reconciler = Reconciler.from_config(transport, self.clock, s.rollout)

@@ -272,3 +272,34 @@ def test_an_operator_pin_replaces_a_calibrated_table_at_the_next_calibration(
         assert outcome.policy.overrides == Overrides(Route.PREFILL_NODE, 0, 0)
     again = pinned.calibrate(windows, outcome.policy, windows[-1].end, "scheduled")
     assert not again.approved  # the same uniform table: a predicted tie, refused
+
+
+@pytest.mark.parametrize("metrics, paired", [
+    ('["r0:9465", "r1:9465"]', True),
+    ("[]", False),
+    ('["dns+routers:9465"]', False),
+    ('["r0:9465"]', False),
+])
+def test_the_canary_needs_each_routers_metrics_name(
+    tmp_path: Path, metrics: str, paired: bool
+) -> None:
+    """The shipped ConfigMap named its two routers' metrics by one dns+ name: nothing paired
+    a canary router with its requests, and every canary was rolled back for want of them."""
+    from controller.config import canary_names_problem, router_outcome_names
+
+    routers = f'[routers]\ntargets = ["r0:50151", "r1:50151"]\nmetrics_targets = {metrics}\n'
+    body = '[prefill_pool]\nnodes = ["p0:8000"]\n' + routers
+    settings = load_settings(write(tmp_path, body))
+    if paired:
+        assert router_outcome_names(settings) == {"r0:50151": "r0:9465", "r1:50151": "r1:9465"}
+        assert canary_names_problem(settings) is None
+    else:
+        assert router_outcome_names(settings) == {}
+        problem = canary_names_problem(settings)
+        assert problem is not None and "metrics_targets must name each of the 2" in problem
+        # Without a control group there is nothing to pair.
+        no_canary = load_settings(write(tmp_path, body + "[controller]\ncanary_fraction = 1\n"))
+        assert canary_names_problem(no_canary) is None
+        # Observing nothing, it never calibrates: nothing for a canary to judge either.
+        if metrics == "[]":
+            assert canary_names_problem(load_settings(write(tmp_path, routers))) is None

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from controller.cli._app import config_app, load_settings_or_exit
-from controller.config import Settings, sidecar_store_problem
+from controller.config import Settings, canary_names_problem, sidecar_store_problem
 
 
 @config_app.command("check")
@@ -30,9 +30,8 @@ def check(
     assert config is not None
     settings = load_settings_or_exit(config)
     problems = [] if skip_files else _file_problems(settings)
-    sidecar = sidecar_store_problem(settings)
-    if sidecar is not None:
-        problems.insert(0, sidecar)
+    problems[:0] = [p for p in (sidecar_store_problem(settings),
+                                canary_names_problem(settings)) if p is not None]
     if problems:
         typer.echo(f"{config}: {len(problems)} problem(s) `pdctl run` or `pdctl router-agent` "
                    "would refuse at start:", err=True)

@@ -3,12 +3,14 @@ not a traceback (one code path: controller/cli/_app.py load_settings_or_exit).""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from controller.cli import app
+from tests.support.processes import PDCTL
 
 COMMANDS = [
     ["run"],
@@ -80,3 +82,21 @@ def test_config_check_refuses_a_sidecar_on_sqlite(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["config", "check", "--skip-files", str(config)])
     assert result.exit_code == 2, result.output
     assert "sidecar_router needs PostgreSQL" in result.output
+
+
+def test_config_check_and_run_refuse_routers_the_canary_could_not_tell_apart(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "pd.toml"
+    config.write_text(f'[store]\nurl = "sqlite:///{tmp_path / "h.db"}"\n'
+                      '[observe]\nsource = "prometheus"\n'
+                      '[routers]\ntargets = ["127.0.0.1:50151", "127.0.0.1:50152"]\n'
+                      'metrics_targets = ["dns+localhost:9465"]\n')
+    result = CliRunner().invoke(app, ["config", "check", "--skip-files", str(config)])
+    assert result.exit_code == 2, result.output
+    assert "metrics_targets must name each of the 2 router targets" in result.output
+    # `pdctl run` refuses it at start, before it observes (a subprocess: it would run on).
+    run = subprocess.run([*PDCTL, "run", "--config", str(config)], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert run.returncode == 2, run.stderr
+    assert "metrics_targets must name each of the 2 router targets" in run.stderr

@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -97,3 +99,39 @@ def test_scrape_config_labels_roles_and_scrapes_the_controller() -> None:
     assert roles == {"prefill", "decode", "router"}
     assert "pd-controller" in {job["job_name"] for job in doc["scrape_configs"]}
     assert doc["rule_files"] == ["rules.yml"]
+
+
+def test_kubernetes_router_job_checks() -> None:
+    out = promtool("check", "config", "kubernetes.yml")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def relabel(rules: list[dict[str, Any]], labels: dict[str, str]) -> dict[str, str]:
+    """Prometheus' `replace` relabelling (the only action the router job uses): the source
+    labels joined by ';' must match the whole regex; $N takes its groups."""
+    out = dict(labels)
+    for rule in rules:
+        assert rule.get("action", "replace") == "replace"
+        value = ";".join(out.get(name, "") for name in rule.get("source_labels", []))
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        if match:
+            template = re.sub(r"\$(\d+)", r"\\g<\1>", rule.get("replacement", "$1"))
+            out[rule["target_label"]] = match.expand(template)
+    return out
+
+
+def test_kubernetes_routers_are_named_as_the_configmap_pairs_them() -> None:
+    """The canary judge pairs `[routers] targets` with `metrics_targets` by position and finds
+    a router's requests under its Prometheus `instance`: the SRV-discovered address (the
+    Pod's full DNS name) must become exactly the ConfigMap's name for it."""
+    from tests.deploy.test_kubernetes import one
+
+    (job,) = yaml.safe_load((PROM / "kubernetes.yml").read_text())["scrape_configs"]
+    config = one("configmap.yaml", "ConfigMap")["data"]["pd-controller.toml"]
+    metrics = tomllib.loads(config)["routers"]["metrics_targets"]
+    assert len(metrics) >= 2
+    for i, expected in enumerate(metrics):
+        address = f"pd-router-{i}.pd-router.default.svc.cluster.local:9465"
+        labels = relabel(job["relabel_configs"], {"__address__": address})
+        assert labels["instance"] == expected
+        assert labels["role"] == "router"
