@@ -362,8 +362,9 @@ class ControllerConfig(_Section):
         "once a dead leader's lease expired."
     )
     stalled_after_s: float | None = Field(
-        None, gt=0, description="/healthz fails when no cycle completed for this long "
-        "(None: 3 intervals + 30 s).",
+        None, gt=0, description="/healthz fails when no cycle completed ok for this long; "
+        "/livez (the liveness probe) and the systemd watchdog when no cycle ended at all, "
+        "a wedged loop (None: 3 intervals + 30 s).",
     )
     shutdown_timeout_s: float = Field(
         10.0, gt=0, description="On SIGTERM, wait this long for the in-flight cycle."

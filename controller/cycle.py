@@ -484,6 +484,7 @@ class Cycle:
         self._failing: dict[str, int] = {}  # target -> windows failed in a row
         self.last_report: CycleReport | None = None
         self.last_completed_at: float | None = None  # clock.now() of the last ok cycle
+        self.last_ended_at: float | None = None  # ... of the last cycle, any result (liveness)
 
     # -- the whole cycle ------------------------------------------------------------------
 
@@ -522,8 +523,9 @@ class Cycle:
             report.result, report.reason = "failed", f"{type(e).__name__}: {e}"
         seconds = self.clock.monotonic() - started
         self.metrics.observe_cycle(report.result, seconds, self.clock.now())
+        self.last_ended_at = self.clock.now()
         if report.result == "ok":
-            self.last_completed_at = self.clock.now()
+            self.last_completed_at = self.last_ended_at
         self.last_report = report
         log.log(logging.WARNING if report.result == "failed" else logging.INFO, "cycle %s",
                 report.summary(), extra={"cycle": _report_fields(report)})

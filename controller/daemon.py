@@ -180,7 +180,7 @@ class Daemon:
         else:
             await asyncio.to_thread(store.require_schema)  # production: `pdctl db upgrade`
         names = router_outcome_names(s)
-        source = await source_from_settings(s, clock=self.clock)
+        source = await source_from_settings(s, clock=self.clock, wait_for_targets=True)
         transport = GrpcRouterTransport(s.security)
         reconciler = Reconciler.from_config(transport, self.clock, s.rollout)
         holder = c.replica_id or default_holder()
@@ -193,7 +193,8 @@ class Daemon:
             reconcile_only=[c.sidecar_router] if c.sidecar_router else None,
             planner=SettingsPlanner(s) if s.capacity.enabled else None,
         )
-        health = Health(self.clock, stalled_after_s(s), lambda: cycle.last_completed_at)
+        health = Health(self.clock, stalled_after_s(s), lambda: cycle.last_completed_at,
+                        lambda: cycle.last_ended_at)
         health.details = lambda: {"leader": leadership.is_leader, "holder": holder}
         server = None
         if s.metrics.enable:
@@ -258,7 +259,8 @@ class Daemon:
 
     def _heartbeat_fresh(self) -> bool:
         assert self.parts is not None
-        last: float | None = self.parts.cycle.last_completed_at
+        # The loop turns (as /livez): an outage of what it observes is not cured by a kill.
+        last: float | None = self.parts.cycle.last_ended_at
         limit = float(self.parts.health.stalled_after_s)
         if last is None:
             return self.clock.now() - self._started_at < limit

@@ -1,9 +1,14 @@
 """``/healthz``, ``/readyz`` and ``/metrics`` on one small asyncio HTTP server.
 
-- ``/healthz`` (alias ``/livez``) is tied to the control loop's progress: 200 only while a
-  cycle completed within ``stalled_after_s``; a wedged or failing loop turns it 503, so a
-  liveness probe restarts it. Before the first cycle it is 503 too (a startup probe on
-  ``/readyz`` covers the start).
+- ``/livez`` (liveness) says the control loop turns: 200 while a cycle *ended*, whatever
+  its result, within ``stalled_after_s``. A wedged loop turns it 503 and a restart is the
+  cure. A cycle skipped or failed because Prometheus, the workers or the database are down
+  still ended: restarting would not bring them back, and would stop the reconciling of
+  routers (and leave the pod crash-looping, in backoff, when they return).
+- ``/healthz`` says the loop succeeds: 200 only while a cycle completed ``ok`` within
+  ``stalled_after_s`` (what ``PdControllerStalled`` alerts on). For people and monitoring,
+  not for a liveness probe.
+- Both are 503 before the first cycle (a startup probe on ``/readyz`` covers the start).
 - ``/readyz`` is 200 once the daemon's own loop is up (config loaded, store reachable and
   at the schema head, scheduler started). It never depends on reaching a router: in the
   native-sidecar pattern the router starts only after this probe passes.
@@ -36,10 +41,12 @@ class Health:
     """What the probes answer from: readiness set by the daemon, progress by the loop."""
 
     def __init__(self, clock: Clock, stalled_after_s: float,
-                 last_cycle: Callable[[], float | None] | None = None) -> None:
+                 last_cycle: Callable[[], float | None] | None = None,
+                 last_ended: Callable[[], float | None] | None = None) -> None:
         self.clock = clock
         self.stalled_after_s = stalled_after_s
-        self._last_cycle = last_cycle or (lambda: None)
+        self._last_cycle = last_cycle or (lambda: None)  # the last ok cycle
+        self._last_ended = last_ended or self._last_cycle  # the last cycle, any result
         self.ready = False
         self.ready_reason = "starting"
         self.details: Callable[[], dict[str, Any]] = dict
@@ -47,16 +54,26 @@ class Health:
     def last_cycle_at(self) -> float | None:
         return self._last_cycle()
 
+    def healthy(self) -> tuple[bool, dict[str, Any]]:
+        """``/healthz``: a cycle completed ok within ``stalled_after_s``."""
+        return self._fresh(self.last_cycle_at(), "completed", "last_cycle_age_s")
+
     def live(self) -> tuple[bool, dict[str, Any]]:
-        last = self.last_cycle_at()
-        now = self.clock.now()
+        """``/livez``: a cycle ended, whatever its result, within ``stalled_after_s``."""
+        ok, doc = self._fresh(self._last_ended(), "ended", "last_cycle_end_age_s")
+        last_ok = self.last_cycle_at()
+        if last_ok is not None:
+            doc["last_cycle_age_s"] = round(self.clock.now() - last_ok, 3)
+        return ok, doc
+
+    def _fresh(self, last: float | None, what: str, key: str) -> tuple[bool, dict[str, Any]]:
         doc: dict[str, Any] = {"stalled_after_s": self.stalled_after_s, **self.details()}
         if last is None:
-            return False, {**doc, "status": "no cycle completed yet"}
-        age = now - last
-        doc["last_cycle_age_s"] = round(age, 3)
+            return False, {**doc, "status": f"no cycle {what} yet"}
+        age = self.clock.now() - last
+        doc[key] = round(age, 3)
         if age > self.stalled_after_s:
-            return False, {**doc, "status": f"stalled: no cycle completed for {age:.0f} s"}
+            return False, {**doc, "status": f"stalled: no cycle {what} for {age:.0f} s"}
         return True, {**doc, "status": "ok"}
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
@@ -122,11 +139,13 @@ class HealthServer:
         head_only = method == "HEAD"
         if path == "/metrics":
             return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry), head_only
-        if path in ("/healthz", "/livez"):
+        if path == "/livez":
             ok, doc = self.health.live()
+        elif path == "/healthz":
+            ok, doc = self.health.healthy()
         elif path == "/readyz":
             ok, doc = self.health.readiness()
         else:
-            return 404, "text/plain", b"not found: /healthz /readyz /metrics\n", head_only
+            return 404, "text/plain", b"not found: /livez /healthz /readyz /metrics\n", head_only
         body = (json.dumps(doc, default=str) + "\n").encode()
         return (200 if ok else 503), "application/json", body, head_only

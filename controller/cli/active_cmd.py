@@ -140,7 +140,7 @@ def calibrate_active(
     from controller.clock import WallClock
     from controller.config import load_settings
     from controller.core.active import plan_active_calibration
-    from controller.errors import ConfigError
+    from controller.errors import ConfigError, ControllerError
     from controller.leader import default_holder, leadership_for
     from controller.learning import CoreLearner
     from controller.observe.factory import source_from_settings
@@ -216,6 +216,10 @@ def calibrate_active(
     except ActiveCalibrationError as e:
         typer.echo(f"active calibration failed: {e}{_where(e.report)}", err=True)
         _print_failure(as_json, str(e), e.report)
+        raise typer.Exit(_EXIT_FAILED) from None
+    except ControllerError as e:  # before any load: e.g. Prometheus or a dns+ name not answering
+        typer.echo(f"active calibration failed: {e}", err=True)
+        _print_failure(as_json, str(e), runners[0].report if runners else None)
         raise typer.Exit(_EXIT_FAILED) from None
     finally:
         store.close()

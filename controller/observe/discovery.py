@@ -15,11 +15,16 @@ import socket
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from controller.errors import ConfigError
+from controller.errors import ConfigError, TransientError
 from controller.observe.source import Target, TargetRole
 
 DNS_PREFIX = "dns+"
 ROLES: tuple[TargetRole, ...] = ("prefill", "decode", "router")
+
+
+class NameUnresolved(TransientError):
+    """A ``dns+`` name does not resolve (yet): a headless service with no ready pod has no
+    address, and the workers may start after the controller. Asked again, not fatal."""
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -34,7 +39,7 @@ def resolve_all(host: str, port: int) -> list[str]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise ConfigError(f"cannot resolve {host!r}: {e}") from None
+        raise NameUnresolved(f"cannot resolve {host!r}: {e}") from None
     out = set()
     for family, _, _, _, sockaddr in infos:
         addr = str(sockaddr[0])

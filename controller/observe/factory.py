@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Literal
 
 from controller.clock import Clock
+from controller.errors import TransientError
 from controller.observe.discovery import (
     DNS_PREFIX,
     static_targets_async,
@@ -18,13 +21,36 @@ if TYPE_CHECKING:
 
 SourceKind = Literal["scrape", "prometheus"]
 
+_log = logging.getLogger(__name__)
+
+
+async def _first_targets(
+    find: Callable[[], Awaitable[list[Target]]], what: str, wait: bool
+) -> list[Target]:
+    try:
+        return await find()
+    except TransientError as e:
+        if not wait:
+            raise
+        # A daemon that exited here would crash-loop through a Prometheus or DNS outage
+        # (or start before its workers' headless service has an address) and stop
+        # reconciling routers meanwhile; its cycles are skipped until the targets are found.
+        _log.warning("%s failed at the start, asking again every cycle: %s", what, e)
+        return []
+
 
 async def source_from_settings(
-    settings: Settings, kind: SourceKind | None = None, clock: Clock | None = None
+    settings: Settings, kind: SourceKind | None = None, clock: Clock | None = None,
+    *, wait_for_targets: bool = False,
 ) -> MetricsSource:
     """``[observe] source`` (or ``kind``) with its targets: the static lists (``dns+``
     names resolved now and again every minute) or, with ``[prometheus] discover_targets``,
-    Prometheus' targets (discovered again every minute)."""
+    Prometheus' targets (discovered again every minute).
+
+    A discovery or ``dns+`` lookup that fails at the start raises, unless
+    ``wait_for_targets`` (the daemon): then the source starts with no targets and asks
+    again every window, which raises :class:`~controller.observe.source.NoTargets` until
+    some are found."""
     chosen = kind or settings.observe.source
     lists = (settings.prefill_pool.nodes, settings.decode_pool.nodes,
              settings.routers.metrics_targets)
@@ -33,7 +59,8 @@ async def source_from_settings(
         return await static_targets_async(*lists)
 
     rediscovery = None
-    if any(a.startswith(DNS_PREFIX) for addresses in lists for a in addresses):
+    dns = any(a.startswith(DNS_PREFIX) for addresses in lists for a in addresses)
+    if dns:
         rediscovery = Rediscovery(resolve, what="DNS")
     if chosen == "prometheus":
         from controller.observe.prometheus import PrometheusClient, PrometheusSource
@@ -44,14 +71,15 @@ async def source_from_settings(
             async def discover() -> list[Target]:
                 return targets_from_prometheus(await client.targets(), p.role_label)
 
-            targets = await discover()
+            targets = await _first_targets(discover, "target discovery", wait_for_targets)
             rediscovery = Rediscovery(discover, what="target discovery")
         else:
-            targets = await resolve()
+            targets = await _first_targets(resolve, "DNS", wait_for_targets and dns)
         return PrometheusSource(client, targets, mode=p.window_mode,
                                 escaped_names=p.escaped_names, rediscovery=rediscovery)
     from controller.observe.scrape import ScrapeSource
 
-    return ScrapeSource(await resolve(), timeout_s=settings.observe.scrape_timeout_s,
+    return ScrapeSource(await _first_targets(resolve, "DNS", wait_for_targets and dns),
+                        timeout_s=settings.observe.scrape_timeout_s,
                         concurrency=settings.observe.scrape_concurrency, clock=clock,
                         rediscovery=rediscovery)

@@ -48,7 +48,7 @@ from controller.errors import ControllerError, TerminalError, TransientError
 from controller.observe.catalog import ENGINES, REPLICA_RANK_LABELS, ROUTER, HistogramSpec
 from controller.observe.exposition import LabelKey, Snapshot, base_name
 from controller.observe.rediscovery import Rediscovery
-from controller.observe.source import Target
+from controller.observe.source import Target, require_targets
 from controller.observe.window_builder import (
     TargetDelta,
     TargetResult,
@@ -351,6 +351,8 @@ class PrometheusSource:
             found = await self._rediscovery.refresh(self._targets, now)
             if found is not None:
                 self._targets = found
+            require_targets(self._targets, self._rediscovery.what,
+                            self._rediscovery.last_problem)
 
     async def window(self, start: float, end: float) -> Window:
         await self._refresh_targets(end)

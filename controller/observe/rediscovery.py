@@ -6,7 +6,9 @@ Targets found once at the start go stale in a cluster that changes: with
 replaced pod was scraped at its old address and an added one never. Both sources ask
 again every ``REDISCOVER_EVERY_S`` of window time (the virtual clock's in a replay). A
 failed or empty answer keeps the targets the source had: a DNS or Prometheus hiccup must
-not empty the fleet, and the window's own scrapes say what is down.
+not empty the fleet, and the window's own scrapes say what is down. A source with no
+targets yet (the daemon started while Prometheus or DNS could not answer) asks every window
+until it finds some.
 """
 
 from __future__ import annotations
@@ -31,31 +33,37 @@ class Rediscovery:
         every_s: float = REDISCOVER_EVERY_S,
     ) -> None:
         self._find = find
-        self._what = what  # for the log: "target discovery", "DNS"
+        self.what = what  # for the log: "target discovery", "DNS"
         self._every_s = every_s
         self._found_at: float | None = None
+        self.last_problem: str | None = None  # why the last ask found nothing, for the cycle
 
     async def refresh(self, targets: Sequence[Target], now: float) -> list[Target] | None:
         """The targets found again when they are due and differ from ``targets``, else
-        None. The first call only starts the clock: ``targets`` were found at the start."""
-        if self._found_at is None:
-            self._found_at = now
-            return None
-        if now - self._found_at < self._every_s:
-            return None
+        None. The first call only starts the clock: ``targets`` were found at the start,
+        unless there are none (nothing found yet), when every call asks."""
+        if targets:
+            if self._found_at is None:
+                self._found_at = now
+                return None
+            if now - self._found_at < self._every_s:
+                return None
         try:
             found = await self._find()
         except ControllerError as e:  # Prometheus unavailable, a name that stopped resolving
-            _log.warning("%s failed, keeping %d target(s): %s", self._what, len(targets), e)
+            _log.warning("%s failed, keeping %d target(s): %s", self.what, len(targets), e)
+            self.last_problem = f"failed: {e}"
             return None
         self._found_at = now
         if not found:
-            _log.warning("%s found none, keeping %d target(s)", self._what, len(targets))
+            _log.warning("%s found none, keeping %d target(s)", self.what, len(targets))
+            self.last_problem = "found none"
             return None
+        self.last_problem = None
         if found == list(targets):
             return None
         before, after = {t.name for t in targets}, {t.name for t in found}
-        _log.info("%s again: %d target(s) (added %s; gone %s)", self._what, len(found),
+        _log.info("%s again: %d target(s) (added %s; gone %s)", self.what, len(found),
                   ", ".join(sorted(after - before)) or "none",
                   ", ".join(sorted(before - after)) or "none")
         return list(found)

@@ -28,6 +28,7 @@ from controller.core.window import (
     WorkerStats,
     Workload,
 )
+from controller.errors import TransientError
 from controller.observe.catalog import HISTOGRAM_KEYS
 from controller.observe.window_builder import ALL_BINS
 from controller.policy.model import Route
@@ -46,6 +47,19 @@ class Target:
     @property
     def metrics_url(self) -> str:
         return self.url or f"http://{self.name}/metrics"
+
+
+class NoTargets(TransientError):
+    """A source with nothing to observe yet: its discovery (Prometheus' targets, ``dns+``
+    names) has not answered or found anything since the start. The cycle is skipped, not
+    planned on an empty window."""
+
+
+def require_targets(targets: Sequence[Target], what: str, problem: str | None) -> None:
+    """Raise :class:`NoTargets` when ``targets`` is empty, naming the discovery (``what``)
+    and why its last answer had none."""
+    if not targets:
+        raise NoTargets(f"no targets to observe yet: {what} {problem or 'has found none'}")
 
 
 @runtime_checkable

@@ -78,7 +78,7 @@ def check_controller_container(container: dict[str, Any], pod: dict[str, Any]) -
     assert probes(container) == {
         "startupProbe": "/readyz",
         "readinessProbe": "/readyz",
-        "livenessProbe": "/healthz",
+        "livenessProbe": "/livez",
     }
     # Every probe targets a port of this very container (not the router's).
     own_ports = {p["name"] for p in container["ports"]}

@@ -14,9 +14,11 @@ import json
 import math
 import sys
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -46,14 +48,23 @@ class _Prometheus(BaseHTTPRequestHandler):
     baseline_age: ClassVar[float | None] = None  # at the start edge (None: as ``age``)
     data_value: ClassVar[str | None] = None  # None: data queries answer no rows
     last_error: ClassVar[dict[str, str]] = {}
+    roles: ClassVar[dict[str, str]] = {}  # instance -> its ``role`` target label
     delay: ClassVar[threading.Event | None] = None
+    unavailable: ClassVar[bool] = False  # every request answers 503
 
     def do_GET(self) -> None:
         parsed = urllib.parse.urlparse(self.path)
         if _Prometheus.delay is not None:
             _Prometheus.delay.wait(5)  # slower than the client's timeout
+        if _Prometheus.unavailable:
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if parsed.path == "/api/v1/targets":
-            active = [{"labels": {"instance": i}, "lastError": e, "health": "down"}
+            active = [{"labels": {"instance": i, **({"role": _Prometheus.roles[i]}
+                                                    if i in _Prometheus.roles else {})},
+                       "lastError": e, "health": "down"}
                       for i, e in _Prometheus.last_error.items()]
             self._json({"status": "success", "data": {"activeTargets": active}})
             return
@@ -112,6 +123,7 @@ def prometheus() -> Iterator[str]:
     _Prometheus.age, _Prometheus.jobs, _Prometheus.marker = {}, {}, False
     _Prometheus.baseline_age = None
     _Prometheus.delay = None
+    _Prometheus.roles, _Prometheus.unavailable = {}, False
     server = _Server(("127.0.0.1", 0), _Prometheus)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -295,6 +307,99 @@ async def test_discovered_targets_are_discovered_again_every_minute(prometheus: 
                     sorted(t.name for t in TARGETS[:2]),  # discovery failed: kept
                     sorted(t.name for t in TARGETS[:2]),  # found none: kept
                     sorted(t.name for t in TARGETS[1:])]
+
+
+async def test_a_daemon_started_while_prometheus_is_down_finds_its_targets_later(
+    prometheus: str, tmp_path: Path
+) -> None:
+    """With discover_targets, a Prometheus down at the start made `pdctl run` exit 3: a
+    restart loop (CrashLoopBackOff) for as long as the outage, with no router reconciled
+    meanwhile. The daemon's source starts with no targets and asks every window; `pdctl
+    observe` (one shot) still fails at once."""
+    from controller.config import load_settings
+    from controller.observe.factory import source_from_settings
+    from controller.observe.source import NoTargets
+
+    config = tmp_path / "pd.toml"
+    config.write_text(f'[prometheus]\nurl = "{prometheus}"\ndiscover_targets = true\n'
+                      "retries = 0\ntimeout_s = 2.0\n")
+    settings = load_settings(config)
+    _Prometheus.unavailable = True
+    with pytest.raises(PrometheusUnavailable):
+        await source_from_settings(settings, "prometheus")
+    src = await source_from_settings(settings, "prometheus", wait_for_targets=True)
+    try:
+        assert list(src.targets()) == []
+        with pytest.raises(NoTargets, match=r"target discovery failed: .*503"):
+            await src.window(END - 30, END)
+        _Prometheus.unavailable = False
+        with pytest.raises(NoTargets, match="target discovery found none"):
+            await src.window(END, END + 30)  # asked again at once, not a minute later
+        prefill = TARGETS[0].name
+        _Prometheus.last_error, _Prometheus.roles = {prefill: ""}, {prefill: "prefill"}
+        _Prometheus.up, _Prometheus.data_value, _Prometheus.marker = {prefill: "1"}, "1", True
+        w = await src.window(END + 30, END + 60)
+        assert [t.name for t in src.targets()] == [prefill]
+        assert list(w.answered) == [prefill] and not w.failures
+    finally:
+        await src.aclose()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_pdctl_run_rides_out_a_prometheus_outage_from_its_start(
+    prometheus: str, tmp_path: Path
+) -> None:
+    """The real daemon with Prometheus down from its start: it stays up and ready, its
+    cycles are skipped with the reason, /livez (the liveness probe) stays 200 while
+    /healthz says no cycle succeeded; once Prometheus answers, cycles succeed."""
+    from tests.support.daemon import write_config
+    from tests.support.processes import free_port, http_get, start_daemon, stop_daemon, wait_for
+
+    _Prometheus.unavailable = True
+    listen = f"127.0.0.1:{free_port()}"
+    config = write_config(tmp_path / "pd.toml", listen, f"sqlite:///{tmp_path / 'h.db'}", {
+        "prometheus": {"url": prometheus, "discover_targets": True, "retries": 0,
+                       "timeout_s": 1.0},
+        "observe": {"source": "prometheus"},
+        "routers": {"targets": ["127.0.0.1:1"]},
+        "controller": {"interval_s": 0.5, "stalled_after_s": 3.0, "shutdown_timeout_s": 5},
+        "rollout": {"push_deadline_s": 0.5, "max_attempts": 1},
+    })
+    log = tmp_path / "run.log"
+    proc = start_daemon(config, log)
+
+    def skipped() -> float:
+        r = http_get(f"http://{listen}/metrics")
+        for line in (r.text.splitlines() if r is not None else []):
+            if line.startswith('pdctl_cycles_total{result="skipped"} '):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    try:
+        wait_for("cycles skipped through the outage", lambda: skipped() >= 10, 60, log)
+        assert proc.poll() is None, log.read_text()[-2000:]  # not exited 3
+        time.sleep(3.5)  # past stalled_after_s without a successful cycle
+        live, health = http_get(f"http://{listen}/livez"), http_get(f"http://{listen}/healthz")
+        ready = http_get(f"http://{listen}/readyz")
+        assert ready is not None and ready.status_code == 200
+        assert live is not None and live.status_code == 200, live.text if live else None
+        assert health is not None and health.status_code == 503
+        assert health.json()["status"] == "no cycle completed yet"
+        text = log.read_text()
+        assert "target discovery failed at the start" in text
+        assert "no targets to observe yet: target discovery failed" in text
+
+        prefill = TARGETS[0].name
+        _Prometheus.last_error, _Prometheus.roles = {prefill: ""}, {prefill: "prefill"}
+        _Prometheus.up, _Prometheus.data_value, _Prometheus.marker = {prefill: "1"}, "1", True
+        _Prometheus.age = {prefill: 0.1}  # sampled within the 0.5 s window
+        _Prometheus.unavailable = False
+        wait_for("/healthz 200 once Prometheus answers",
+                 lambda: (r := http_get(f"http://{listen}/healthz")) is not None
+                 and r.status_code == 200, 60, log)
+    finally:
+        assert stop_daemon(proc, 20) == 0
 
 
 def test_discovery_that_finds_no_role_says_so(prometheus: str, tmp_path: Any) -> None:

@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 
 from controller.config import load_settings
-from controller.errors import ConfigError
+from controller.errors import ConfigError, TransientError
 from controller.observe.discovery import (
+    NameUnresolved,
     static_targets,
     targets_from_prometheus,
     targets_from_settings,
@@ -30,10 +31,18 @@ def test_dns_name_expands_to_every_address() -> None:
     assert names <= {"127.0.0.1:8200", "[::1]:8200"}
 
 
-@pytest.mark.parametrize("bad", ["no-port", "host:", ":80", "dns+nonexistent.invalid:80"])
+@pytest.mark.parametrize("bad", ["no-port", "host:", ":80", "dns+no-port.invalid"])
 def test_bad_addresses_are_config_errors(bad: str) -> None:
     with pytest.raises(ConfigError):
         static_targets([bad], [], [])
+
+
+def test_a_name_that_does_not_resolve_may_resolve_later() -> None:
+    """Not a config error: a headless service has no address while none of its pods is
+    ready. The daemon asks again; a one-shot command fails as a transient error."""
+    with pytest.raises(NameUnresolved, match=r"nonexistent\.invalid") as e:
+        static_targets([], ["dns+nonexistent.invalid:80"], [])
+    assert isinstance(e.value, TransientError) and not isinstance(e.value, ConfigError)
 
 
 def test_targets_from_the_seed_config(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -81,7 +90,7 @@ async def test_dns_names_are_resolved_again_as_the_source_runs(
     second = TextServer(text, host="127.0.0.2", port=first.port)
     a, b = first.address, second.address
     answers: list[list[str] | Exception] = [
-        [a], [a, b], ConfigError("cannot resolve 'workers.test'"), [b]]
+        [a], [a, b], NameUnresolved("cannot resolve 'workers.test'"), [b]]
     asked: list[str] = []
 
     def resolve_all(host: str, port: int) -> list[str]:
@@ -112,3 +121,47 @@ async def test_dns_names_are_resolved_again_as_the_source_runs(
                     ([b], [b], [])]  # the first one gone
     assert source._previous.keys() == {b}  # type: ignore[attr-defined]
     assert source._clients.keys() == set()  # type: ignore[attr-defined]  # closed by aclose
+
+
+@pytest.mark.integration
+async def test_a_name_without_an_address_at_the_start_is_asked_again_every_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A headless service has no address until a pod is ready, and the controller may start
+    first: `pdctl run` exited (and crash-looped) on it. The daemon's source starts with no
+    targets and resolves every window until the name answers; `pdctl observe` still fails."""
+    from prometheus_client import generate_latest
+
+    from controller.observe import discovery
+    from controller.observe.factory import source_from_settings
+    from controller.observe.source import NoTargets
+    from tests.observe.cluster import VllmWorker
+    from tests.observe.textserver import TextServer
+
+    server = TextServer(generate_latest(VllmWorker().registry).decode())
+    answers: list[list[str] | None] = [None, None, None, [server.address]]
+
+    def resolve_all(host: str, port: int) -> list[str]:
+        answer = answers.pop(0)
+        if answer is None:
+            raise NameUnresolved(f"cannot resolve {host!r}: Name or service not known")
+        return answer
+
+    monkeypatch.setattr(discovery, "resolve_all", resolve_all)
+    cfg = tmp_path / "pd.toml"
+    cfg.write_text(f'[decode_pool]\nnodes = ["dns+workers.test:{server.port}", '
+                   f'"{server.address}"]\n')
+    with pytest.raises(NameUnresolved):
+        await source_from_settings(load_settings(cfg), "scrape")
+    source = await source_from_settings(load_settings(cfg), "scrape", wait_for_targets=True)
+    try:
+        assert list(source.targets()) == []
+        with pytest.raises(NoTargets, match=r"DNS failed: cannot resolve 'workers\.test'"):
+            await source.window(0.0, 30.0)
+        w = await source.window(30.0, 31.0)  # a second later: asked again, not in a minute
+        assert [t.name for t in source.targets()] == [server.address]
+        assert list(w.answered) == [server.address]
+    finally:
+        await source.aclose()
+        server.close()
+    assert answers == []
