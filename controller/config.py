@@ -221,7 +221,7 @@ class SecurityConfig(_Section):
         return self.token is not None or self.token_file is not None
 
     def uses_tls(self) -> bool:
-        """The client side's test (``rollout.security.channel_credentials``)."""
+        """The client sends over TLS (``rollout.security.channel_credentials`` asks this)."""
         return self.tls_ca is not None or self.tls_cert is not None
 
     def bearer_token(self) -> str | None:

@@ -327,7 +327,7 @@ def channel_credentials(config: SecurityConfig | None) -> grpc.ChannelCredential
     config = config or SecurityConfig()
     token = token_source(config)
     base: grpc.ChannelCredentials | None = None
-    if config.tls_ca is not None or config.tls_cert is not None:
+    if config.uses_tls():  # the same test as the config's token-without-TLS check
         base = grpc.ssl_channel_credentials(
             root_certificates=_read(config.tls_ca, "tls_ca") if config.tls_ca else None,
             private_key=_read(config.tls_key, "tls_key") if config.tls_key else None,
