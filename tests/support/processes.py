@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import select
 import signal
 import socket
@@ -25,11 +26,24 @@ PDCTL = [sys.executable, "-c", "from controller.cli import main; main()"]
 READY_TIMEOUT_S = 60.0
 
 
+# Below Linux's ephemeral range (32768-60999): a port picked here and bound later by a
+# subprocess was taken meanwhile by some other test's bind(0) or outgoing connection, which
+# draw from that range ("address already in use" when tests ran side by side).
+_PICK_FROM = range(20000, 32000)
+_random = random.Random()  # not the tests' seeded global generator: two runs pick apart
+
+
 def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback TCP port that was free a moment ago, outside the ephemeral range."""
+    for _ in range(200):
+        port = _random.choice(_PICK_FROM)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free loopback port in {_PICK_FROM.start}-{_PICK_FROM.stop - 1}")
 
 
 def hostport(url: str) -> str:
