@@ -481,6 +481,7 @@ class Cycle:
         self.planner = planner
         self._plan_failed_at: float | None = None
         self._exported_recommendation = False
+        self._exported_versions = False  # pdctl_router_*_version set by this replica
         self._failing: dict[str, int] = {}  # target -> windows failed in a row
         self.last_report: CycleReport | None = None
         self.last_completed_at: float | None = None  # clock.now() of the last ok cycle
@@ -506,6 +507,9 @@ class Cycle:
             if not report.leader and self._exported_recommendation:
                 self.metrics.clear_recommendation()  # only the leader feeds autoscalers
                 self._exported_recommendation = False
+            if not report.leader and self.reconcile_only is None and self._exported_versions:
+                self.metrics.clear_router_versions()  # only the leader reconciles them
+                self._exported_versions = False
             if report.leader:
                 await self._decide(report)
             # Standalone replicas: the leader reconciles every router (two replicas pushing
@@ -1512,6 +1516,7 @@ class Cycle:
                 for r in mine:
                     self.metrics.set_router_versions(r, desired_versions.get(r, 0),
                                                      acked.get(r) or 0)
+                self._exported_versions = True
                 return
             desired = {r: self._policy(tx, v) for r, v in desired_versions.items() if r in mine}
             # A router at a version we stored and moved back from (a rollback, a pin, a
@@ -1576,6 +1581,7 @@ class Cycle:
                 report.acked[router] = s.acked_version
                 desired = s.reissued_as or desired_versions[router]
                 self.metrics.set_router_versions(router, desired, s.acked_version or 0)
+                self._exported_versions = True
             tx.record_acks(acks, at=at)
 
 

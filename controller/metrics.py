@@ -262,6 +262,13 @@ class ControllerMetrics:
         self.router_desired_version.labels(router).set(desired)
         self.router_acked_version.labels(router).set(acked)
 
+    def clear_router_versions(self) -> None:
+        """Drop every router's version series: a standalone replica that stopped leading no
+        longer reconciles, and its last values (a push in flight: desired above acked)
+        would read as a router stuck behind for as long as it runs."""
+        self.router_desired_version.clear()
+        self.router_acked_version.clear()
+
     def forget_router(self, router: str) -> None:
         """Drop every series of a router that left the fleet (no-op for unknown routers)."""
         for metric in (self.push_duration, self.router_desired_version, self.router_acked_version):

@@ -1117,6 +1117,31 @@ class _Follower:
         return False
 
 
+async def test_a_replica_that_stops_leading_withdraws_its_router_versions(tmp_path: Path
+                                                                       ) -> None:
+    """A standalone replica that lost leadership stops reconciling: its last
+    pdctl_router_*_version values stayed on /metrics for as long as it ran (caught mid-push,
+    desired above acked: a router that looks stuck behind). A sidecar keeps its own."""
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    await rig.step()
+    assert _metric(rig.registry, "pdctl_router_acked_version", {"router": "r1"}) == 1
+    leading = rig.cycle.leadership
+    rig.cycle.leadership = _Follower()  # type: ignore[assignment]
+    report = await rig.step()
+    assert not report.leader
+    for name in ("pdctl_router_acked_version", "pdctl_router_desired_version"):
+        assert _metric(rig.registry, name, {"router": "r1"}) is None
+    rig.cycle.leadership = leading
+    await rig.step()  # leading again: reconciled and exported again
+    assert _metric(rig.registry, "pdctl_router_desired_version", {"router": "r1"}) == 1
+
+    rig.cycle.reconcile_only = ["r1"]  # a sidecar follower still reconciles its router
+    rig.cycle.leadership = _Follower()  # type: ignore[assignment]
+    await rig.step()
+    assert _metric(rig.registry, "pdctl_router_acked_version", {"router": "r1"}) == 1
+
+
 async def test_followers_reconcile_only_their_own_router_in_sidecar_mode(tmp_path: Path
                                                                          ) -> None:
     from controller.cycle import Cycle
