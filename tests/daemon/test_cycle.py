@@ -127,8 +127,8 @@ async def test_drift_calibrate_canary_promote_all_acked(tmp_path: Path) -> None:
 
 async def test_a_refit_that_beats_its_canary_bakes_in_its_place(tmp_path: Path) -> None:
     """At the end of a bake the candidate is refitted on the windows that include its own
-    traffic; a refit the guardrail prefers replaces it on the canary routers and bakes in
-    turn (it is not refitted again). The fleet goes from v1 to v3 once, never through v2."""
+    traffic; a refit the guardrail prefers replaces it and bakes in turn, on the next canary
+    share (not refitted again). The fleet goes from v1 to v3 once, never through v2."""
     rig = make_rig(tmp_path)
     await _canary_v2(rig, {1: 0.90, 2: 0.96, 3: 0.97}, approve_refit=True)
     first_canary = canary_subset(list(rig.agents), 0.25, 2)
