@@ -194,7 +194,7 @@ class Daemon:
             planner=SettingsPlanner(s) if s.capacity.enabled else None,
         )
         health = Health(self.clock, stalled_after_s(s), lambda: cycle.last_completed_at,
-                        lambda: cycle.last_ended_at)
+                        lambda: cycle.last_ended_at, started_at=self._started_at)
         health.details = lambda: {"leader": leadership.is_leader, "holder": holder}
         server = None
         if s.metrics.enable:
@@ -258,13 +258,10 @@ class Daemon:
             log.info("compacted %d window(s) older than %s", n, older_than.isoformat())
 
     def _heartbeat_fresh(self) -> bool:
+        # The loop turns, as /livez says: an outage of what it observes is not cured by a kill.
         assert self.parts is not None
-        # The loop turns (as /livez): an outage of what it observes is not cured by a kill.
-        last: float | None = self.parts.cycle.last_ended_at
-        limit = float(self.parts.health.stalled_after_s)
-        if last is None:
-            return self.clock.now() - self._started_at < limit
-        return self.clock.now() - last < limit
+        fresh: bool = self.parts.health.live()[0]
+        return fresh
 
     async def _watchdog(self, interval: float) -> None:
         while not self._stop.is_set():

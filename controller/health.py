@@ -8,7 +8,9 @@
 - ``/healthz`` says the loop succeeds: 200 only while a cycle completed ``ok`` within
   ``stalled_after_s`` (what ``PdControllerStalled`` alerts on). For people and monitoring,
   not for a liveness probe.
-- Both are 503 before the first cycle (a startup probe on ``/readyz`` covers the start).
+- Before the first cycle ``/healthz`` is 503; ``/livez`` is 200 for ``stalled_after_s``
+  from the start (a sidecar has no startup probe to cover its start: see
+  ``deploy/kubernetes/sidecar.yaml``), then 503 until a cycle ends.
 - ``/readyz`` is 200 once the daemon's own loop is up (config loaded, store reachable and
   at the schema head, scheduler started). It never depends on reaching a router: in the
   native-sidecar pattern the router starts only after this probe passes.
@@ -42,9 +44,11 @@ class Health:
 
     def __init__(self, clock: Clock, stalled_after_s: float,
                  last_cycle: Callable[[], float | None] | None = None,
-                 last_ended: Callable[[], float | None] | None = None) -> None:
+                 last_ended: Callable[[], float | None] | None = None,
+                 started_at: float | None = None) -> None:
         self.clock = clock
         self.stalled_after_s = stalled_after_s
+        self.started_at = clock.now() if started_at is None else started_at
         self._last_cycle = last_cycle or (lambda: None)  # the last ok cycle
         self._last_ended = last_ended or self._last_cycle  # the last cycle, any result
         self.ready = False
@@ -60,7 +64,13 @@ class Health:
 
     def live(self) -> tuple[bool, dict[str, Any]]:
         """``/livez``: a cycle ended, whatever its result, within ``stalled_after_s``."""
-        ok, doc = self._fresh(self._last_ended(), "ended", "last_cycle_end_age_s")
+        ended = self._last_ended()
+        since_start = self.clock.now() - self.started_at
+        if ended is None and since_start <= self.stalled_after_s:
+            doc: dict[str, Any] = {"stalled_after_s": self.stalled_after_s, **self.details()}
+            return True, {**doc, "status": f"starting: no cycle ended yet ({since_start:.0f} s "
+                          "since the start)"}
+        ok, doc = self._fresh(ended, "ended", "last_cycle_end_age_s")
         last_ok = self.last_cycle_at()
         if last_ok is not None:
             doc["last_cycle_age_s"] = round(self.clock.now() - last_ok, 3)

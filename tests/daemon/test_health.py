@@ -29,6 +29,9 @@ async def test_healthz_follows_the_loop_readyz_the_daemon_metrics_the_registry()
             health.ready = True
             assert (await client.get(f"{base}/readyz")).status_code == 200
 
+            r = await client.get(f"{base}/livez")  # within stalled_after_s of the start
+            assert r.status_code == 200 and r.json()["status"].startswith("starting")
+            health.started_at -= 91  # started 91 s ago and still no cycle has ended
             r = await client.get(f"{base}/livez")
             assert r.status_code == 503 and r.json()["status"] == "no cycle ended yet"
 
