@@ -12,8 +12,9 @@
   from the start (a sidecar has no startup probe to cover its start: see
   ``deploy/kubernetes/sidecar.yaml``), then 503 until a cycle ends.
 - ``/readyz`` is 200 once the daemon's own loop is up (config loaded, store reachable and
-  at the schema head, scheduler started). It never depends on reaching a router: in the
-  native-sidecar pattern the router starts only after this probe passes.
+  at the schema head, scheduler started). It never depends on reaching a router. The
+  standalone Deployment's startup and readiness probe; the native sidecar has neither, so
+  that its router never waits on it (``deploy/kubernetes/sidecar.yaml``).
 - ``/metrics`` renders the injected registry (never a global one).
 
 Only GET and HEAD; one request per connection; bodies are small JSON.
