@@ -16,7 +16,10 @@ import httpx
 import pytest
 
 from controller.cycle import ADOPTED_PREFIX
+from controller.observe.source import Target
 from controller.store import Store
+from tests.conftest import require
+from tests.observe.promserver import HOW_TO_INSTALL, PROMETHEUS, PromServer
 from tests.support.daemon import write_config
 from tests.support.processes import (
     PDCTL,
@@ -226,6 +229,52 @@ def test_pdctl_run_controls_a_live_simulated_cluster(
     repushed = [p for p in store.pushes()[pushes_before:] if p.version <= newest_acked]
     assert repushed == [], f"re-pushed acknowledged versions: {repushed}"
     store.close()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_pdctl_run_started_before_prometheus_observes_once_it_answers(
+    tmp_path: Path, live_sim: dict[str, Any]
+) -> None:
+    """`[prometheus] discover_targets` with Prometheus not there yet (nothing listens on its
+    port: a Deployment rolled out before Prometheus). The daemon stays up (it exited 3),
+    skips its cycles with the reason and keeps /livez 200; once a real Prometheus starts on
+    that port, the daemon discovers the workers and routers from it and stores windows."""
+    require("Prometheus", PROMETHEUS is not None, HOW_TO_INSTALL)
+    listen = f"127.0.0.1:{free_port()}"
+    prometheus_port = free_port()
+    config = _config(tmp_path, live_sim, listen)
+    config.write_text(config.read_text() + (
+        f'[prometheus]\nurl = "http://127.0.0.1:{prometheus_port}"\n'
+        'discover_targets = true\nretries = 0\ntimeout_s = 1.0\n'
+        '[observe]\nsource = "prometheus"\n'))
+    log = tmp_path / "run.log"
+    store = Store(f"sqlite:///{tmp_path / 'history.db'}")
+    proc = start_daemon(config, log)
+    prom = None
+    try:
+        wait_for("cycles skipped for want of targets",
+                 lambda: "no targets to observe yet: target discovery failed"
+                 in log.read_text(errors="replace"), 60, log)
+        time.sleep(2 * 2.0)
+        assert proc.poll() is None, log.read_text()[-2000:]
+        live, health = http_get(f"http://{listen}/livez"), http_get(f"http://{listen}/healthz")
+        assert live is not None and live.status_code == 200
+        assert health is not None and health.status_code == 503
+        assert store.windows() == []
+
+        targets = [Target(hostport(w["metrics"]), w["role"]) for w in live_sim["workers"]]
+        targets += [Target(hostport(r["metrics"]), "router") for r in live_sim["routers"]]
+        prom = PromServer(targets, port=prometheus_port)
+        windows = wait_for("windows observed through Prometheus", lambda: [
+            w for w in store.windows() if len(w.window.answered) == len(targets)], 60, log)
+        assert all(w.window.source.startswith("prometheus") for w in windows)
+        assert "target discovery again" in log.read_text(errors="replace")
+    finally:
+        assert stop_daemon(proc, 20) == 0
+        if prom is not None:
+            prom.stop()
+        store.close()
 
 
 @pytest.mark.integration

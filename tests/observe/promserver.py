@@ -36,12 +36,12 @@ def _ts(text: str) -> float:
 
 class PromServer:
     def __init__(self, targets: Sequence[Target], scrape_interval_s: int = 1,
-                 also: Sequence[tuple[str, str]] = ()) -> None:
+                 also: Sequence[tuple[str, str]] = (), port: int | None = None) -> None:
         """``also``: (HOST:PORT, role) scraped too that are not observation targets (the
-        controller's own /metrics)."""
+        controller's own /metrics). ``port``: where to listen (a free one by default)."""
         assert PROMETHEUS is not None
         self.targets = list(targets)
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._dir = Path(tempfile.mkdtemp(prefix="pdctl-prom-"))
         groups = [
