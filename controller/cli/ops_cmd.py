@@ -276,10 +276,12 @@ def _recalibrate_local(url: str | None, config: Path | None, as_json: bool, forc
 
 
 def status_doc(store: Store, calibrate_every_s: float | None,
-               watch_s: float | None = None, configured: Sequence[str] = ()
-               ) -> dict[str, Any]:
+               watch_s: float | None = None, configured: Sequence[str] = (),
+               stalled_after_s: float | None = None) -> dict[str, Any]:
     """Everything `pdctl status` shows, as plain data. ``watch_s``: how long the cycle
-    watches a promotion (None: no watch)."""
+    watches a promotion (None: no watch); ``stalled_after_s``: a newest window older than
+    this is flagged stale (the leader has not observed since: Prometheus or the workers
+    down, or no leader)."""
     from datetime import timedelta
 
     from controller.cycle import operator_state, read_rollout
@@ -287,6 +289,7 @@ def status_doc(store: Store, calibrate_every_s: float | None,
     now = store.clock.utcnow()
     with store.read() as tx:
         lease = tx.lease()
+        last_window_end = tx.last_window_end()
         # The configured routers' rollout, as the cycle reads it: a router taken out of
         # [routers] targets keeps its rows, and read as the fleet it hid a canary or a watch.
         rollout = read_rollout(tx, list(configured) or None)
@@ -376,7 +379,17 @@ def status_doc(store: Store, calibrate_every_s: float | None,
                      "exploration_off": ops.exploration_off,
                      "pending_requests": [_request_json(r) for r in pending]},
         "next_calibration_due": next_due,
+        "observed": _observed(last_window_end, now, stalled_after_s),
     }
+
+
+def _observed(end: datetime | None, now: datetime, stalled_after_s: float | None
+              ) -> dict[str, Any]:
+    if end is None:
+        return {"last_window_end": None, "age_s": None, "stale": None}
+    age = (now - end).total_seconds()
+    return {"last_window_end": end, "age_s": round(age, 1),
+            "stale": None if stalled_after_s is None else age > stalled_after_s}
 
 
 def _t(value: datetime | None) -> str:
@@ -439,6 +452,13 @@ def _print_status(doc: dict[str, Any]) -> None:
     console.print(f"[bold]operator[/] {', '.join(flags) or 'normal'}; "
                   f"{len(ops['pending_requests'])} request(s) pending")
     console.print(f"[bold]next due[/] {_t(doc['next_calibration_due'])}")
+    seen = doc["observed"]
+    console.print(
+        "[bold]observed[/] no window stored yet" if seen["last_window_end"] is None else
+        f"[bold]observed[/] last window ended at {_t(seen['last_window_end'])} "
+        f"({seen['age_s']:.0f} s ago)" + (
+            "  [bold red]STALE[/]: the leader has not observed since (see the daemon's "
+            "`cycle skipped` log lines)" if seen["stale"] else ""))
 
 
 @app.command("status")
@@ -446,9 +466,11 @@ def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOpt
            ) -> None:
     """One screen: leader, desired versions (and a promotion under watch), each router's
     acked version and health, last drift event, last calibration, operator state, next
-    scheduled calibration."""
+    scheduled calibration, and when the newest window ended (STALE past
+    [controller] stalled_after_s: nothing has been observed since)."""
     from controller.config import load_settings
     from controller.cycle import CycleConfig
+    from controller.daemon import stalled_after_s
     from controller.errors import ConfigError
 
     try:
@@ -460,7 +482,7 @@ def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOpt
     try:
         doc = status_doc(store, settings.controller.calibrate_every_s,
                          CycleConfig.from_settings(settings).watch_s,
-                         settings.routers.targets)
+                         settings.routers.targets, stalled_after_s(settings))
     finally:
         store.close()
     if as_json:

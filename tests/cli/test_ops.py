@@ -159,6 +159,28 @@ async def test_status_shows_a_promotion_under_watch_until_its_watch_ends(
     assert status_doc(rig.store, None, watch_s)["watch"] is None
 
 
+async def test_status_says_when_the_leader_last_observed_and_flags_it_stale(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through an outage of Prometheus or the workers every cycle is skipped and nothing in
+    the store changes: the status screen looked healthy. It now says when the newest window
+    ended and flags it past stalled_after_s."""
+    from controller.cli.ops_cmd import _print_status, status_doc
+
+    rig = make_rig(tmp_path)
+    assert status_doc(rig.store, None)["observed"]["last_window_end"] is None
+    await _bootstrap(rig)
+    fresh = status_doc(rig.store, None, stalled_after_s=120.0)["observed"]
+    assert fresh["age_s"] == 0.0 and fresh["stale"] is False
+    rig.clock.advance(121)  # no cycle observed meanwhile
+    doc = status_doc(rig.store, None, stalled_after_s=120.0)
+    assert doc["observed"]["age_s"] == 121.0 and doc["observed"]["stale"] is True
+    _print_status(doc)
+    out = capsys.readouterr().out
+    assert "observed last window ended at" in out and "(121 s ago)  STALE" in out
+    assert status_doc(rig.store, None)["observed"]["stale"] is None  # no limit given
+
+
 def test_status_names_a_forced_policy_a_killed_calibrate_active_left_running(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
