@@ -195,7 +195,13 @@ class RoutersConfig(_Section):
     @field_validator("targets")
     @classmethod
     def _targets(cls, v: list[str]) -> list[str]:
-        return [check_host_port(t) for t in v]
+        checked = [check_host_port(t) for t in v]
+        # A router's address is its id in the store: listed twice, two passes raced on one
+        # router, and its metrics name was paired with two positions.
+        twice = sorted({t for t in checked if checked.count(t) > 1})
+        if twice:
+            raise ValueError(f"listed more than once: {', '.join(twice)}")
+        return checked
 
     @field_validator("metrics_targets")
     @classmethod

@@ -84,6 +84,9 @@ def test_environment_overrides_one_nested_key(
     ("metrics", 'listen = "nonsense"', "metrics.listen", "HOST:PORT"),
     ("agent", 'listen = "0.0.0.0:70000"', "agent.listen", "HOST:PORT"),
     ("routers", 'targets = ["r0:50151", "r1"]', "routers.targets", "'r1'"),
+    # the router's address is its id: two entries raced in one pass
+    ("routers", 'targets = ["r0:50151", "r1:50151", "r0:50151"]', "routers.targets",
+     "listed more than once: r0:50151"),
     ("routers", 'metrics_targets = ["dns+routers"]', "routers.metrics_targets", "HOST:PORT"),
     ("decode_pool", 'nodes = ["a:b:c"]', "decode_pool.nodes", "'a:b:c'"),
     ("prometheus", 'url = "prometheus:9090"', "prometheus.url", "http://"),

@@ -13,7 +13,8 @@ an outage is reached on the very next attempt.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -41,6 +42,8 @@ from controller.rollout.security import (
     channel_options,
     reloading_channel_credentials,
 )
+
+T = TypeVar("T")
 
 # Codes worth another attempt: the router may be restarting, overloaded or slow.
 TRANSIENT_CODES = frozenset(
@@ -83,6 +86,12 @@ class RouterRefusedCall(TerminalError):
 def error_from_status(router: str, e: grpc.aio.AioRpcError) -> Exception:
     code = e.code()
     details = e.details() or ""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+        # The router's receive limit is below the policy's size (a router on gRPC's default
+        # 4 MiB): another attempt sends the same bytes. Retried, it read as "unreachable".
+        return RouterRefusedCall(router, code, f"{details} (the router's gRPC receive limit "
+                                 "is below this policy's size: raise it on the router, or "
+                                 "use fewer bins)")
     if code in TRANSIENT_CODES:
         return RouterCallError(router, code, details)
     return RouterRefusedCall(router, code, details)
@@ -152,12 +161,27 @@ class GrpcRouterTransport:
             self._channels[router] = ch
         return ch
 
-    def _error(self, router: str, e: grpc.aio.AioRpcError) -> Exception:
-        if e.code() in TRANSIENT_CODES:
-            stale = self._channels.pop(router, None)
-            if stale is not None:
-                self._retire(stale, None)
-        return error_from_status(router, e)
+    async def _call(self, router: str, call: Callable[[grpc.aio.Channel], Awaitable[T]]) -> T:
+        """``call`` on ``router``'s channel, its errors in the taxonomy. A transient failure
+        retires that channel (only that one: another call may have replaced it already) with
+        a grace, so the calls still in flight on it finish: closed at once, it cancelled
+        them, and their bare CancelledError went past every handler and ended the pass."""
+        ch = self.channel(router)
+        try:
+            return await call(ch)
+        except grpc.aio.AioRpcError as e:
+            error = error_from_status(router, e)
+            if isinstance(error, RouterCallError) and self._channels.get(router) is ch:
+                del self._channels[router]
+                self._retire(ch, self._retire_grace_s)
+            raise error from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our own caller is cancelled (shutdown): not the channel's doing
+            # The channel was closed under the call (a retired channel's grace ran out).
+            raise RouterCallError(router, grpc.StatusCode.CANCELLED,
+                                  "the call's channel was closed under it") from None
 
     def _retire(self, channel: grpc.aio.Channel, grace_s: float | None) -> None:
         """Close ``channel`` in the background; calls in flight get ``grace_s`` to finish."""
@@ -176,19 +200,15 @@ class GrpcRouterTransport:
     async def apply(
         self, router: str, policy: Policy, rollback: bool, deadline_s: float
     ) -> ApplyReply:
-        stub = policy_grpc.RouterPolicyServiceStub(self.channel(router))
         request = self._request(policy, rollback)
         if (size := request.ByteSize()) > self._max_message_bytes:
             # Terminal: gRPC's own refusal (RESOURCE_EXHAUSTED) was retried and reported as
             # an unreachable router.
             raise RouterRefusedCall(router, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     too_large(size, self._max_message_bytes))
-        try:
-            response: policy_pb.ApplyPolicyResponse = await stub.ApplyPolicy(
-                request, timeout=deadline_s
-            )
-        except grpc.aio.AioRpcError as e:
-            raise self._error(router, e) from None
+        response: policy_pb.ApplyPolicyResponse = await self._call(
+            router, lambda ch: policy_grpc.RouterPolicyServiceStub(ch).ApplyPolicy(
+                request, timeout=deadline_s))
         outcome = APPLY_RESULT_FROM_PROTO.get(response.result)
         if outcome is None:
             raise RouterRefusedCall(
@@ -221,26 +241,20 @@ class GrpcRouterTransport:
     async def _get(
         self, router: str, deadline_s: float, *, omit_policy: bool
     ) -> policy_pb.GetPolicyResponse:
-        stub = policy_grpc.RouterPolicyServiceStub(self.channel(router))
-        try:
-            response: policy_pb.GetPolicyResponse = await stub.GetPolicy(
-                policy_pb.GetPolicyRequest(omit_policy=omit_policy), timeout=deadline_s
-            )
-        except grpc.aio.AioRpcError as e:
-            raise self._error(router, e) from None
+        request = policy_pb.GetPolicyRequest(omit_policy=omit_policy)
+        response: policy_pb.GetPolicyResponse = await self._call(
+            router, lambda ch: policy_grpc.RouterPolicyServiceStub(ch).GetPolicy(
+                request, timeout=deadline_s))
         return response
 
     async def decide(
         self, router: str, features: Features, deadline_s: float
     ) -> tuple[Decision, int]:
         """Ask a router agent's ``RouterAgentService`` for a decision: (decision, version)."""
-        stub = agent_grpc.RouterAgentServiceStub(self.channel(router))
-        try:
-            response: agent_pb.DecideResponse = await stub.Decide(
-                agent_pb.DecideRequest(features=features_to_proto(features)), timeout=deadline_s
-            )
-        except grpc.aio.AioRpcError as e:
-            raise self._error(router, e) from None
+        request = agent_pb.DecideRequest(features=features_to_proto(features))
+        response: agent_pb.DecideResponse = await self._call(
+            router, lambda ch: agent_grpc.RouterAgentServiceStub(ch).Decide(
+                request, timeout=deadline_s))
         try:
             return decision_from_proto(response.decision), response.policy_version
         except PolicyValidationError as e:

@@ -300,13 +300,15 @@ class _Pass:
         track.pushed = True
 
         async def once() -> ApplyReply:
+            # Only the last attempt's answer says what the router is: a refusal to persist
+            # remembered from an earlier one hid the outage (or the lost reply) after it.
+            track.refused_persist = None
             reply = await rec._transport.apply(
                 track.router, policy, self.rollback, rec._deadline_s
             )
             if reply.outcome is ApplyOutcome.PERSIST_FAILED:  # a disk may recover: retry
                 track.refused_persist = reply
                 raise TransientError(f"router {track.router}: {reply.message}")
-            track.refused_persist = None
             return reply
 
         try:

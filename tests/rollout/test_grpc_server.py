@@ -329,6 +329,70 @@ async def test_a_policy_above_the_message_limit_is_refused_before_any_call() -> 
         await small.close()
 
 
+async def test_a_call_that_times_out_leaves_the_other_calls_on_its_channel_alone(
+    tmp_path: Path,
+) -> None:
+    """A transient failure retires the router's channel so the next attempt connects afresh.
+    It was closed at once: every other call in flight on it was cancelled, and their bare
+    CancelledError went past the reconciler's handlers and ended the whole pass."""
+    import asyncio
+    import time
+
+    def slow_disk(path: Path, data: bytes) -> None:
+        time.sleep(0.6)  # the router persists before it answers
+        path.write_bytes(data)
+
+    agent = RouterAgent(registry=CollectorRegistry(), state_file=tmp_path / "s.json",
+                        writer=slow_disk)
+    server = RouterServer(agent)
+    await server.start()
+    transport = GrpcRouterTransport()
+    try:
+        await transport.get(server.address, DEADLINE_S)  # one channel, already connected
+
+        async def patient() -> ApplyOutcome:
+            await asyncio.sleep(0.05)  # in flight when the impatient call's deadline passes
+            return (await transport.apply(server.address, table_policy(2), False, 10.0)).outcome
+
+        impatient = transport.apply(server.address, table_policy(1), False, 0.2)
+        first, second = await asyncio.gather(impatient, patient(), return_exceptions=True)
+        assert isinstance(first, RouterCallError)
+        assert first.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert second is ApplyOutcome.APPLIED, repr(second)
+        assert agent.snapshot.version == 2
+    finally:
+        await transport.close()
+        await server.stop(grace=None)
+
+
+async def test_a_router_whose_receive_limit_is_below_the_policy_refuses_it_once() -> None:
+    """A router on a smaller receive limit (gRPC's default 4 MiB, in another language)
+    answers RESOURCE_EXHAUSTED "larger than max": another attempt sends the same bytes.
+    Retried, the push was reported as an unreachable router."""
+    from controller.rollout.client import RouterRefusedCall
+    from controller.rollout.reconciler import Reconciler
+
+    edges = tuple(float(2**i) for i in range(40))
+    big = Policy.uniform(2, Route.DECODE_LOCAL, axes=Axes(edges, edges, edges))
+    server = RouterServer(RouterAgent(registry=CollectorRegistry()), max_message_bytes=1 << 20)
+    await server.start()
+    transport = GrpcRouterTransport()
+    try:
+        with pytest.raises(RouterRefusedCall, match="receive limit") as e:
+            await transport.apply(server.address, big, False, DEADLINE_S)
+        assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        from controller.clock import WallClock
+
+        status = (await Reconciler(transport, WallClock(), max_attempts=5).reconcile(
+            {server.address: big}))[server.address]
+        # Its GetPolicy and one ApplyPolicy (it was 1 + 5 pushes, then "unreachable").
+        assert (status.outcome, status.attempts) == ("refused", 2)
+        assert "receive limit" in (status.last_error or "")
+    finally:
+        await transport.close()
+        await server.stop(grace=None)
+
+
 async def test_a_second_server_cannot_take_a_live_port(router: RouterServer) -> None:
     from controller.errors import ConfigError
 

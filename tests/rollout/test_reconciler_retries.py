@@ -132,6 +132,25 @@ async def test_persist_failure_is_retried_and_reported() -> None:
     assert agent.policy == V1
 
 
+async def test_a_refusal_to_persist_then_an_outage_reads_as_the_outage() -> None:
+    """The router's disk was full at the first attempt, then the router went away: the
+    status said persist_failed with the first reply's message, hiding the outage."""
+    class DiskFullThenGone(FakeRouterTransport):
+        applies = 0
+
+        async def apply(self, router: str, policy: Policy, rollback: bool,
+                        deadline_s: float) -> ApplyReply:
+            self.applies += 1
+            if self.applies == 1:
+                return ApplyReply(ApplyOutcome.PERSIST_FAILED, 0, "", "No space left on device")
+            raise TransientError(f"router {router}: UNAVAILABLE: connection refused")
+
+    transport = DiskFullThenGone({"r": RouterAgent(registry=CollectorRegistry())})
+    statuses = await Reconciler(transport, InstantClock(), max_attempts=3).reconcile({"r": V1})
+    assert statuses["r"].outcome == "unreachable", statuses["r"]
+    assert "connection refused" in (statuses["r"].last_error or "")
+
+
 async def test_a_transport_bug_fails_one_router_not_the_pass() -> None:
     class Broken(FakeRouterTransport):
         async def get(self, router: str, deadline_s: float) -> RouterState:
