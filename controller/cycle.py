@@ -99,6 +99,7 @@ ABANDONED_PREFIX = "dropped from its bake by "  # a canary an operator action to
 UNPROMOTED = "rolled back after promotion"  # a promotion the watch undid: reason starts so
 ADOPTED_PREFIX = "adopted: "  # the routers' own policy, recorded on an empty store
 MAX_REQUESTS_PER_CYCLE = 16
+MAX_RELEASES = 2  # a request given back after its cycle failed, at most this often
 FIT_RETRY_INTERVALS = 10  # control intervals between automatic retries of a failed fit
 SETTLED_FAILURES = 2  # windows a target must have failed in a row to count as gone
 RECENT_RECOMMENDATIONS = 5  # a scaling event is matched against this many of the newest
@@ -486,6 +487,8 @@ class Cycle:
         self.last_report: CycleReport | None = None
         self.last_completed_at: float | None = None  # clock.now() of the last ok cycle
         self.last_ended_at: float | None = None  # ... of the last cycle, any result (liveness)
+        self._claimed: list[OperatorRequest] = []  # claimed by this cycle's decision
+        self._released: dict[int, int] = {}  # request id -> times given back after a failure
 
     # -- the whole cycle ------------------------------------------------------------------
 
@@ -511,14 +514,21 @@ class Cycle:
                 self.metrics.clear_router_versions()  # only the leader reconciles them
                 self._exported_versions = False
             if report.leader:
-                await self._decide(report)
+                memory = self._decision_memory()
+                try:
+                    await self._decide(report)
+                except BaseException:
+                    self._forget_failed_decision(memory)
+                    raise
             # Standalone replicas: the leader reconciles every router (two replicas pushing
             # at once would race to re-issue versions). Sidecar mode: every replica
             # reconciles its own router.
             if report.result != "failed" and (report.leader or self.reconcile_only is not None):
                 await self._reconcile(report)
         except _LostLeadership:
-            pass
+            # Leading again later starts afresh (baselines, pending causes from the store):
+            # another replica may have stored windows and acted meanwhile.
+            self._leading = False
         except TransientError as e:  # the store down, nothing answered: retried next cycle;
             # the summary line below names it (a traceback each cycle flooded an outage's log)
             report.result, report.reason = "failed", f"{type(e).__name__}: {e}"
@@ -536,6 +546,40 @@ class Cycle:
         return report
 
     # -- deciding (leader only) -----------------------------------------------------------
+
+    # What a decision changes in memory before its write commits (each replaced, never
+    # changed in place).
+    _DECISION_MEMORY = ("_state", "_state_for", "_pending_drift", "_pending_measured",
+                        "_pending_scaling", "_pending_recommendation", "_scaling",
+                        "_link_retry_at", "_fit_failed_at", "_failing")
+
+    def _decision_memory(self) -> dict[str, Any]:
+        self._claimed = []
+        return {name: getattr(self, name) for name in self._DECISION_MEMORY}
+
+    def _forget_failed_decision(self, memory: Mapping[str, Any]) -> None:
+        """A decision whose write did not commit (the store failed, leadership was lost, a
+        bug): memory goes back to before it. Else a drift or scaling it consumed was gone
+        (the event rolled back, the detector past it), and the policy cache kept a table the
+        store never got, which a later pass then re-issued to a router as approved. The
+        requests it claimed are given back (twice at most: one that keeps failing its cycle
+        waits for request_stale_after_s), not held for request_stale_after_s: a pause must
+        not wait five minutes for a store hiccup."""
+        for name, value in memory.items():
+            setattr(self, name, value)
+        self._policies.clear()  # the store is the truth: read again
+        claimed, self._claimed = self._claimed, []
+        mine = [r.id for r in claimed if self._released.get(r.id, 0) < MAX_RELEASES]
+        if not mine:
+            return
+        try:
+            with self.store.cycle() as tx:
+                given_back = tx.release_requests(mine, self.leadership.holder)
+        except Exception as e:  # the store is why the cycle failed, often: stale_after_s then
+            log.warning("could not give back request(s) %s: %s", mine, e)
+            return
+        for request_id in given_back:
+            self._released[request_id] = self._released.get(request_id, 0) + 1
 
     async def _decide(self, report: CycleReport) -> None:
         now = self.clock.now()
@@ -665,6 +709,7 @@ class Cycle:
                 if r is None:
                     break
                 claimed.append(r)
+        self._claimed = claimed
         return claimed
 
     def _trigger(self, plan: _Plan, rollout: Rollout, ops: OperatorState,
@@ -842,6 +887,7 @@ class Cycle:
                     baking = self._rollout(tx).canary_version
                     outcome, ok = self._apply_request(tx, r, report)
                     tx.finish_request(r.id, outcome, ok=ok)
+                    self._released.pop(r.id, None)
                     report.requests.append(f"{r.kind}#{r.id}: {outcome}")
                     self._drop_abandoned_canary(tx, baking, f"{r.kind}#{r.id}: {outcome}")
             # Operator actions above may have changed the rollout; read it again.

@@ -88,7 +88,7 @@ class LeaseLeadership:
         """Inside a write transaction: is the lease still ours, same term, unexpired?"""
         if self.lease is None:
             return False
-        row = tx.lease()
+        row = tx.lease(lock=True)  # a takeover waits for this transaction's commit
         return (
             row is not None and row.holder == self.holder and row.term == self.lease.term
             and row.expires_at is not None and row.expires_at > self.clock.utcnow()

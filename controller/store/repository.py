@@ -594,6 +594,24 @@ class Tx:
         self._s.flush()
         return _request(row)
 
+    def release_requests(self, request_ids: Sequence[int], holder: str) -> list[int]:
+        """Give back requests ``holder`` claimed and did not finish (its cycle failed before
+        its write committed): pending again, for the next claim. Returns those given back
+        (one another claimer took, or that is finished, stays as it is)."""
+        if not request_ids:
+            return []
+        mine = and_(OperatorRequestRow.id.in_(list(request_ids)),
+                    OperatorRequestRow.status == "claimed",
+                    OperatorRequestRow.claimed_by == holder)
+        ids = sorted(self._s.scalars(select(OperatorRequestRow.id).where(mine)
+                                     .with_for_update()))
+        if ids:
+            self._s.execute(
+                update(OperatorRequestRow).where(mine, OperatorRequestRow.id.in_(ids))
+                .values(status="pending", claimed_by=None, claimed_at=None),
+                execution_options={"synchronize_session": False})
+        return ids
+
     def request(self, request_id: int) -> OperatorRequest | None:
         row = self._s.get(OperatorRequestRow, request_id, populate_existing=True)
         return None if row is None else _request(row)
@@ -662,8 +680,13 @@ class Tx:
         )
         return _rowcount(result) == 1
 
-    def lease(self, name: str = LEADER) -> Lease | None:
-        row = self._s.get(LeaderLeaseRow, name, populate_existing=True)
+    def lease(self, name: str = LEADER, *, lock: bool = False) -> Lease | None:
+        """The lease row. ``lock`` (a fence, inside a write transaction): share-locked to the
+        commit, so a takeover's update waits for this transaction on PostgreSQL, where a
+        plain read let another replica take the lease and both commit (READ COMMITTED).
+        SQLite's write transaction is exclusive already."""
+        row = self._s.get(LeaderLeaseRow, name, populate_existing=True,
+                          with_for_update={"read": True} if lock else None)
         if row is None:
             return None
         return Lease(row.name, row.holder, int(row.term), row.acquired_at, row.expires_at)
@@ -841,6 +864,7 @@ class Store:
     add_request = _in_own_transaction(Tx.add_request)
     claim_next_request = _in_own_transaction(Tx.claim_next_request)
     finish_request = _in_own_transaction(Tx.finish_request)
+    release_requests = _in_own_transaction(Tx.release_requests)
     request = _in_own_transaction(Tx.request)
     requests = _in_own_transaction(Tx.requests)
     try_acquire_lease = _in_own_transaction(Tx.try_acquire_lease)

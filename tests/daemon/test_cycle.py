@@ -944,6 +944,98 @@ async def test_operator_rollback_and_recalibrate(tmp_path: Path) -> None:
     assert _metric(rig.registry, "pdctl_rollbacks_total", {"by": "operator"}) == 1
 
 
+def _fail_next_write(rig: Rig) -> None:
+    """The next cycle's write transaction fails at its commit (a PostgreSQL failover,
+    SQLite's lock held by a compaction): nothing it wrote is stored."""
+    from contextlib import contextmanager
+
+    from controller.store import StoreUnavailable
+
+    real_cycle, real_write = rig.store.cycle, rig.cycle._write
+
+    @contextmanager
+    def failing_commit():  # type: ignore[no-untyped-def]
+        with real_cycle() as tx:
+            yield tx
+            raise StoreUnavailable("database error: database is locked")
+
+    def write(*args: object, **kwargs: object) -> None:
+        rig.store.cycle = failing_commit  # type: ignore[method-assign]
+        try:
+            real_write(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            del rig.store.cycle
+            del rig.cycle._write
+
+    rig.cycle._write = write  # type: ignore[method-assign]
+
+
+async def test_a_failed_write_gives_back_the_requests_it_claimed(tmp_path: Path) -> None:
+    """The operator's pause was claimed by a cycle whose write then failed: it waited
+    request_stale_after_s (five minutes) while cycles went on unpaused and could push."""
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    pause = rig.store.add_request("pause", {}, "alice@ops", "incident")
+    _fail_next_write(rig)
+    failed = await rig.step()
+    assert failed.result == "failed" and "database is locked" in (failed.reason or "")
+    assert rig.store.request(pause).status == "pending"  # type: ignore[union-attr]
+    again = await rig.step()  # the next cycle, not five minutes later
+    assert again.result == "ok" and any(r.startswith(f"pause#{pause}") for r in again.requests)
+    assert rig.store.request(pause).status == "done"  # type: ignore[union-attr]
+
+
+async def test_a_failed_write_keeps_the_drift_its_calibration_answered(tmp_path: Path) -> None:
+    """A drift held back by a pause is calibrated for after the resume, and that cycle's
+    write fails: the decision had cleared the pending drift, so it was never calibrated
+    for (its event was stored; only a restart would have read it again)."""
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    rig.store.add_request("pause", {}, "alice@ops", "incident")
+    await rig.step()
+    rig.learner.fire = True
+    held = await rig.step()
+    assert held.drift == ["workload"] and held.trigger is None
+    rig.store.add_request("resume", {}, "alice@ops", "incident over")
+    await rig.step()  # resumed (the requests of a cycle act after its trigger is chosen)
+    calibrations = len(rig.store.calibrations())
+    _fail_next_write(rig)
+    failed = await rig.step()
+    assert failed.result == "failed" and failed.trigger == "drift"
+    assert len(rig.store.calibrations()) == calibrations  # nothing of it stored
+    again = await rig.step()
+    assert again.result == "ok" and again.trigger == "drift"
+    assert len(rig.store.calibrations()) == calibrations + 1
+
+
+async def test_a_table_whose_write_failed_is_never_served_from_memory(tmp_path: Path) -> None:
+    """The policy cache took the candidate inside the write that failed. Another leader
+    then stored a different table under that version; back as leader, this replica found
+    the router's checksum differing from its cached one and re-issued its own uncommitted
+    table (possibly a rejected candidate) as approved."""
+    from controller.policy import loads
+
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    first = rig.cycle
+    rig.learner.route, rig.learner.fire = Route.DECODE_LOCAL, True
+    _fail_next_write(rig)
+    assert (await rig.step()).result == "failed"  # v2 (decode-local) never stored
+    rig.new_cycle()  # another replica leads
+    rig.learner.route, rig.learner.fire = Route.PREFILL_NODE, True
+    for _ in range(3):
+        if (await rig.step()).approved_version == 2:
+            break
+    assert loads(rig.store.policy(2).body_json).table.routes[0] is Route.PREFILL_NODE  # type: ignore[union-attr]
+    rig.cycle = first  # the first replica leads again
+    await rig.step()
+    stored = {p.version: loads(p.body_json).table.routes[0] for p in rig.store.policies()}
+    assert Route.DECODE_LOCAL not in {route for v, route in stored.items() if v >= 2}
+    running = [a.snapshot.policy for a in rig.agents.values()]
+    assert all(p.table.routes[0] is Route.PREFILL_NODE  # type: ignore[union-attr]
+               for p in running if p.version >= 2)  # type: ignore[union-attr]
+
+
 async def test_restart_does_not_repush_an_acknowledged_version(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     await _bootstrap(rig)

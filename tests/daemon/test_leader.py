@@ -66,6 +66,37 @@ async def test_postgres_advisory_lock_passes_when_the_connection_closes(pg_url: 
         store.close()
 
 
+async def test_postgres_a_takeover_waits_for_the_fenced_write_in_flight(pg_url: str) -> None:
+    """The fence read the lease row without a lock: under READ COMMITTED another replica
+    took the expiring lease while the leader's fenced write transaction was still open, and
+    both committed (two leaders' writes in one term). Now the takeover waits for it."""
+    import threading
+
+    clock = VirtualClock(1_800_000_000.0)
+    store = Store(pg_url, clock)
+    store.upgrade()
+    a = LeaseLeadership(store, clock, "a", ttl_s=15.0)
+    took: dict[str, object] = {}
+    try:
+        assert await a.ensure()
+        clock.advance(14.9)
+        with store.cycle() as tx:  # a's write transaction, fenced while the lease holds
+            assert a.fence(tx)
+            clock.advance(0.5)  # the transaction runs on past the lease's end
+            b = threading.Thread(target=lambda: took.setdefault(
+                "lease", store.try_acquire_lease("b", 15.0, clock.utcnow())))
+            b.start()
+            b.join(1.0)
+            assert b.is_alive(), f"b took the lease under a's open write: {took}"
+            tx.add_request("pause", {}, "a", "written under a's fence")
+        b.join(10.0)
+        lease = took["lease"]
+        assert lease is not None and lease.holder == "b" and lease.term == 2  # type: ignore[attr-defined]
+        assert [r.who for r in store.requests()] == ["a"]  # committed before b's term
+    finally:
+        store.close()
+
+
 async def test_postgres_leader_locks_of_stores_in_two_schemas_do_not_collide(
     pg_url: str,
 ) -> None:

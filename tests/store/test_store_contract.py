@@ -345,6 +345,26 @@ def test_a_new_leader_reclaims_what_an_earlier_holder_claimed_before_its_term(
     assert {r.id: r.claimed_by for r in store.requests()}[later] == "racing"
 
 
+def test_a_claimer_gives_back_only_its_own_unfinished_claims(store: Store) -> None:
+    """A cycle whose write failed gives its claims back, pending at once: not another
+    holder's claim, and not a request already finished."""
+    mine = store.add_request("pause", {}, who="ops", at=T0)
+    theirs = store.add_request("recalibrate", {}, who="ops", at=T0)
+    done = store.add_request("resume", {}, who="ops", at=T0)
+    assert store.claim_next_request("a", at=T0) is not None
+    assert store.claim_next_request("b", at=T0) is not None
+    assert store.claim_next_request("a", at=T0) is not None
+    store.finish_request(done, "resumed")
+    assert store.release_requests([mine, theirs, done], "a") == [mine]
+    by_id = {r.id: r for r in store.requests()}
+    assert (by_id[mine].status, by_id[mine].claimed_by, by_id[mine].claimed_at) == \
+        ("pending", None, None)
+    assert (by_id[theirs].status, by_id[theirs].claimed_by) == ("claimed", "b")
+    assert by_id[done].status == "done"
+    again = store.claim_next_request("c", at=T0)
+    assert again is not None and again.id == mine and store.release_requests([], "c") == []
+
+
 def test_two_stores_never_claim_the_same_request(store: Store, other_store: Store) -> None:
     ids = [store.add_request("recalibrate", {"n": i}, who="ops") for i in range(6)]
     claims: dict[str, list[int]] = {"a": [], "b": []}
