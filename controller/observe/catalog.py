@@ -166,11 +166,23 @@ def has_replica_ranks(family: str) -> bool:
     return family.startswith(REPLICA_RANK_FAMILIES)
 
 
+# SGLang with priority scheduling reports each priority class (``priority="0"``, ...) beside
+# the total (``priority=""``): the classes are parts of the total, not more requests.
+PRIORITY_LABEL = "priority"
+
+
+def _a_priority_class(labels: LabelKey) -> bool:
+    return any(k == PRIORITY_LABEL and v != "" for k, v in labels)
+
+
 def collapse_replicas(series: Mapping[LabelKey, float]) -> dict[LabelKey, float]:
     """Series that differ only in a replica rank label (:data:`REPLICA_RANK_LABELS`) as one
     series without those labels, valued at the largest: each replica reports the same
-    scheduler, so summing them would count its requests once per rank. A family without
-    such labels comes back as it is."""
+    scheduler, so summing them would count its requests once per rank. Per-priority series
+    are dropped (their total, ``priority=""``, is kept: summed with it they doubled every
+    count). A family without such labels comes back as it is."""
+    if any(_a_priority_class(labels) for labels in series):
+        series = {labels: v for labels, v in series.items() if not _a_priority_class(labels)}
     if not any(k in REPLICA_RANK_LABELS for labels in series for k, _ in labels):
         return dict(series)
     out: dict[LabelKey, float] = {}

@@ -45,7 +45,14 @@ from urllib3.util.retry import Retry
 
 from controller.core.window import TargetFailure, Window
 from controller.errors import ControllerError, TerminalError, TransientError
-from controller.observe.catalog import ENGINES, REPLICA_RANK_LABELS, ROUTER, HistogramSpec
+from controller.observe.catalog import (
+    ENGINES,
+    PRIORITY_LABEL,
+    REPLICA_RANK_LABELS,
+    ROUTER,
+    HistogramSpec,
+    has_replica_ranks,
+)
 from controller.observe.exposition import LabelKey, Snapshot, base_name
 from controller.observe.rediscovery import Rediscovery
 from controller.observe.source import Target, require_targets
@@ -223,6 +230,8 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
 
     def selector(name: str, match: tuple[tuple[str, str], ...] = ()) -> str:
         stored = name.replace(":", "_") if escaped_names else name
+        if has_replica_ranks(name):  # the total, not the priority classes beside it (also
+            match = (*match, (PRIORITY_LABEL, ""))  # the series without the label)
         if not match:
             return stored
         return stored + "{" + ",".join(f'{k}="{v}"' for k, v in match) + "}"
@@ -418,7 +427,7 @@ class PrometheusSource:
         # edges mode: the cumulative values at both edges, diffed like two scrapes
         prev = Snapshot(instance, start, start_samples, frozenset(start_samples))
         cur = Snapshot(instance, end, end_samples, families)
-        return diff_snapshots(prev if start_samples else None, cur)
+        return diff_snapshots(prev if start_samples else None, cur, announced=False)
 
     async def _scrape_errors(self) -> dict[str, str]:
         try:

@@ -39,6 +39,7 @@ from controller.observe.catalog import (
     GaugeSpec,
     HistogramSpec,
     detect_engine,
+    is_router,
     once_per_scheduler,
 )
 from controller.observe.exposition import (
@@ -129,8 +130,13 @@ def split_le(labels: LabelKey, name: str) -> tuple[LabelKey, float]:
     return hit
 
 
-def diff_snapshots(prev: Snapshot | None, cur: Snapshot) -> TargetDelta:
-    """Increases from ``prev`` to ``cur`` (``prev`` None: gauges only, no baseline)."""
+def diff_snapshots(prev: Snapshot | None, cur: Snapshot, *, announced: bool = True
+                   ) -> TargetDelta:
+    """Increases from ``prev`` to ``cur`` (``prev`` None: gauges only, no baseline).
+
+    ``announced``: the snapshots are exposition texts, which announce every family (its
+    TYPE line) before it has a series, so a family absent from ``prev`` was not read then.
+    Prometheus has no series for a family with none yet: there (False), absent is new."""
     delta = TargetDelta(target=cur.target, families=cur.families, has_baseline=prev is not None)
     reset_families: list[str] = []
     by_family: dict[str, list[str]] = {}
@@ -142,7 +148,16 @@ def diff_snapshots(prev: Snapshot | None, cur: Snapshot) -> TargetDelta:
         by_family.setdefault(base_name(name), []).append(name)
     if prev is None:
         return delta
+    unbaselined: list[str] = []
     for family, names in by_family.items():
+        if announced and family not in prev.families \
+                and not any(n in prev.samples for n in names):
+            # Not even announced in the previous snapshot (an answer cut after a whole
+            # family, a process that changed): its series' lifetime values are no window's
+            # increase. Counted from the next window; a series new in a family that was
+            # there (a first request in a cell) still counts from zero.
+            unbaselined.append(family)
+            continue
         reset = False
         for name in names:
             old = prev.series(name)
@@ -169,6 +184,12 @@ def diff_snapshots(prev: Snapshot | None, cur: Snapshot) -> TargetDelta:
             # Increases per replica, then one per scheduler: a replica that restarted alone
             # still counts from its own baseline.
             delta.increases[name] = once_per_scheduler(name, inc)
+    if unbaselined:
+        delta.notes.append(TargetFailure(
+            target=cur.target, kind="no_baseline",
+            message="not in the previous snapshot: " + ", ".join(sorted(unbaselined))
+            + "; counted from the next window",
+        ))
     if reset_families:
         delta.notes.append(TargetFailure(
             target=cur.target, kind="counter_reset",
@@ -337,6 +358,13 @@ def router_stats(
     stays correct.
     """
     notes = list(delta.notes)
+    if not is_router(delta.families):
+        # A router target that is not one (a worker's port, the wrong port): answered with
+        # no traffic, it hid that router's requests from the window and the canary judge.
+        notes.append(TargetFailure(
+            target=delta.target, kind="missing_family",
+            message="no pdrouter_* families found (is this the router's metrics address?)",
+        ))
     if not delta.has_baseline:
         # Said as for a worker: a canary judge must not count this window's (absent)
         # requests as a bake window of its routers.

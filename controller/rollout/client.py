@@ -87,11 +87,12 @@ def error_from_status(router: str, e: grpc.aio.AioRpcError) -> Exception:
     code = e.code()
     details = e.details() or ""
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
-        # The router's receive limit is below the policy's size (a router on gRPC's default
-        # 4 MiB): another attempt sends the same bytes. Retried, it read as "unreachable".
-        return RouterRefusedCall(router, code, f"{details} (the router's gRPC receive limit "
-                                 "is below this policy's size: raise it on the router, or "
-                                 "use fewer bins)")
+        # A receive limit below the message (a router on gRPC's default 4 MiB, or ours below
+        # a router's table): another attempt sends the same bytes. Retried, a push read as
+        # "unreachable".
+        side = "the router's" if details.startswith("SERVER") else "this controller's"
+        return RouterRefusedCall(router, code, f"{details} ({side} gRPC message-size limit: "
+                                 "sent again, it fails the same way)")
     if code in TRANSIENT_CODES:
         return RouterCallError(router, code, details)
     return RouterRefusedCall(router, code, details)

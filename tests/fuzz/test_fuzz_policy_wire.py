@@ -26,7 +26,7 @@ from controller._proto.pdcontrol.v1 import policy_pb2 as pb
 from controller._proto.pdcontrol.v1 import router_policy_service_pb2 as policy_pb
 from controller.policy import Axes, Policy, PolicyValidationError, Route, loads, validate_policy
 from controller.rollout.agent import RouterAgent
-from controller.rollout.client import GrpcRouterTransport, RouterCallError
+from controller.rollout.client import GrpcRouterTransport, RouterRefusedCall
 from controller.rollout.codec import MAX_MESSAGE_BYTES, policy_from_proto, policy_to_proto
 from controller.rollout.server import RouterPolicyServicer, RouterServer
 from tests.policy.strategies import policies
@@ -200,7 +200,7 @@ async def test_message_size_limit_is_enforced_on_both_sides(tmp_path: Path) -> N
     await small_router.start()
     transport = GrpcRouterTransport()
     try:
-        with pytest.raises(RouterCallError) as caught:
+        with pytest.raises(RouterRefusedCall, match="the router's gRPC message-size") as caught:
             await transport.apply(small_router.address, huge, False, 20.0)
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert small_router.agent.snapshot is not None
@@ -215,7 +215,7 @@ async def test_message_size_limit_is_enforced_on_both_sides(tmp_path: Path) -> N
     strict = GrpcRouterTransport(max_message_bytes=limit)
     normal = GrpcRouterTransport()
     try:
-        with pytest.raises(RouterCallError) as caught:
+        with pytest.raises(RouterRefusedCall, match="this controller's") as caught:
             await strict.get_policy(big_router.address, 20.0)
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         fetched: Any = await normal.get_policy(big_router.address, 20.0)

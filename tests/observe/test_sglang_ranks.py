@@ -148,3 +148,49 @@ async def test_scrape_and_a_real_prometheus_count_tp_replicas_once(
         [stats] = window.workers
         assert stats.kv_transfer_s is not None and stats.kv_transfer_s.count == 104, window.source
         assert stats.waiting == 4, window.source
+
+
+def sglang_priority_text(running: int, requests: int) -> str:
+    """SGLang with priority scheduling: each class (priority="0", "1") beside the total
+    (priority=""), the classes 70/30 of it."""
+    lines = ["# TYPE sglang:num_running_reqs gauge", "# TYPE sglang:num_requests_total counter"]
+    for priority, share in (("", 10), ("0", 7), ("1", 3)):
+        labels = f'model_name="m",priority="{priority}",tp_rank="0"'
+        lines.insert(1, f"sglang:num_running_reqs{{{labels}}} {running * share // 10}")
+        lines.append(f"sglang:num_requests_total{{{labels}}} {requests * share // 10}")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.integration
+async def test_scrape_and_a_real_prometheus_count_priority_classes_once() -> None:
+    """The classes are parts of the total: summed with it (both sources did), every count
+    and gauge of an SGLang worker with priority scheduling came out doubled."""
+    require("prometheus", PROMETHEUS is not None, HOW_TO_INSTALL)
+    server = TextServer(sglang_priority_text(20, 1000))
+    node = Target(server.address, "decode", f"http://{server.address}/metrics")
+    prom = PromServer([node])
+    client = PrometheusClient(prom.url, timeout_s=5.0, retries=1)
+    edges = PrometheusSource(client, [node], mode="edges")
+    scrape = ScrapeSource([node], timeout_s=2.0)
+    try:
+        start = CLOCK.now()
+        prom.wait_scraped_after(start)
+        await scrape.window(start - 30, start)  # the scrape source's baseline
+        start = CLOCK.now()
+        prom.wait_scraped_after(start)
+        server.default = sglang_priority_text(20, 1300)
+        end = CLOCK.now()
+        prom.wait_scraped_after(end)
+        end = CLOCK.now()
+        windows = [await scrape.window(start, end), await edges.window(start, end)]
+    finally:
+        await edges.aclose()
+        await scrape.aclose()
+        prom.stop()
+        server.close()
+    for window in windows:
+        [stats] = window.workers
+        assert stats.running == 20, window.source
+        assert stats.request_rate is not None, window.source
+        assert stats.request_rate * (window.end - window.start) == pytest.approx(300), \
+            window.source

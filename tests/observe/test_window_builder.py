@@ -140,3 +140,64 @@ def test_bin_labels() -> None:
     assert bin_index("+Inf", labels) == 2
     assert bin_index("unknown", labels) == UNKNOWN_BIN
     assert bin_index(None, labels) == ALL_BINS
+
+
+def _snapshot(text: str, at: float):  # type: ignore[no-untyped-def]
+    from controller.observe.snapshot import snapshot_from_text
+
+    return snapshot_from_text(text, "w:1", at)
+
+
+def test_sglang_priority_classes_are_parts_of_their_total() -> None:
+    """With priority scheduling SGLang reports each class beside the total (priority=""):
+    summed with it, running, waiting, rates and token counts all came out doubled."""
+    def text(running: float, requests: float) -> str:
+        lines = ["# TYPE sglang:num_running_reqs gauge",
+                 "# TYPE sglang:num_requests_total counter"]
+        for priority, share in (("", 1.0), ("0", 0.6), ("1", 0.4)):
+            labels = f'model_name="m",priority="{priority}",tp_rank="0"'
+            lines.insert(1, f"sglang:num_running_reqs{{{labels}}} {running * share}")
+            lines.append(f"sglang:num_requests_total{{{labels}}} {requests * share}")
+        return "\n".join(lines) + "\n"
+
+    delta = diff_snapshots(_snapshot(text(10, 100), 0), _snapshot(text(10, 400), 30))
+    stats, _ = worker_stats(delta, "decode", 30.0)
+    assert stats is not None
+    assert stats.running == pytest.approx(10.0) and stats.request_rate == pytest.approx(10.0)
+
+
+def test_a_family_missing_from_the_baseline_is_not_counted_over_its_lifetime() -> None:
+    """An answer cut after a whole family passed validation (it lacked the counter family);
+    the next window counted that counter's lifetime as its increase (670 requests/s for 2)."""
+    def text(n: int, with_counter: bool = True) -> str:
+        out = '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 0.5\n'
+        if with_counter:
+            out += ("# TYPE vllm:request_success_total counter\n"
+                    f'vllm:request_success_total{{engine="0",finished_reason="stop"}} {n}\n')
+        return out
+
+    cut = _snapshot(text(10_030, with_counter=False), 30)
+    stats, notes = worker_stats(diff_snapshots(cut, _snapshot(text(10_060), 60)), "decode", 30.0)
+    assert stats is not None and stats.request_rate is None
+    assert [n.kind for n in notes] == ["no_baseline"]
+    assert "vllm:request_success_total" in notes[0].message
+    # A family announced in the baseline with no series yet (no request so far): counted
+    # from zero, as a new series is.
+    empty = _snapshot(text(0).replace('vllm:request_success_total{engine="0",'
+                                      'finished_reason="stop"} 0\n', ""), 0)
+    stats, notes = worker_stats(diff_snapshots(empty, _snapshot(text(60), 30)), "decode", 30.0)
+    assert stats is not None and stats.request_rate == pytest.approx(2.0) and notes == []
+
+
+def test_a_router_target_without_router_metrics_is_a_failure() -> None:
+    """A "router" target exposing no pdrouter_* family (a worker's port, a wrong one) was
+    answered with zero outcomes: the window silently lacked that router's traffic."""
+    from controller.observe.snapshot import snapshot_from_text
+    from controller.observe.window_builder import TargetResult, assemble_window
+    from controller.rollout.agent_metrics import CONTEXT_BINS, IO_RATIO_BINS
+
+    text = '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.5\n'
+    delta = diff_snapshots(snapshot_from_text(text, "r:1", 0), snapshot_from_text(text, "r:1", 30))
+    window = assemble_window(0, 30, [TargetResult("r:1", "router", delta=delta)], source="t",
+                             ctx_labels=CONTEXT_BINS.labels, io_labels=IO_RATIO_BINS.labels)
+    assert [(f.target, f.kind) for f in window.failures] == [("r:1", "missing_family")]

@@ -378,7 +378,7 @@ async def test_a_router_whose_receive_limit_is_below_the_policy_refuses_it_once(
     await server.start()
     transport = GrpcRouterTransport()
     try:
-        with pytest.raises(RouterRefusedCall, match="receive limit") as e:
+        with pytest.raises(RouterRefusedCall, match="the router's gRPC message-size") as e:
             await transport.apply(server.address, big, False, DEADLINE_S)
         assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
         from controller.clock import WallClock
@@ -387,7 +387,7 @@ async def test_a_router_whose_receive_limit_is_below_the_policy_refuses_it_once(
             {server.address: big}))[server.address]
         # Its GetPolicy and one ApplyPolicy (it was 1 + 5 pushes, then "unreachable").
         assert (status.outcome, status.attempts) == ("refused", 2)
-        assert "receive limit" in (status.last_error or "")
+        assert "message-size limit" in (status.last_error or "")
     finally:
         await transport.close()
         await server.stop(grace=None)
