@@ -224,7 +224,9 @@ def histogram_summary(delta: TargetDelta, spec: HistogramSpec) -> Summary | None
         edge = split_le(labels, spec.family)[1] * spec.scale
         buckets[edge] = buckets.get(edge, 0.0) + v
     q, interpolated = quantiles(sorted(buckets.items()), QUANTILES)
-    mean = total / count * spec.scale
+    # No _sum increase beside the counts (NaN, or the series missing): no mean, not 0.
+    has_sum = any(_matches(k, spec.match) for k in sums)
+    mean = total / count * spec.scale if has_sum else math.nan
     return Summary(
         mean=mean if math.isfinite(mean) else None, count=count,
         p50=q[0], p90=q[1], p99=q[2], interpolated=interpolated,

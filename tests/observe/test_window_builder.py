@@ -201,3 +201,22 @@ def test_a_router_target_without_router_metrics_is_a_failure() -> None:
     window = assemble_window(0, 30, [TargetResult("r:1", "router", delta=delta)], source="t",
                              ctx_labels=CONTEXT_BINS.labels, io_labels=IO_RATIO_BINS.labels)
     assert [(f.target, f.kind) for f in window.failures] == [("r:1", "missing_family")]
+
+
+def test_a_histogram_whose_sum_is_nan_has_no_mean_rather_than_zero() -> None:
+    def text(count: int, total: str) -> str:
+        return ("# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.5\n"
+                "# TYPE vllm:time_to_first_token_seconds histogram\n"
+                f'vllm:time_to_first_token_seconds_bucket{{le="0.1"}} {count}\n'
+                f'vllm:time_to_first_token_seconds_bucket{{le="+Inf"}} {count}\n'
+                f"vllm:time_to_first_token_seconds_count {count}\n"
+                f"vllm:time_to_first_token_seconds_sum {total}\n")
+
+    delta = diff_snapshots(_snapshot(text(10, "0.5"), 0), _snapshot(text(20, "NaN"), 30))
+    stats, _ = worker_stats(delta, "decode", 30.0)
+    assert stats is not None and stats.ttft_s is not None
+    assert stats.ttft_s.count == 10 and stats.ttft_s.mean is None
+    delta = diff_snapshots(_snapshot(text(10, "0.5"), 0), _snapshot(text(20, "1.5"), 30))
+    stats, _ = worker_stats(delta, "decode", 30.0)
+    assert stats is not None and stats.ttft_s is not None
+    assert stats.ttft_s.mean == pytest.approx(0.1)
