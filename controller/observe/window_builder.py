@@ -254,12 +254,15 @@ def quantiles(
         for i, (le, count) in enumerate(cumulative):
             if count >= rank and count > prev_count:
                 if le == math.inf:
-                    value = prev_le
+                    # Clamped to the highest finite edge; with none, nothing is known (as
+                    # Prometheus' NaN): it was 0.
+                    value = prev_le if i > 0 else None
                     interpolated = True
                 else:
                     lower = prev_le if i > 0 else min(0.0, le)  # first bucket starts at 0
                     value = lower + (le - lower) * (rank - prev_count) / (count - prev_count)
-                    if i == 0 or (lower > 0 and le / lower > RESOLVING_BUCKET_RATIO):
+                    # A bucket from 0 (SGLang's start at le=0) resolves nothing either.
+                    if i == 0 or lower <= 0 or le / lower > RESOLVING_BUCKET_RATIO:
                         interpolated = True
                 break
             prev_le, prev_count = le, count

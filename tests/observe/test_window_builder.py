@@ -34,6 +34,7 @@ def test_quantile_is_linear_inside_its_bucket() -> None:
         ([(0.3, 1.0), (0.5, 1.0), (math.inf, 10.0)], 0.9, 0.5),  # in +Inf: clamped
         ([(0.3, 0.0), (0.5, 0.0), (0.8, 0.0), (1.0, 1.0), (2.5, 2.0), (math.inf, 2.0)], 0.9,
          1.0 + 1.5 * (1.8 - 1.0)),  # bucket (1, 2.5] is 2.5x wide
+        ([(0.0, 0.0), (0.001, 10.0), (math.inf, 10.0)], 0.5, 0.0005),  # SGLang's (0, 1 ms]
     ],
 )
 def test_unresolved_quantiles_are_flagged(cum, q, expected) -> None:  # type: ignore[no-untyped-def]
@@ -45,6 +46,8 @@ def test_unresolved_quantiles_are_flagged(cum, q, expected) -> None:  # type: ig
 def test_no_observations_no_quantiles() -> None:
     assert quantiles([(1.0, 0.0), (math.inf, 0.0)], (0.5,)) == ([None], False)
     assert quantiles([], (0.5,)) == ([None], False)
+    # Every observation in the only bucket, +Inf: nothing known (it was 0.0).
+    assert quantiles([(math.inf, 5.0)], (0.5, 0.9)) == ([None, None], True)
 
 
 VLLM_LEGACY_TEXT = """\
