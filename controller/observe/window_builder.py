@@ -181,6 +181,8 @@ def diff_snapshots(prev: Snapshot | None, cur: Snapshot, *, announced: bool = Tr
                     inc[labels] = value  # reset or a new series: counted from zero
                 else:
                     inc[labels] = value - before
+            if not inc and cur.series(name):
+                continue  # every series NaN: no value (summed, an empty set read as 0)
             # Increases per replica, then one per scheduler: a replica that restarted alone
             # still counts from its own baseline.
             delta.increases[name] = once_per_scheduler(name, inc)

@@ -223,3 +223,17 @@ def test_a_histogram_whose_sum_is_nan_has_no_mean_rather_than_zero() -> None:
     stats, _ = worker_stats(delta, "decode", 30.0)
     assert stats is not None and stats.ttft_s is not None
     assert stats.ttft_s.mean == pytest.approx(0.1)
+
+
+def test_a_counter_that_is_nan_has_no_rate_rather_than_zero() -> None:
+    def text(value: str) -> str:
+        return ('# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.5\n'
+                '# TYPE vllm:request_success_total counter\n'
+                f'vllm:request_success_total{{finished_reason="stop"}} {value}\n')
+
+    stats, _ = worker_stats(diff_snapshots(_snapshot(text("NaN"), 0), _snapshot(text("NaN"), 30)),
+                            "decode", 30.0)
+    assert stats is not None and stats.request_rate is None
+    stats, _ = worker_stats(diff_snapshots(_snapshot(text("5"), 0), _snapshot(text("5"), 30)),
+                            "decode", 30.0)
+    assert stats is not None and stats.request_rate == 0.0  # idle: zero, not missing
