@@ -11,12 +11,12 @@ from collections.abc import Iterator, Mapping
 import pytest
 
 from controller.clock import WallClock
-from controller.core.window import WorkerStats
+from controller.core.window import Window, WorkerStats
 from controller.observe.catalog import REPLICA_RANK_LABELS, collapse_replicas
 from controller.observe.exposition import parse_exposition
 from controller.observe.prometheus import PrometheusClient, PrometheusSource, build_queries
 from controller.observe.scrape import ScrapeSource
-from controller.observe.source import Target
+from controller.observe.source import Target, TargetRole
 from controller.observe.window_builder import diff_snapshots, worker_stats
 from tests.conftest import require
 from tests.observe.promserver import HOW_TO_INSTALL, PROMETHEUS, PromServer
@@ -119,11 +119,12 @@ def sglang_node() -> Iterator[TextServer]:
         server.close()
 
 
-@pytest.mark.integration
-async def test_scrape_and_a_real_prometheus_count_tp_replicas_once(
-        sglang_node: TextServer) -> None:
+async def _scraped_and_through_prometheus(server: TextServer, role: TargetRole, after: str
+                                         ) -> list[Window]:
+    """One window of ``server`` from the scrape source and from a real Prometheus (edges),
+    over which its text changes to ``after``."""
     require("prometheus", PROMETHEUS is not None, HOW_TO_INSTALL)
-    node = Target(sglang_node.address, "prefill", f"http://{sglang_node.address}/metrics")
+    node = Target(server.address, role, f"http://{server.address}/metrics")
     prom = PromServer([node])
     client = PrometheusClient(prom.url, timeout_s=5.0, retries=1)
     edges = PrometheusSource(client, [node], mode="edges")
@@ -134,15 +135,22 @@ async def test_scrape_and_a_real_prometheus_count_tp_replicas_once(
         await scrape.window(start - 30, start)  # the scrape source's baseline
         start = CLOCK.now()
         prom.wait_scraped_after(start)
-        sglang_node.default = sglang_text(TP4_AFTER, 1100)
+        server.default = after
         end = CLOCK.now()
         prom.wait_scraped_after(end)
         end = CLOCK.now()
-        windows = [await scrape.window(start, end), await edges.window(start, end)]
+        return [await scrape.window(start, end), await edges.window(start, end)]
     finally:
         await edges.aclose()
         await scrape.aclose()
         prom.stop()
+
+
+@pytest.mark.integration
+async def test_scrape_and_a_real_prometheus_count_tp_replicas_once(
+        sglang_node: TextServer) -> None:
+    windows = await _scraped_and_through_prometheus(
+        sglang_node, "prefill", sglang_text(TP4_AFTER, 1100))
     for window in windows:
         assert window.failures == (), window.source
         [stats] = window.workers
@@ -165,28 +173,11 @@ def sglang_priority_text(running: int, requests: int) -> str:
 async def test_scrape_and_a_real_prometheus_count_priority_classes_once() -> None:
     """The classes are parts of the total: summed with it (both sources did), every count
     and gauge of an SGLang worker with priority scheduling came out doubled."""
-    require("prometheus", PROMETHEUS is not None, HOW_TO_INSTALL)
     server = TextServer(sglang_priority_text(20, 1000))
-    node = Target(server.address, "decode", f"http://{server.address}/metrics")
-    prom = PromServer([node])
-    client = PrometheusClient(prom.url, timeout_s=5.0, retries=1)
-    edges = PrometheusSource(client, [node], mode="edges")
-    scrape = ScrapeSource([node], timeout_s=2.0)
     try:
-        start = CLOCK.now()
-        prom.wait_scraped_after(start)
-        await scrape.window(start - 30, start)  # the scrape source's baseline
-        start = CLOCK.now()
-        prom.wait_scraped_after(start)
-        server.default = sglang_priority_text(20, 1300)
-        end = CLOCK.now()
-        prom.wait_scraped_after(end)
-        end = CLOCK.now()
-        windows = [await scrape.window(start, end), await edges.window(start, end)]
+        windows = await _scraped_and_through_prometheus(
+            server, "decode", sglang_priority_text(20, 1300))
     finally:
-        await edges.aclose()
-        await scrape.aclose()
-        prom.stop()
         server.close()
     for window in windows:
         [stats] = window.workers
