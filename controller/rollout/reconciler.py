@@ -323,7 +323,8 @@ class _Pass:
     def elapsed(self) -> float:
         return self.rec._clock.monotonic() - self.started
 
-    def failed(self, router: str, outcome: str, error: str) -> RouterStatus:
+    def failed(self, router: str, outcome: str, error: str,
+               reissued_as: int | None = None) -> RouterStatus:
         t = self.tracks[router]
         acked = t.state
         return RouterStatus(
@@ -331,6 +332,7 @@ class _Pass:
             acked_version=acked.version if acked else None,
             acked_checksum=acked.checksum if acked else None,
             last_error=error, latency_s=self.elapsed(), attempts=t.attempts, pushed=t.pushed,
+            reissued_as=reissued_as,
         )
 
     def succeeded(
@@ -413,12 +415,15 @@ class _Pass:
         assert state is not None
         if state.version == target.version and state.checksum == checksum:
             return self.succeeded(router, "in_sync", state, reissued_as)
+        # A failed push of a re-issue still names its number: the router may have applied
+        # it with the reply lost, and the store must know that number's content (else the
+        # next pass saw a router ahead at an unknown version and re-issued once more).
         try:
             reply = await self.push(track, target)
         except _RetriesExhausted as e:
-            return self.failed(router, "unreachable", str(e))
+            return self.failed(router, "unreachable", str(e), reissued_as)
         except TerminalError as e:
-            return self.failed(router, "refused", str(e))
+            return self.failed(router, "refused", str(e), reissued_as)
         acked = RouterState(reply.applied_version, reply.checksum)
         track.state = acked
         if reply.outcome in (ApplyOutcome.APPLIED, ApplyOutcome.NOOP):
@@ -427,9 +432,9 @@ class _Pass:
             return self.failed(
                 router, "mismatch",
                 f"router acked v{acked.version} ({acked.checksum[:12]}), expected "
-                f"v{target.version} ({checksum[:12]})",
+                f"v{target.version} ({checksum[:12]})", reissued_as,
             )
-        return self.failed(router, reply.outcome.value, reply.message)
+        return self.failed(router, reply.outcome.value, reply.message, reissued_as)
 
     def reissue_target(self, router: str) -> Policy:
         """The re-issued policy of ``router``'s desired group (decided once per pass)."""

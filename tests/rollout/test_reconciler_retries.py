@@ -151,6 +151,28 @@ async def test_a_refusal_to_persist_then_an_outage_reads_as_the_outage() -> None
     assert "connection refused" in (statuses["r"].last_error or "")
 
 
+async def test_a_reissue_whose_replies_are_lost_still_names_its_number() -> None:
+    """The router ahead applied the re-issue but every reply was lost: the failed status
+    named no number, so the store never learnt it and the next pass saw a router ahead at
+    an unknown version and re-issued once more."""
+    class LostReplies(FakeRouterTransport):
+        async def apply(self, router: str, policy: Policy, rollback: bool,
+                        deadline_s: float) -> ApplyReply:
+            await super().apply(router, policy, rollback, deadline_s)
+            raise TransientError(f"router {router}: DEADLINE_EXCEEDED (applied, reply lost)")
+
+    agent = RouterAgent(registry=CollectorRegistry())
+    agent.apply(Policy.uniform(7, Route.PREFILL_NODE))  # ahead of the store (a backup)
+    transport = LostReplies({"r": agent})
+    rec = Reconciler(transport, InstantClock(), max_attempts=2)
+    status = (await rec.reconcile({"r": V1.with_version(2)}))["r"]
+    assert (status.ok, status.outcome, status.reissued_as) == (False, "unreachable", 8)
+    assert agent.policy is not None and agent.policy.version == 8
+    again = await Reconciler(FakeRouterTransport({"r": agent}), InstantClock()).reconcile(
+        {"r": V1.with_version(2).with_version(8)})  # as the cycle records it
+    assert (again["r"].outcome, again["r"].reissued_as) == ("in_sync", None)
+
+
 async def test_a_transport_bug_fails_one_router_not_the_pass() -> None:
     class Broken(FakeRouterTransport):
         async def get(self, router: str, deadline_s: float) -> RouterState:
