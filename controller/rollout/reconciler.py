@@ -392,6 +392,8 @@ class _Pass:
     async def follow_reissue(self, router: str) -> None:
         track = self.tracks[router]
         target = self.reissue_target(router)
+        if target.version > MAX_VERSION:
+            return  # no re-issue to follow: it stays in sync with the desired version
         if self._versions_used_up(track, target):
             return
         try:

@@ -238,6 +238,24 @@ async def test_a_router_at_the_last_version_is_refused_a_reissue_with_the_way_ou
     assert all(s.ok for s in back.values())
 
 
+async def test_routers_in_sync_stay_in_sync_when_a_reissue_cannot_be_made(
+    cluster: Cluster,
+) -> None:
+    """One router at the last version, the others on the desired v1: only that one is
+    refused (the others were reported refused too, though they run the desired policy)."""
+    from controller.policy.validation import MAX_VERSION
+
+    rec = reconciler(cluster)
+    v1 = policy(1)
+    await rec.reconcile(everywhere(cluster, v1))
+    ahead = cluster.routers[0]
+    cluster.agent(ahead).apply(policy(MAX_VERSION, Route.PREFILL_NODE))
+    statuses = await rec.reconcile(everywhere(cluster, v1))
+    assert statuses[ahead].outcome == "refused"
+    assert {r: s.outcome for r, s in statuses.items() if r != ahead} == dict.fromkeys(
+        [r for r in cluster.routers if r != ahead], "in_sync")
+
+
 async def test_rollback_pushes_the_lower_version_instead_of_reissuing(cluster: Cluster) -> None:
     v5, v3 = policy(5), policy(3, Route.PREFILL_NODE)
     rec = reconciler(cluster)
