@@ -384,6 +384,11 @@ class ControllerConfig(_Section):
         "targets (needs PostgreSQL)."
     )
 
+    def stalled_after(self) -> float:
+        """``stalled_after_s``, or its default: 3 intervals + 30 s."""
+        return self.stalled_after_s if self.stalled_after_s is not None \
+            else 3 * self.interval_s + 30.0
+
 
 class DriftSettings(_Section):
     """Drift detectors (workload PSI/qps/QPS CUSUM, performance CUSUM, SLO band)."""

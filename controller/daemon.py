@@ -95,11 +95,6 @@ def notify(*lines: str) -> bool:
         return False
 
 
-def stalled_after_s(settings: Settings) -> float:
-    c = settings.controller
-    return c.stalled_after_s if c.stalled_after_s is not None else 3 * c.interval_s + 30.0
-
-
 @dataclass
 class Parts:
     """Everything the daemon built (tests reach into it)."""
@@ -193,7 +188,7 @@ class Daemon:
             reconcile_only=[c.sidecar_router] if c.sidecar_router else None,
             planner=SettingsPlanner(s) if s.capacity.enabled else None,
         )
-        health = Health(self.clock, stalled_after_s(s), lambda: cycle.last_completed_at,
+        health = Health(self.clock, c.stalled_after(), lambda: cycle.last_completed_at,
                         lambda: cycle.last_ended_at, started_at=self._started_at)
         health.details = lambda: {"leader": leadership.is_leader, "holder": holder}
         server = None

@@ -470,7 +470,6 @@ def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOpt
     [controller] stalled_after_s: nothing has been observed since)."""
     from controller.config import load_settings
     from controller.cycle import CycleConfig
-    from controller.daemon import stalled_after_s
     from controller.errors import ConfigError
 
     try:
@@ -482,7 +481,7 @@ def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOpt
     try:
         doc = status_doc(store, settings.controller.calibrate_every_s,
                          CycleConfig.from_settings(settings).watch_s,
-                         settings.routers.targets, stalled_after_s(settings))
+                         settings.routers.targets, settings.controller.stalled_after())
     finally:
         store.close()
     if as_json:
