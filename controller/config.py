@@ -35,6 +35,10 @@ from pydantic_settings import (
 
 from controller.errors import ConfigError
 
+# ``dns+NAME:PORT``: every address NAME resolves to (a headless service), resolved again
+# as the daemon runs (controller.observe.discovery).
+DNS_PREFIX = "dns+"
+
 
 def check_host_port(value: str, *, listen: bool = False) -> str:
     """``value`` when it is HOST:PORT (an IPv6 host in brackets); a listen address may take
@@ -86,7 +90,7 @@ def token_without_tls_problem(security: SecurityConfig, targets: Iterable[str],
 
 def _scrape_address(value: str) -> str:
     """HOST:PORT, or dns+NAME:PORT (every address of a headless service)."""
-    check_host_port(value.removeprefix("dns+"))
+    check_host_port(value.removeprefix(DNS_PREFIX))
     return value
 
 
@@ -618,7 +622,7 @@ def router_outcome_names(settings: Settings) -> dict[str, str]:
     ``instance`` label): its ``[routers] metrics_targets`` entry in the same place, when the
     two lists pair up one to one; else none (an outcome is then named by its target)."""
     targets, metrics = settings.routers.targets, settings.routers.metrics_targets
-    if len(metrics) != len(targets) or any(m.startswith("dns+") for m in metrics):
+    if len(metrics) != len(targets) or any(m.startswith(DNS_PREFIX) for m in metrics):
         return {}
     return dict(zip(targets, metrics, strict=True))
 
@@ -637,7 +641,7 @@ def canary_names_problem(settings: Settings) -> str | None:
     if not has_control or not observes or router_outcome_names(settings):
         return None
     have = (f"{len(metrics)} entr{'y' if len(metrics) == 1 else 'ies'}"
-            + (" with a dns+ name" if any(m.startswith("dns+") for m in metrics) else ""))
+            + (" with a dns+ name" if any(m.startswith(DNS_PREFIX) for m in metrics) else ""))
     return (f"[routers] metrics_targets must name each of the {len(targets)} router targets' "
             f"/metrics address HOST:PORT, in the same order (has {have}; with the "
             "prometheus source each must be the router's `instance` label): the canary "

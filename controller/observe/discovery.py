@@ -15,10 +15,10 @@ import socket
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from controller.config import DNS_PREFIX
 from controller.errors import ConfigError, TransientError
 from controller.observe.source import Target, TargetRole
 
-DNS_PREFIX = "dns+"
 ROLES: tuple[TargetRole, ...] = ("prefill", "decode", "router")
 
 

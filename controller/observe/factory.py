@@ -7,12 +7,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Literal
 
 from controller.clock import Clock
+from controller.config import DNS_PREFIX
 from controller.errors import TransientError
-from controller.observe.discovery import (
-    DNS_PREFIX,
-    static_targets_async,
-    targets_from_prometheus,
-)
+from controller.observe.discovery import static_targets_async, targets_from_prometheus
 from controller.observe.rediscovery import Rediscovery
 from controller.observe.source import MetricsSource, Target
 
