@@ -55,7 +55,7 @@ from controller.observe.catalog import (
 )
 from controller.observe.exposition import LabelKey, Snapshot, base_name
 from controller.observe.rediscovery import Rediscovery
-from controller.observe.source import Target, require_targets
+from controller.observe.source import Target
 from controller.observe.window_builder import (
     TargetDelta,
     TargetResult,
@@ -360,8 +360,7 @@ class PrometheusSource:
             found = await self._rediscovery.refresh(self._targets, now)
             if found is not None:
                 self._targets = found
-            require_targets(self._targets, self._rediscovery.what,
-                            self._rediscovery.last_problem)
+            self._rediscovery.require(self._targets)
 
     async def window(self, start: float, end: float) -> Window:
         await self._refresh_targets(end)

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from controller.errors import ControllerError
-from controller.observe.source import Target
+from controller.observe.source import NoTargets, Target
 
 REDISCOVER_EVERY_S = 60.0
 
@@ -37,6 +37,13 @@ class Rediscovery:
         self._every_s = every_s
         self._found_at: float | None = None
         self.last_problem: str | None = None  # why the last ask found nothing, for the cycle
+
+    def require(self, targets: Sequence[Target]) -> None:
+        """Raise :class:`NoTargets` while nothing has been found, saying why (the cycle is
+        skipped, not planned on an empty window)."""
+        if not targets:
+            raise NoTargets(f"no targets to observe yet: {self.what} "
+                            f"{self.last_problem or 'has found none'}")
 
     async def refresh(self, targets: Sequence[Target], now: float) -> list[Target] | None:
         """The targets found again when they are due and differ from ``targets``, else

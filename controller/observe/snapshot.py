@@ -17,7 +17,7 @@ from controller.core.window import TargetFailure, Window
 from controller.observe.catalog import wanted_families
 from controller.observe.exposition import ExpositionError, Snapshot, parse_exposition
 from controller.observe.rediscovery import Rediscovery
-from controller.observe.source import Target, require_targets
+from controller.observe.source import Target
 from controller.observe.window_builder import (
     TargetResult,
     assemble_window,
@@ -70,8 +70,7 @@ class SnapshotSource(abc.ABC):
                 for name in gone:
                     self._previous.pop(name, None)
                 await self.forget_targets(gone)
-            require_targets(self._targets, self._rediscovery.what,
-                            self._rediscovery.last_problem)
+            self._rediscovery.require(self._targets)
         texts = await self.fetch_all(self._targets)
         taken_at = self._clock.now()
         results = [self._result(t, text, taken_at) for t, text in zip(self._targets, texts,

@@ -55,13 +55,6 @@ class NoTargets(TransientError):
     planned on an empty window."""
 
 
-def require_targets(targets: Sequence[Target], what: str, problem: str | None) -> None:
-    """Raise :class:`NoTargets` when ``targets`` is empty, naming the discovery (``what``)
-    and why its last answer had none."""
-    if not targets:
-        raise NoTargets(f"no targets to observe yet: {what} {problem or 'has found none'}")
-
-
 @runtime_checkable
 class MetricsSource(Protocol):
     """Where windows come from (Prometheus, direct scrapes, the simulator's registries)."""
