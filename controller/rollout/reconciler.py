@@ -394,8 +394,6 @@ class _Pass:
         target = self.reissue_target(router)
         if target.version > MAX_VERSION:
             return  # no re-issue to follow: it stays in sync with the desired version
-        if self._versions_used_up(track, target):
-            return
         try:
             track.status = await self.bring_to(track, target, target.version)
         except Exception as e:
