@@ -22,17 +22,18 @@ _log = logging.getLogger(__name__)
 
 
 async def _first_targets(
-    find: Callable[[], Awaitable[list[Target]]], what: str, wait: bool
+    find: Callable[[], Awaitable[list[Target]]], rediscovery: Rediscovery | None, wait: bool
 ) -> list[Target]:
     try:
         return await find()
     except TransientError as e:
-        if not wait:
+        if not wait or rediscovery is None:
             raise
         # A daemon that exited here would crash-loop through a Prometheus or DNS outage
         # (or start before its workers' headless service has an address) and stop
         # reconciling routers meanwhile; its cycles are skipped until the targets are found.
-        _log.warning("%s failed at the start, asking again every cycle: %s", what, e)
+        _log.warning("%s failed at the start, asking again every cycle: %s",
+                     rediscovery.what, e)
         return []
 
 
@@ -56,8 +57,7 @@ async def source_from_settings(
         return await static_targets_async(*lists)
 
     rediscovery = None
-    dns = any(a.startswith(DNS_PREFIX) for addresses in lists for a in addresses)
-    if dns:
+    if any(a.startswith(DNS_PREFIX) for addresses in lists for a in addresses):
         rediscovery = Rediscovery(resolve, what="DNS")
     if chosen == "prometheus":
         from controller.observe.prometheus import PrometheusClient, PrometheusSource
@@ -68,15 +68,15 @@ async def source_from_settings(
             async def discover() -> list[Target]:
                 return targets_from_prometheus(await client.targets(), p.role_label)
 
-            targets = await _first_targets(discover, "target discovery", wait_for_targets)
             rediscovery = Rediscovery(discover, what="target discovery")
+            targets = await _first_targets(discover, rediscovery, wait_for_targets)
         else:
-            targets = await _first_targets(resolve, "DNS", wait_for_targets and dns)
+            targets = await _first_targets(resolve, rediscovery, wait_for_targets)
         return PrometheusSource(client, targets, mode=p.window_mode,
                                 escaped_names=p.escaped_names, rediscovery=rediscovery)
     from controller.observe.scrape import ScrapeSource
 
-    return ScrapeSource(await _first_targets(resolve, "DNS", wait_for_targets and dns),
+    return ScrapeSource(await _first_targets(resolve, rediscovery, wait_for_targets),
                         timeout_s=settings.observe.scrape_timeout_s,
                         concurrency=settings.observe.scrape_concurrency, clock=clock,
                         rediscovery=rediscovery)
