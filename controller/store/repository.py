@@ -607,7 +607,7 @@ class Tx:
                                      .with_for_update()))
         if ids:
             self._s.execute(
-                update(OperatorRequestRow).where(mine, OperatorRequestRow.id.in_(ids))
+                update(OperatorRequestRow).where(OperatorRequestRow.id.in_(ids))  # locked
                 .values(status="pending", claimed_by=None, claimed_at=None),
                 execution_options={"synchronize_session": False})
         return ids
