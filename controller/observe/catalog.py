@@ -50,6 +50,12 @@ class CounterSpec:
     by: str | None = None
     # When ``by`` is None the whole counter lands under this sub-key (``None``: plain number).
     as_source: str | None = None
+    # Series with any of these label pairs are not counted (vLLM's aborted requests).
+    excluded: tuple[tuple[str, str], ...] = ()
+
+    def counts(self, labels: LabelKey) -> bool:
+        """Whether a series with ``labels`` is part of this counter."""
+        return not any(pair in self.excluded for pair in labels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +96,9 @@ VLLM = EngineSpec(
         "kv_transfer_bytes": HistogramSpec("vllm:nixl_bytes_transferred"),
     },
     counters={
-        "requests": CounterSpec("vllm:request_success_total"),
+        # Every FinishReason is a label value, "abort" too: an aborted request was not served.
+        "requests": CounterSpec("vllm:request_success_total",
+                                excluded=(("finished_reason", "abort"),)),
         "generation_tokens": CounterSpec("vllm:generation_tokens_total"),
         "prompt_tokens": CounterSpec("vllm:prompt_tokens_by_source_total", by="source"),
     },

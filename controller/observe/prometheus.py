@@ -50,6 +50,7 @@ from controller.observe.catalog import (
     PRIORITY_LABEL,
     REPLICA_RANK_LABELS,
     ROUTER,
+    CounterSpec,
     HistogramSpec,
     has_replica_ranks,
 )
@@ -212,33 +213,33 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
     tagged with the catalog's names.
     """
     hist_specs: dict[tuple[str, tuple[tuple[str, str], ...]], HistogramSpec] = {}
-    counters: dict[str, tuple[str, ...]] = {}
+    counters: dict[str, CounterSpec] = {}
     gauges: dict[str, str] = {}
     for engine in ENGINES:
         for h in engine.histograms.values():
             hist_specs[(h.family, h.match)] = h
         for c in engine.counters.values():
-            counters[c.sample] = (c.by,) if c.by else ()
+            counters[c.sample] = c
         for g in engine.gauges.values():
             gauges[g.family] = "avg" if g.aggregate == "mean" else "sum"
         histogram_families = {h.family for h in engine.histograms.values()}
         for m in engine.markers:
             if m not in histogram_families:
                 gauges.setdefault(m, "sum")  # presence is all that matters for markers
-    counters[ROUTER.requests] = (*_ROUTER_CELL, "slo")
     gauges[ROUTER.qps] = "sum"
 
-    def selector(name: str, match: tuple[tuple[str, str], ...] = ()) -> str:
+    def selector(name: str, match: tuple[tuple[str, str], ...] = (),
+                 excluded: tuple[tuple[str, str], ...] = ()) -> str:
         stored = name.replace(":", "_") if escaped_names else name
         if has_replica_ranks(name):  # the total, not the priority classes beside it (also
             match = (*match, (PRIORITY_LABEL, ""))  # the series without the label)
-        if not match:
-            return stored
-        return stored + "{" + ",".join(f'{k}="{v}"' for k, v in match) + "}"
+        matchers = [f'{k}="{v}"' for k, v in match] + [f'{k}!="{v}"' for k, v in excluded]
+        return stored + "{" + ",".join(matchers) + "}" if matchers else stored
 
     def term(series: str, labels: tuple[str, ...], match: tuple[tuple[str, str], ...] = (),
-             aggregate: str = "sum", cumulative: bool = True) -> str:
-        inner = selector(series, match)
+             aggregate: str = "sum", cumulative: bool = True,
+             excluded: tuple[tuple[str, str], ...] = ()) -> str:
+        inner = selector(series, match, excluded)
         if cumulative and window_ms is not None:
             inner = f"increase({inner}[{window_ms}ms])"
         # One value per scheduler before summing: SGLang's rank replicas report the same
@@ -260,7 +261,9 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
     for family in (ROUTER.ttft, ROUTER.tpot):
         sums.append(term(family + "_sum", _ROUTER_CELL))
         counts.append(term(family + "_count", _ROUTER_CELL))
-    counter_terms = [term(sample, labels) for sample, labels in counters.items()]
+    counter_terms = [term(c.sample, (c.by,) if c.by else (), excluded=c.excluded)
+                     for c in counters.values()]
+    counter_terms.append(term(ROUTER.requests, (*_ROUTER_CELL, "slo")))
     gauge_terms = [term(name, (), aggregate=agg, cumulative=False)
                    for name, agg in gauges.items()]
     return [

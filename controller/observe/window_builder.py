@@ -35,6 +35,7 @@ from controller.core.window import (
 from controller.observe.catalog import (
     HISTOGRAM_KEYS,
     ROUTER,
+    CounterSpec,
     EngineSpec,
     GaugeSpec,
     HistogramSpec,
@@ -282,10 +283,13 @@ def _gauge(delta: TargetDelta, spec: GaugeSpec) -> float | None:
     return v * spec.scale
 
 
-def _counter(delta: TargetDelta, sample: str) -> dict[LabelKey, float] | None:
+def _counter(delta: TargetDelta, spec: CounterSpec) -> dict[LabelKey, float] | None:
     if not delta.has_baseline:
         return None
-    return delta.increases.get(sample)
+    series = delta.increases.get(spec.sample)
+    if series is None or not spec.excluded:
+        return series
+    return {labels: v for labels, v in series.items() if spec.counts(labels)}
 
 
 def worker_stats(
@@ -309,10 +313,10 @@ def worker_stats(
         key: (histogram_summary(delta, spec.histograms[key]) if delta.has_baseline else None)
         for key in HISTOGRAM_KEYS
     }
-    requests = _counter(delta, spec.counters["requests"].sample)
-    generation = _counter(delta, spec.counters["generation_tokens"].sample)
+    requests = _counter(delta, spec.counters["requests"])
+    generation = _counter(delta, spec.counters["generation_tokens"])
     prompt_spec = spec.counters["prompt_tokens"]
-    prompt = _counter(delta, prompt_spec.sample)
+    prompt = _counter(delta, prompt_spec)
     by_source: dict[str, float] | None = None
     if prompt is not None:
         by_source = {}

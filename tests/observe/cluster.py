@@ -62,7 +62,8 @@ class VllmWorker:
         self.waiting = Gauge("vllm:num_requests_waiting", "waiting", LABELS, registry=r).labels(*lv)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "kv", LABELS, registry=r).labels(*lv)
         success = Counter("vllm:request_success", "ok", [*LABELS, "finished_reason"], registry=r)
-        self.success = {reason: success.labels(*lv, reason) for reason in ("stop", "length")}
+        self.success = {reason: success.labels(*lv, reason)
+                        for reason in ("stop", "length", "abort")}
         self.generation = Counter("vllm:generation_tokens", "gen", LABELS, registry=r).labels(*lv)
         prompt = Counter("vllm:prompt_tokens_by_source", "p", [*LABELS, "source"], registry=r)
         self.prompt = {s: prompt.labels(*lv, s) for s in SOURCES}
@@ -164,6 +165,11 @@ class Cluster:
         assert self.fake is not None
         self.fake.finish_request(worker, gen_tokens, {k: float(v) for k, v in prompt.items()})
 
+    def abort_requests(self, worker: str, n: int) -> None:
+        """Requests the client gave up on: vLLM counts them under finished_reason="abort"
+        (not served, so not in the ledger)."""
+        self.workers[worker].success["abort"].inc(n)
+
     def set_gauges(self, worker: str, running: float, waiting: float, kv: float) -> None:
         w = self.workers[worker]
         w.running.set(running)
@@ -229,6 +235,7 @@ class Cluster:
                     "local_compute": rng.randint(10, 2000),
                     "local_cache_hit": rng.randint(0, 500),
                 })
+            self.abort_requests(name, rng.randint(1, 4))
             self.set_gauges(name, float(rng.randint(0, 16)), float(rng.randint(0, 4)),
                             round(rng.uniform(0.0, 0.95), 4))
         for name in self.routers:
