@@ -381,7 +381,8 @@ class ControllerConfig(_Section):
     )
     replica_id: str | None = Field(
         None, description="This replica's name in leases and request claims (None: "
-        "HOSTNAME-PID).",
+        "HOSTNAME-PID); each process adds a nonce of its own, so replicas given one name "
+        "cannot both lead.",
     )
     sidecar_router: str | None = Field(
         None, description="Sidecar mode: reconcile only this router, one of [routers] "

@@ -156,7 +156,7 @@ class Daemon:
         )
         from controller.cycle import Cycle, CycleConfig
         from controller.health import Health, HealthServer
-        from controller.leader import default_holder, leadership_for
+        from controller.leader import leadership_for, process_holder
         from controller.learning import CoreLearner
         from controller.observe.factory import source_from_settings
         from controller.rollout.client import GrpcRouterTransport
@@ -178,7 +178,7 @@ class Daemon:
         source = await source_from_settings(s, clock=self.clock, wait_for_targets=True)
         transport = GrpcRouterTransport(s.security)
         reconciler = Reconciler.from_config(transport, self.clock, s.rollout)
-        holder = c.replica_id or default_holder()
+        holder = process_holder(c.replica_id)
         leadership = leadership_for(store, self.clock, holder, c.lease_ttl_s)
         cycle = Cycle(
             clock=self.clock, source=source, store=store, learner=CoreLearner(s),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 import socket
 from datetime import timedelta
 from typing import Any
@@ -36,6 +37,20 @@ LOCK_NAME = b"pd-controller leader"
 
 def default_holder() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def process_holder(replica_id: str | None) -> str:
+    """This process's lease holder: its replica name (``HOSTNAME-PID`` by default) and a
+    nonce of its own. Two processes given one fixed ``replica_id`` (one ConfigMap value
+    for every replica) would otherwise both renew one lease and both lead; a restarted
+    process (same hostname, PID 1 in a container) would inherit its predecessor's term
+    and leave its claimed requests unreclaimed until they went stale."""
+    return f"{replica_id or default_holder()}/{secrets.token_hex(4)}"
+
+
+def replica_name(holder: str) -> str:
+    """The replica name in a :func:`process_holder` value (without its nonce)."""
+    return holder.rpartition("/")[0] or holder
 
 
 def advisory_key(name: bytes = LOCK_NAME) -> int:

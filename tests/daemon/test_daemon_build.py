@@ -35,7 +35,7 @@ async def test_build_wires_everything_and_never_logs_secrets(
         assert parts.cycle.routers == ("127.0.0.1:1", "127.0.0.1:2")
         assert parts.cycle.outcome_names == {"127.0.0.1:1": "127.0.0.1:3",
                                              "127.0.0.1:2": "127.0.0.1:4"}
-        assert parts.leadership.holder == "replica-x"
+        assert parts.leadership.holder.startswith("replica-x/")
         assert parts.health.stalled_after_s == 3 * 5.0 + 30.0
         assert parts.cycle.planner is not None  # [capacity] enabled by default
         assert parts.cycle.config.capacity_interval_s == settings.capacity.interval_s
@@ -43,13 +43,35 @@ async def test_build_wires_everything_and_never_logs_secrets(
         formatter = JsonFormatter()
         lines = [formatter.format(r) for r in caplog.records]
         built = [json.loads(line) for line in lines if '"built"' in line]
-        assert built and built[0]["routers"] == 2 and built[0]["holder"] == "replica-x"
+        assert built and built[0]["routers"] == 2 and built[0]["holder"] == parts.leadership.holder
         assert all(SECRET not in line for line in lines)
     finally:
         await parts.server.stop()
         await parts.transport.close()
         await parts.source.aclose()
         parts.store.close()
+
+
+async def test_replicas_given_one_replica_id_do_not_both_lead(tmp_path: Path) -> None:
+    """One ConfigMap value for every replica: both renewed one lease (same holder, same
+    term) and both passed the fence."""
+    settings = load_settings(
+        store={"url": f"sqlite:///{tmp_path / 'h.db'}"}, metrics={"enable": False},
+        routers={"targets": ["127.0.0.1:1"]}, controller={"replica_id": "shared"},
+    )
+    first, second = [await Daemon(settings).build() for _ in range(2)]
+    try:
+        leading = [await p.leadership.ensure() for p in (first, second)]
+        assert leading == [True, False]
+        with first.store.cycle() as tx:
+            assert first.leadership.fence(tx)
+        with second.store.cycle() as tx:
+            assert not second.leadership.fence(tx)
+    finally:
+        for p in (first, second):
+            await p.transport.close()
+            await p.source.aclose()
+            p.store.close()
 
 
 async def test_build_refuses_no_routers_and_sidecar_on_sqlite(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from controller.leader import replica_name
 from controller.store import Store
 from tests.daemon.test_run_live import _all_acked, _config
 from tests.support.processes import (
@@ -27,7 +28,7 @@ from tests.support.processes import (
 
 def _holder(store: Store) -> str | None:
     lease = store.lease()
-    return lease.holder if lease is not None else None
+    return replica_name(lease.holder) if lease is not None and lease.holder else None
 
 
 @pytest.mark.integration
@@ -71,7 +72,8 @@ def test_killing_the_leader_hands_over_within_the_lease_time(
         wait_for("b acting on a request", lambda: (r := store.request(rid)) is not None
               and r.status in ("done", "failed"), 60, logs["b"])
         request = store.request(rid)
-        assert request is not None and request.claimed_by == "b"
+        assert request is not None and request.claimed_by is not None
+        assert replica_name(request.claimed_by) == "b"
         metrics_b = http_get(f"http://{listen['b']}/metrics")
         assert metrics_b is not None and "pdctl_leader 1.0" in metrics_b.text
     finally:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from controller.cycle import ADOPTED_PREFIX
+from controller.leader import replica_name
 from controller.observe.source import Target
 from controller.store import Store
 from tests.conftest import require
@@ -311,7 +312,8 @@ lease_ttl_s = 1.5
         for _ in range(16):  # 8 s: more than one interval, five lease lifetimes
             lease = store.lease()
             assert lease is not None
-            terms.add((lease.holder, lease.term))
+            assert lease.holder is not None
+            terms.add((replica_name(lease.holder), lease.term))
             time.sleep(0.5)
         assert terms == {("a", 1)}, terms
     finally:
