@@ -609,6 +609,13 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
+def windows_compaction_keeps(settings: Settings) -> int:
+    """The newest windows retention never deletes, whatever ``retention_days`` says: twice
+    what a calibration trains on, so a fit still running (on the newest
+    ``training_windows``, while more arrive) finds every window its calibration names."""
+    return 2 * settings.controller.training_windows
+
+
 def sidecar_store_problem(settings: Settings) -> str | None:
     """What `pdctl run` refuses (and `pdctl config check` reports) about a sidecar's store."""
     if settings.controller.sidecar_router is not None and \

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from controller import sdnotify
 from controller.clock import Clock, WallClock
-from controller.config import Settings
+from controller.config import Settings, windows_compaction_keeps
 from controller.errors import ConfigError, TerminalError, TransientError
 from controller.heap import release_free_heap
 
@@ -245,7 +245,8 @@ class Daemon:
             return
         older_than = self.clock.utcnow() - timedelta(days=self.settings.store.retention_days)
         try:
-            n = await asyncio.to_thread(self.parts.store.compact_windows, older_than)
+            n = await asyncio.to_thread(self.parts.store.compact_windows, older_than,
+                                        windows_compaction_keeps(self.settings))
         except Exception as e:  # retention is housekeeping: never fatal
             log.warning("compaction failed: %s", e)
             return

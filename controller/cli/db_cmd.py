@@ -183,23 +183,27 @@ def compact(
         typer.Option(help="Override [store] retention_days.", min=0.0),
     ] = None,
 ) -> None:
-    """Delete windows older than the retention (policies, events and requests are kept)."""
+    """Delete windows older than the retention (policies, events and requests are kept).
+
+    Kept whatever their age: the newest 2 x [controller] training_windows windows and the
+    training windows of the versions still in use (docs/store.md, Retention)."""
     from controller.clock import WallClock
+    from controller.config import windows_compaction_keeps
     from controller.errors import ControllerError
     from controller.store import Store
 
     target = store_url(url, config, must_exist=True)
-    days = older_than_days
-    if days is None:
-        days = load_settings_or_exit(config).store.retention_days
+    settings = load_settings_or_exit(config)
+    days = settings.store.retention_days if older_than_days is None else older_than_days
     clock = WallClock()
     cutoff = clock.utcnow() - timedelta(days=days)
+    keep = windows_compaction_keeps(settings)
     try:
         with Store(target, clock) as store:
             store.require_schema()
-            deleted = store.compact_windows(older_than=cutoff)
+            deleted = store.compact_windows(older_than=cutoff, keep_newest=keep)
     except ControllerError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(_EXIT_UNAVAILABLE) from None
     typer.echo(f"{_safe(target)}: deleted {deleted} window(s) that ended before "
-               f"{cutoff.isoformat(timespec='seconds')}")
+               f"{cutoff.isoformat(timespec='seconds')} (the newest {keep} are always kept)")

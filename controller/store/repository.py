@@ -166,37 +166,66 @@ class Tx:
         ).all()
         return _decode_windows(rows)
 
-    def compact_windows(self, older_than: datetime) -> int:
+    def compact_windows(self, older_than: datetime, keep_newest: int = 1) -> int:
         """Delete windows that ended before ``older_than``; return how many.
 
-        Kept: the training windows of every approved policy's calibration and of every
-        calibration that renewed an approved policy's drift reference (drift is measured
-        against them, explain refits them, a rollback may need them), and the newest window:
-        SQLite numbers a new row one above the largest id left, so deleting the newest would
-        hand its id to the next window while calibrations, drift events and recommendations
-        still name it.
+        Kept: the training windows of the calibrations of the policies that still matter,
+        and of the calibrations that renewed their drift reference (drift is measured against
+        them, explain refits them): the version each router should run, the newest approved
+        one, those approved since ``older_than``, and the versions any of them re-issues. A
+        superseded version's windows age out like any other (keeping every approved one's
+        kept every window once approvals came about hourly). Also kept, the newest
+        ``keep_newest`` windows (at least one): a fit in flight trains on the newest ones
+        and its calibration will name them, and SQLite numbers a new row one above the
+        largest id left, so deleting the newest would hand its id to the next window while
+        calibrations, drift events and recommendations still name it.
         Policies, calibrations, drift events, pushes and operator requests are never touched.
         """
-        approved = select(PolicyRow.version).where(PolicyRow.status == "approved")
+        oldest_kept = self._s.scalar(
+            select(WindowRow.id).order_by(WindowRow.id.desc())
+            .offset(max(keep_newest, 1) - 1).limit(1)
+        )
+        if oldest_kept is None:
+            return 0  # fewer windows than that: all kept
+        kept = self._versions_still_in_use(older_than)
         protected = exists(
             select(CalibrationRow.id)
             .where(
                 # Its own calibration's, or one that renewed its drift reference (a refused
-                # candidate's, judged on the traffic since): what the daemon restores and
-                # `pdctl explain` refits for it, an adopted or re-issued version included.
-                or_(CalibrationRow.policy_version.in_(approved),
-                    CalibrationRow.reference_for.in_(approved)),
+                # candidate's, judged on the traffic since): what `pdctl explain` refits.
+                or_(CalibrationRow.policy_version.in_(kept),
+                    CalibrationRow.reference_for.in_(kept)),
                 CalibrationRow.first_window_id <= WindowRow.id,
                 CalibrationRow.last_window_id >= WindowRow.id,
             )
         )
-        newest = self._s.scalar(select(func.max(WindowRow.id)))
         result = self._s.execute(
             delete(WindowRow).where(WindowRow.end_at < older_than, ~protected,
-                                    WindowRow.id != newest),
+                                    WindowRow.id < oldest_kept),
             execution_options={"synchronize_session": False},
         )
         return _rowcount(result)
+
+    def _versions_still_in_use(self, since: datetime) -> set[int]:
+        """Desired versions, the newest approved, those approved since ``since``, and what
+        any of them re-issues (a chain: a re-issue of a re-issue)."""
+        versions = {int(v) for v in self._s.scalars(select(RouterDesiredRow.version))}
+        newest = self._s.scalar(select(func.max(PolicyRow.version))
+                                .where(PolicyRow.status == "approved"))
+        if newest is not None:
+            versions.add(int(newest))
+        versions.update(int(v) for v in self._s.scalars(
+            select(PolicyRow.version).where(PolicyRow.status == "approved",
+                                            PolicyRow.updated_at >= since)))
+        frontier = set(versions)
+        while frontier:
+            sources = {int(v) for v in self._s.scalars(
+                select(PolicyRow.reissue_of).where(PolicyRow.version.in_(frontier),
+                                                   PolicyRow.reissue_of.is_not(None)))
+                       if v is not None}
+            frontier = sources - versions
+            versions |= frontier
+        return versions
 
     # -- policies ---------------------------------------------------------------------
 

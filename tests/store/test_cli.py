@@ -105,6 +105,26 @@ def test_reading_commands_do_not_create_a_database(tmp_path: Path) -> None:
     assert not db.exists()
 
 
+def test_db_compact_keeps_the_newest_windows_whatever_the_age(tmp_path: Path) -> None:
+    """--older-than-days 0 while the daemon may be fitting on the newest windows: twice
+    [controller] training_windows of them stay."""
+    db = tmp_path / "pd.db"
+    assert _pdctl("db", "upgrade", "--url", f"sqlite:///{db}")[0] == 0
+    rng = random.Random(5)
+    old = WallClock().now() - 86_400.0
+    with Store(f"sqlite:///{db}") as store:
+        ids = [store.add_window(sample_window(rng, old + 60 * i, n_routers=1, cells=2))
+               for i in range(7)]
+    cfg = tmp_path / "pd.toml"
+    cfg.write_text("[controller]\ntraining_windows = 2\n")
+    code, out, err = _pdctl("db", "compact", "--url", f"sqlite:///{db}", "--config", str(cfg),
+                            "--older-than-days", "0")
+    assert code == 0, err
+    assert "deleted 3 window(s)" in out and "the newest 4 are always kept" in out
+    with Store(f"sqlite:///{db}") as store:
+        assert [w.id for w in store.windows()] == ids[3:]
+
+
 def test_db_upgrade_reads_the_url_from_a_config_file(tmp_path: Path) -> None:
     db = tmp_path / "from-config.db"
     cfg = tmp_path / "pd.toml"

@@ -493,6 +493,34 @@ def test_bad_recommendations_are_refused_and_nothing_is_half_written(store: Stor
     assert store.recommendations() == [] and store.windows() == []
 
 
+def test_retention_lets_superseded_policies_windows_age_out(store: Store) -> None:
+    """Every approved version stays 'approved' (a rollback target): keeping all their
+    training windows kept every window once approvals came about hourly. Kept now: the
+    newest approved version's, a desired version's, and what a desired re-issue re-issues."""
+    rng = random.Random(14)
+    ids = [store.add_window(sample_window(rng, _epoch(T0) + 60 * i, n_routers=1, cells=2))
+           for i in range(7)]
+    for version, trained in ((1, ids[0:2]), (2, ids[2:4]), (4, ids[4:6])):
+        store.add_policy(version, f"{version:02d}" * 32, "{}", "approved", "ok", at=T0)
+        store.add_calibration(trained, {"mape": 0.1}, 0.9, 0.8, policy_version=version, at=T0)
+    store.add_policy(3, "03" * 32, "{}", "approved", "re-issue of v2", at=T0, reissue_of=2)
+    store.set_desired("r1", 3, at=T0)  # a router still on the re-issue of v2
+
+    assert store.compact_windows(older_than=T0 + timedelta(days=1)) == 2
+    assert [w.id for w in store.windows()] == ids[2:]  # v2's (via v3), v4's, the newest
+
+
+def test_retention_keeps_the_newest_windows_a_fit_may_be_training_on(store: Store) -> None:
+    """`pdctl db compact --older-than-days 0` while a calibration is being fitted: the
+    windows it trains on (the newest ones) are there when it is stored."""
+    rng = random.Random(15)
+    ids = [store.add_window(sample_window(rng, _epoch(T0) + 60 * i, n_routers=1, cells=2))
+           for i in range(6)]
+    assert store.compact_windows(older_than=T0 + timedelta(days=1), keep_newest=4) == 2
+    assert [w.id for w in store.windows()] == ids[2:]
+    assert store.compact_windows(older_than=T0 + timedelta(days=1), keep_newest=10) == 0
+
+
 def test_retention_keeps_recommendations(store: Store) -> None:
     rng = random.Random(12)
     wid = store.add_window(sample_window(rng, _epoch(T0), n_routers=1, cells=2))
