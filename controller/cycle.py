@@ -496,7 +496,13 @@ class Cycle:
         started = self.clock.monotonic()
         report = CycleReport()
         try:
-            report.leader = await self.leadership.ensure()
+            try:
+                report.leader = await self.leadership.ensure()
+            except TransientError:
+                # Whether we still lead is unknown (the lock's server out of reach): another
+                # replica may lead meanwhile, so leading again starts afresh, as below.
+                self._leading = False
+                raise
             self.metrics.set_leader(report.leader)
             if report.leader and not self._leading:
                 # Leading (again): another replica may have stored windows meanwhile, and

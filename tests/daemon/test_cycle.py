@@ -1272,12 +1272,16 @@ async def test_followers_reconcile_only_their_own_router_in_sidecar_mode(tmp_pat
 
 
 class _Toggle:
-    """Leadership that tests hand over by setting ``leading``."""
+    """Leadership that tests hand over by setting ``leading``; ``unreachable``: ``ensure``
+    raises, as PgAdvisoryLeadership's does while its lock's server cannot be reached."""
 
     def __init__(self, holder: str, leading: bool) -> None:
-        self.holder, self.leading = holder, leading
+        self.holder, self.leading, self.unreachable = holder, leading, False
 
     async def ensure(self) -> bool:
+        if self.unreachable:
+            from controller.store import StoreUnavailable
+            raise StoreUnavailable("cannot take the leader lock: server unreachable")
         return self.leading
 
     def fence(self, tx: object) -> bool:
@@ -1301,8 +1305,12 @@ async def test_windows_tile_time_when_leadership_moves_between_replicas(tmp_path
 
     ca, cb = replica(a), replica(b)
     step = rig.config.interval_s
-    for leader in ("a", "a", "b", "b", "a", "a"):  # a -> b -> a, one cycle each per step
-        a.leading, b.leading = leader == "a", leader == "b"
+    # a -> b -> a, one cycle each per step. While b leads, a's lock server is out of reach
+    # meanwhile: a's ensure() raised, so a kept counting itself the leader and, leading
+    # again, continued from its own last window, over b's.
+    for leader, cut in (("a", False), ("a", False), ("b", True), ("b", True), ("a", False),
+                        ("a", False)):
+        a.leading, b.leading, a.unreachable = leader == "a", leader == "b", cut
         rig.clock.advance(step)
         await ca.run_once()
         await cb.run_once()
