@@ -13,6 +13,7 @@ an outage is reached on the very next attempt.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -81,6 +82,20 @@ class RouterRefusedCall(TerminalError):
     def __init__(self, router: str, code: grpc.StatusCode, details: str) -> None:
         self.router, self.code, self.details = router, code, details
         super().__init__(f"router {router}: {code.name}: {details}")
+
+
+# What a router may answer as its checksum: none (no policy), or sha256 hex as we compute it.
+_CHECKSUM = re.compile(r"(?:[0-9a-f]{64})?")
+
+
+def router_state(router: str, version: int, checksum: str) -> RouterState:
+    """A router's answer as a state; a malformed checksum is refused (terminal): stored, it
+    failed the write of every router's acks on PostgreSQL (a 64-character column)."""
+    if not _CHECKSUM.fullmatch(checksum):
+        raise RouterRefusedCall(router, grpc.StatusCode.DATA_LOSS,
+                                f"router answered a malformed checksum {checksum[:80]!r} "
+                                "(expected 64 lowercase hex digits, or none)")
+    return RouterState(version, checksum)
 
 
 def error_from_status(router: str, e: grpc.aio.AioRpcError) -> Exception:
@@ -215,11 +230,12 @@ class GrpcRouterTransport:
             raise RouterRefusedCall(
                 router, grpc.StatusCode.UNKNOWN, f"unknown ApplyResult {response.result}"
             )
-        return ApplyReply(outcome, response.applied_version, response.checksum, response.message)
+        state = router_state(router, response.applied_version, response.checksum)
+        return ApplyReply(outcome, state.version, state.checksum, response.message)
 
     async def get(self, router: str, deadline_s: float) -> RouterState:
         response = await self._get(router, deadline_s, omit_policy=True)
-        return RouterState(response.version, response.checksum)
+        return router_state(router, response.version, response.checksum)
 
     async def get_policy(
         self, router: str, deadline_s: float
@@ -237,7 +253,7 @@ class GrpcRouterTransport:
         applied_at = (
             timestamp_to_epoch(response.applied_at) if response.HasField("applied_at") else None
         )
-        return policy, RouterState(response.version, response.checksum), applied_at
+        return policy, router_state(router, response.version, response.checksum), applied_at
 
     async def _get(
         self, router: str, deadline_s: float, *, omit_policy: bool

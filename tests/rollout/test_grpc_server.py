@@ -399,3 +399,41 @@ async def test_a_second_server_cannot_take_a_live_port(router: RouterServer) -> 
     other = RouterServer(RouterAgent(registry=CollectorRegistry()), listen=router.address)
     with pytest.raises(ConfigError, match="cannot listen"):
         await other.start()
+
+
+async def test_a_router_answering_a_malformed_checksum_is_refused_not_stored() -> None:
+    """A router (another implementation) answering a checksum that is not sha256 hex: stored
+    as its ack, it failed the one write of every router's acks on PostgreSQL (a
+    64-character column), on every cycle."""
+    from controller.clock import WallClock
+    from controller.rollout.client import RouterRefusedCall
+    from controller.rollout.reconciler import Reconciler
+
+    bad = "sha256:" + "ab" * 32
+
+    class Odd(policy_grpc.RouterPolicyServiceServicer):
+        async def GetPolicy(self, request, context):  # type: ignore[no-untyped-def]
+            return policy_pb.GetPolicyResponse(version=3, checksum=bad)
+
+        async def ApplyPolicy(self, request, context):  # type: ignore[no-untyped-def]
+            return policy_pb.ApplyPolicyResponse(
+                result=policy_pb.APPLY_RESULT_APPLIED, applied_version=4, checksum=bad)
+
+    server = grpc.aio.server()
+    policy_grpc.add_RouterPolicyServiceServicer_to_server(Odd(), server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    transport = GrpcRouterTransport()
+    try:
+        for call in (transport.get(address, DEADLINE_S),
+                     transport.apply(address, table_policy(4), False, DEADLINE_S)):
+            with pytest.raises(RouterRefusedCall, match="malformed checksum") as e:
+                await call
+            assert e.value.code is grpc.StatusCode.DATA_LOSS
+        status = (await Reconciler(transport, WallClock(), max_attempts=3).reconcile(
+            {address: table_policy(4)}))[address]
+        assert status.outcome == "refused" and status.acked_checksum is None
+    finally:
+        await transport.close()
+        await server.stop(grace=None)
