@@ -96,6 +96,28 @@ class StoreUnavailable(TransientError):
     """The database could not be reached or was busy; the cycle may be retried."""
 
 
+# PostgreSQL errors by SQLSTATE (psycopg raises most of them as InternalError,
+# ProgrammingError or DataError, which said nothing about whether to retry). Passing:
+# connection (08), transaction rollback (40: serialization failure, deadlock), insufficient
+# resources (53), operator intervention (57: admin or crash shutdown, cannot connect now),
+# and a read-only server (25006: a demoted primary or a standby, mid-failover).
+_PASSING_SQLSTATE_CLASSES = ("08", "40", "53", "57")
+_PASSING_SQLSTATES = ("25006",)
+# Refused: data exception (22: a value too long or out of range), integrity (23).
+_REFUSED_SQLSTATE_CLASSES = ("22", "23")
+
+
+def classify_db_error(e: DBAPIError, where: str) -> StoreError | StoreUnavailable | None:
+    """The store's error for a driver error (``None``: neither, a bug to surface as is)."""
+    state = str(getattr(e.orig, "sqlstate", None) or "")
+    if (isinstance(e, OperationalError) or e.connection_invalidated
+            or state[:2] in _PASSING_SQLSTATE_CLASSES or state in _PASSING_SQLSTATES):
+        return StoreUnavailable(f"database error on {where}: {e.orig}")
+    if isinstance(e, IntegrityError) or state[:2] in _REFUSED_SQLSTATE_CLASSES:
+        return StoreError(f"refused by the database: {e.orig}")
+    return None
+
+
 class Tx:
     """The repository functions, bound to one open transaction."""
 
@@ -847,10 +869,11 @@ class Store:
         try:
             with Session(bind, expire_on_commit=False) as session, session.begin():
                 yield Tx(session, self.clock)
-        except IntegrityError as e:
-            raise StoreError(f"refused by the database: {e.orig}") from e
-        except OperationalError as e:
-            raise StoreUnavailable(f"database error on {self.safe_url}: {e.orig}") from e
+        except DBAPIError as e:
+            mapped = classify_db_error(e, self.safe_url)
+            if mapped is None:
+                raise
+            raise mapped from e
 
     def close(self) -> None:
         self.engine.dispose()
