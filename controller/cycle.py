@@ -78,6 +78,7 @@ from controller.learning import (
 from controller.metrics import ControllerMetrics
 from controller.observe.source import MetricsSource
 from controller.policy import Policy, Provenance, Route, dumps, loads
+from controller.policy.validation import MAX_VERSION
 from controller.rollout.reconciler import Reconciler, RouterStatus, RunningPolicy
 from controller.store import (
     CalibrationRecord,
@@ -202,6 +203,22 @@ class OperatorState:
 def _without_exploration_key(policy: Policy) -> str:
     """What decides a route once exploration is set aside (version aside too)."""
     return without_exploration(policy).with_version(1).checksum
+
+
+_NOT_A_VERSION = f"not a policy version (1 to {MAX_VERSION})"
+
+
+def _version_arg(value: Any) -> int | None:
+    """A request's version, or None when it cannot name a policy (stored by hand or by an
+    older pdctl: looked up, 2**64 raised and failed the whole cycle's write, every time the
+    request was claimed again)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        v = int(value)
+    except (TypeError, ValueError):
+        return None
+    return v if 1 <= v <= MAX_VERSION else None
 
 
 def operator_state(requests: Sequence[OperatorRequest]) -> OperatorState:
@@ -1365,7 +1382,9 @@ class Cycle:
         what = args.get("what", "approvals")
         if r.kind == "pause":
             if what == "pin":
-                version = int(args["version"])
+                version = _version_arg(args.get("version"))
+                if version is None:
+                    return f"cannot pin {args.get('version')!r}: {_NOT_A_VERSION}", False
                 rec = tx.policy(version)
                 if rec is None or rec.status != "approved":
                     return (f"cannot pin v{version}: "
@@ -1406,19 +1425,22 @@ class Cycle:
             self.metrics.set_canary_state("rolled_back")
 
     def _rollback(self, tx: Tx, version: Any) -> tuple[str, bool]:
+        asked = None if version is None else _version_arg(version)
+        if version is not None and asked is None:
+            return f"cannot roll back to {version!r}: {_NOT_A_VERSION}", False
         rollout = self._rollout(tx)
         newest = rollout.canary_version or rollout.fleet_version
         ops = operator_state(tx.requests(status="done"))
-        if version is not None and rollout.canary_version is None \
-                and rollout.fleet_version == int(version):
+        if asked is not None and rollout.canary_version is None \
+                and rollout.fleet_version == asked:
             return f"v{rollout.fleet_version} already runs on every router (no change)", True
-        if version is None:
+        if asked is None:
             found = self._rollback_target(tx, newest, ops)
             if found is None:
                 return "nothing to roll back to", False
             target = found
         else:
-            target = int(version)
+            target = asked
             rec = tx.policy(target)
             if rec is None or rec.status != "approved":
                 return (f"cannot roll back to v{target}: "

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from controller.cli._app import app, load_settings_or_exit, table_console
+from controller.policy.validation import MAX_VERSION
 
 if TYPE_CHECKING:
     from controller.store import Store
@@ -146,7 +147,8 @@ def resume(reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = 
 
 
 @app.command("pin", epilog=EXIT_CODES)
-def pin(version: Annotated[int, typer.Argument(help="An approved policy version.", min=1)],
+def pin(version: Annotated[int, typer.Argument(help="An approved policy version.", min=1,
+                                                max=MAX_VERSION)],
         reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
         timeout: TimeoutOption = 60.0, as_json: JsonOption = False, url: UrlOption = None,
         config: ConfigOption = None) -> None:
@@ -180,7 +182,8 @@ def fallback(target: Annotated[str, typer.Argument(help="Only `prefill` (all-pre
 @app.command("rollback", epilog=EXIT_CODES)
 def rollback(
     version: Annotated[int | None, typer.Argument(
-        help="Approved version to return to (default: the one before the newest).", min=1)
+        help="Approved version to return to (default: the one before the newest).", min=1,
+        max=MAX_VERSION)
     ] = None,
     reason: ReasonOption = "", who: WhoOption = None, wait: WaitOption = False,
     timeout: TimeoutOption = 60.0, as_json: JsonOption = False, url: UrlOption = None,

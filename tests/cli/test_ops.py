@@ -102,6 +102,9 @@ def test_request_commands_document_their_exit_codes() -> None:
 def test_bad_input_and_missing_schema(tmp_path: Path) -> None:
     assert runner.invoke(app, ["fallback", "decode", "--url", _url(tmp_path)]).exit_code == 2
     assert runner.invoke(app, ["exploration", "maybe", "--url", _url(tmp_path)]).exit_code == 2
+    for command in ("pin", "rollback"):  # beyond 2**63-1 no policy can have the version
+        result = runner.invoke(app, [command, str(2**64), "--url", _url(tmp_path)])
+        assert result.exit_code == 2 and "9223372036854775807" in result.output, result.output
     result = runner.invoke(app, ["pause", "--url", _url(tmp_path)])
     assert result.exit_code == 3 and "pdctl db upgrade" in result.output
 

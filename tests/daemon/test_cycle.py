@@ -805,6 +805,31 @@ async def test_pin_holds_a_version_until_unpinned(tmp_path: Path) -> None:
     assert (await rig.step()).approved_version == 4
 
 
+@pytest.mark.parametrize("args", [
+    {"what": "pin", "version": 2**64},
+    {"what": "pin", "version": "v1"},
+    {"version": 2**64},  # rollback
+    {"version": -3},
+])
+async def test_a_request_naming_no_possible_version_fails_alone(
+        tmp_path: Path, args: dict[str, Any]) -> None:
+    """Stored by hand or by a pdctl without the bound: looked up, 2**64 raised (SQLite's
+    OverflowError, PostgreSQL's bigint out of range) and failed the cycle's whole write,
+    its window included, each time the request was claimed again."""
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    kind = "pause" if "what" in args else "rollback"
+    rid = rig.store.add_request(kind, args, "bob@h", "typo")
+    windows = len(rig.store.windows())
+    report = await rig.step()
+    assert report.result == "ok", report.reason
+    assert len(rig.store.windows()) == windows + 1
+    request = rig.store.request(rid)
+    assert request is not None and request.status == "failed"
+    assert "not a policy version" in str(request.outcome)
+    assert _desired(rig) == dict.fromkeys(rig.agents, 1)
+
+
 async def test_fallback_prefill_reaches_every_router_at_once(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     await _bootstrap(rig)
