@@ -892,6 +892,16 @@ class Cycle:
     def _write(self, plan: _Plan, claimed: list[OperatorRequest], rollout: Rollout,
                ops: OperatorState, report: CycleReport) -> None:
         now_dt = self.clock.utcnow()
+        metrics, after_commit = self.metrics, _AfterCommit(self.metrics)
+        self.metrics = after_commit  # type: ignore[assignment]  # the same update methods
+        try:
+            self._write_decision(plan, claimed, rollout, ops, report, now_dt)
+        finally:
+            self.metrics = metrics
+        after_commit.apply()
+
+    def _write_decision(self, plan: _Plan, claimed: list[OperatorRequest], rollout: Rollout,
+                        ops: OperatorState, report: CycleReport, now_dt: datetime) -> None:
         with self.store.cycle() as tx:
             if not self.leadership.fence(tx):
                 report.result, report.reason = "skipped", "lost leadership before writing"
@@ -1665,6 +1675,28 @@ class NothingAnswered(TransientError):
 
 class _LostLeadership(Exception):
     pass
+
+
+class _AfterCommit:
+    """Stands in for the metrics object during a write transaction: updates are queued and
+    applied once it committed. Counted inside it, a decision whose commit failed (a
+    failover, SQLite's lock) stayed counted and its retry next cycle counted it again:
+    alerts on approvals and drift events fired for ones the store never recorded."""
+
+    def __init__(self, metrics: ControllerMetrics) -> None:
+        self._metrics = metrics
+        self._queued: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        update = getattr(self._metrics, name)
+
+        def queue(*args: Any, **kwargs: Any) -> None:
+            self._queued.append((update, args, kwargs))
+        return queue
+
+    def apply(self) -> None:
+        for update, args, kwargs in self._queued:
+            update(*args, **kwargs)
 
 
 def _push_result(s: RouterStatus) -> str:

@@ -830,6 +830,41 @@ async def test_a_request_naming_no_possible_version_fails_alone(
     assert _desired(rig) == dict.fromkeys(rig.agents, 1)
 
 
+async def test_a_decision_whose_commit_failed_is_counted_once_when_it_is_retried(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drift event and the approval were counted inside the write transaction: a failed
+    commit left them counted, and the retry next cycle counted them again."""
+    from controller.store import StoreUnavailable
+    from controller.store.repository import Tx
+
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+    names = ("pdctl_policy_changes_total", "pdctl_drift_events_total")
+
+    def counted() -> tuple[float, float]:
+        return (_metric(rig.registry, names[0]) or 0.0,
+                _metric(rig.registry, names[1], {"detector": "workload"}) or 0.0)
+
+    before = counted()
+    stored = Tx.add_calibration
+
+    def lost_at_commit(self: Tx, *args: Any, **kwargs: Any) -> Any:
+        stored(self, *args, **kwargs)
+        raise StoreUnavailable("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(Tx, "add_calibration", lost_at_commit)
+    rig.learner.fire = True
+    failed = await rig.step()
+    assert failed.result == "failed" and rig.store.drift_events() == []
+    assert counted() == before
+    monkeypatch.setattr(Tx, "add_calibration", stored)
+    rig.learner.fire = True  # the scripted learner fires once per setting
+    retried = await rig.step()
+    assert retried.result == "ok" and retried.approved_version == 2
+    assert len(rig.store.drift_events()) == 1
+    assert counted() == (before[0] + 1, before[1] + 1)
+
+
 async def test_fallback_prefill_reaches_every_router_at_once(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     await _bootstrap(rig)
