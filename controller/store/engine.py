@@ -10,6 +10,16 @@ from sqlalchemy.engine import URL, Connection
 
 DEFAULT_BUSY_TIMEOUT_MS = 5000
 PG_CONNECT_TIMEOUT_S = 10
+# libpq settings for pooled connections, unless the URL gives its own. A half-open connection
+# (the server's host gone, a failover behind a load balancer) otherwise left a store call
+# waiting for the kernel's retransmission timeout, about 15 minutes, on the event loop:
+# keepalives find a dead peer of an idle-looking connection in 10 + 3 x 5 s, and
+# tcp_user_timeout bounds data sent and never acknowledged at 30 s.
+PG_CONNECT_ARGS: dict[str, int] = {
+    "connect_timeout": PG_CONNECT_TIMEOUT_S,  # an unreachable server fails, never hangs
+    "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
 # Execution option asking the SQLite begin hook for BEGIN IMMEDIATE (a write transaction).
 WRITE_OPTION = "pdc_write"
 
@@ -50,8 +60,7 @@ def make_engine(
     kwargs: dict[str, Any] = {"echo": echo}
     if u.get_backend_name() == "postgresql":
         kwargs["pool_pre_ping"] = True
-        if "connect_timeout" not in u.query:  # an unreachable server fails, never hangs
-            kwargs["connect_args"] = {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+        kwargs["connect_args"] = {k: v for k, v in PG_CONNECT_ARGS.items() if k not in u.query}
     engine = create_engine(u, **kwargs)
     if engine.dialect.name == "sqlite":
         _install_sqlite_hooks(

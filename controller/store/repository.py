@@ -800,6 +800,11 @@ class Store:
             sqlite_synchronous=sqlite_synchronous,
         )
         self._writer = self.engine.execution_options(**{WRITE_OPTION: True})
+        # A read sees one snapshot: PostgreSQL's READ COMMITTED gave each statement its own,
+        # so two reads in one transaction could see another replica's commit between them.
+        # (SQLite's deferred BEGIN takes its snapshot at the first read already.)
+        self._reader = (self.engine.execution_options(isolation_level="REPEATABLE READ")
+                        if self.dialect == "postgresql" else self.engine)
 
     @classmethod
     def from_config(cls, config: StoreConfig, clock: Clock | None = None) -> Store:
@@ -861,7 +866,7 @@ class Store:
     @contextmanager
     def read(self) -> Iterator[Tx]:
         """A read transaction (a consistent snapshot; does not block writers)."""
-        with self._session(self.engine) as tx:
+        with self._session(self._reader) as tx:
             yield tx
 
     @contextmanager

@@ -42,3 +42,21 @@ def test_a_value_too_long_for_its_column_is_refused(pg_url: str) -> None:
             store.record_ack("r1", 1, "ab" * 40)
         assert not isinstance(e.value, StoreUnavailable)
         assert store.routers() == []
+
+
+@pytest.mark.integration
+def test_pooled_connections_detect_a_dead_peer_unless_the_url_says_otherwise(
+        pg_url: str) -> None:
+    """Without keepalives and tcp_user_timeout a half-open connection held a store call
+    for the kernel's retransmission timeout (about 15 minutes), on the event loop."""
+    from controller.store.engine import PG_CONNECT_ARGS
+
+    def params(url: str) -> dict[str, str]:
+        with Store(url) as store, store.engine.connect() as conn:
+            info = conn.connection.dbapi_connection.info  # type: ignore[union-attr]
+            return dict(info.get_parameters())
+
+    got = params(pg_url)
+    assert {k: got.get(k) for k in PG_CONNECT_ARGS} == {
+        k: str(v) for k, v in PG_CONNECT_ARGS.items()}
+    assert params(pg_url + "&keepalives_idle=60")["keepalives_idle"] == "60"

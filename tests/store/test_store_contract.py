@@ -134,6 +134,18 @@ def test_one_cycle_commits_everything_together(store: Store) -> None:
         assert cal.heldout_error == {"ttft_mape": 0.08}
 
 
+def test_a_read_is_one_snapshot_while_another_process_commits(
+        store: Store, other_store: Store) -> None:
+    """PostgreSQL's default READ COMMITTED gave each statement of a read its own snapshot."""
+    store.add_policy(1, "aa" * 32, "{}", "approved", "one", at=T0)
+    with store.read() as tx:
+        assert [p.version for p in tx.policies()] == [1]
+        other_store.add_policy(2, "bb" * 32, "{}", "approved", "two", at=T0)
+        assert [p.version for p in tx.policies()] == [1]
+        assert tx.next_version() == 2
+    assert [p.version for p in store.policies()] == [1, 2]
+
+
 # -- time ------------------------------------------------------------------------------
 
 
