@@ -167,6 +167,16 @@ ENGINES: tuple[EngineSpec, ...] = (VLLM, VLLM_LEGACY, SGLANG)
 REPLICA_RANK_LABELS: frozenset[str] = frozenset({"tp_rank", "pp_rank", "moe_ep_rank"})
 REPLICA_RANK_FAMILIES: tuple[str, ...] = ("sglang:",)  # the families that carry them
 
+# The labels that tell a worker's processes apart within one target: vLLM's data-parallel
+# engine, SGLang's scheduler ranks. A counter reset is decided per process: one rank that
+# restarted alone counts from zero, the others from their own baselines.
+PROCESS_LABELS: frozenset[str] = REPLICA_RANK_LABELS | {"engine", "dp_rank"}
+
+
+def process_of(labels: LabelKey) -> LabelKey:
+    """The :data:`PROCESS_LABELS` among ``labels`` (empty: the target is one process)."""
+    return tuple(pair for pair in labels if pair[0] in PROCESS_LABELS)
+
 
 def has_replica_ranks(family: str) -> bool:
     """Whether ``family``'s series may carry :data:`REPLICA_RANK_LABELS` (a prefix test, so

@@ -42,6 +42,7 @@ from controller.observe.catalog import (
     detect_engine,
     is_router,
     once_per_scheduler,
+    process_of,
 )
 from controller.observe.exposition import (
     ExpositionError,
@@ -159,18 +160,15 @@ def diff_snapshots(prev: Snapshot | None, cur: Snapshot, *, announced: bool = Tr
             # there (a first request in a cell) still counts from zero.
             unbaselined.append(family)
             continue
-        reset = False
+        # A reset is decided per process (its rank labels, :func:`process_of`), over every
+        # series of the family: a histogram's buckets, count and sum restart together.
+        reset: set[LabelKey] = set()
         for name in names:
             old = prev.series(name)
-            for labels, value in cur.series(name).items():
-                before = old.get(labels)
-                if before is not None and value < before:
-                    reset = True
-                    break
-            if reset:
-                break
+            reset.update(process_of(labels) for labels, value in cur.series(name).items()
+                         if value < old.get(labels, -math.inf))
         if reset:
-            reset_families.append(family)
+            reset_families.append(family + _process_names(reset))
         for name in names:
             old = prev.series(name)
             inc: dict[LabelKey, float] = {}
@@ -178,7 +176,7 @@ def diff_snapshots(prev: Snapshot | None, cur: Snapshot, *, announced: bool = Tr
                 if math.isnan(value):
                     continue
                 before = old.get(labels)
-                if reset or before is None or math.isnan(before):
+                if before is None or math.isnan(before) or (reset and process_of(labels) in reset):
                     inc[labels] = value  # reset or a new series: counted from zero
                 else:
                     inc[labels] = value - before
@@ -200,6 +198,12 @@ def diff_snapshots(prev: Snapshot | None, cur: Snapshot, *, announced: bool = Tr
             + "; the window counts from the reset",
         ))
     return delta
+
+
+def _process_names(processes: set[LabelKey]) -> str:
+    """`` {engine="1"}`` for the processes that reset; nothing when the target is one."""
+    named = sorted(",".join(f'{k}="{v}"' for k, v in p) for p in processes if p)
+    return " {" + "; ".join(named) + "}" if named else ""
 
 
 def _matches(labels: LabelKey, match: tuple[tuple[str, str], ...]) -> bool:

@@ -237,3 +237,45 @@ def test_a_counter_that_is_nan_has_no_rate_rather_than_zero() -> None:
     stats, _ = worker_stats(diff_snapshots(_snapshot(text("5"), 0), _snapshot(text("5"), 30)),
                             "decode", 30.0)
     assert stats is not None and stats.request_rate == 0.0  # idle: zero, not missing
+
+
+def test_a_counter_reset_is_decided_per_process() -> None:
+    """One data-parallel engine restarting alone made the whole family count from zero: the
+    engines that did not restart counted their lifetime totals as one window's increase."""
+    def text(requests: dict[str, int], ttft: dict[str, tuple[int, float]]) -> str:
+        lines = ['# TYPE vllm:kv_cache_usage_perc gauge',
+                 '# TYPE vllm:request_success_total counter',
+                 '# TYPE vllm:time_to_first_token_seconds histogram']
+        for engine, n in requests.items():
+            lines.append(f'vllm:kv_cache_usage_perc{{engine="{engine}"}} 0.5')
+            lines.append(f'vllm:request_success_total{{engine="{engine}",'
+                         f'finished_reason="stop"}} {n}')
+            count, total = ttft[engine]
+            for le in ("0.1", "+Inf"):
+                lines.append(f'vllm:time_to_first_token_seconds_bucket{{engine="{engine}",'
+                             f'le="{le}"}} {count}')
+            lines.append(f'vllm:time_to_first_token_seconds_count{{engine="{engine}"}} {count}')
+            lines.append(f'vllm:time_to_first_token_seconds_sum{{engine="{engine}"}} {total}')
+        return "\n".join(lines) + "\n"
+
+    before = _snapshot(text({"0": 9_000, "1": 9_000}, {"0": (9_000, 450.0),
+                                                       "1": (9_000, 450.0)}), 0)
+    # Engine 0 served 60 requests at 0.05 s; engine 1 restarted and served 30 at 0.08 s.
+    after = _snapshot(text({"0": 9_060, "1": 30}, {"0": (9_060, 453.0),
+                                                   "1": (30, 2.4)}), 30)
+    stats, notes = worker_stats(diff_snapshots(before, after), "decode", 30.0)
+    assert stats is not None and stats.request_rate == pytest.approx(90 / 30)
+    assert stats.ttft_s is not None and stats.ttft_s.count == 90
+    assert stats.ttft_s.mean == pytest.approx((3.0 + 2.4) / 90)
+    assert [n.kind for n in notes] == ["counter_reset"]
+    assert 'engine="1"' in notes[0].message and 'engine="0"' not in notes[0].message
+    # A target with one process (no rank labels): the whole family counts from the reset.
+    one = _snapshot(text({"0": 9_000}, {"0": (9_000, 450.0)}).replace('engine="0",', "")
+                    .replace('{engine="0"}', ""), 0)
+    restarted = _snapshot(text({"0": 12}, {"0": (12, 1.2)}).replace('engine="0",', "")
+                          .replace('{engine="0"}', ""), 30)
+    stats, notes = worker_stats(diff_snapshots(one, restarted), "decode", 30.0)
+    assert stats is not None and stats.request_rate == pytest.approx(12 / 30)
+    assert stats.ttft_s is not None and stats.ttft_s.mean == pytest.approx(0.1)
+    assert [n.kind for n in notes] == ["counter_reset"] and "{" not in notes[0].message
+    assert "request_success" in notes[0].message and "first_token" in notes[0].message
