@@ -1581,8 +1581,8 @@ class Cycle:
         # of its own no longer reads baking.
         if rollout.canary_version is not None:
             self.metrics.set_canary_state("baking")
-        elif self.metrics.canary_state_now == "baking":
-            self.metrics.set_canary_state("idle")
+        else:
+            self.metrics.no_canary()
 
     # -- reconcile (every replica) --------------------------------------------------------
 
@@ -1689,6 +1689,10 @@ class _AfterCommit:
 
     def __getattr__(self, name: str) -> Callable[..., None]:
         update = getattr(self._metrics, name)
+        if not callable(update):
+            # A read inside the write would see the state before this write's queued
+            # updates (and, wrapped as a call, compared as a function: never equal).
+            raise AttributeError(f"metrics.{name} is not an update: not readable while writing")
 
         def queue(*args: Any, **kwargs: Any) -> None:
             self._queued.append((update, args, kwargs))

@@ -284,6 +284,12 @@ class ControllerMetrics:
         for s in CANARY_STATES:
             self.canary_state.labels(s).set(1 if s == state else 0)
 
+    def no_canary(self) -> None:
+        """No canary in the store: a ``baking`` state left by one gone without a verdict of
+        its own (a rollback, a pin) reads ``idle``; a verdict's state is kept."""
+        if self.canary_state_now == "baking":
+            self.set_canary_state("idle")
+
     # Drift and calibration.
     def set_drift(self, detector: str, feature: str, statistic: float, threshold: float) -> None:
         self.drift_statistic.labels(detector, feature).set(statistic)

@@ -1639,3 +1639,18 @@ async def test_a_fleet_version_re_issued_mid_bake_is_not_taken_for_the_canary(
             break
     assert report.canary is not None and "v2" in report.canary and "promoted" in report.canary
     assert _desired(rig) == dict.fromkeys(rig.agents, 2)
+
+
+async def test_a_canary_gone_without_a_verdict_reads_idle(tmp_path: Path) -> None:
+    """The state gauges are set inside the write, where the metrics object only queues
+    updates: the read of the current state there was a queued call, never "baking", so a
+    canary gone without its own verdict kept reading baking."""
+    rig = make_rig(tmp_path)
+    await _canary_v2(rig, {1: 0.90, 2: 0.96})
+    assert _metric(rig.registry, "pdctl_canary_state", {"state": "baking"}) == 1
+    with rig.store.cycle() as tx:  # every router back on v1 (an operator's hand)
+        for r in rig.agents:
+            tx.set_desired(r, 1)
+    await rig.step()
+    assert _metric(rig.registry, "pdctl_canary_state", {"state": "baking"}) == 0
+    assert _metric(rig.registry, "pdctl_canary_state", {"state": "idle"}) == 1
