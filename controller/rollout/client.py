@@ -89,8 +89,9 @@ _CHECKSUM = re.compile(r"(?:[0-9a-f]{64})?")
 
 
 def router_state(router: str, version: int, checksum: str) -> RouterState:
-    """A router's answer as a state; a malformed checksum is refused (terminal): stored, it
-    failed the write of every router's acks on PostgreSQL (a 64-character column)."""
+    """A router's answer as a state; a malformed checksum is refused (terminal), naming the
+    router's breach of the contract: it can never equal ours, so the router read as
+    diverged and was pushed to on every pass, never in sync."""
     if not _CHECKSUM.fullmatch(checksum):
         raise RouterRefusedCall(router, grpc.StatusCode.DATA_LOSS,
                                 f"router answered a malformed checksum {checksum[:80]!r} "

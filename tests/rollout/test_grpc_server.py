@@ -402,9 +402,9 @@ async def test_a_second_server_cannot_take_a_live_port(router: RouterServer) -> 
 
 
 async def test_a_router_answering_a_malformed_checksum_is_refused_not_stored() -> None:
-    """A router (another implementation) answering a checksum that is not sha256 hex: stored
-    as its ack, it failed the one write of every router's acks on PostgreSQL (a
-    64-character column), on every cycle."""
+    """A router (another implementation) answering a checksum that is not sha256 hex can
+    never match ours: it read as diverged and was pushed to on every pass. It is refused,
+    with the reason, and no ack is taken from it."""
     from controller.clock import WallClock
     from controller.rollout.client import RouterRefusedCall
     from controller.rollout.reconciler import Reconciler
