@@ -66,6 +66,7 @@ def current_calibration(store: Store) -> tuple[CalibrationRecord, Policy | None,
     yet, the newest calibration and its own policy."""
     from controller.cycle import read_rollout
     from controller.policy import loads
+    from controller.store.repository import LINEAGE_LOOKBACK
 
     with store.read() as tx:
         rollout = read_rollout(tx)
@@ -74,7 +75,7 @@ def current_calibration(store: Store) -> tuple[CalibrationRecord, Policy | None,
         running = loads(rec.body_json) if rec is not None else None
         record = tx.calibration_for(version) if version is not None else None
         if record is None:
-            before = tx.calibrations(limit=_LINEAGE_LOOKBACK,
+            before = tx.calibrations(limit=LINEAGE_LOOKBACK,
                                      until=rec.created_at if rec is not None else None)
             record = next((c for c in reversed(before) if running is not None
                            and _routes_alike(tx, c, running)), None) \
@@ -92,10 +93,6 @@ def current_calibration(store: Store) -> tuple[CalibrationRecord, Policy | None,
             running = loads(own.body_json) if own is not None else None
         stored = tx.windows_by_ids(record.training_window_ids)
     return record, running, stored
-
-
-# Calibrations looked through for the one a re-issued version's table came from.
-_LINEAGE_LOOKBACK = 50
 
 
 def _routes_alike(tx: Tx, record: CalibrationRecord, policy: Policy) -> bool:

@@ -88,6 +88,11 @@ POLICY_TRANSITIONS: Mapping[str, frozenset[str]] = {
 _CLAIM_ATTEMPTS = 8
 
 
+# Calibrations looked through, newest first, for the one a version with no calibration of
+# its own took its table from (`pdctl explain`); compaction keeps their windows.
+LINEAGE_LOOKBACK = 50
+
+
 class StoreError(TerminalError):
     """The store refused a write (unknown version, illegal status change, duplicate...)."""
 
@@ -215,8 +220,10 @@ class Tx:
             .where(
                 # Its own calibration's, or one that renewed its drift reference (a refused
                 # candidate's, judged on the traffic since): what `pdctl explain` refits.
+                # A version with none of its own is explained by one stored before it.
                 or_(CalibrationRow.policy_version.in_(kept),
-                    CalibrationRow.reference_for.in_(kept)),
+                    CalibrationRow.reference_for.in_(kept),
+                    CalibrationRow.id.in_(self._lineage_calibrations(kept))),
                 CalibrationRow.first_window_id <= WindowRow.id,
                 CalibrationRow.last_window_id >= WindowRow.id,
             )
@@ -227,6 +234,27 @@ class Tx:
             execution_options={"synchronize_session": False},
         )
         return _rowcount(result)
+
+    def _lineage_calibrations(self, versions: set[int]) -> set[int]:
+        """For each of ``versions`` with no calibration of its own and not a re-issue (whose
+        original is kept): exploration turned off, a fallback, adopted. The calibrations
+        `pdctl explain` looks through for the one its table came from: the newest
+        :data:`LINEAGE_LOOKBACK` stored before it (for an adopted version, with none before
+        it, the newest)."""
+        own = {int(v) for v in self._s.scalars(
+            select(CalibrationRow.policy_version)
+            .where(CalibrationRow.policy_version.in_(versions))) if v is not None}
+        ids: set[int] = set()
+        for created_at in self._s.scalars(
+                select(PolicyRow.created_at).where(PolicyRow.version.in_(versions - own),
+                                                   PolicyRow.reissue_of.is_(None))):
+            before = [int(i) for i in self._s.scalars(
+                select(CalibrationRow.id).where(CalibrationRow.created_at <= created_at)
+                .order_by(CalibrationRow.created_at.desc(), CalibrationRow.id.desc())
+                .limit(LINEAGE_LOOKBACK))]
+            ids.update(before or self._s.scalars(
+                select(CalibrationRow.id).order_by(CalibrationRow.id.desc()).limit(1)))
+        return ids
 
     def _versions_still_in_use(self, since: datetime) -> set[int]:
         """Desired versions, the newest approved, those approved since ``since``, and what

@@ -522,6 +522,27 @@ def test_retention_lets_superseded_policies_windows_age_out(store: Store) -> Non
     assert [w.id for w in store.windows()] == ids[2:]  # v2's (via v3), v4's, the newest
 
 
+def test_retention_keeps_what_explains_a_version_with_no_calibration(store: Store) -> None:
+    """A desired version made with no calibration of its own (exploration turned off, a
+    fallback) is explained by a calibration stored before it: v1's windows were deleted
+    once v2 was the newest approved, and `pdctl explain` found none of them."""
+    rng = random.Random(16)
+    ids = [store.add_window(sample_window(rng, _epoch(T0) + 60 * i, n_routers=1, cells=2))
+           for i in range(5)]
+    store.add_policy(1, "01" * 32, "{}", "approved", "ok", at=T0)
+    store.add_calibration(ids[0:2], {"mape": 0.1}, 0.9, 0.8, policy_version=1, at=T0)
+    later = T0 + timedelta(hours=1)
+    store.add_policy(2, "02" * 32, "{}", "approved", "v1 without exploration", at=later)
+    store.set_desired("r1", 2, at=later)
+    # A calibration after v2 (a refused candidate) is not what explains v2.
+    store.add_policy(3, "03" * 32, "{}", "rejected", "worse", at=later + timedelta(hours=1))
+    store.add_calibration(ids[2:3], {"mape": 0.1}, 0.9, 0.8, policy_version=3,
+                          at=later + timedelta(hours=1))
+
+    assert store.compact_windows(older_than=T0 + timedelta(days=1)) == 2
+    assert [w.id for w in store.windows()] == [ids[0], ids[1], ids[4]]
+
+
 def test_retention_keeps_the_newest_windows_a_fit_may_be_training_on(store: Store) -> None:
     """`pdctl db compact --older-than-days 0` while a calibration is being fitted: the
     windows it trains on (the newest ones) are there when it is stored."""
