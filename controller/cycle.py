@@ -167,6 +167,11 @@ class Leadership(Protocol):
 
     holder: str
 
+    @property
+    def term(self) -> int | None:
+        """The fencing number of the leadership held (None: none); a new one each time
+        leadership is taken, so a replica that lost it and took it again can tell."""
+
     async def ensure(self) -> bool: ...
 
     def fence(self, tx: Tx) -> bool: ...
@@ -177,6 +182,10 @@ class AlwaysLeader:
 
     def __init__(self, holder: str = "pdctl") -> None:
         self.holder = holder
+
+    @property
+    def term(self) -> int | None:
+        return 1
 
     async def ensure(self) -> bool:
         return True
@@ -485,6 +494,7 @@ class Cycle:
         self._state_for: int | None = None  # the policy version the learner state belongs to
         self._last_end: float | None = None  # while leading without a break
         self._leading = False
+        self._led_term: int | None = None  # the leadership term this replica last led in
         self._policies = _RecentPolicies()
         self._fit_failed_at: float | None = None  # automatic fits back off after a failure
         self._scaling = ScalingState()
@@ -515,21 +525,24 @@ class Cycle:
         try:
             try:
                 report.leader = await self.leadership.ensure()
-            except TransientError:
+            except Exception:
                 # Whether we still lead is unknown (the lock's server out of reach): another
                 # replica may lead meanwhile, so leading again starts afresh, as below.
                 self._leading = False
+                self.metrics.set_leader(False)
                 raise
             self.metrics.set_leader(report.leader)
-            if report.leader and not self._leading:
-                # Leading (again): another replica may have stored windows meanwhile, and
+            term = self.leadership.term
+            if report.leader and (not self._leading or term != self._led_term):
+                # Leading (again), or in a new term: another replica may have led and stored
+                # windows meanwhile (this one's lease expired during a long cycle, say), and
                 # counters diffed across the gap would be counted in this window.
                 if self._last_end is not None:
                     self.source.forget_baselines()
                 self._last_end = None
                 with self.store.read() as tx:  # a failure retries it next cycle
                     self._restore_pending(tx)
-            self._leading = report.leader
+            self._leading, self._led_term = report.leader, term
             if not report.leader and self._exported_recommendation:
                 self.metrics.clear_recommendation()  # only the leader feeds autoscalers
                 self._exported_recommendation = False

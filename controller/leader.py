@@ -29,6 +29,7 @@ from typing import Any
 
 from controller.clock import Clock
 from controller.store import Lease, Store, StoreUnavailable, Tx
+from controller.store.engine import PG_CONNECT_ARGS
 
 log = logging.getLogger("pdctl.leader")
 
@@ -145,6 +146,14 @@ class PgAdvisoryLeadership(LeaseLeadership):
         url = self.store.url.set(drivername="postgresql")
         return url.render_as_string(hide_password=False)
 
+    def _connect_args(self) -> dict[str, Any]:
+        """The pooled connections' libpq settings (tcp_user_timeout too: keepalives do not
+        probe while the per-cycle ``SELECT 1`` waits unacknowledged on a half-open
+        connection), with a quicker dead-peer check, unless the store's URL sets them."""
+        args = {**PG_CONNECT_ARGS, "connect_timeout": self._connect_timeout_s,
+                "keepalives_idle": self._keepalive_idle_s, "keepalives_interval": 2}
+        return {k: v for k, v in args.items() if k not in self.store.url.query}
+
     async def _lock(self) -> bool:
         import psycopg
 
@@ -157,10 +166,8 @@ class PgAdvisoryLeadership(LeaseLeadership):
                 await self._drop()
         try:
             self._conn = await psycopg.AsyncConnection.connect(
-                self._conninfo(), autocommit=True, connect_timeout=self._connect_timeout_s,
-                keepalives=1, keepalives_idle=self._keepalive_idle_s, keepalives_interval=2,
-                keepalives_count=3, application_name=f"pdctl-leader {self.holder}"[:63],
-            )
+                self._conninfo(), autocommit=True,
+                application_name=f"pdctl-leader {self.holder}"[:63], **self._connect_args())
             if self.key is None:
                 cur = await self._conn.execute("SELECT current_schema()")
                 schema = await cur.fetchone()

@@ -1261,6 +1261,7 @@ def test_canary_subset_size(n: int, expected: int) -> None:
 
 class _Follower:
     holder = "follower"
+    term = None
 
     async def ensure(self) -> bool:
         return False
@@ -1335,8 +1336,8 @@ class _Toggle:
     """Leadership that tests hand over by setting ``leading``; ``unreachable``: ``ensure``
     raises, as PgAdvisoryLeadership's does while its lock's server cannot be reached."""
 
-    def __init__(self, holder: str, leading: bool) -> None:
-        self.holder, self.leading, self.unreachable = holder, leading, False
+    def __init__(self, holder: str, leading: bool, term: int = 1) -> None:
+        self.holder, self.leading, self.unreachable, self.term = holder, leading, False, term
 
     async def ensure(self) -> bool:
         if self.unreachable:
@@ -1379,6 +1380,20 @@ async def test_windows_tile_time_when_leadership_moves_between_replicas(tmp_path
     # each window starts where the one before it ended: none overlaps, none leaves a gap
     assert all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(spans))
     assert all(end - start == step for start, end in spans)
+
+    # a's lease expired during a long cycle: b took it (term 2), stored windows and left;
+    # a's next ensure() took a new term (3). a never saw itself not leading, and continued
+    # from its own last window, over b's.
+    b.leading, b.term = True, 2
+    for _ in range(2):
+        rig.clock.advance(step)
+        await cb.run_once()
+    b.leading, a.term = False, 3
+    rig.clock.advance(step)
+    await ca.run_once()
+    spans = [(s.window.start, s.window.end) for s in rig.store.windows()]
+    assert len(spans) == 9
+    assert all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(spans)), spans[-4:]
 
     # A replica that starts after an outage longer than an interval begins one interval back.
     rig.clock.advance(10 * step)

@@ -181,6 +181,7 @@ async def test_a_restarted_leader_reexports_and_a_follower_clears(tmp_path: Path
 
     class Follower:
         holder = "other"
+        term = None
 
         async def ensure(self) -> bool:
             return False

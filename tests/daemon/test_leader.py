@@ -150,3 +150,30 @@ async def test_postgres_leader_with_its_server_down_fails_then_leads_again() -> 
         finally:
             await a.release()
             store.close()
+
+
+async def test_postgres_lock_connection_bounds_a_half_open_peer(pg_url: str) -> None:
+    """The lock connection had keepalives but no tcp_user_timeout: its per-cycle ``SELECT
+    1``, sent on a half-open connection, waits unacknowledged, when keepalives do not probe,
+    for the kernel's retransmission timeout (about 15 minutes). The URL still decides."""
+    from controller.store.engine import PG_CONNECT_ARGS
+
+    clock = VirtualClock(1_800_000_000.0)
+
+    async def params(url: str) -> dict[str, str]:
+        store = Store(url, clock)
+        store.upgrade()
+        lead = PgAdvisoryLeadership(store, clock, "a", ttl_s=15.0,
+                                    key=advisory_key(secrets.token_bytes(8)))
+        try:
+            assert await lead.ensure()
+            return dict(lead._conn.info.get_parameters())
+        finally:
+            await lead.release()
+            store.close()
+
+    got = await params(pg_url)
+    assert got["tcp_user_timeout"] == str(PG_CONNECT_ARGS["tcp_user_timeout"])
+    assert (got["keepalives"], got["keepalives_idle"], got["connect_timeout"]) == ("1", "5", "5")
+    sep = "&" if "?" in pg_url else "?"
+    assert (await params(pg_url + f"{sep}tcp_user_timeout=7000"))["tcp_user_timeout"] == "7000"

@@ -45,7 +45,7 @@ def test_a_value_too_long_for_its_column_is_refused(pg_url: str) -> None:
 
 
 @pytest.mark.integration
-def test_pooled_connections_detect_a_dead_peer_unless_the_url_says_otherwise(
+def test_pooled_connections_carry_dead_peer_settings_unless_the_url_says_otherwise(
         pg_url: str) -> None:
     """Without keepalives and tcp_user_timeout a half-open connection held a store call
     for the kernel's retransmission timeout (about 15 minutes), on the event loop."""
