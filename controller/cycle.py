@@ -221,11 +221,11 @@ def _version_arg(value: Any) -> int | None:
     """A request's version, or None when it cannot name a policy (stored by hand or by an
     older pdctl: looked up, 2**64 raised and failed the whole cycle's write, every time the
     request was claimed again)."""
-    if isinstance(value, bool):
-        return None
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        return None  # 2.7 named no version (it pinned v2); inf and NaN none either
     try:
         v = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     return v if 1 <= v <= MAX_VERSION else None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from statistics import NormalDist
@@ -810,6 +811,7 @@ async def test_pin_holds_a_version_until_unpinned(tmp_path: Path) -> None:
     {"what": "pin", "version": "v1"},
     {"version": 2**64},  # rollback
     {"version": -3},
+    {"what": "pin", "version": 1.5},  # it pinned v1
 ])
 async def test_a_request_naming_no_possible_version_fails_alone(
         tmp_path: Path, args: dict[str, Any]) -> None:
@@ -828,6 +830,15 @@ async def test_a_request_naming_no_possible_version_fails_alone(
     assert request is not None and request.status == "failed"
     assert "not a policy version" in str(request.outcome)
     assert _desired(rig) == dict.fromkeys(rig.agents, 1)
+
+
+def test_a_version_argument_names_an_integral_version_or_none() -> None:
+    from controller.cycle import _version_arg
+
+    assert [_version_arg(v) for v in (3, "3", 3.0, 2**63 - 1)] == [3, 3, 3, 2**63 - 1]
+    # JSON's 1e400 loads as inf (int() raised OverflowError and failed the cycle's write)
+    for bad in (math.inf, -math.inf, math.nan, 2.7, True, None, "v3", 0, 2**63):
+        assert _version_arg(bad) is None, bad
 
 
 async def test_a_decision_whose_commit_failed_is_counted_once_when_it_is_retried(
