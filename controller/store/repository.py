@@ -248,12 +248,10 @@ class Tx:
         for created_at in self._s.scalars(
                 select(PolicyRow.created_at).where(PolicyRow.version.in_(versions - own),
                                                    PolicyRow.reissue_of.is_(None))):
-            before = [int(i) for i in self._s.scalars(
-                select(CalibrationRow.id).where(CalibrationRow.created_at <= created_at)
-                .order_by(CalibrationRow.created_at.desc(), CalibrationRow.id.desc())
-                .limit(LINEAGE_LOOKBACK))]
-            ids.update(before or self._s.scalars(
-                select(CalibrationRow.id).order_by(CalibrationRow.id.desc()).limit(1)))
+            # The same query as explain's, so the two pick from the same calibrations.
+            before = self.calibrations(limit=LINEAGE_LOOKBACK, until=created_at) \
+                or self.calibrations(limit=1)
+            ids.update(c.id for c in before)
         return ids
 
     def _versions_still_in_use(self, since: datetime) -> set[int]:
