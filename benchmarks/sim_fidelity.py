@@ -1,13 +1,14 @@
 """Fidelity of the simulator's step-time model against raw public measurements.
 
-Run from the repository root: ``.venv/bin/python benchmarks/sim_fidelity.py`` (reads
-``../shared/perf_profiles``; set ``PDCTL_SHARED_DIR`` to point elsewhere). Prints three tables:
+Run from the repository root: ``.venv/bin/python benchmarks/sim_fidelity.py`` (reads the
+profiling rows bundled in ``controller/data/perf_profiles``, see the README there). Prints
+three tables:
 
 1. Linear-layer time per step, Llama-3-8B on A100 TP1: the profile's ``max(F, a + b*N)`` vs the
    sum of the per-op medians of Vidur's ``mlp.csv`` x 32 layers (target: within 10%).
 2. Llama-3.1-8B H100 prefill (one request, empty cache): the profile's whole step vs the BLIS
-   fit ``5752.7 us + 17.25 us * L`` quoted in ``reference/latency-model.md`` §11.3 (target:
-   within 20%).
+   fit ``5752.7 us + 17.25 us * L`` (BLIS, ``inference-sim/inference-sim``
+   ``coefficients.yaml``, Llama-3.1-8B H100, vLLM 0.8.4) (target: within 20%).
 3. Decode step vs batch size: SplitwiseSim's measured TBT (Llama-2-70B, H100, prompt 512) and
    the 8B H100 profile at 512 context tokens, normalised to batch 1 (target: nearly flat up
    to batch ~16, growing after).
@@ -16,7 +17,6 @@ Run from the repository root: ``.venv/bin/python benchmarks/sim_fidelity.py`` (r
 from __future__ import annotations
 
 import csv
-import os
 import statistics
 import sys
 from collections import defaultdict
@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from controller.data import PERF_PROFILES_DIR  # noqa: E402
 from controller.sim.profiles import Profile, load_profile  # noqa: E402
 
 VIDUR_POINTS = (1, 64, 512, 2048, 4096)
@@ -35,10 +36,12 @@ LINEAR_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
               "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
 
 
+VIDUR_MLP = "vidur/a100_Meta-Llama-3-8B_mlp_tp1.csv"
+SPLITWISE_PERF = "splitwise_sim/perf_model_llama2-70b_h100_prompt512.csv"
+
+
 def perf_profiles_dir() -> Path:
-    env = os.environ.get("PDCTL_SHARED_DIR")
-    shared = Path(env) if env else REPO.parent / "shared"
-    return shared / "perf_profiles"
+    return PERF_PROFILES_DIR
 
 
 def vidur_linear_ms(path: Path, layers: int = 32, tp: int = 1) -> dict[int, float]:
@@ -59,7 +62,7 @@ def vidur_linear_ms(path: Path, layers: int = 32, tp: int = 1) -> dict[int, floa
 
 
 def vidur_table(profile: Profile, root: Path) -> list[tuple[int, float, float, float]]:
-    data = vidur_linear_ms(root / "vidur/compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv")
+    data = vidur_linear_ms(root / VIDUR_MLP)
     rows = []
     for n in VIDUR_POINTS:
         sim = profile.linear_ms(n)
@@ -79,7 +82,7 @@ def blis_table(profile: Profile) -> list[tuple[int, float, float, float]]:
 def splitwise_tbt(root: Path, tp: int, hardware: str = "h100-80gb",
                   prompt: int = 512) -> dict[int, float]:
     groups: dict[int, list[float]] = defaultdict(list)
-    with (root / "splitwise_sim/perf_model.csv").open(newline="") as f:
+    with (root / SPLITWISE_PERF).open(newline="") as f:
         for row in csv.DictReader(f):
             if (row["model"] == "llama2-70b" and row["hardware"] == hardware
                     and int(row["tensor_parallel"]) == tp and int(row["prompt_size"]) == prompt):

@@ -685,7 +685,7 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
 
 def _environment_keys() -> dict[str, str]:
     """``section.key`` -> the ``PDCTL_SECTION__KEY`` variable that sets it, for every nested
-    variable in the environment (``PDCTL_SHARED_DIR`` and the like are not settings)."""
+    variable in the environment (a flat ``PDCTL_NAME`` without ``__`` is not a setting)."""
     import os
 
     out: dict[str, str] = {}

@@ -142,7 +142,7 @@ def test_an_unknown_environment_key_is_an_error(
 ) -> None:
     """Unknown keys in the file are errors, so a misspelt variable is one too (it would
     otherwise be ignored silently); variables that are not nested settings are left alone."""
-    monkeypatch.setenv("PDCTL_SHARED_DIR", "/tmp")
+    monkeypatch.setenv("PDCTL_DATA_DIR", "/tmp")  # flat: not a nested setting
     monkeypatch.setenv("PDCTL_SLO__TTFT", "3")
     with pytest.raises(ConfigError, match=r"slo\.ttft: unknown key \(from PDCTL_SLO__TTFT\)"):
         load_settings(write(tmp_path, SEED))

@@ -22,7 +22,6 @@ import random
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from controller.clock import VirtualClock, WallClock
 from controller.policy import Policy
@@ -72,7 +71,7 @@ class RunResult:
     cluster: SimCluster = field(repr=False)
 
 
-def _session_feed(scenario: Scenario, rng: random.Random, shared_dir: Path | None,
+def _session_feed(scenario: Scenario, rng: random.Random,
                   workload: Workload | None = None) -> Iterator[tuple[float, SessionSpec]]:
     """(sim start time, session) in start order, with rate-scale events and workload
     switches applied (``controller.sim.workloads.compose``). ``workload``, when given, is
@@ -84,7 +83,7 @@ def _session_feed(scenario: Scenario, rng: random.Random, shared_dir: Path | Non
         if cfg.source == "synthetic" and "duration_s" not in cfg.params:
             # synthetic sessions start over the whole run (in the workload's own time)
             cfg = replace(cfg, params={**cfg.params, "duration_s": horizon})
-        return build_workload(cfg, shared_dir)
+        return build_workload(cfg)
 
     feed = apply_events(
         workload if workload is not None else build(scenario.workload),
@@ -102,7 +101,7 @@ class ScenarioDriver:
     """Feeds a scenario's sessions and events into a cluster's event loop (virtual or live)."""
 
     def __init__(self, scenario: Scenario, cluster: SimCluster, *,
-                 shared_dir: Path | None = None, traffic: bool = True,
+                 traffic: bool = True,
                  workload: Workload | None = None) -> None:
         self.scenario = scenario
         self.cluster = cluster
@@ -110,8 +109,7 @@ class ScenarioDriver:
         self.requests: list[SimRequest] = []
         self._rid = itertools.count()
         self._pending: dict[str, tuple[SessionSpec, int]] = {}
-        self._feed = _session_feed(scenario, random.Random(scenario.seed), shared_dir,
-                                   workload)
+        self._feed = _session_feed(scenario, random.Random(scenario.seed), workload)
 
     def next_rid(self) -> int:
         return next(self._rid)
@@ -195,7 +193,6 @@ def run_scenario(
     progress: Callable[[float], None] | None = None,
     drain_limit_s: float = 3600.0,
     max_events: int = 200_000_000,
-    shared_dir: Path | None = None,
     setup: Callable[[SimCluster], None] | None = None,
     workload: Workload | None = None,
 ) -> RunResult:
@@ -217,7 +214,7 @@ def run_scenario(
     loop = cluster.loop
     phases = scenario.phase_bounds()
     phase_starts = [a for a, _ in phases]
-    driver = ScenarioDriver(scenario, cluster, shared_dir=shared_dir, workload=workload)
+    driver = ScenarioDriver(scenario, cluster, workload=workload)
     requests = driver.requests
     if controller is not None:
         def tick() -> None:

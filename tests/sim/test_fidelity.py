@@ -9,7 +9,6 @@ from types import ModuleType
 import pytest
 
 from controller.sim.profiles import load_profile
-from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,9 +24,7 @@ def _bench() -> ModuleType:
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    mod = _bench()
-    require("../shared/perf_profiles", mod.perf_profiles_dir().is_dir())
-    return mod
+    return _bench()
 
 
 def test_linear_layers_within_10_percent_of_vidur_mlp_csv(bench: ModuleType) -> None:

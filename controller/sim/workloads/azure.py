@@ -16,11 +16,13 @@ from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from controller.data import TRACES_DIR
 from controller.sim.workloads.base import (
     MaxTokensRule,
     Params,
     SessionSpec,
     WorkloadError,
+    open_text,
     reading,
     require_file,
 )
@@ -35,7 +37,10 @@ from controller.sim.workloads.fit import (
 if TYPE_CHECKING:
     import random
 
-TRACE_FILES = {"azure-conv": "azure_llm_2023_conv.csv", "azure-code": "azure_llm_2023_code.csv"}
+TRACE_FILES = {
+    "azure-conv": "azure_llm_2023_conv.csv.gz",
+    "azure-code": "azure_llm_2023_code.csv.gz",
+}
 PARAMS = {"path", "max_sessions", "max_tokens", "sessions", "shape", "max_prompt_tokens"}
 
 
@@ -54,7 +59,7 @@ def _seconds(stamp: str) -> float:
 def _load_cached(path: str, mtime_ns: int, size: int) -> tuple[SourceRequest, ...]:
     del mtime_ns, size  # cache key only
     rows: list[tuple[float, int, int]] = []
-    with reading(path, "Azure trace"), open(path, newline="", encoding="utf-8") as fh:
+    with reading(path, "Azure trace"), open_text(path) as fh:
         reader = csv.DictReader(fh)
         for number, row in enumerate(reader, start=2):
             try:
@@ -103,7 +108,9 @@ class AzureWorkload:
         self.max_prompt_tokens = max_prompt_tokens
 
     @classmethod
-    def from_params(cls, source: str, params: Mapping[str, Any], traces_dir: Path) -> AzureWorkload:
+    def from_params(
+        cls, source: str, params: Mapping[str, Any], traces_dir: Path = TRACES_DIR
+    ) -> AzureWorkload:
         p = Params(source, params, PARAMS)
         grouping = p.string("sessions", "fitted", ("fitted", "none"))
         shape = None if grouping == "none" else load_shape(p.optional_path("shape"))

@@ -20,6 +20,7 @@ use. Every source documents its ``max_tokens`` rule (see :func:`max_tokens_for`)
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
+from typing import IO, TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
 
 from controller.errors import ConfigError
 
@@ -36,8 +37,6 @@ if TYPE_CHECKING:
 
 Source = Literal["mooncake", "azure-conv", "azure-code", "servegen", "synthetic"]
 SOURCES: tuple[str, ...] = get_args(Source)
-
-SHARED_DIR_ENV = "PDCTL_SHARED_DIR"
 
 
 class WorkloadError(ConfigError, ValueError):
@@ -140,25 +139,24 @@ class WorkloadConfig:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
 
 
-def build_workload(cfg: WorkloadConfig, shared_dir: Path | None = None) -> Workload:
-    """The workload ``cfg`` names, with ``time_slice_s`` then ``rate_scale`` applied."""
+def build_workload(cfg: WorkloadConfig) -> Workload:
+    """The workload ``cfg`` names, with ``time_slice_s`` then ``rate_scale`` applied. Trace
+    sources read the file bundled in ``controller/data/traces`` unless ``params.path`` names
+    another."""
     from controller.sim.workloads.factory import build  # the sources import this module
 
-    return build(cfg, shared_dir)
+    return build(cfg)
 
 
 # --- helpers shared by the sources -------------------------------------------------------------
 
 
-def resolve_shared_dir(shared_dir: Path | None = None) -> Path:
-    """``shared_dir``, else ``$PDCTL_SHARED_DIR``, else ``<repo>/../shared``."""
-    if shared_dir is not None:
-        return Path(shared_dir)
-    env = os.environ.get(SHARED_DIR_ENV)
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[3]
-    return (repo.parent / "shared").resolve()
+def open_text(path: str) -> IO[str]:
+    """``path`` opened as UTF-8 text; a name ending in ``.gz`` is read through gzip (the bundled
+    traces are gzip-compressed; a user's own file may be either)."""
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", newline="")
+    return open(path, encoding="utf-8", newline="")
 
 
 @contextmanager
@@ -179,8 +177,7 @@ def require_file(path: Path, what: str) -> Path:
         raise WorkloadError(f"{what}: {path} is a directory, not a trace file")
     if not path.is_file():
         raise WorkloadError(
-            f"{what}: file not found: {path} (set workload params.path, or ${SHARED_DIR_ENV} "
-            f"to the directory holding traces/)"
+            f"{what}: file not found: {path} (set workload params.path to the trace file)"
         )
     return path
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from controller.sim.workloads.base import Workload, WorkloadConfig, resolve_shared_dir
+from controller.data import TRACES_DIR
+from controller.sim.workloads.base import Workload, WorkloadConfig
 from controller.sim.workloads.compose import TransformedWorkload
 
 
-def build(cfg: WorkloadConfig, shared_dir: Path | None = None) -> Workload:
-    traces_dir = resolve_shared_dir(shared_dir) / "traces"
+def build(cfg: WorkloadConfig) -> Workload:
+    traces_dir = TRACES_DIR
     time_slice = cfg.time_slice_s
     workload: Workload
     if cfg.source == "mooncake":

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controller.data import TRACES_DIR
 from controller.sim.workloads.base import (
     MaxTokensRule,
     SessionSpec,
@@ -52,7 +53,6 @@ from controller.sim.workloads.base import (
     WorkloadError,
     max_tokens_for,
     require_file,
-    resolve_shared_dir,
 )
 
 SHAPE_FILE = Path(__file__).with_name("data") / "session_shape.json"
@@ -260,11 +260,12 @@ def synthesize_sessions(
     return sessions
 
 
-def fit_from_trace(shared_dir: Path | None = None) -> SessionShape:
-    """Fit on the Mooncake trace (jitter off: trace time, deterministic)."""
+def fit_from_trace(path: Path | None = None) -> SessionShape:
+    """Fit on the Mooncake trace, the bundled one unless ``path`` names another (jitter off:
+    trace time, deterministic)."""
     from controller.sim.workloads.mooncake import TRACE_FILE, MooncakeWorkload
 
-    path = resolve_shared_dir(shared_dir) / "traces" / TRACE_FILE
+    path = TRACES_DIR / TRACE_FILE if path is None else path
     workload = MooncakeWorkload(path, jitter=False)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     provenance = {
@@ -296,10 +297,11 @@ def shapes_match(a: SessionShape, b: SessionShape, rel_tol: float = 1e-9) -> boo
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=FIT_COMMAND, description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=SHAPE_FILE, help="JSON file to write")
-    parser.add_argument("--shared-dir", type=Path, default=None, help="directory with traces/")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="Mooncake trace file (default: the bundled one)")
     parser.add_argument("--check", action="store_true", help="compare with --out, write nothing")
     args = parser.parse_args(argv)
-    shape = fit_from_trace(args.shared_dir)
+    shape = fit_from_trace(args.trace)
     text = json.dumps(shape.to_json(), indent=2, sort_keys=True) + "\n"
     if args.check:
         same = shapes_match(shape, load_shape(args.out))

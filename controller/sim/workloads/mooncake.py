@@ -28,7 +28,6 @@ integer; see :func:`~controller.sim.workloads.base.max_tokens_for`.
 from __future__ import annotations
 
 import functools
-import gzip
 import itertools
 import json
 from collections import defaultdict
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from controller.data import TRACES_DIR
 from controller.sim.workloads.base import (
     MaxTokensRule,
     Params,
@@ -44,6 +44,7 @@ from controller.sim.workloads.base import (
     TurnSpec,
     WorkloadError,
     max_tokens_for,
+    open_text,
     reading,
     require_file,
 )
@@ -178,8 +179,7 @@ def parse_records(lines: Iterator[str], source: str) -> list[TraceRequest]:
 @functools.lru_cache(maxsize=4)
 def _load_cached(path: str, mtime_ns: int, size: int) -> LinkedTrace:
     del mtime_ns, size  # part of the cache key only: a changed file is parsed again
-    opener = gzip.open if path.endswith(".gz") else open
-    with reading(path, "mooncake trace"), opener(path, "rt", encoding="utf-8") as fh:
+    with reading(path, "mooncake trace"), open_text(path) as fh:
         requests = parse_records(iter(fh), path)
     if not requests:  # an empty file ran a bench of no requests, exit 0
         raise WorkloadError(f"{path}: no requests")
@@ -213,7 +213,9 @@ class MooncakeWorkload:
         self.trace = load_trace(trace) if isinstance(trace, Path) else trace
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any], traces_dir: Path) -> MooncakeWorkload:
+    def from_params(
+        cls, params: Mapping[str, Any], traces_dir: Path = TRACES_DIR
+    ) -> MooncakeWorkload:
         p = Params("mooncake", params, PARAMS)
         return cls(
             p.path("path", traces_dir / TRACE_FILE),

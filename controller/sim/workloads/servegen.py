@@ -1,9 +1,18 @@
-"""ServeGen m-large (Alibaba Bailian, Apache-2.0): rate and length-mix shifts over 14 days.
+"""ServeGen (Alibaba Bailian, Apache-2.0): rate and length-mix shifts over days.
 
-Source: ``traces/servegen_m-large_aggregate_derived.csv`` (derived from the upstream tarball,
-see ``traces/README.md`` section 4): per 600 s window the aggregate rate of 162 clients and the
+Sources, bundled in ``controller/data/traces`` (``params.dataset`` picks one; ``params.path``
+reads a user's own file of the same columns instead):
+
+- ``m-large`` (default): ``servegen_m-large_aggregate_derived.csv``, 14 days of a language
+  model's 162 clients;
+- ``deepseek-r1``: ``servegen_deepseek-r1_aggregate_derived.csv``, one day of the reasoning
+  model's 73 clients, with the reasoning share of the output (``reason_ratio_*`` columns, not
+  used by the generator: the output lengths already include the reasoning tokens).
+
+Both are derived from the upstream tarballs by ``scripts/derive_servegen_aggregate.py`` (see
+``controller/data/README.md``): per 600 s window the aggregate rate of all clients and the
 input/output p50/p90/p99 of the 6 h length window that contains it. The per-client tarballs
-add per-client burstiness fits; their sum over 162 clients is close to Poisson, so the
+add per-client burstiness fits; their sum over the clients is close to Poisson, so the
 aggregate file is enough here.
 
 Generation, for a trace-time window ``[a, b)`` (``time_slice_s``, default
@@ -32,11 +41,13 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import TYPE_CHECKING, Any
 
+from controller.data import TRACES_DIR
 from controller.sim.workloads.base import (
     MaxTokensRule,
     Params,
     SessionSpec,
     WorkloadError,
+    open_text,
     reading,
     require_file,
 )
@@ -51,10 +62,15 @@ from controller.sim.workloads.fit import (
 if TYPE_CHECKING:
     import random
 
-TRACE_FILE = "servegen_m-large_aggregate_derived.csv"
+DATASETS = {
+    "m-large": "servegen_m-large_aggregate_derived.csv",
+    "deepseek-r1": "servegen_deepseek-r1_aggregate_derived.csv",
+}
+TRACE_FILE = DATASETS["m-large"]
 WINDOW_S = 600.0
 PARAMS = {
     "path",
+    "dataset",
     "mean_rate_rps",
     "time_scale",
     "duration_s",
@@ -98,7 +114,7 @@ class RateWindow:
 def _load_cached(path: str, mtime_ns: int, size: int) -> tuple[RateWindow, ...]:
     del mtime_ns, size  # cache key only
     windows = []
-    with reading(path, "ServeGen trace"), open(path, newline="", encoding="utf-8") as fh:
+    with reading(path, "ServeGen trace"), open_text(path) as fh:
         for number, row in enumerate(csv.DictReader(fh), start=2):
             try:
                 window = RateWindow(
@@ -167,13 +183,13 @@ class ServeGenWorkload:
     def from_params(
         cls,
         params: Mapping[str, Any],
-        traces_dir: Path,
+        traces_dir: Path = TRACES_DIR,
         trace_window_s: tuple[float, float] | None = None,
     ) -> ServeGenWorkload:
         p = Params("servegen", params, PARAMS)
         grouping = p.string("sessions", "fitted", ("fitted", "none"))
         return cls(
-            p.path("path", traces_dir / TRACE_FILE),
+            p.path("path", traces_dir / DATASETS[p.string("dataset", "m-large", tuple(DATASETS))]),
             trace_window_s=trace_window_s,
             duration_s=p.number("duration_s", 3600.0, strict=True),
             mean_rate_rps=p.number("mean_rate_rps", 5.0, strict=True),

@@ -1,4 +1,4 @@
-"""build_workload: sources, shared-dir resolution, clear errors."""
+"""build_workload: sources, the bundled traces, the params.path override, clear errors."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
+from controller.data import TRACES_DIR
 from controller.errors import ConfigError
 from controller.sim.workloads import SOURCES, Workload, WorkloadConfig, WorkloadError
 from controller.sim.workloads import build_workload as build_from_package
-from controller.sim.workloads.base import SHARED_DIR_ENV, TurnSpec, build_workload, max_tokens_for
+from controller.sim.workloads.base import TurnSpec, build_workload, max_tokens_for
 
 
 def write_tiny_mooncake(directory: Path) -> Path:
@@ -34,40 +35,44 @@ def write_tiny_mooncake(directory: Path) -> Path:
     return path
 
 
-def test_shared_dir_comes_from_the_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    write_tiny_mooncake(tmp_path)
-    monkeypatch.setenv(SHARED_DIR_ENV, str(tmp_path))
-    workload = build_workload(WorkloadConfig("mooncake"))
+def test_every_trace_source_reads_its_bundled_file_by_default() -> None:
+    """No environment, no sibling folder: the package's own data is the default."""
+    for source in ("mooncake", "azure-conv", "azure-code", "servegen"):
+        workload = build_workload(WorkloadConfig(source, params={"max_sessions": 5}))
+        sessions = list(workload.sessions(random.Random(0)))
+        assert len(sessions) == 5, source
+    assert (TRACES_DIR / "mooncake_fast25_conversation_trace.jsonl.gz").is_file()
+
+
+def test_a_missing_trace_names_the_file(tmp_path: Path) -> None:
+    for source in ("mooncake", "azure-conv", "azure-code", "servegen"):
+        missing = tmp_path / f"{source}.csv"
+        with pytest.raises(WorkloadError, match="file not found") as e:
+            build_workload(WorkloadConfig(source, params={"path": str(missing)}))
+        assert str(missing) in str(e.value) and "params.path" in str(e.value)
+
+
+def test_path_param_overrides_the_default_file(tmp_path: Path) -> None:
+    path = write_tiny_mooncake(tmp_path)
+    workload = build_workload(WorkloadConfig("mooncake", params={"path": str(path)}))
+    assert isinstance(workload, Workload)
     sessions = list(workload.sessions(random.Random(0)))
     assert [len(s.turns) for s in sessions] == [2, 1]
     second = sessions[0].turns[1]
     assert second.context_tokens == 1024 and second.new_tokens == 1700 - 1024
 
 
-def test_explicit_shared_dir_wins_over_the_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    write_tiny_mooncake(tmp_path / "real")
-    monkeypatch.setenv(SHARED_DIR_ENV, str(tmp_path / "elsewhere"))
-    workload = build_workload(WorkloadConfig("mooncake"), shared_dir=tmp_path / "real")
-    assert sum(1 for _ in workload.sessions(random.Random(0))) == 2
-
-
-def test_a_missing_trace_names_the_file(tmp_path: Path) -> None:
-    for source in ("mooncake", "azure-conv", "azure-code", "servegen"):
-        with pytest.raises(WorkloadError, match=str(tmp_path / "traces")):
-            build_workload(WorkloadConfig(source), shared_dir=tmp_path)
-
-
-def test_path_param_overrides_the_default_file(tmp_path: Path) -> None:
-    path = write_tiny_mooncake(tmp_path)
+@pytest.mark.parametrize("compressed", [False, True])
+def test_an_own_azure_trace_is_read_plain_or_gzipped(tmp_path: Path, compressed: bool) -> None:
+    text = ("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+            "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109\n")
+    path = tmp_path / ("own.csv.gz" if compressed else "own.csv")
+    path.write_bytes(gzip.compress(text.encode()) if compressed else text.encode())
     workload = build_workload(
-        WorkloadConfig("mooncake", params={"path": str(path)}), shared_dir=tmp_path / "none"
+        WorkloadConfig("azure-conv", params={"path": str(path), "sessions": "none"})
     )
-    assert isinstance(workload, Workload)
-    assert sum(len(s.turns) for s in workload.sessions(random.Random(0))) == 3
+    turns = [t for s in workload.sessions(random.Random(0)) for t in s.turns]
+    assert sorted((t.prompt_tokens, t.output_tokens) for t in turns) == [(374, 44), (396, 109)]
 
 
 def test_malformed_trace_line_names_the_file_and_line(tmp_path: Path) -> None:

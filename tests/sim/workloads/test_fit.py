@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from controller.data import TRACES_DIR
 from controller.sim.workloads.azure import TRACE_FILES, AzureWorkload
-from controller.sim.workloads.base import SessionSpec, TurnSpec, WorkloadError, resolve_shared_dir
+from controller.sim.workloads.base import SessionSpec, TurnSpec, WorkloadError, open_text
 from controller.sim.workloads.fit import (
     QUANTILE_STEPS,
     SessionShape,
@@ -23,13 +24,6 @@ from controller.sim.workloads.fit import (
     shapes_match,
     synthesize_sessions,
 )
-from tests.conftest import require
-
-
-def traces_dir() -> Path:
-    path = resolve_shared_dir() / "traces"
-    require("shared traces", path.is_dir(), str(path))
-    return path
 
 
 def _session(sid: str, prompts_new_think: list[tuple[int, int, float]]) -> SessionSpec:
@@ -68,7 +62,6 @@ def test_fit_needs_later_turns() -> None:
 
 
 def test_refit_on_the_real_trace_matches_the_stored_constants() -> None:
-    traces_dir()
     stored = load_shape()
     refit = fit_from_trace()
     assert shapes_match(refit, stored)
@@ -77,7 +70,6 @@ def test_refit_on_the_real_trace_matches_the_stored_constants() -> None:
 
 
 def test_check_reports_a_stale_file(tmp_path: Path) -> None:
-    traces_dir()
     stored = load_shape().to_json()
     stored["turns_counts"][0] += 1
     stale = tmp_path / "shape.json"
@@ -135,12 +127,12 @@ def test_sessions_end_before_the_prompt_limit() -> None:
 
 @pytest.mark.parametrize("source", ["azure-conv", "azure-code"])
 def test_azure_sessions_have_the_fitted_shape(source: str) -> None:
-    path = traces_dir() / TRACE_FILES[source]
-    with path.open(newline="", encoding="utf-8") as fh:
+    path = TRACES_DIR / TRACE_FILES[source]
+    with open_text(str(path)) as fh:
         rows = list(csv.DictReader(fh))
     shape = load_shape()
     stored = shape.summary()
-    sessions = list(AzureWorkload.from_params(source, {}, traces_dir()).sessions(random.Random(8)))
+    sessions = list(AzureWorkload.from_params(source, {}).sessions(random.Random(8)))
     turns = [t for s in sessions for t in s.turns]
     later = [t for t in turns if t.turn > 1]
     assert len(turns) == len(rows)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.sim.workloads.base import resolve_shared_dir
+from controller.data import TRACES_DIR
 from controller.sim.workloads.mooncake import (
     TRACE_FILE,
     LinkedTrace,
@@ -17,7 +17,6 @@ from controller.sim.workloads.mooncake import (
     TraceRequest,
     link_requests,
 )
-from tests.conftest import require
 
 
 def req(ts: int, input_tokens: int, ids: list[int], output_tokens: int = 100) -> TraceRequest:
@@ -26,9 +25,7 @@ def req(ts: int, input_tokens: int, ids: list[int], output_tokens: int = 100) ->
 
 
 def real_trace_path() -> Path:
-    path = resolve_shared_dir() / "traces" / TRACE_FILE
-    require("Mooncake conversation trace", path.is_file(), str(path))
-    return path
+    return TRACES_DIR / TRACE_FILE
 
 
 # --- the linkage rule on hand-made records ------------------------------------------------------

@@ -1,4 +1,4 @@
-"""ServeGen m-large: rate curve, length windows, sessions, slicing."""
+"""ServeGen m-large and deepseek-r1: rate curve, length windows, sessions, slicing."""
 
 from __future__ import annotations
 
@@ -7,23 +7,22 @@ from pathlib import Path
 
 import pytest
 
+from controller.data import TRACES_DIR
 from controller.sim.workloads import WorkloadConfig, build_workload
-from controller.sim.workloads.base import resolve_shared_dir
+from controller.sim.workloads.base import WorkloadError
 from controller.sim.workloads.fit import load_shape
 from controller.sim.workloads.servegen import (
+    DATASETS,
     TRACE_FILE,
     LengthQuantiles,
     ServeGenWorkload,
     load_windows,
     window_percentiles,
 )
-from tests.conftest import require
 
 
 def aggregate_path() -> Path:
-    path = resolve_shared_dir() / "traces" / TRACE_FILE
-    require("ServeGen aggregate csv", path.is_file(), str(path))
-    return path
+    return TRACES_DIR / TRACE_FILE
 
 
 def test_quantile_function_passes_through_the_anchors() -> None:
@@ -35,8 +34,9 @@ def test_quantile_function_passes_through_the_anchors() -> None:
     assert values == sorted(values)
 
 
-def test_generated_lengths_reproduce_the_window_percentiles() -> None:
-    path = aggregate_path()
+@pytest.mark.parametrize("dataset", sorted(DATASETS))
+def test_generated_lengths_reproduce_the_window_percentiles(dataset: str) -> None:
+    path = TRACES_DIR / DATASETS[dataset]
     window = load_windows(path)[0]
     workload = ServeGenWorkload(path, trace_window_s=(0.0, 3600.0), mean_rate_rps=20.0, shape=None)
     requests = workload.requests(random.Random(2))
@@ -92,3 +92,25 @@ def test_time_slice_selects_trace_time_and_starts_at_zero() -> None:
     sessions = list(build_workload(cfg).sessions(random.Random(5)))
     assert 0 <= sessions[0].start_s < 5 and 3590 < sessions[-1].start_s < 3600
     assert len(sessions) / 3600 == pytest.approx(4.0, rel=0.05)
+
+
+def test_the_reasoning_dataset_is_a_day_of_73_clients_read_by_name() -> None:
+    """deepseek-r1: 144 windows of 600 s (one day), mean aggregate rate 16.0 req/s and long
+    outputs (traces README: output p50 792 over the day, m-large's is 53)."""
+    windows = load_windows(TRACES_DIR / DATASETS["deepseek-r1"])
+    assert [w.start_s for w in windows] == [600.0 * i for i in range(144)]
+    assert sum(w.rate_rps for w in windows) / 144 == pytest.approx(16.0, abs=0.05)
+    cfg = WorkloadConfig("servegen", params={"dataset": "deepseek-r1", "mean_rate_rps": 4.0,
+                                             "sessions": "none", "time_scale": 24.0})
+    turns = [t for s in build_workload(cfg).sessions(random.Random(6)) for t in s.turns]
+    assert len(turns) / 3600 == pytest.approx(4.0, rel=0.05)
+    median_output = window_percentiles([t.output_tokens for t in turns])[0]
+    assert 500 < median_output < 2500
+    large = WorkloadConfig("servegen", params={"mean_rate_rps": 4.0, "sessions": "none"})
+    large_turns = [t for s in build_workload(large).sessions(random.Random(6)) for t in s.turns]
+    assert window_percentiles([t.output_tokens for t in large_turns])[0] < median_output / 2
+
+
+def test_an_unknown_dataset_is_named_in_the_error() -> None:
+    with pytest.raises(WorkloadError, match=r"workload\.params\.dataset: 'm-huge'"):
+        build_workload(WorkloadConfig("servegen", params={"dataset": "m-huge"}))
