@@ -31,7 +31,7 @@ requests and on what the decode workers still hold, not on how busy the prefill 
 Windows are 10 s long (the daemon's default is 30 s); the one-second arrival profile is what
 lets the prefill plan see Azure's bursts (decode sees it averaged over a request's stay).
 
-    .venv/bin/python benchmarks/capacity_validation.py            # the README table
+    .venv/bin/python benchmarks/capacity_validation.py            # the table in docs/guide.md
     .venv/bin/python benchmarks/capacity_validation.py --json out.json
 """
 

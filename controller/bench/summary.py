@@ -1,11 +1,11 @@
 """The evaluation's results over several runs: one Markdown table of every run (a scenario
 and a seed each) and, for a scenario run with several seeds, one line over its seeds.
 
-The README's results blocks are this module's output over the committed runs:
+The results blocks of ``docs/results.md`` are this module's output over the committed runs:
 ``bench-results`` over ``results/bench/*/*/summary.json`` (the seeds the defaults were tuned
 on) and ``bench-heldout`` over ``results/bench-heldout/*/*/summary.json`` (seeds never replayed
-while tuning). ``benchmarks/bench_summary.py --readme README.md [--block NAME]`` writes one; a
-test checks the README still matches the committed summaries.
+while tuning). ``benchmarks/bench_summary.py --doc docs/results.md [--block NAME]`` writes one;
+a test checks the document still matches the committed summaries.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ HELDOUT_BLOCK = "bench-heldout"
 
 
 def _markers(block: str) -> tuple[str, str]:
-    return (f"<!-- {block}: begin (benchmarks/bench_summary.py --readme; do not edit) -->",
+    return (f"<!-- {block}: begin (benchmarks/bench_summary.py --doc; do not edit) -->",
             f"<!-- {block}: end -->")
 
 
@@ -119,16 +119,16 @@ def _block_pattern(block: str) -> re.Pattern[str]:
     return re.compile(re.escape(begin) + r"\n(.*?)" + re.escape(end), re.S)
 
 
-def readme_block(text: str, block: str = RESULTS_BLOCK) -> str | None:
-    """The generated block named ``block`` of a README (None: it has no markers)."""
+def doc_block(text: str, block: str = RESULTS_BLOCK) -> str | None:
+    """The generated block named ``block`` of a document (None: it has no markers)."""
     m = _block_pattern(block).search(text)
     return m.group(1) if m else None
 
 
-def with_readme_block(text: str, table: str, block: str = RESULTS_BLOCK) -> str:
+def with_doc_block(text: str, table: str, block: str = RESULTS_BLOCK) -> str:
     """``text`` with its generated block named ``block`` replaced by ``table``; ValueError
     if it has no such markers."""
     begin, end = _markers(block)
-    if readme_block(text, block) is None:
+    if doc_block(text, block) is None:
         raise ValueError(f"no {block} block: expected the lines {begin!r} and {end!r}")
     return _block_pattern(block).sub(lambda _: f"{begin}\n{table}{end}", text, count=1)

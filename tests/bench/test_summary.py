@@ -1,4 +1,4 @@
-"""The evaluation's summary tables (``controller.bench.summary``) and the README's results
+"""The evaluation's summary tables (``controller.bench.summary``) and docs/results.md's results
 blocks, which must be what those tables say of the committed runs under ``results/bench``
 (the seeds the defaults were tuned on) and ``results/bench-heldout`` (seeds kept out of it)."""
 
@@ -13,14 +13,15 @@ import pytest
 from controller.bench.summary import (
     HELDOUT_BLOCK,
     RESULTS_BLOCK,
+    doc_block,
     lowest_phase_margin,
-    readme_block,
     run_row,
     suite_markdown,
-    with_readme_block,
+    with_doc_block,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+RESULTS_DOC = "docs/results.md"
 
 
 def _doc(scenario: str, seed: int, adaptive: float, local: float, threshold: float,
@@ -88,26 +89,26 @@ def test_the_lowest_phase_is_against_each_phases_own_best_static_policy() -> Non
 
 
 @pytest.mark.parametrize("block", [RESULTS_BLOCK, HELDOUT_BLOCK])
-def test_a_readme_block_is_replaced_between_its_own_markers_only(block: str) -> None:
-    text = ROOT.joinpath("README.md").read_text()
-    replaced = with_readme_block(text, "| new |\n", block)
-    assert readme_block(replaced, block) == "| new |\n"
-    before, after = text.split(readme_block(text, block) or "<missing>")
+def test_a_doc_block_is_replaced_between_its_own_markers_only(block: str) -> None:
+    text = ROOT.joinpath(RESULTS_DOC).read_text()
+    replaced = with_doc_block(text, "| new |\n", block)
+    assert doc_block(replaced, block) == "| new |\n"
+    before, after = text.split(doc_block(text, block) or "<missing>")
     assert replaced.startswith(before) and replaced.endswith(after)
     other = HELDOUT_BLOCK if block == RESULTS_BLOCK else RESULTS_BLOCK
-    assert readme_block(replaced, other) == readme_block(text, other)
+    assert doc_block(replaced, other) == doc_block(text, other)
     with pytest.raises(ValueError, match=f"no {block} block"):
-        with_readme_block("# a README without markers\n", "| new |\n", block)
+        with_doc_block("# a document without markers\n", "| new |\n", block)
 
 
 @pytest.mark.parametrize(("block", "directory", "at_least"), [
     (RESULTS_BLOCK, "results/bench", 15), (HELDOUT_BLOCK, "results/bench-heldout", 15)])
-def test_the_readme_results_are_those_of_the_committed_runs(
+def test_the_documented_results_are_those_of_the_committed_runs(
         block: str, directory: str, at_least: int) -> None:
     summaries = sorted(ROOT.glob(f"{directory}/*/*/summary.json"))
     assert len(summaries) >= at_least, (
         f"{directory}/*/*/summary.json: the committed runs are missing")
     expected = suite_markdown(json.loads(p.read_text()) for p in summaries)
-    assert readme_block(ROOT.joinpath("README.md").read_text(), block) == expected, (
-        f"README.md's {block} block is stale: run .venv/bin/python benchmarks/bench_summary.py "
-        f"--readme README.md --block {block} {directory}/*/*/summary.json")
+    assert doc_block(ROOT.joinpath(RESULTS_DOC).read_text(), block) == expected, (
+        f"{RESULTS_DOC}'s {block} block is stale: run .venv/bin/python benchmarks/bench_summary.py "
+        f"--doc {RESULTS_DOC} --block {block} {directory}/*/*/summary.json")

@@ -92,7 +92,7 @@ def test_demo_runs_the_closed_loop_to_a_promoted_policy_and_exits_0() -> None:
     assert len(versions) == 2 and set(versions) == {str(version)}, acked[1]
     assert "recovered: yes" in summary, summary
     # Goodput was measured in every phase (numbers are reported, not asserted on: a live
-    # run's outcome is the README's table, not a unit test's threshold).
+    # run's outcome is the table in docs/demo.md, not a unit test's threshold).
     for label in ("before the shift", "after the shift", "recovery"):
         assert re.search(rf"{label}.*\d+\.\d%", summary), summary
 

@@ -158,8 +158,8 @@ def test_the_hour_holds_every_request_once(
 ) -> None:
     sessions = list(workload.sessions(random.Random(5)))
     turns = [t for s in sessions for t in s.turns]
-    assert len(turns) == 12_031  # traces/README.md: rows
-    assert len(sessions) == 8_056  # traces/README.md: roots of the conversation chains
+    assert len(turns) == 12_031  # controller/data/README.md: 12,031 requests
+    assert len(sessions) == 8_056  # controller/data/README.md: 8,056 roots
     prompts = sorted(t.prompt_tokens for t in turns)
     assert prompts == sorted(int(r["input_length"]) for r in raw_rows)  # type: ignore[call-overload]
     outputs = sorted(t.output_tokens for t in turns)
