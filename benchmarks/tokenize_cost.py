@@ -9,6 +9,7 @@ microseconds:
 - ``count_chat`` cold: every message new (the piece cache emptied before each call);
 - ``count_chat`` next turn: the earlier messages seen before, the last user message new
   (what a router sees on a conversation's later turn);
+- ``encode_chat`` next turn: the same, the ids (what a simulated worker needs);
 - ``count_chat`` repeated: the same messages again;
 - ``count_text`` of the rendered text (one encode of everything, no cache) and
   ``render_chat`` alone.
@@ -76,8 +77,13 @@ def main() -> None:
         last = {"role": "user", "content": f"{next(turn)}: " + msgs[-1]["content"]}
         return tok.count_chat([*msgs[:-1], last])
 
+    def next_turn_ids() -> int:
+        last = {"role": "user", "content": f"{next(turn)}: " + msgs[-1]["content"]}
+        return len(tok.encode_chat([*msgs[:-1], last]))
+
     for name, fn in (("count_chat, cold", cold),
                      ("count_chat, next turn", next_turn),
+                     ("encode_chat, next turn", next_turn_ids),
                      ("count_chat, repeated", lambda: tok.count_chat(msgs)),
                      ("count_text (one encode)", lambda: tok.count_text(text)),
                      ("render_chat (template only)", lambda: tok.render_chat(msgs))):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -29,7 +30,7 @@ from controller.clock import WallClock
 from controller.errors import ConfigError
 
 SEGMENT_CACHE_ENTRIES = 65_536
-SEGMENT_CACHE_CHARS = 64 * 1024 * 1024
+SEGMENT_CACHE_CHARS = 32 * 1024 * 1024
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 BUNDLED_NAME = "sim-tokenizer"
@@ -89,52 +90,66 @@ def _plain_content(content: Any) -> Any:
 
 
 class SegmentCounter:
-    """Chat counts that re-encode only what is new since an earlier request.
+    """Chat encodes that re-encode only what is new since an earlier request.
 
     ``tokenizers`` cuts a text at its added tokens first and encodes every piece between
-    them on its own, so a rendered chat's count is the number of added tokens plus the
-    counts of the pieces; a conversation's earlier messages are pieces seen before, counted
-    from this cache. Used only when that cut is exact: every added token matched as is (no
+    them on its own, so a rendered chat's ids are the added tokens' ids and the pieces' ids
+    in order; a conversation's earlier messages are pieces seen before, taken from this
+    cache. Used only when that cut is exact: every added token matched as is (no
     ``lstrip``/``rstrip``/``single_word``, not normalized when there is a normalizer) and no
     ``Metaspace`` pre-tokenizer (it treats the first piece apart). Bounded: the cache is
     emptied when it passes ``SEGMENT_CACHE_ENTRIES`` pieces or ``SEGMENT_CACHE_CHARS``.
     """
 
-    def __init__(self, hf: HfTokenizer, pattern: re.Pattern[str]) -> None:
+    def __init__(self, hf: HfTokenizer, pattern: re.Pattern[str],
+                 ids: Mapping[str, int]) -> None:
         self.hf = hf
         self.pattern = pattern
-        self.cache: dict[str, int] = {}
+        self.added_ids = dict(ids)
+        self.cache: dict[str, array[int]] = {}
         self.chars = 0
 
     @classmethod
     def of(cls, hf: HfTokenizer) -> SegmentCounter | None:
-        added = list(hf.get_added_tokens_decoder().values())
-        if not added or "Metaspace" in json.dumps(json.loads(hf.to_str()).get("pre_tokenizer")):
+        decoder = hf.get_added_tokens_decoder()
+        if not decoder or "Metaspace" in json.dumps(json.loads(hf.to_str()).get("pre_tokenizer")):
             return None
-        for t in added:
+        for t in decoder.values():
             if t.lstrip or t.rstrip or t.single_word or (t.normalized and hf.normalizer):
                 return None
-        contents = sorted({t.content for t in added}, key=len, reverse=True)
-        return cls(hf, re.compile("(" + "|".join(re.escape(c) for c in contents) + ")"))
+        ids = {t.content: i for i, t in decoder.items()}
+        contents = sorted(ids, key=len, reverse=True)
+        return cls(hf, re.compile("(" + "|".join(re.escape(c) for c in contents) + ")"), ids)
+
+    def _piece(self, seg: str) -> array[int]:
+        got = self.cache.get(seg)
+        if got is None:
+            got = array("i", self.hf.encode(seg, add_special_tokens=False).ids)
+            if len(self.cache) >= SEGMENT_CACHE_ENTRIES or self.chars >= SEGMENT_CACHE_CHARS:
+                self.cache.clear()
+                self.chars = 0
+            self.cache[seg] = got
+            self.chars += len(seg)
+        return got
 
     def count(self, text: str) -> int:
         """Tokens of ``text`` encoded without adding special tokens."""
         parts = self.pattern.split(text)
         n = len(parts) // 2  # the added tokens: every other part
-        cache = self.cache
         for seg in parts[::2]:
-            if not seg:
-                continue
-            c = cache.get(seg)
-            if c is None:
-                c = len(self.hf.encode(seg, add_special_tokens=False).ids)
-                if len(cache) >= SEGMENT_CACHE_ENTRIES or self.chars >= SEGMENT_CACHE_CHARS:
-                    cache.clear()
-                    self.chars = 0
-                cache[seg] = c
-                self.chars += len(seg)
-            n += c
+            if seg:
+                n += len(self._piece(seg))
         return n
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text`` encoded without adding special tokens."""
+        out: array[int] = array("i")
+        for i, part in enumerate(self.pattern.split(text)):
+            if i % 2:
+                out.append(self.added_ids[part])
+            elif part:
+                out.extend(self._piece(part))
+        return out.tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +186,11 @@ class Tokenizer:
             raise TokenizerError(f"chat template: {e}") from None
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        return list(self.hf.encode(self.render_chat(messages), add_special_tokens=False).ids)
+        """Prompt ids of a chat request (earlier turns' messages come from a cache)."""
+        text = self.render_chat(messages)
+        if self.segments is not None:
+            return self.segments.encode(text)
+        return list(self.hf.encode(text, add_special_tokens=False).ids)
 
     def count_chat(self, messages: Sequence[Mapping[str, Any]]) -> int:
         """Prompt tokens of a chat request, the template's overhead included (equal to

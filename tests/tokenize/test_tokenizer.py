@@ -120,13 +120,15 @@ _TEXT = st.lists(st.one_of(st.sampled_from([*SPECIALS, " ", "\n\n", "  ", "the r
 @given(st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), _TEXT),
                 min_size=1, max_size=6))
 def test_cached_chat_counts_equal_a_full_encode(turns: list[tuple[str, str]]) -> None:
-    """The piece cache (earlier messages counted once) gives the full encode's count, for
-    any text, added tokens inside messages and whitespace around them included."""
+    """The piece cache (earlier messages encoded once) gives the full encode's ids and
+    count, for any text, added tokens inside messages and whitespace around them included."""
     tok = BUNDLED
     assert tok.segments is not None
     msgs = [{"role": r, "content": c} for r, c in turns]
     for i in range(1, len(msgs) + 1):  # a conversation growing turn by turn
-        assert tok.count_chat(msgs[:i]) == len(tok.encode_chat(msgs[:i]))
+        full = tok.encode(tok.render_chat(msgs[:i]), add_special_tokens=False)  # no cache
+        assert tok.encode_chat(msgs[:i]) == full
+        assert tok.count_chat(msgs[:i]) == len(full)
 
 
 def test_the_piece_cache_is_off_where_the_cut_is_not_exact(tmp_path: Path) -> None:
@@ -138,8 +140,9 @@ def test_the_piece_cache_is_off_where_the_cut_is_not_exact(tmp_path: Path) -> No
     tok = load_tokenizer(tmp_path)
     assert tok.segments is None
     msgs = [{"role": "user", "content": "spaces   <|eot_id|> before an added token"}]
-    assert tok.count_chat(msgs) == len(tok.encode_chat(msgs))
+    full = tok.encode(tok.render_chat(msgs), add_special_tokens=False)
+    assert tok.encode_chat(msgs) == full and tok.count_chat(msgs) == len(full)
     # cutting at the added tokens would count the spaces the token ate: a wrong count
     assert BUNDLED.segments is not None
-    naive = SegmentCounter(tok.hf, BUNDLED.segments.pattern)
+    naive = SegmentCounter(tok.hf, BUNDLED.segments.pattern, BUNDLED.segments.added_ids)
     assert naive.count(tok.render_chat(msgs)) > tok.count_chat(msgs)
