@@ -52,10 +52,8 @@ def serve(
     protocol and /metrics; per router (unless --workers-only) /metrics, the gRPC agent
     servers and an OpenAI-compatible API. Stops cleanly on SIGTERM or Ctrl-C."""
     import asyncio
-    import signal
 
     from controller.errors import ConfigError
-    from controller.sim.live import LiveSim
 
     if host not in LOOPBACK:
         typer.echo(f"error: --host {host}: the simulator serves on loopback only "
@@ -67,29 +65,38 @@ def serve(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
 
-    async def main() -> None:
-        sim = LiveSim(scenario, initial, host=host, traffic=not (no_traffic or workers_only),
-                      routers=not workers_only)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        addresses = await sim.start()  # stops what it started when a port is taken
-        try:
-            if write_config is not None:
-                addresses["configs"] = _write_configs(
-                    addresses, sim, write_config, write_router_config, workers_only)
-            _print_addresses(addresses, as_json)
-            await stop.wait()
-        finally:
-            await sim.stop()
-        typer.echo("stopped", err=True)
-
     try:
-        asyncio.run(main())
+        asyncio.run(_serve(scenario, initial, host, traffic=not (no_traffic or workers_only),
+                           workers_only=workers_only, as_json=as_json,
+                           configs=(write_config, write_router_config)))
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+async def _serve(scenario: Any, initial: Any, host: str, *, traffic: bool, workers_only: bool,
+                 as_json: bool, configs: tuple[Path | None, Path | None]) -> None:
+    """Start the cluster, write the configs, print the addresses, serve until a signal."""
+    import asyncio
+    import signal
+
+    from controller.sim.live import LiveSim
+
+    sim = LiveSim(scenario, initial, host=host, traffic=traffic, routers=not workers_only)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    addresses = await sim.start()  # stops what it started when a port is taken
+    try:
+        if configs[0] is not None:
+            addresses["configs"] = _write_configs(addresses, sim, configs[0], configs[1],
+                                                  workers_only)
+        _print_addresses(addresses, as_json)
+        await stop.wait()
+    finally:
+        await sim.stop()
+    typer.echo("stopped", err=True)
 
 
 def _load(path: Path, policy: str, port_base: int | None,

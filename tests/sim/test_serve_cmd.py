@@ -164,3 +164,13 @@ def test_pdctl_run_on_the_written_config_records_windows(tmp_path: Path) -> None
             assert metrics.status_code == 200 and "pdctl_" in metrics.text
         finally:
             assert stop_daemon(proc, 20) == 0
+
+
+def test_a_missing_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
+    scenario = tmp_path / "s.toml"
+    scenario.write_text(SCENARIO)
+    run = subprocess.run([*PDCTL, "sim", "serve", str(scenario), "--workers-only",
+                          "--tokenizer", str(tmp_path / "nowhere")], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "no tokenizer.json" in run.stderr and str(tmp_path / "nowhere") in run.stderr
