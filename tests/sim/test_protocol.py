@@ -295,3 +295,36 @@ async def test_openai_client_against_a_decode_worker(cl: Cluster) -> None:
     done = await client.completions.create(model=cl.model, prompt="hello there", max_tokens=3)
     assert done.usage is not None and done.usage.completion_tokens == 3
     await client.close()
+
+
+async def test_concurrent_conversations_are_all_counted(cl: Cluster) -> None:
+    """24 conversations x 3 turns at once, alternating P/D and decode-local turns: every
+    request answered, and the workers' counters equal the sums of the answers' usage."""
+    usage = {"p_req": 0, "p_prompt": 0, "d_req": 0, "d_prompt": 0, "d_gen": 0}
+
+    async def conv(i: int) -> None:
+        msgs = [{"role": "user", "content": f"conversation {i}: " + "tell me more. " * 30}]
+        for turn in range(3):
+            if (i + turn) % 2 == 0:
+                leg, r = await _pd_turn(cl, msgs, f"c{i}t{turn}", max_tokens=6)
+                usage["p_req"] += 1
+                usage["p_prompt"] += leg["usage"]["prompt_tokens"]
+            else:
+                resp = await cl.chat(cl.d, msgs, max_tokens=6)
+                assert resp.status_code == 200
+                r = resp.json()
+            usage["d_req"] += 1
+            usage["d_prompt"] += r["usage"]["prompt_tokens"]
+            usage["d_gen"] += r["usage"]["completion_tokens"]
+            msgs = [*msgs, {"role": "assistant", "content": r["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": f"turn {turn}: go on " * 10}]
+
+    await asyncio.wait_for(asyncio.gather(*(conv(i) for i in range(24))), 60)
+    p, d = await cl.metrics(cl.p), await cl.metrics(cl.d)
+    assert usage["d_req"] == 72 and usage["d_gen"] == 72 * 6
+    assert p["vllm:request_success_total{finished_reason=length}"] == usage["p_req"]
+    assert p["vllm:prompt_tokens_total{}"] == usage["p_prompt"]
+    assert d["vllm:request_success_total{finished_reason=length}"] == usage["d_req"]
+    assert d["vllm:prompt_tokens_total{}"] == usage["d_prompt"]
+    assert d["vllm:generation_tokens_total{}"] == usage["d_gen"]
+    assert (await cl.state(cl.p))["pinned"] == []
