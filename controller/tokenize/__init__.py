@@ -11,7 +11,9 @@ from controller.tokenize.tokenizer import (
     Tokenizer,
     TokenizerError,
     bundled_tokenizer_dir,
+    fill_message,
     load_tokenizer,
 )
 
-__all__ = ["Tokenizer", "TokenizerError", "bundled_tokenizer_dir", "load_tokenizer"]
+__all__ = ["Tokenizer", "TokenizerError", "bundled_tokenizer_dir", "fill_message",
+           "load_tokenizer"]

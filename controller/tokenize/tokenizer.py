@@ -239,3 +239,30 @@ def load_tokenizer(path_or_dir: str | Path) -> Tokenizer:
     config = file.with_name(CONFIG_FILE)
     template, special = _read_config(config) if config.is_file() else (None, {})
     return Tokenizer(str(file), hf, template, special, SegmentCounter.of(hf))
+
+
+FILL_WORD = "the"
+
+
+def fill_message(tok: Tokenizer, before: Sequence[Mapping[str, Any]], total: int, *,
+                 role: str = "user", word: str = FILL_WORD) -> str:
+    """Content of one more ``role`` message, ``word`` repeated, that makes the chat's prompt
+    ``total`` tokens by ``tok`` — exactly when one word costs one token (the bundled
+    tokenizer's ``the``), else the nearest count not above ``total`` (one word at least).
+    Used to send prompts of a planned length (the active calibration's load points)."""
+    def count(k: int) -> int:
+        return tok.count_chat([*before, {"role": role, "content": " ".join([word] * k)}])
+
+    one, two = count(1), count(2)
+    per_word = max(1, two - one)
+    k = max(1, 1 + (total - one) // per_word)
+    best = 1
+    for _ in range(8):  # the word's cost is near constant: a few corrections at most
+        c = count(k)
+        if c == total:
+            return " ".join([word] * k)
+        if c < total:
+            best = max(best, k)
+        step = (total - c) // per_word if c < total else -(-(total - c) // per_word)
+        k = max(1, k + (step or (1 if c < total else -1)))
+    return " ".join([word] * best)

@@ -12,7 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.tokenize import TokenizerError, bundled_tokenizer_dir, load_tokenizer
+from controller.tokenize import (
+    TokenizerError,
+    bundled_tokenizer_dir,
+    fill_message,
+    load_tokenizer,
+)
 from controller.tokenize.tokenizer import SegmentCounter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,3 +151,22 @@ def test_the_piece_cache_is_off_where_the_cut_is_not_exact(tmp_path: Path) -> No
     assert BUNDLED.segments is not None
     naive = SegmentCounter(tok.hf, BUNDLED.segments.pattern, BUNDLED.segments.added_ids)
     assert naive.count(tok.render_chat(msgs)) > tok.count_chat(msgs)
+
+
+@pytest.mark.parametrize("total", [15, 16, 100, 256, 1000, 4096])
+def test_fill_message_sizes_a_prompt_exactly(total: int) -> None:
+    first = [{"role": "user", "content": fill_message(BUNDLED, [], total)}]
+    assert BUNDLED.count_chat(first) == total
+    # a second turn on the answer: the prompt is turn 1's prompt + its output + the append
+    before = [*first, {"role": "assistant", "content": " ".join(["sim"] * 32)}]
+    target = total + 32 + 300
+    second = [*before, {"role": "user", "content": fill_message(BUNDLED, before, target)}]
+    assert BUNDLED.count_chat(second) == target
+
+
+def test_fill_message_never_overshoots_with_a_costlier_word() -> None:
+    base = BUNDLED.count_chat([{"role": "user", "content": "word"}])
+    for total in (base + 7, base + 40, base + 41):  # "word" costs 2 tokens after the first
+        got = BUNDLED.count_chat([{"role": "user", "content": fill_message(
+            BUNDLED, [], total, word="word")}])
+        assert total - 2 < got <= total
