@@ -38,8 +38,9 @@ def serve(
         "port_base, else ports the OS picks.")] = None,
     write_config: Annotated[Path | None, typer.Option(
         "--write-config", metavar="FILE", help="Write a ready `pdctl run` config for this "
-        "cluster (SQLite store FILE.db beside it). With --workers-only, also a `pdctl router "
-        "serve` config (--write-router-config, default FILE-router.toml).")] = None,
+        "cluster (its SQLite store beside it: FILE with the suffix .db). With --workers-only, "
+        "also a `pdctl router serve` config (--write-router-config, default FILE-router.toml).")
+    ] = None,
     write_router_config: Annotated[Path | None, typer.Option(
         "--write-router-config", metavar="FILE",
         help="Where the router config goes (with --workers-only).")] = None,
