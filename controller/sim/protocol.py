@@ -48,7 +48,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.clock import WallClock
 from controller.sim.cluster import SimCluster, SimRequest
-from controller.sim.engine import Engine, EngineRequest, Kind
+from controller.sim.engine import Engine, Kind
 from controller.sim.http import (
     ClientGone,
     HttpError,
@@ -321,6 +321,10 @@ class WorkerApi:
     async def serve(self, call: _Call, writer: asyncio.StreamWriter,
                     gone: Awaitable[None]) -> None:
         self.advance()
+        if -(-(len(call.ids) + call.max_tokens) // self.eng.bs) > self.eng.total_blocks:
+            raise HttpError(400, f"prompt + max_tokens ({len(call.ids) + call.max_tokens} "
+                            f"tokens) exceed this worker's KV cache ({self.eng.total_blocks} "
+                            f"blocks of {self.eng.bs})")
         kind, source = self._kind(call)
         key, shared = self.prefix.match(call.ids)
         queue: asyncio.Queue[tuple[int, bool]] = asyncio.Queue()
@@ -336,7 +340,7 @@ class WorkerApi:
         er = self.cluster.run_on(self.eng, req, kind,
                                  source.eng.name if source is not None else None)
         try:
-            await self._reply(call, kind, req, er, queue, writer, gone)
+            await self._reply(call, kind, req, queue, writer, gone)
         except ClientGone:
             self.counters.requests["aborted"] += 1
             self.advance()
@@ -348,7 +352,7 @@ class WorkerApi:
                                            add_special_tokens=False)
         self.prefix.remember(key, call.ids, out)
 
-    async def _reply(self, call: _Call, kind: Kind, req: SimRequest, er: EngineRequest,
+    async def _reply(self, call: _Call, kind: Kind, req: SimRequest,
                      queue: asyncio.Queue[tuple[int, bool]], writer: asyncio.StreamWriter,
                      gone: Awaitable[None]) -> None:
         created = int(self.wall.now())

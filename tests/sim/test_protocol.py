@@ -328,3 +328,13 @@ async def test_concurrent_conversations_are_all_counted(cl: Cluster) -> None:
     assert d["vllm:prompt_tokens_total{}"] == usage["d_prompt"]
     assert d["vllm:generation_tokens_total{}"] == usage["d_gen"]
     assert (await cl.state(cl.p))["pinned"] == []
+
+
+async def test_a_request_larger_than_the_kv_cache_is_refused_not_queued(cl: Cluster) -> None:
+    eng = next(e for e in cl.sim.cluster.decode if e.name == "decode-0")
+    eng.total_blocks = 8  # 128 tokens of KV
+    r = await cl.chat(cl.d, conversation(1), max_tokens=4)
+    assert r.status_code == 400 and "KV cache" in r.json()["error"]["message"]
+    assert (await cl.state(cl.d))["counters"]["requests"]["local"] == 0
+    ok = await cl.chat(cl.d, [{"role": "user", "content": "short"}], max_tokens=4)
+    assert ok.status_code == 200
