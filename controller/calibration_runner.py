@@ -60,6 +60,7 @@ from controller.observe.source import MetricsSource
 from controller.policy import Policy, Route, dumps, loads
 from controller.rollout.reconciler import Reconciler, RouterStatus
 from controller.store import Lease, OperatorRequest, Store
+from controller.tokenize import Tokenizer, bundled_tokenizer_dir, fill_message, load_tokenizer
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -146,6 +147,7 @@ class ActiveCalibrationRunner:
         http: httpx.AsyncClient | None = None,
         leadership: LeaseLeadership | None = None,
         on_start: Callable[[], None] | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         if not routers:
             raise ValueError("an active calibration needs routers to force policies on")
@@ -161,6 +163,9 @@ class ActiveCalibrationRunner:
         self.clock = clock
         self.limits = limits or RunnerLimits()
         self.model = model
+        # Prompts are sized with the served model's tokenizer (default: the simulator's), so
+        # each conversation lands in the context class and append size of its load point.
+        self.tokenizer = tokenizer or load_tokenizer(bundled_tokenizer_dir())
         self.progress = progress
         self._http = http
         # Held for the whole run (renewed every third of its lifetime): a daemon started
@@ -448,21 +453,23 @@ class ActiveCalibrationRunner:
                                         else "deadline reached")
             return
         ph.points_run += 1
-        turn1_tokens = point.turn1_prompt_tokens
+        tok = self.tokenizer
+        first = [{"role": "user", "content": fill_message(tok, [], point.turn1_prompt_tokens)}]
+        # turn 2's prompt: turn 1's prompt and output (the context) + the append
+        second_total = tok.count_chat(first) + point.output_tokens + point.append_tokens
 
         async def conversation(j: int) -> None:
             endpoint = self.endpoints[self._sessions % len(self.endpoints)]
             self._sessions += 1
             session = f"pdctl-active-{self._run_id}-{tag}-{j}"
-            first = [{"role": "user", "content": _text(turn1_tokens - 7)}]
             await self._sleep_until(t0 + 2 * j * gap)
             reply = await self._turn(http, gate, endpoint, session, first,
                                      point.output_tokens, ph, deadline, task)
             if reply is None:
                 return
-            # Turn 2 adds the answer's and the new message's overheads (4 tokens each).
-            second = [*first, {"role": "assistant", "content": reply},
-                      {"role": "user", "content": _text(point.append_tokens - 8)}]
+            before = [*first, {"role": "assistant", "content": reply}]
+            second = [*before, {"role": "user",
+                                "content": fill_message(tok, before, second_total)}]
             await self._sleep_until(t0 + (2 * j + 1) * gap)
             await self._turn(http, gate, endpoint, session, second, point.output_tokens, ph,
                              deadline, task)
@@ -607,13 +614,6 @@ def _acked(statuses: Mapping[str, RouterStatus]) -> dict[str, int | None]:
 def _usable(w: Window) -> bool:
     """Fit to learn from: routed requests and every target read."""
     return bool(w.outcomes) and not w.failures
-
-
-def _text(tokens: int) -> str:
-    """A text of ``4 × tokens`` bytes: exactly ``tokens`` tokens by the simulator's rule
-    (``ceil(bytes / 4)``), about as many for a real tokenizer (one per short word)."""
-    n = max(tokens, 1)
-    return ("word " * n)[: 4 * n]
 
 
 # The requests a daemon would apply over the first table: holds and rollbacks.

@@ -94,6 +94,9 @@ def calibrate_active(
         "conversations over several.")],
     model: Annotated[str | None, typer.Option(
         "--model", help="`model` field of the requests (omitted when not given).")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(
+        "--tokenizer", help="tokenizer.json (or its directory) of the served model: prompts "
+        "are sized with it. Default: the simulator's bundled tokenizer.")] = None,
     contexts: Annotated[str, typer.Option(help="Context classes (turn-1 prompt tokens).")
                         ] = _DEFAULT_CONTEXTS,
     turns: Annotated[str, typer.Option(
@@ -147,6 +150,7 @@ def calibrate_active(
     from controller.policy import Axes, Slo
     from controller.rollout.client import GrpcRouterTransport
     from controller.rollout.reconciler import Reconciler
+    from controller.tokenize import bundled_tokenizer_dir, load_tokenizer
 
     openai = _endpoints(openai)
     try:
@@ -161,6 +165,7 @@ def calibrate_active(
             max_duration_s=0.8 * max_duration)
         limits = RunnerLimits(max_requests=max_requests, max_duration_s=max_duration,
                               concurrency=concurrency, window_s=window)
+        tok = load_tokenizer(tokenizer or bundled_tokenizer_dir())
     except (ConfigError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(_EXIT_BAD_INPUT) from None
@@ -190,7 +195,7 @@ def calibrate_active(
                 reconciler=Reconciler.from_config(transport, clock, settings.rollout),
                 routers=routers, endpoints=openai, source=source,
                 learner=CoreLearner(settings), clock=clock, limits=limits, model=model,
-                progress=progress, leadership=leadership_for(
+                tokenizer=tok, progress=progress, leadership=leadership_for(
                     store, clock, f"calibrate-active-{default_holder()}",
                     settings.controller.lease_ttl_s),
                 on_start=lambda: console.print(  # only once the run's checks passed

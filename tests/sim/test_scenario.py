@@ -99,8 +99,29 @@ def test_json_schema_accepts_the_examples_and_names_the_same_keys() -> None:
     import json
 
     schema = json.loads((ROOT / "controller" / "sim" / "scenario.schema.json").read_text())
-    from controller.sim.scenario import CLUSTER_KEYS, WORKLOAD_KEYS
+    from controller.sim.scenario import CLUSTER_KEYS, SERVE_KEYS, WORKLOAD_KEYS
 
+    assert set(schema["properties"]["serve"]["properties"]) == SERVE_KEYS
+    assert schema["properties"]["serve"]["additionalProperties"] is False
     assert set(schema["properties"]["cluster"]["properties"]) == CLUSTER_KEYS
     assert set(schema["properties"]["workload"]["properties"]) == WORKLOAD_KEYS
     assert schema["additionalProperties"] is False
+
+
+def test_serve_table(tmp_path: Path) -> None:
+    data = _base()
+    assert parse_scenario(data).serve.port_base is None  # the OS picks ports
+    data["serve"] = {"port_base": 18000, "tokenizer": "tok", "abort_timeout_s": 120,
+                     "no_handle_fraction": 0.25, "default_max_tokens": 32}
+    sc = parse_scenario(data, source_path=tmp_path / "s.toml")
+    assert sc.serve.port_base == 18000 and sc.serve.abort_timeout_s == 120
+    assert sc.serve.tokenizer == tmp_path / "tok"  # relative to the scenario file
+    assert (sc.serve.no_handle_fraction, sc.serve.default_max_tokens) == (0.25, 32)
+    for bad, where in (({"port_base": 80}, "serve.port_base"),
+                       ({"port_base": 65500}, "serve.port_base"),
+                       ({"no_handle_fraction": 1.5}, "serve.no_handle_fraction"),
+                       ({"abort_timeout_s": 0}, "serve.abort_timeout_s"),
+                       ({"ports": 1}, "serve.ports")):
+        data["serve"] = bad
+        with pytest.raises(ScenarioError, match=where.replace(".", r"\.")):
+            parse_scenario(data)
