@@ -51,6 +51,7 @@ from controller.observe.catalog import (
     REPLICA_RANK_LABELS,
     ROUTER,
     CounterSpec,
+    GaugeSpec,
     HistogramSpec,
     has_replica_ranks,
 )
@@ -216,30 +217,34 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
     counters: dict[str, CounterSpec] = {}
     gauges: dict[str, str] = {}
     for engine in ENGINES:
-        for h in engine.histograms.values():
-            hist_specs[(h.family, h.match)] = h
-        for c in engine.counters.values():
-            counters[c.sample] = c
-        for g in engine.gauges.values():
-            gauges[g.family] = "avg" if g.aggregate == "mean" else "sum"
-        histogram_families = {h.family for h in engine.histograms.values()}
+        for spec in engine.all_specs():
+            if isinstance(spec, HistogramSpec) and spec.gauge:
+                gauges[spec.family] = "avg"  # a latest value per process: averaged
+            elif isinstance(spec, HistogramSpec):
+                hist_specs[(spec.family, spec.match)] = spec
+            elif isinstance(spec, CounterSpec):
+                # Split by its label, so a failure reason is told apart from served ones.
+                counters[spec.sample] = spec
+            else:
+                gauges[spec.family] = "avg" if spec.aggregate == "mean" else "sum"
+        for samples in engine.failure_counters.values():
+            counters.update((n, CounterSpec(n)) for n in samples)
+        histogram_families = {f for f, _ in hist_specs}
         for m in engine.markers:
             if m not in histogram_families:
                 gauges.setdefault(m, "sum")  # presence is all that matters for markers
     gauges[ROUTER.qps] = "sum"
 
-    def selector(name: str, match: tuple[tuple[str, str], ...] = (),
-                 excluded: tuple[tuple[str, str], ...] = ()) -> str:
+    def selector(name: str, match: tuple[tuple[str, str], ...] = ()) -> str:
         stored = name.replace(":", "_") if escaped_names else name
         if has_replica_ranks(name):  # the total, not the priority classes beside it (also
             match = (*match, (PRIORITY_LABEL, ""))  # the series without the label)
-        matchers = [f'{k}="{v}"' for k, v in match] + [f'{k}!="{v}"' for k, v in excluded]
+        matchers = [f'{k}="{v}"' for k, v in match]
         return stored + "{" + ",".join(matchers) + "}" if matchers else stored
 
     def term(series: str, labels: tuple[str, ...], match: tuple[tuple[str, str], ...] = (),
-             aggregate: str = "sum", cumulative: bool = True,
-             excluded: tuple[tuple[str, str], ...] = ()) -> str:
-        inner = selector(series, match, excluded)
+             aggregate: str = "sum", cumulative: bool = True) -> str:
+        inner = selector(series, match)
         if cumulative and window_ms is not None:
             inner = f"increase({inner}[{window_ms}ms])"
         # One value per scheduler before summing: SGLang's rank replicas report the same
@@ -261,8 +266,7 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
     for family in (ROUTER.ttft, ROUTER.tpot):
         sums.append(term(family + "_sum", _ROUTER_CELL))
         counts.append(term(family + "_count", _ROUTER_CELL))
-    counter_terms = [term(c.sample, (c.by,) if c.by else (), excluded=c.excluded)
-                     for c in counters.values()]
+    counter_terms = [term(c.sample, (c.by,) if c.by else ()) for c in counters.values()]
     counter_terms.append(term(ROUTER.requests, (*_ROUTER_CELL, "slo")))
     gauge_terms = [term(name, (), aggregate=agg, cumulative=False)
                    for name, agg in gauges.items()]
@@ -453,7 +457,9 @@ class PrometheusSource:
 def _gauge_names() -> frozenset[str]:
     names = {ROUTER.qps}
     for engine in ENGINES:
-        names |= {g.family for g in engine.gauges.values()}
+        names |= {spec.family for spec in engine.all_specs()
+                  if isinstance(spec, GaugeSpec)
+                  or (isinstance(spec, HistogramSpec) and spec.gauge)}
         names |= set(engine.markers)
     return frozenset(names)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from controller.core.window import (
     Histogram,
@@ -197,7 +197,7 @@ class FakeSource:
                 continue
             w = self._workers[t.name]
             role: Role = "prefill" if t.role == "prefill" else "decode"
-            summaries = {
+            summaries: dict[str, Any] = {
                 k: (Summary(mean=h.total / h.count, count=h.count)
                     if baseline and (h := w.hist.get(k)) is not None and h.count > 0 else None)
                 for k in HISTOGRAM_KEYS
