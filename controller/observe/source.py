@@ -85,6 +85,8 @@ class _HistLedger:
 class _WorkerLedger:
     hist: dict[str, _HistLedger] = field(default_factory=dict)
     requests: float = 0.0
+    aborted: float = 0.0
+    errored: float = 0.0
     generation: float = 0.0
     prompt: dict[str, float] = field(default_factory=dict)
     gauges: dict[str, float] = field(default_factory=dict)
@@ -133,6 +135,13 @@ class FakeSource:
         w.generation += generation_tokens
         for src, n in prompt_tokens.items():
             w.prompt[src] = w.prompt.get(src, 0.0) + n
+
+    def fail_requests(self, target: str, *, aborted: float = 0.0, errored: float = 0.0
+                      ) -> None:
+        """Requests that finished without being served (not in the request rate)."""
+        w = self._workers[target]
+        w.aborted += aborted
+        w.errored += errored
 
     def set_gauge(self, target: str, key: str, value: float) -> None:
         self._workers[target].gauges[key] = value
@@ -209,6 +218,8 @@ class FakeSource:
                 kv_cache_usage=w.gauges.get("kv_cache_usage"),
                 prompt_tokens_by_source=dict(w.prompt) if baseline else None,
                 generation_tokens=w.generation if baseline else None,
+                aborted=w.aborted if baseline else None,
+                errored=w.errored if baseline else None,
                 **summaries,
             ))
             self._workers[t.name] = _WorkerLedger(gauges=dict(w.gauges))
