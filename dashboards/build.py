@@ -5,7 +5,8 @@
 
 Every panel reads Prometheus through the ``${datasource}`` variable and uses raw series
 (``pdctl_*`` from the controller, ``pdrouter_*`` from the router agents, ``vllm:*`` and
-``sglang:*`` from the workers), not the recording rules, so the dashboards work before the rules are loaded.
+``sglang:*`` from the workers), not the recording rules, so the dashboards work before the
+rules are loaded.
 Worker panels group by the ``role`` target label that deploy/prometheus/prometheus.yml sets.
 """
 
