@@ -406,7 +406,8 @@ class PrometheusSource:
                     and not baseline_at.get(t.name, -math.inf) >= start - max(end - start, 1.0):
                 start_samples = {}
             results.append(TargetResult(t.name, t.role, delta=self._delta(
-                t.name, at_end.get(t.name, {}), start_samples, start, end)))
+                t.name, at_end.get(t.name, {}), start_samples, start, end,
+                worker=t.role != "router")))
         return assemble_window(
             start, end, results, source=f"{self.name}:{self._mode}",
             ctx_labels=CONTEXT_BINS.labels, io_labels=IO_RATIO_BINS.labels,
@@ -419,6 +420,8 @@ class PrometheusSource:
         start_samples: dict[str, dict[LabelKey, float]] | None,
         start: float,
         end: float,
+        *,
+        worker: bool = True,
     ) -> TargetDelta:
         families = frozenset(base_name(s) for s in end_samples)
         if start_samples is None:  # increase mode: rows are already window increases
@@ -428,8 +431,16 @@ class PrometheusSource:
             for series, values in end_samples.items():
                 clean = {k: v for k, v in values.items() if not math.isnan(v)}
                 (gauges if series in gauge_names else increases)[series] = clean
+            # A worker exports counters from its start (vLLM and SGLang create their
+            # series up front): none at all means fewer than two samples in the window
+            # (increase() needs two), a first window, not families the engine lacks.
+            sampled = bool(increases) or not worker
+            notes = [] if sampled else [TargetFailure(
+                instance, "no_baseline", "no counter has two samples in the window (increase() "
+                "needs two): scraped less often than the window, or just started")]
             return TargetDelta(target=instance, families=families, increases=increases,
-                               gauges=gauges)
+                               gauges=gauges, has_baseline=sampled, families_known=sampled,
+                               notes=notes)
         # edges mode: the cumulative values at both edges, diffed like two scrapes
         prev = Snapshot(instance, start, start_samples, frozenset(start_samples))
         cur = Snapshot(instance, end, end_samples, families)

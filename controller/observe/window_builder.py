@@ -78,6 +78,9 @@ class TargetDelta:
     gauges: dict[str, dict[LabelKey, float]] = field(default_factory=dict)
     has_baseline: bool = True
     notes: list[TargetFailure] = field(default_factory=list)
+    # ``families`` is every family the target exports (an exposition's TYPE lines, or a
+    # Prometheus window with samples): a family not in it is missing, not merely unseen.
+    families_known: bool = True
 
 
 def check_histograms(snapshot: Snapshot) -> None:
@@ -379,7 +382,7 @@ def worker_stats(
             message="no vLLM or SGLang families found (is metrics export enabled?)",
         ))
         return None, notes
-    if not delta.has_baseline:
+    if not delta.has_baseline and not any(n.kind == "no_baseline" for n in notes):
         notes.append(TargetFailure(
             target=delta.target, kind="no_baseline",
             message="first snapshot of this target: counters need a previous one",
@@ -401,7 +404,7 @@ def worker_stats(
         generation_tokens=None if generation is None else math.fsum(generation.values()),
         aborted=requests.aborted,
         errored=requests.errored,
-        missing=detected.missing(present),
+        missing=detected.missing(present) if delta.families_known else (),
         **summaries,
     )
     return stats, notes

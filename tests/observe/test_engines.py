@@ -255,3 +255,72 @@ def test_pdctl_observe_once_names_the_missing_family(tmp_path: Any) -> None:
         assert (worker["aborted"], worker["errored"]) == (0.0, None)
     finally:
         server.close()
+
+
+# --- the PromQL path against a real Prometheus ---------------------------------------------
+
+@pytest.mark.integration
+async def test_promql_path_through_a_real_prometheus() -> None:
+    """One Prometheus scraping a worker of every release (text format, names with colons):
+    the edges window reads each exactly as the scrape does; the increase window (which
+    extrapolates counts) names the same missing families and outcomes where it has them."""
+    import asyncio
+    import time
+
+    from controller.observe.prometheus import PrometheusClient
+    from tests.conftest import require
+    from tests.observe.promserver import HOW_TO_INSTALL, PROMETHEUS, PromServer
+
+    require("prometheus", PROMETHEUS is not None, HOW_TO_INSTALL)
+    releases = sorted(CASES)
+    servers = [TextServer(t.baseline(CASES[r][0])) for r in releases]
+    targets = [Target(s.address, "decode") for s in servers]
+    prom = PromServer(targets)
+    client = PrometheusClient(prom.url, timeout_s=5.0, retries=1)
+    try:
+        prom.wait_scraped_after(time.time())
+        start = time.time()
+        for server, release in zip(servers, releases, strict=True):
+            server.default = CASES[release][0]
+        await asyncio.sleep(3.5)  # increase() needs two samples of a series in the window
+        prom.wait_scraped_after(time.time())
+        end = time.time() + 0.1
+        edges = await PrometheusSource(client, targets, mode="edges").window(start, end)
+        increase = await PrometheusSource(client, targets, mode="increase").window(start, end)
+    finally:
+        client.close()
+        prom.stop()
+        for s in servers:
+            s.close()
+    assert edges.failures == () and increase.failures == ()
+    for i, release in enumerate(releases):
+        case = CASES[release]
+        exact = next(w for w in edges.workers if w.worker == targets[i].name)
+        _check(replace_rate(exact, end - start), case)
+        rough = next(w for w in increase.workers if w.worker == targets[i].name)
+        assert rough.missing == exact.missing == case[-1], release
+        assert (rough.errored is None) == (exact.errored is None), release
+        assert rough.kv_cache_usage == exact.kv_cache_usage, release
+
+
+def replace_rate(stats: WorkerStats, interval: float) -> WorkerStats:
+    """``stats`` with its request rate over :data:`INTERVAL` (the cases' unit)."""
+    from dataclasses import replace
+
+    rate = None if stats.request_rate is None else stats.request_rate * interval / INTERVAL
+    return replace(stats, request_rate=rate)
+
+
+async def test_promql_increase_window_without_two_samples_is_no_baseline() -> None:
+    """Too short a window for increase(): no counter rows. Said as a first window, not as
+    every learning family missing."""
+    snap = parse_exposition(t.VLLM_0_34, target="w:1", taken_at=INTERVAL)
+    gauges_only = {k: v for k, v in snap.samples.items()
+                   if not k.endswith(("_total", "_bucket", "_sum", "_count"))}
+    source = PrometheusSource(_AnsweringClient("w:1", gauges_only),  # type: ignore[arg-type]
+                              [Target("w:1", "decode")], mode="increase")
+    window = await source.window(0.0, INTERVAL)
+    (stats,) = window.workers
+    assert stats.missing == () and stats.request_rate is None and stats.running == 3
+    assert [(f.kind, "two samples" in f.message) for f in window.failures] == [
+        ("no_baseline", True)]
