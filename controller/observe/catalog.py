@@ -64,7 +64,7 @@ class HistogramSpec:
     scale: float = 1.0
     # Only series whose labels include these pairs (e.g. SGLang's stage="prefill_forward").
     match: tuple[tuple[str, str], ...] = ()
-    # The family is a gauge holding the latest value, not a histogram (SGLang 0.5.3's
+    # The family is a gauge holding the latest value, not a histogram (SGLang 0.5.3-0.5.9's
     # kv_transfer_latency_ms): read as a mean with no count; 0 (nothing measured yet) is
     # no value.
     gauge: bool = False
@@ -242,7 +242,8 @@ SGLANG = EngineSpec(
     },
     markers=("sglang:num_running_reqs", "sglang:token_usage", "sglang:num_queue_reqs"),
     alternates={
-        # 0.5.3 exports the KV-transfer latency as a gauge of the same name.
+        # 0.5.3-0.5.9 export the KV-transfer latency as a gauge of the same name (the
+        # latest transfer's, on the prefill side); 0.5.10+ as a histogram.
         "kv_transfer_s": (HistogramSpec("sglang:kv_transfer_latency_ms", scale=1e-3,
                                         gauge=True),),
     },

@@ -136,8 +136,9 @@ VLLM_0_34 = (
 )
 
 
-def _sglang_common() -> str:
-    streaming = {**SGLANG_TOKENIZER, "is_streaming": "true"}
+def _sglang_common(is_streaming: bool = True) -> str:
+    # is_streaming labels the tokenizer's request series from 0.5.19.
+    streaming = {**SGLANG_TOKENIZER, **({"is_streaming": "true"} if is_streaming else {})}
     return (gauge("sglang:num_running_reqs", SGLANG_SCHEDULER, 4)
             + gauge("sglang:num_queue_reqs", SGLANG_SCHEDULER, 2)
             + gauge("sglang:token_usage", SGLANG_SCHEDULER, 0.5)
@@ -151,10 +152,19 @@ def _sglang_common() -> str:
                         SGLANG_ITL_BUCKETS, [0.01, 0.01, 0.01]))
 
 
+# SGLang 0.4.9.post6 (sglang/srt/metrics/collector.py): no KV-transfer latency family at
+# all; the failure counters are defined without "_total" (exposed with it).
+SGLANG_0_4_9 = (
+    _sglang_common(is_streaming=False)
+    + counter("sglang:num_transfer_failed_reqs", [(SGLANG_SCHEDULER, 1)])
+    + counter("sglang:num_bootstrap_failed_reqs", [(SGLANG_SCHEDULER, 0)])
+)
+
 # SGLang 0.5.3 (sglang/srt/metrics/collector.py): kv_transfer_latency_ms is a GAUGE (the
-# latest transfer's latency, 0 until one is measured), no request_time_per_output_token.
+# latest transfer's latency on the prefill side, 0 until one is measured; a gauge through
+# 0.5.9, a histogram from 0.5.10), no request_time_per_output_token (0.5.20+).
 SGLANG_0_5_3 = (
-    _sglang_common()
+    _sglang_common(is_streaming=False)
     + gauge("sglang:kv_transfer_latency_ms", SGLANG_SCHEDULER, 12.0)
     + counter("sglang:num_transfer_failed_reqs", [(SGLANG_SCHEDULER, 1)])
     + counter("sglang:num_bootstrap_failed_reqs", [(SGLANG_SCHEDULER, 0)])
