@@ -198,9 +198,8 @@ VLLM = EngineSpec(
         "waiting": GaugeSpec("vllm:num_requests_waiting"),
         "kv_cache_usage": GaugeSpec("vllm:kv_cache_usage_perc", aggregate="mean"),
     },
-    markers=("vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-             "vllm:gpu_cache_usage_perc", "vllm:inter_token_latency_seconds",
-             "vllm:time_per_output_token_seconds"),
+    markers=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+             "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
     alternates={
         # 0.9-0.11: time_per_output_token_seconds is the inter-token latency under its old
         # name (NOT per-request TPOT, which 0.9-0.10 do not export at all).
