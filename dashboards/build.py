@@ -325,12 +325,9 @@ def _sg(metric: str) -> str:
     return f'{_SG_RANKS} ({metric}{{priority=""}})'
 
 
-def workers() -> dashboard.Dashboard:
-    lay = _Layout()
+def _worker_latency(board: dashboard.Dashboard, lay: _Layout) -> dashboard.Dashboard:
     return (
-        _base("pdctl-workers", "pd-controller / P/D workers",
-              "Prefill and decode workers, vLLM (0.11+) and SGLang (0.5) series side by side "
-              "(docs/engines.md), by the role target label.")
+        board
         .with_row(dashboard.Row("Latency by role").id(lay.take()))
         .with_panel(series(lay, "Queue time p90 by role", "s", [
             (_hq(0.9, "vllm:request_queue_time_seconds", "role"), "vLLM {{role}}"),
@@ -354,6 +351,12 @@ def workers() -> dashboard.Dashboard:
             (_hq(0.9, "vllm:time_to_first_token_seconds", "role"), "vLLM {{role}}"),
             (_hq(0.9, "sglang:time_to_first_token_seconds", "role"), "SGLang {{role}}"),
         ]))
+    )
+
+
+def _worker_load(board: dashboard.Dashboard, lay: _Layout) -> dashboard.Dashboard:
+    return (
+        board
         .with_row(dashboard.Row("Load").id(lay.take()))
         .with_panel(series(lay, "Running and waiting requests per worker", "short", [
             ('sum by (role, instance) (vllm:num_requests_running)',
@@ -396,6 +399,17 @@ def workers() -> dashboard.Dashboard:
              f"(rate(sglang:num_transfer_failed_reqs_total[{RATE}])))",
              "SGLang failed transfers {{role}}"),
         ]))
+    )
+
+
+def workers() -> dashboard.Dashboard:
+    lay = _Layout()
+    board = _base("pdctl-workers", "pd-controller / P/D workers",
+                  "Prefill and decode workers, vLLM (0.11+) and SGLang (0.5) series side by "
+                  "side (docs/engines.md), by the role target label.")
+    board = _worker_load(_worker_latency(board, lay), lay)
+    return (
+        board
         .with_row(dashboard.Row("Capacity").id(lay.take()))
         .with_panel(series(lay, "Recommended vs answering workers by role", "short", [
             ("max by (role) (pdctl_recommended_workers)", "recommended {{role}}"),

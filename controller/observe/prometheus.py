@@ -206,13 +206,10 @@ class _Query:
     promql: str
 
 
-def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list[_Query]:
-    """The window's queries; ``window_ms`` None: cumulative values (edges mode).
-
-    ``escaped_names``: Prometheus stored ``vllm:x`` as ``vllm_x`` (prometheus_client 0.22+
-    escapes colons when a Prometheus before 2.49 negotiates OpenMetrics). Rows are still
-    tagged with the catalog's names.
-    """
+def _catalog_series() -> tuple[dict[tuple[str, tuple[tuple[str, str], ...]], HistogramSpec],
+                               dict[str, CounterSpec], dict[str, str]]:
+    """Every series the catalog may read (alternates included): histograms by (family,
+    match), counters by sample, gauges with their aggregation across a target's series."""
     hist_specs: dict[tuple[str, tuple[tuple[str, str], ...]], HistogramSpec] = {}
     counters: dict[str, CounterSpec] = {}
     gauges: dict[str, str] = {}
@@ -234,6 +231,17 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
             if m not in histogram_families:
                 gauges.setdefault(m, "sum")  # presence is all that matters for markers
     gauges[ROUTER.qps] = "sum"
+    return hist_specs, counters, gauges
+
+
+def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list[_Query]:
+    """The window's queries; ``window_ms`` None: cumulative values (edges mode).
+
+    ``escaped_names``: Prometheus stored ``vllm:x`` as ``vllm_x`` (prometheus_client 0.22+
+    escapes colons when a Prometheus before 2.49 negotiates OpenMetrics). Rows are still
+    tagged with the catalog's names.
+    """
+    hist_specs, counters, gauges = _catalog_series()
 
     def selector(name: str, match: tuple[tuple[str, str], ...] = ()) -> str:
         stored = name.replace(":", "_") if escaped_names else name

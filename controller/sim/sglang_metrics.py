@@ -144,14 +144,20 @@ class SglangView:
                        ranks, scale=1e3)
             yield hist("sglang:kv_transfer_total_mb", "KV transfer size in MB.", m.h_bytes,
                        ranks, scale=1.0 / MB)
-            for name, doc, value in (
-                ("sglang:num_bootstrap_failed_reqs", "Bootstrap failures.", 0),
-                ("sglang:num_transfer_failed_reqs", "KV transfer failures.", m.success["error"]),
-            ):
-                c = CounterMetricFamily(name, doc, labels=list(ranks[0]))
-                for labels in ranks:
-                    c.add_metric(list(labels.values()), value)
-                yield c
+            yield from _transfer_failures(m, ranks)
+
+
+def _transfer_failures(m: WorkerMetrics, ranks: list[dict[str, str]]
+                       ) -> Iterator[CounterMetricFamily]:
+    """P/D failures, on every rank: vLLM's finished_reason="error" as failed transfers."""
+    for name, doc, value in (
+        ("sglang:num_bootstrap_failed_reqs", "Bootstrap failures.", 0),
+        ("sglang:num_transfer_failed_reqs", "KV transfer failures.", m.success["error"]),
+    ):
+        c = CounterMetricFamily(name, doc, labels=list(ranks[0]))
+        for labels in ranks:
+            c.add_metric(list(labels.values()), value)
+        yield c
 
 
 class _Collector:
