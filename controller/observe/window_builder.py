@@ -304,7 +304,7 @@ def exported(delta: TargetDelta, spec: AnySpec) -> bool:
 
     A histogram is announced by its family name (the exposition's TYPE line) or its series;
     a family of that name that is a gauge is not the histogram (SGLang's
-    ``kv_transfer_latency_ms`` was a gauge in 0.5.3, a histogram later)."""
+    ``kv_transfer_latency_ms`` is a gauge in 0.5.3-0.5.9, a histogram from 0.5.10)."""
     if isinstance(spec, GaugeSpec):
         return spec.family in delta.gauges
     if isinstance(spec, CounterSpec):
