@@ -89,6 +89,21 @@ VLLM_0_9 = (
                 [0.02, 0.02, 0.02, 0.02])
 )
 
+# vLLM 0.9.2's V0 engine (VLLM_USE_V1=0; vllm/engine/metrics.py): gpu_cache_usage_perc and
+# time_per_output_token_seconds only, and no "engine" label.
+V0_LABELS = {"model_name": "m"}
+VLLM_0_9_V0 = (
+    gauge("vllm:num_requests_running", V0_LABELS, 3)
+    + gauge("vllm:num_requests_waiting", V0_LABELS, 1)
+    + gauge("vllm:gpu_cache_usage_perc", V0_LABELS, 0.25)
+    + counter("vllm:generation_tokens", [(V0_LABELS, 400)])
+    + counter("vllm:prompt_tokens", [(V0_LABELS, 900)])
+    + counter("vllm:request_success", [({**V0_LABELS, "finished_reason": r}, v)
+                                        for r, v in (("stop", 3), ("length", 1), ("abort", 1))])
+    + histogram("vllm:time_to_first_token_seconds", V0_LABELS, VLLM_TTFT_BUCKETS, [0.05, 0.15])
+    + histogram("vllm:time_per_output_token_seconds", V0_LABELS, VLLM_ITL_BUCKETS, [0.02, 0.04])
+)
+
 # vLLM 0.10.2: both ITL names (inter_token_latency_seconds new, time_per_output_token_seconds
 # deprecated), still no per-request TPOT nor per-source prompt tokens.
 VLLM_0_10 = (

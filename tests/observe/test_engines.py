@@ -41,6 +41,7 @@ def _mean(s: Any) -> float | None:
 # text, served, aborted, errored, ITL mean, TPOT mean, KV usage, KV transfer mean, missing
 CASES = {
     "vllm-0.9.2": (t.VLLM_0_9, 8, 2, None, 0.02, None, 0.25, None, (K,)),
+    "vllm-0.9.2-v0": (t.VLLM_0_9_V0, 4, 1, None, 0.03, None, 0.25, None, (K,)),
     "vllm-0.10.2": (t.VLLM_0_10, 5, 0, None, 0.04, None, 0.5, None, (K,)),
     "vllm-0.11.2": (t.VLLM_0_11, 4, 1, None, 0.03, 0.035, 0.75, 0.03, ()),
     "vllm-0.34.0": (t.VLLM_0_34, 14, 2, 4, 0.03, 0.035, 0.5, 0.05, ()),
