@@ -132,7 +132,7 @@ class WorkerStats:
 
     worker: str  # instance, e.g. ``10.0.0.5:8000``
     role: Role
-    engine: str | None = None  # "vllm", "vllm-legacy", "sglang", ...
+    engine: str | None = None  # the catalog engine that read it: "vllm", "sglang", ...
     request_rate: float | None = None  # served requests per second (finished normally)
     ttft_s: Summary | None = None
     inter_token_s: Summary | None = None
