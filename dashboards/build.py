@@ -405,7 +405,7 @@ def _worker_load(board: dashboard.Dashboard, lay: _Layout) -> dashboard.Dashboar
 def workers() -> dashboard.Dashboard:
     lay = _Layout()
     board = _base("pdctl-workers", "pd-controller / P/D workers",
-                  "Prefill and decode workers, vLLM (0.11+) and SGLang (0.5) series side by "
+                  "Prefill and decode workers, vLLM (0.11.2 on) and SGLang (0.5) series side by "
                   "side (docs/engines.md), by the role target label.")
     board = _worker_load(_worker_latency(board, lay), lay)
     return (

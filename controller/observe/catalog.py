@@ -184,7 +184,7 @@ VLLM = EngineSpec(
         "kv_transfer_bytes": HistogramSpec("vllm:nixl_bytes_transferred"),
     },
     counters={
-        # Every FinishReason is a label value: "abort" (0.9+) and "error" (0.34) finished
+        # Every FinishReason is a label value: "abort" and "error" (0.34.0, not 0.11.2) finished
         # without being served; stop, length and repetition (0.34) were served.
         "requests": CounterSpec(
             "vllm:request_success_total", by="finished_reason",

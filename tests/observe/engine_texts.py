@@ -152,7 +152,7 @@ VLLM_0_34 = (
 
 
 def _sglang_common(is_streaming: bool = True) -> str:
-    # is_streaming labels the tokenizer's request series from 0.5.19.
+    # is_streaming labels the tokenizer's request series in 0.5.19 and 0.5.23 (not 0.5.15).
     streaming = {**SGLANG_TOKENIZER, **({"is_streaming": "true"} if is_streaming else {})}
     return (gauge("sglang:num_running_reqs", SGLANG_SCHEDULER, 4)
             + gauge("sglang:num_queue_reqs", SGLANG_SCHEDULER, 2)
@@ -177,7 +177,7 @@ SGLANG_0_4_9 = (
 
 # SGLang 0.5.3 (sglang/srt/metrics/collector.py): kv_transfer_latency_ms is a GAUGE (the
 # latest transfer's latency on the prefill side, 0 until one is measured; a gauge through
-# 0.5.9, a histogram from 0.5.10), no request_time_per_output_token (0.5.20+).
+# 0.5.9, a histogram from 0.5.10), no request_time_per_output_token (0.5.23 has it, 0.5.19 not).
 SGLANG_0_5_3 = (
     _sglang_common(is_streaming=False)
     + gauge("sglang:kv_transfer_latency_ms", SGLANG_SCHEDULER, 12.0)
