@@ -4,8 +4,9 @@
     python dashboards/build.py --check   # exit 1 if a committed file differs from the code
 
 Every panel reads Prometheus through the ``${datasource}`` variable and uses raw series
-(``pdctl_*`` from the controller, ``pdrouter_*`` from the router agents, ``vllm:*`` from the
-workers), not the recording rules, so the dashboards work before the rules are loaded.
+(``pdctl_*`` from the controller, ``pdrouter_*`` from the router agents, ``vllm:*`` and
+``sglang:*`` from the workers), not the recording rules, so the dashboards work before the
+rules are loaded.
 Worker panels group by the ``role`` target label that deploy/prometheus/prometheus.yml sets.
 """
 
@@ -315,46 +316,100 @@ def slos() -> dashboard.Dashboard:
     )
 
 
-def workers() -> dashboard.Dashboard:
-    lay = _Layout()
+# One value per SGLang scheduler: with --enable-metrics-for-all-schedulers every TP rank
+# repeats it; priority="" is the total beside the per-class series (or no such label).
+_SG_RANKS = "max without (tp_rank, pp_rank, moe_ep_rank)"
+
+
+def _sg(metric: str) -> str:
+    return f'{_SG_RANKS} ({metric}{{priority=""}})'
+
+
+def _worker_latency(board: dashboard.Dashboard, lay: _Layout) -> dashboard.Dashboard:
     return (
-        _base("pdctl-workers", "pd-controller / P/D workers",
-              "Prefill and decode workers (vLLM 0.33 series), by the role target label.")
+        board
         .with_row(dashboard.Row("Latency by role").id(lay.take()))
         .with_panel(series(lay, "Queue time p90 by role", "s", [
-            (_hq(0.9, "vllm:request_queue_time_seconds", "role"), "{{role}}"),
+            (_hq(0.9, "vllm:request_queue_time_seconds", "role"), "vLLM {{role}}"),
+            (_hq(0.9, "sglang:queue_time_seconds", "role"), "SGLang {{role}}"),
         ]))
-        .with_panel(series(lay, "KV transfer time (NIXL) p50, p90", "s", [
-            (_hq(0.5, "vllm:nixl_xfer_time_seconds", "role"), "p50 {{role}}"),
-            (_hq(0.9, "vllm:nixl_xfer_time_seconds", "role"), "p90 {{role}}"),
-        ]))
+        .with_panel(series(lay, "KV transfer time p50, p90", "s", [
+            (_hq(0.5, "vllm:nixl_xfer_time_seconds", "role"), "vLLM NIXL p50 {{role}}"),
+            (_hq(0.9, "vllm:nixl_xfer_time_seconds", "role"), "vLLM NIXL p90 {{role}}"),
+            (_hq(0.5, "sglang:kv_transfer_latency_ms", "role") + " / 1000",
+             "SGLang p50 {{role}}"),
+            (_hq(0.9, "sglang:kv_transfer_latency_ms", "role") + " / 1000",
+             "SGLang p90 {{role}}"),
+        ], description="vLLM records a transfer on the side that initiates it (decode in "
+           "NIXL pull mode), SGLang on the prefill side (ms, shown in seconds)."))
         .with_panel(series(lay, "TPOT p90 by role", "s", [
-            (_hq(0.9, "vllm:request_time_per_output_token_seconds", "role"), "{{role}}"),
+            (_hq(0.9, "vllm:request_time_per_output_token_seconds", "role"), "vLLM {{role}}"),
+            (_hq(0.9, "sglang:request_time_per_output_token_seconds", "role"),
+             "SGLang {{role}}"),
         ]))
         .with_panel(series(lay, "TTFT p90 by role", "s", [
-            (_hq(0.9, "vllm:time_to_first_token_seconds", "role"), "{{role}}"),
+            (_hq(0.9, "vllm:time_to_first_token_seconds", "role"), "vLLM {{role}}"),
+            (_hq(0.9, "sglang:time_to_first_token_seconds", "role"), "SGLang {{role}}"),
         ]))
+    )
+
+
+def _worker_load(board: dashboard.Dashboard, lay: _Layout) -> dashboard.Dashboard:
+    return (
+        board
         .with_row(dashboard.Row("Load").id(lay.take()))
         .with_panel(series(lay, "Running and waiting requests per worker", "short", [
             ('sum by (role, instance) (vllm:num_requests_running)',
              "running {{role}} {{instance}}"),
             ('sum by (role, instance) (vllm:num_requests_waiting)',
              "waiting {{role}} {{instance}}"),
+            (f"sum by (role, instance) ({_sg('sglang:num_running_reqs')})",
+             "running {{role}} {{instance}}"),
+            (f"sum by (role, instance) ({_sg('sglang:num_queue_reqs')})",
+             "waiting {{role}} {{instance}}"),
         ]))
         .with_panel(series(lay, "KV-cache usage per worker", "percentunit", [
             ("max by (role, instance) (vllm:kv_cache_usage_perc)", "{{role}} {{instance}}"),
+            ("max by (role, instance) (sglang:token_usage)", "{{role}} {{instance}}"),
         ], min_val=0, max_val=1))
         .with_panel(series(lay, "Prompt and generation tokens by role", "short", [
-            (f"sum by (role) (rate(vllm:prompt_tokens_total[{RATE}]))", "prompt {{role}}"),
+            (f"sum by (role) (rate(vllm:prompt_tokens_total[{RATE}]))", "vLLM prompt {{role}}"),
             (f"sum by (role) (rate(vllm:generation_tokens_total[{RATE}]))",
-             "generation {{role}}"),
+             "vLLM generation {{role}}"),
+            (f"sum by (role) (rate(sglang:prompt_tokens_total[{RATE}]))",
+             "SGLang prompt {{role}}"),
+            (f"sum by (role) (rate(sglang:generation_tokens_total[{RATE}]))",
+             "SGLang generation {{role}}"),
         ]))
+        .with_panel(series(lay, "Finished requests by outcome", "reqps", [
+            (f"sum by (role, finished_reason) (rate(vllm:request_success_total[{RATE}]))",
+             "vLLM {{finished_reason}} {{role}}"),
+            (f"sum by (role) (rate(sglang:num_requests_total[{RATE}]))",
+             "SGLang finished {{role}}"),
+            (f"sum by (role) (rate(sglang:num_aborted_requests_total[{RATE}]))",
+             "SGLang aborted {{role}}"),
+        ], description="vLLM labels each finished request with its reason: abort and error "
+           "were not served. SGLang's finished count includes its aborted requests."))
         .with_panel(series(lay, "Preemptions and failed KV transfers", "ops", [
             (f"sum by (role) (rate(vllm:num_preemptions_total[{RATE}]))",
-             "preemptions {{role}}"),
+             "vLLM preemptions {{role}}"),
             (f"sum by (role) (rate(vllm:nixl_num_failed_transfers_total[{RATE}]))",
-             "failed transfers {{role}}"),
+             "vLLM failed transfers {{role}}"),
+            (f"sum by (role) ({_SG_RANKS} "
+             f"(rate(sglang:num_transfer_failed_reqs_total[{RATE}])))",
+             "SGLang failed transfers {{role}}"),
         ]))
+    )
+
+
+def workers() -> dashboard.Dashboard:
+    lay = _Layout()
+    board = _base("pdctl-workers", "pd-controller / P/D workers",
+                  "Prefill and decode workers, vLLM (0.11.2 on) and SGLang (0.5) series side by "
+                  "side (docs/engines.md), by the role target label.")
+    board = _worker_load(_worker_latency(board, lay), lay)
+    return (
+        board
         .with_row(dashboard.Row("Capacity").id(lay.take()))
         .with_panel(series(lay, "Recommended vs answering workers by role", "short", [
             ("max by (role) (pdctl_recommended_workers)", "recommended {{role}}"),

@@ -113,7 +113,11 @@ def _num(v: float | None, fmt: str = "{:.2f}") -> str:
 
 
 def render_window(w: Window) -> str:
-    """A plain-text table of the window; ``-`` marks a value the targets did not provide."""
+    """A plain-text table of the window; ``-`` marks a value the targets did not provide.
+
+    ``req/s`` counts served requests (finished normally); ``aborted`` and ``errored`` are the
+    window's requests that finished otherwise. A worker whose engine exports no series for a
+    family the learning uses gets a ``missing_family`` line under the table."""
     from datetime import UTC, datetime
 
     def when(t: float) -> str:
@@ -124,17 +128,21 @@ def render_window(w: Window) -> str:
         f"{len(w.answered)} target(s) answered, {len(w.failures)} problem(s)",
         "",
     ]
-    header = ("worker", "role", "engine", "req/s", "ttft ms", "itl ms", "tpot ms", "queue ms",
-              "prefill ms", "kv xfer ms", "running", "waiting", "kv use")
+    header = ("worker", "role", "engine", "req/s", "aborted", "errored", "ttft ms", "itl ms",
+              "tpot ms", "queue ms", "prefill ms", "kv xfer ms", "running", "waiting", "kv use")
     rows: list[tuple[str, ...]] = [header]
     for s in w.workers:
         rows.append((
-            s.worker, s.role, s.engine or "-", _num(s.request_rate), _ms(s.ttft_s),
+            s.worker, s.role, s.engine or "-", _num(s.request_rate),
+            _num(s.aborted, "{:g}"), _num(s.errored, "{:g}"), _ms(s.ttft_s),
             _ms(s.inter_token_s), _ms(s.tpot_s), _ms(s.queue_s), _ms(s.prefill_s),
             _ms(s.kv_transfer_s), _num(s.running, "{:g}"), _num(s.waiting, "{:g}"),
             _num(s.kv_cache_usage, "{:.0%}"),
         ))
     lines += _table(rows)
+    lines += [f"  {s.worker}: missing_family: {', '.join(f.value for f in s.missing)} "
+              "(the engine does not export it: '-' there is not 'nothing happened')"
+              for s in w.workers if s.missing]
     routers: dict[str, dict[str, float]] = {}
     for o in w.outcomes:
         r = routers.setdefault(o.router, {})

@@ -24,6 +24,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from itertools import chain
 from operator import attrgetter
 from typing import Any, Literal, cast, overload
@@ -107,6 +108,17 @@ class Summary:
         )
 
 
+class Family(StrEnum):
+    """A family of engine series the learning reads. A recognised engine whose exposition
+    lacks one records it in :attr:`WorkerStats.missing` (the value then is ``None`` because
+    the engine does not export it, not because nothing happened in the window)."""
+
+    TTFT = "ttft"
+    SUCCESS = "success"  # finished requests (served, aborted, errored)
+    INTER_TOKEN = "inter_token"  # noqa: S105 (a family name, not a secret)
+    KV_TRANSFER = "kv_transfer"
+
+
 # WorkerStats fields holding a Summary, in their JSON order.
 SUMMARY_FIELDS = (
     "ttft_s", "inter_token_s", "tpot_s", "queue_s", "prefill_s", "kv_transfer_s",
@@ -120,8 +132,8 @@ class WorkerStats:
 
     worker: str  # instance, e.g. ``10.0.0.5:8000``
     role: Role
-    engine: str | None = None  # "vllm", "vllm-legacy", "sglang", ...
-    request_rate: float | None = None  # finished requests per second
+    engine: str | None = None  # the catalog engine that read it: "vllm", "sglang", ...
+    request_rate: float | None = None  # served requests per second (finished normally)
     ttft_s: Summary | None = None
     inter_token_s: Summary | None = None
     tpot_s: Summary | None = None  # per-request time per output token
@@ -134,16 +146,28 @@ class WorkerStats:
     kv_cache_usage: float | None = None  # 0..1
     prompt_tokens_by_source: Mapping[str, float] | None = None  # local_compute, ...
     generation_tokens: float | None = None
+    # Requests that finished without being served, in the window (not in request_rate):
+    # aborted (the client or the engine gave up on them) and errored (an engine failure,
+    # e.g. vLLM's finished_reason="error" after a KV load failure).
+    aborted: float | None = None
+    errored: float | None = None
+    missing: tuple[Family, ...] = ()  # families the engine does not export (see Family)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise WindowError(f"worker {self.worker!r}: role must be prefill|decode")
         values = (self.request_rate, self.running, self.waiting, self.kv_cache_usage,
-                  self.generation_tokens)
+                  self.generation_tokens, self.aborted, self.errored)
         if not _all_finite(values):
             for n in ("request_rate", "running", "waiting", "kv_cache_usage",
-                      "generation_tokens"):
+                      "generation_tokens", "aborted", "errored"):
                 _check_finite(f"{self.worker}.{n}", getattr(self, n))
+        if self.missing and (type(self.missing) is not tuple
+                             or not all(isinstance(f, Family) for f in self.missing)):
+            try:
+                object.__setattr__(self, "missing", tuple(Family(f) for f in self.missing))
+            except ValueError as e:
+                raise WindowError(f"worker {self.worker!r}: {e}") from None
         tokens = self.prompt_tokens_by_source
         if tokens and not _all_finite(tuple(tokens.values())):
             for src, v in tokens.items():
@@ -164,6 +188,8 @@ class WorkerStats:
                 else dict(self.prompt_tokens_by_source)
             ),
             generation_tokens=self.generation_tokens,
+            aborted=self.aborted, errored=self.errored,
+            missing=[f.value for f in self.missing],
         )
         return d
 
@@ -176,6 +202,10 @@ class WorkerStats:
                 d[n] = v.to_row() if n in _SUMMARY_FIELD_SET else v
         if self.prompt_tokens_by_source is not None:  # any Mapping; JSON needs a dict
             d["prompt_tokens_by_source"] = dict(self.prompt_tokens_by_source)
+        if self.missing:
+            d["missing"] = [f.value for f in self.missing]
+        else:
+            del d["missing"]
         return d
 
     @classmethod
@@ -201,8 +231,17 @@ class WorkerStats:
                 None if pts is None else {str(k): float(v) for k, v in pts.items()}
             ),
             generation_tokens=_opt_float(d, "generation_tokens"),
+            aborted=_opt_float(d, "aborted"), errored=_opt_float(d, "errored"),
+            missing=_families(d.get("missing") or ()),
             **summaries,
         )
+
+
+def _families(raw: Iterable[str]) -> tuple[Family, ...]:
+    try:
+        return tuple(Family(f) for f in raw)
+    except ValueError as e:
+        raise WindowError(f"unknown family: {e}") from None
 
 
 _SUMMARY_FIELD_SET = frozenset(SUMMARY_FIELDS)

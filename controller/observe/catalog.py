@@ -1,25 +1,31 @@
 """Engine catalog: which exposed series mean what, for each engine the controller reads.
 
-Every source reads workers through this one table, so vLLM 0.33, older vLLM and SGLang 0.5
-land in the same normalised keys (see ``reference/worker-metrics.md`` §5):
+Every source reads workers through this one table, so every vLLM release from 0.9 to 0.34
+and SGLang 0.4.9 to 0.5.23 land in the same normalised keys (``docs/engines.md`` lists the
+releases and the source file of every name):
 
 - histogram keys (a :class:`~controller.core.window.Summary` each): ``ttft_s``,
   ``inter_token_s``, ``tpot_s``, ``queue_s``, ``prefill_s``, ``kv_transfer_s``,
   ``kv_transfer_bytes``;
-- counter keys: ``requests`` (finished requests), ``generation_tokens``, ``prompt_tokens``
-  (by source where the engine says so);
+- counter keys: ``requests`` (finished requests, split into served, aborted and errored by
+  :class:`RequestOutcome`), ``generation_tokens``, ``prompt_tokens`` (by source where the
+  engine says so);
 - gauge keys: ``running``, ``waiting``, ``kv_cache_usage`` (0..1).
 
-The engine is detected from the families present (:func:`detect_engine`). Router agents
-(``pdrouter_*``) are described by :data:`ROUTER`.
+A key names the family of the newest release; ``alternates`` name the families an older
+release (or another KV connector) exports for the same key, read when the newer one is
+absent (:meth:`EngineSpec.resolve`). The engine is detected from the families present
+(:func:`detect_engine`). Router agents (``pdrouter_*``) are described by :data:`ROUTER`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Literal, TypeVar
 
+from controller.core.window import Family
 from controller.observe.exposition import LabelKey
 
 HISTOGRAM_KEYS = (
@@ -32,6 +38,24 @@ GAUGE_KEYS = ("running", "waiting", "kv_cache_usage")
 GaugeAggregation = Literal["sum", "mean"]
 
 
+class RequestOutcome(StrEnum):
+    """How a finished request ended: only ``SERVED`` counts in a worker's request rate."""
+
+    SERVED = "served"  # finished normally: stop, length, or another non-failure reason
+    ABORTED = "aborted"  # the client (or the engine on its behalf) gave up on it
+    ERRORED = "errored"  # an engine failure (e.g. a KV load that failed)
+
+
+# Each learning Family and the keys whose families provide it (a Family is missing when none
+# of its keys' families, alternates included, is exported).
+FAMILY_KEYS: Mapping[Family, tuple[str, ...]] = {
+    Family.TTFT: ("ttft_s",),
+    Family.SUCCESS: ("requests",),
+    Family.INTER_TOKEN: ("inter_token_s",),
+    Family.KV_TRANSFER: ("kv_transfer_s",),
+}
+
+
 @dataclass(frozen=True, slots=True)
 class HistogramSpec:
     """A histogram family; ``scale`` converts its unit to the key's (ms → s: 1e-3)."""
@@ -40,6 +64,10 @@ class HistogramSpec:
     scale: float = 1.0
     # Only series whose labels include these pairs (e.g. SGLang's stage="prefill_forward").
     match: tuple[tuple[str, str], ...] = ()
+    # The family is a gauge holding the latest value, not a histogram (SGLang 0.5.3-0.5.9's
+    # kv_transfer_latency_ms): read as a mean with no count; 0 (nothing measured yet) is
+    # no value.
+    gauge: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +78,18 @@ class CounterSpec:
     by: str | None = None
     # When ``by`` is None the whole counter lands under this sub-key (``None``: plain number).
     as_source: str | None = None
-    # Series with any of these label pairs are not counted (vLLM's aborted requests).
-    excluded: tuple[tuple[str, str], ...] = ()
+    # Values of ``by`` that are not served requests (vLLM's finished_reason "abort" and
+    # "error"); any other value (stop, length, repetition, a reason added later) is served.
+    outcomes: Mapping[str, RequestOutcome] = field(default_factory=dict)
 
-    def counts(self, labels: LabelKey) -> bool:
-        """Whether a series with ``labels`` is part of this counter."""
-        return not any(pair in self.excluded for pair in labels)
+    def outcome(self, labels: LabelKey) -> RequestOutcome:
+        """The outcome of the requests a series with ``labels`` counts."""
+        if self.by is None:
+            return RequestOutcome.SERVED
+        for k, v in labels:
+            if k == self.by:
+                return self.outcomes.get(v, RequestOutcome.SERVED)
+        return RequestOutcome.SERVED
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +97,14 @@ class GaugeSpec:
     family: str
     aggregate: GaugeAggregation = "sum"  # across a target's series (DP engines, ranks)
     scale: float = 1.0
+
+
+AnySpec = HistogramSpec | CounterSpec | GaugeSpec
+
+
+def spec_name(spec: AnySpec) -> str:
+    """The family (histogram, gauge) or sample (counter) a spec reads."""
+    return spec.sample if isinstance(spec, CounterSpec) else spec.family
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +115,61 @@ class EngineSpec:
     gauges: Mapping[str, GaugeSpec]
     # Families whose presence identifies this engine (any one of them).
     markers: tuple[str, ...] = ()
-    # Families whose presence rules this engine out (newer names on an older spec).
-    excludes: tuple[str, ...] = ()
+    # Per key, the specs read when the key's own family is absent, in order of preference.
+    alternates: Mapping[str, tuple[AnySpec, ...]] = field(default_factory=dict)
+    # Counters of requests that the ``requests`` counter also counts but that were not
+    # served (SGLang counts every finished request, aborted ones too, in num_requests).
+    failure_counters: Mapping[RequestOutcome, tuple[str, ...]] = field(default_factory=dict)
+
+    def candidates(self, key: str) -> tuple[AnySpec, ...]:
+        """The key's own spec, then its alternates."""
+        own: AnySpec | None = (self.histograms.get(key) or self.counters.get(key)
+                               or self.gauges.get(key))
+        if own is None:
+            raise KeyError(key)
+        return (own, *self.alternates.get(key, ()))
+
+    def all_specs(self) -> Iterator[AnySpec]:
+        """Every spec of every key, alternates included."""
+        for key in (*self.histograms, *self.counters, *self.gauges):
+            yield from self.candidates(key)
+
+    def resolve(self, present: Callable[[AnySpec], bool]) -> EngineSpec:
+        """This engine with each key read from its first candidate that is ``present`` (the
+        key's own spec when none is: it then reads as ``None``)."""
+        chosen: dict[str, AnySpec] = {}
+        for key in (*self.histograms, *self.counters, *self.gauges):
+            own, *rest = self.candidates(key)
+            chosen[key] = next((c for c in rest if not present(own) and present(c)), own)
+        return replace(
+            self,
+            histograms={k: _as(HistogramSpec, chosen[k]) for k in self.histograms},
+            counters={k: _as(CounterSpec, chosen[k]) for k in self.counters},
+            gauges={k: _as(GaugeSpec, chosen[k]) for k in self.gauges},
+            alternates={},
+        )
+
+    def missing(self, present: Callable[[AnySpec], bool]) -> tuple[Family, ...]:
+        """The learning families none of whose candidate specs is ``present``."""
+        return tuple(
+            family for family, keys in FAMILY_KEYS.items()
+            if not any(present(c) for key in keys for c in self.candidates(key))
+        )
 
     def families(self) -> frozenset[str]:
         """Names this engine's window needs: histogram and gauge families, counter samples."""
-        names = {h.family for h in self.histograms.values()}
-        names |= {g.family for g in self.gauges.values()}
-        names |= {c.sample for c in self.counters.values()}
+        names = {spec_name(s) for s in self.all_specs()}
+        names |= {s for samples in self.failure_counters.values() for s in samples}
         return frozenset(names)
+
+
+_S = TypeVar("_S", HistogramSpec, CounterSpec, GaugeSpec)
+
+
+def _as(kind: type[_S], spec: AnySpec) -> _S:
+    if not isinstance(spec, kind):  # an alternate of another kind than its key: a bug here
+        raise TypeError(f"{spec!r} is not a {kind.__name__}")
+    return spec
 
 
 VLLM = EngineSpec(
@@ -96,9 +184,12 @@ VLLM = EngineSpec(
         "kv_transfer_bytes": HistogramSpec("vllm:nixl_bytes_transferred"),
     },
     counters={
-        # Every FinishReason is a label value, "abort" too: an aborted request was not served.
-        "requests": CounterSpec("vllm:request_success_total",
-                                excluded=(("finished_reason", "abort"),)),
+        # Every FinishReason is a label value: "abort" and "error" (0.34.0, not 0.11.2) finished
+        # without being served; stop, length and repetition (0.34) were served.
+        "requests": CounterSpec(
+            "vllm:request_success_total", by="finished_reason",
+            outcomes={"abort": RequestOutcome.ABORTED, "error": RequestOutcome.ERRORED},
+        ),
         "generation_tokens": CounterSpec("vllm:generation_tokens_total"),
         "prompt_tokens": CounterSpec("vllm:prompt_tokens_by_source_total", by="source"),
     },
@@ -107,27 +198,20 @@ VLLM = EngineSpec(
         "waiting": GaugeSpec("vllm:num_requests_waiting"),
         "kv_cache_usage": GaugeSpec("vllm:kv_cache_usage_perc", aggregate="mean"),
     },
-    markers=("vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds"),
-)
-
-# vLLM before the renames: time_per_output_token_seconds measured the inter-token latency
-# (it is NOT per-request TPOT), gpu_cache_usage_perc is the KV usage, no per-source tokens.
-VLLM_LEGACY = EngineSpec(
-    name="vllm-legacy",
-    histograms={
-        **VLLM.histograms,
-        "inter_token_s": HistogramSpec("vllm:time_per_output_token_seconds"),
+    markers=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+             "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    alternates={
+        # 0.9-0.11: time_per_output_token_seconds is the inter-token latency under its old
+        # name (NOT per-request TPOT, which 0.9-0.10 do not export at all).
+        "inter_token_s": (HistogramSpec("vllm:time_per_output_token_seconds"),),
+        # Other KV connectors (mooncake/stats.py, 0.34): the same meaning, push-based.
+        "kv_transfer_s": (HistogramSpec("vllm:mooncake_xfer_time_seconds"),),
+        "kv_transfer_bytes": (HistogramSpec("vllm:mooncake_bytes_transferred"),),
+        # 0.9-0.10 (and 0.11 with hidden metrics shown): the KV usage's old name.
+        "kv_cache_usage": (GaugeSpec("vllm:gpu_cache_usage_perc", aggregate="mean"),),
+        # Before prompt_tokens_by_source: the total only.
+        "prompt_tokens": (CounterSpec("vllm:prompt_tokens_total", as_source="total"),),
     },
-    counters={
-        **VLLM.counters,
-        "prompt_tokens": CounterSpec("vllm:prompt_tokens_total", as_source="total"),
-    },
-    gauges={
-        **VLLM.gauges,
-        "kv_cache_usage": GaugeSpec("vllm:gpu_cache_usage_perc", aggregate="mean"),
-    },
-    markers=("vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds"),
-    excludes=("vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds"),
 )
 
 SGLANG = EngineSpec(
@@ -145,6 +229,7 @@ SGLANG = EngineSpec(
         "kv_transfer_bytes": HistogramSpec("sglang:kv_transfer_total_mb", scale=float(2**20)),
     },
     counters={
+        # Every finished request, aborted ones too (tokenizer_manager.collect_metrics).
         "requests": CounterSpec("sglang:num_requests_total"),
         "generation_tokens": CounterSpec("sglang:generation_tokens_total"),
         "prompt_tokens": CounterSpec("sglang:prompt_tokens_total", as_source="total"),
@@ -155,9 +240,21 @@ SGLANG = EngineSpec(
         "kv_cache_usage": GaugeSpec("sglang:token_usage", aggregate="mean"),
     },
     markers=("sglang:num_running_reqs", "sglang:token_usage", "sglang:num_queue_reqs"),
+    alternates={
+        # 0.5.3-0.5.9 export the KV-transfer latency as a gauge of the same name (the
+        # latest transfer's, on the prefill side); 0.5.10+ as a histogram.
+        "kv_transfer_s": (HistogramSpec("sglang:kv_transfer_latency_ms", scale=1e-3,
+                                        gauge=True),),
+    },
+    failure_counters={
+        RequestOutcome.ABORTED: ("sglang:num_aborted_requests_total",),
+        # PD: a failed bootstrap or KV transfer finishes the request with an abort.
+        RequestOutcome.ERRORED: ("sglang:num_bootstrap_failed_reqs_total",
+                                 "sglang:num_transfer_failed_reqs_total"),
+    },
 )
 
-ENGINES: tuple[EngineSpec, ...] = (VLLM, VLLM_LEGACY, SGLANG)
+ENGINES: tuple[EngineSpec, ...] = (VLLM, SGLANG)
 
 # SGLang labels a scheduler's series with its parallel ranks. The ranks of one attention
 # group run the same batch, so with --enable-metrics-for-all-schedulers each of them reports
@@ -246,9 +343,7 @@ def detect_engine(families: Iterable[str]) -> EngineSpec | None:
     """The engine whose marker families are present (``None``: not a known worker)."""
     present = set(families)
     for spec in ENGINES:
-        if any(m in present for m in spec.markers) and not any(
-            x in present for x in spec.excludes
-        ):
+        if any(m in present for m in spec.markers):
             return spec
     return None
 
@@ -263,5 +358,5 @@ def wanted_families() -> frozenset[str]:
     out: set[str] = set(ROUTER.families())
     for spec in ENGINES:
         out |= spec.families()
-        out |= set(spec.markers) | set(spec.excludes)
+        out |= set(spec.markers)
     return frozenset(out)

@@ -51,6 +51,7 @@ from controller.observe.catalog import (
     REPLICA_RANK_LABELS,
     ROUTER,
     CounterSpec,
+    GaugeSpec,
     HistogramSpec,
     has_replica_ranks,
 )
@@ -205,6 +206,34 @@ class _Query:
     promql: str
 
 
+def _catalog_series() -> tuple[dict[tuple[str, tuple[tuple[str, str], ...]], HistogramSpec],
+                               dict[str, CounterSpec], dict[str, str]]:
+    """Every series the catalog may read (alternates included): histograms by (family,
+    match), counters by sample, gauges with their aggregation across a target's series."""
+    hist_specs: dict[tuple[str, tuple[tuple[str, str], ...]], HistogramSpec] = {}
+    counters: dict[str, CounterSpec] = {}
+    gauges: dict[str, str] = {}
+    for engine in ENGINES:
+        for spec in engine.all_specs():
+            if isinstance(spec, HistogramSpec) and spec.gauge:
+                gauges[spec.family] = "avg"  # a latest value per process: averaged
+            elif isinstance(spec, HistogramSpec):
+                hist_specs[(spec.family, spec.match)] = spec
+            elif isinstance(spec, CounterSpec):
+                # Split by its label, so a failure reason is told apart from served ones.
+                counters[spec.sample] = spec
+            else:
+                gauges[spec.family] = "avg" if spec.aggregate == "mean" else "sum"
+        for samples in engine.failure_counters.values():
+            counters.update((n, CounterSpec(n)) for n in samples)
+        histogram_families = {f for f, _ in hist_specs}
+        for m in engine.markers:
+            if m not in histogram_families:
+                gauges.setdefault(m, "sum")  # presence is all that matters for markers
+    gauges[ROUTER.qps] = "sum"
+    return hist_specs, counters, gauges
+
+
 def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list[_Query]:
     """The window's queries; ``window_ms`` None: cumulative values (edges mode).
 
@@ -212,34 +241,18 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
     escapes colons when a Prometheus before 2.49 negotiates OpenMetrics). Rows are still
     tagged with the catalog's names.
     """
-    hist_specs: dict[tuple[str, tuple[tuple[str, str], ...]], HistogramSpec] = {}
-    counters: dict[str, CounterSpec] = {}
-    gauges: dict[str, str] = {}
-    for engine in ENGINES:
-        for h in engine.histograms.values():
-            hist_specs[(h.family, h.match)] = h
-        for c in engine.counters.values():
-            counters[c.sample] = c
-        for g in engine.gauges.values():
-            gauges[g.family] = "avg" if g.aggregate == "mean" else "sum"
-        histogram_families = {h.family for h in engine.histograms.values()}
-        for m in engine.markers:
-            if m not in histogram_families:
-                gauges.setdefault(m, "sum")  # presence is all that matters for markers
-    gauges[ROUTER.qps] = "sum"
+    hist_specs, counters, gauges = _catalog_series()
 
-    def selector(name: str, match: tuple[tuple[str, str], ...] = (),
-                 excluded: tuple[tuple[str, str], ...] = ()) -> str:
+    def selector(name: str, match: tuple[tuple[str, str], ...] = ()) -> str:
         stored = name.replace(":", "_") if escaped_names else name
         if has_replica_ranks(name):  # the total, not the priority classes beside it (also
             match = (*match, (PRIORITY_LABEL, ""))  # the series without the label)
-        matchers = [f'{k}="{v}"' for k, v in match] + [f'{k}!="{v}"' for k, v in excluded]
+        matchers = [f'{k}="{v}"' for k, v in match]
         return stored + "{" + ",".join(matchers) + "}" if matchers else stored
 
     def term(series: str, labels: tuple[str, ...], match: tuple[tuple[str, str], ...] = (),
-             aggregate: str = "sum", cumulative: bool = True,
-             excluded: tuple[tuple[str, str], ...] = ()) -> str:
-        inner = selector(series, match, excluded)
+             aggregate: str = "sum", cumulative: bool = True) -> str:
+        inner = selector(series, match)
         if cumulative and window_ms is not None:
             inner = f"increase({inner}[{window_ms}ms])"
         # One value per scheduler before summing: SGLang's rank replicas report the same
@@ -261,8 +274,7 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
     for family in (ROUTER.ttft, ROUTER.tpot):
         sums.append(term(family + "_sum", _ROUTER_CELL))
         counts.append(term(family + "_count", _ROUTER_CELL))
-    counter_terms = [term(c.sample, (c.by,) if c.by else (), excluded=c.excluded)
-                     for c in counters.values()]
+    counter_terms = [term(c.sample, (c.by,) if c.by else ()) for c in counters.values()]
     counter_terms.append(term(ROUTER.requests, (*_ROUTER_CELL, "slo")))
     gauge_terms = [term(name, (), aggregate=agg, cumulative=False)
                    for name, agg in gauges.items()]
@@ -402,7 +414,8 @@ class PrometheusSource:
                     and not baseline_at.get(t.name, -math.inf) >= start - max(end - start, 1.0):
                 start_samples = {}
             results.append(TargetResult(t.name, t.role, delta=self._delta(
-                t.name, at_end.get(t.name, {}), start_samples, start, end)))
+                t.name, at_end.get(t.name, {}), start_samples, start, end,
+                worker=t.role != "router")))
         return assemble_window(
             start, end, results, source=f"{self.name}:{self._mode}",
             ctx_labels=CONTEXT_BINS.labels, io_labels=IO_RATIO_BINS.labels,
@@ -415,6 +428,8 @@ class PrometheusSource:
         start_samples: dict[str, dict[LabelKey, float]] | None,
         start: float,
         end: float,
+        *,
+        worker: bool = True,
     ) -> TargetDelta:
         families = frozenset(base_name(s) for s in end_samples)
         if start_samples is None:  # increase mode: rows are already window increases
@@ -424,8 +439,16 @@ class PrometheusSource:
             for series, values in end_samples.items():
                 clean = {k: v for k, v in values.items() if not math.isnan(v)}
                 (gauges if series in gauge_names else increases)[series] = clean
+            # A worker exports counters from its start (vLLM and SGLang create their
+            # series up front): none at all means fewer than two samples in the window
+            # (increase() needs two), a first window, not families the engine lacks.
+            sampled = bool(increases) or not worker
+            notes = [] if sampled else [TargetFailure(
+                instance, "no_baseline", "no counter has two samples in the window (increase() "
+                "needs two): scraped less often than the window, or just started")]
             return TargetDelta(target=instance, families=families, increases=increases,
-                               gauges=gauges)
+                               gauges=gauges, has_baseline=sampled, families_known=sampled,
+                               notes=notes)
         # edges mode: the cumulative values at both edges, diffed like two scrapes
         prev = Snapshot(instance, start, start_samples, frozenset(start_samples))
         cur = Snapshot(instance, end, end_samples, families)
@@ -453,7 +476,9 @@ class PrometheusSource:
 def _gauge_names() -> frozenset[str]:
     names = {ROUTER.qps}
     for engine in ENGINES:
-        names |= {g.family for g in engine.gauges.values()}
+        names |= {spec.family for spec in engine.all_specs()
+                  if isinstance(spec, GaugeSpec)
+                  or (isinstance(spec, HistogramSpec) and spec.gauge)}
         names |= set(engine.markers)
     return frozenset(names)
 

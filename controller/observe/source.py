@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from controller.core.window import (
     Histogram,
@@ -85,6 +85,8 @@ class _HistLedger:
 class _WorkerLedger:
     hist: dict[str, _HistLedger] = field(default_factory=dict)
     requests: float = 0.0
+    aborted: float = 0.0
+    errored: float = 0.0
     generation: float = 0.0
     prompt: dict[str, float] = field(default_factory=dict)
     gauges: dict[str, float] = field(default_factory=dict)
@@ -133,6 +135,13 @@ class FakeSource:
         w.generation += generation_tokens
         for src, n in prompt_tokens.items():
             w.prompt[src] = w.prompt.get(src, 0.0) + n
+
+    def fail_requests(self, target: str, *, aborted: float = 0.0, errored: float = 0.0
+                      ) -> None:
+        """Requests that finished without being served (not in the request rate)."""
+        w = self._workers[target]
+        w.aborted += aborted
+        w.errored += errored
 
     def set_gauge(self, target: str, key: str, value: float) -> None:
         self._workers[target].gauges[key] = value
@@ -197,7 +206,7 @@ class FakeSource:
                 continue
             w = self._workers[t.name]
             role: Role = "prefill" if t.role == "prefill" else "decode"
-            summaries = {
+            summaries: dict[str, Any] = {
                 k: (Summary(mean=h.total / h.count, count=h.count)
                     if baseline and (h := w.hist.get(k)) is not None and h.count > 0 else None)
                 for k in HISTOGRAM_KEYS
@@ -209,6 +218,8 @@ class FakeSource:
                 kv_cache_usage=w.gauges.get("kv_cache_usage"),
                 prompt_tokens_by_source=dict(w.prompt) if baseline else None,
                 generation_tokens=w.generation if baseline else None,
+                aborted=w.aborted if baseline else None,
+                errored=w.errored if baseline else None,
                 **summaries,
             ))
             self._workers[t.name] = _WorkerLedger(gauges=dict(w.gauges))

@@ -17,6 +17,7 @@ Two steps shared by every source:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,10 +36,12 @@ from controller.core.window import (
 from controller.observe.catalog import (
     HISTOGRAM_KEYS,
     ROUTER,
+    AnySpec,
     CounterSpec,
     EngineSpec,
     GaugeSpec,
     HistogramSpec,
+    RequestOutcome,
     detect_engine,
     is_router,
     once_per_scheduler,
@@ -75,6 +78,9 @@ class TargetDelta:
     gauges: dict[str, dict[LabelKey, float]] = field(default_factory=dict)
     has_baseline: bool = True
     notes: list[TargetFailure] = field(default_factory=list)
+    # ``families`` is every family the target exports (an exposition's TYPE lines, or a
+    # Prometheus window with samples): a family not in it is missing, not merely unseen.
+    families_known: bool = True
 
 
 def check_histograms(snapshot: Snapshot) -> None:
@@ -290,57 +296,129 @@ def _gauge(delta: TargetDelta, spec: GaugeSpec) -> float | None:
 def _counter(delta: TargetDelta, spec: CounterSpec) -> dict[LabelKey, float] | None:
     if not delta.has_baseline:
         return None
-    series = delta.increases.get(spec.sample)
-    if series is None or not spec.excluded:
-        return series
-    return {labels: v for labels, v in series.items() if spec.counts(labels)}
+    return delta.increases.get(spec.sample)
+
+
+def exported(delta: TargetDelta, spec: AnySpec) -> bool:
+    """Whether the target exports ``spec``'s family (whatever it observed in the window).
+
+    A histogram is announced by its family name (the exposition's TYPE line) or its series;
+    a family of that name that is a gauge is not the histogram (SGLang's
+    ``kv_transfer_latency_ms`` is a gauge in 0.5.3-0.5.9, a histogram from 0.5.10)."""
+    if isinstance(spec, GaugeSpec):
+        return spec.family in delta.gauges
+    if isinstance(spec, CounterSpec):
+        bare = spec.sample.removesuffix("_total")
+        return (spec.sample in delta.families or bare in delta.families
+                or spec.sample in delta.increases)
+    if spec.gauge:
+        return spec.family in delta.gauges
+    return (spec.family in delta.families or spec.family + "_count" in delta.increases) \
+        and spec.family not in delta.gauges
+
+
+def _summary(delta: TargetDelta, spec: HistogramSpec) -> Summary | None:
+    if not delta.has_baseline:
+        return None
+    if not spec.gauge:
+        return histogram_summary(delta, spec)
+    value = _gauge(delta, GaugeSpec(spec.family, aggregate="mean", scale=spec.scale))
+    return Summary(mean=value) if value else None  # 0: nothing measured yet
+
+
+@dataclass(frozen=True, slots=True)
+class Requests:
+    """Finished requests of one target in the window, by :class:`RequestOutcome` (``None``:
+    the engine does not tell, or there is no baseline)."""
+
+    served: float | None = None
+    aborted: float | None = None
+    errored: float | None = None
+
+
+def finished_requests(delta: TargetDelta, spec: EngineSpec) -> Requests:
+    """The ``requests`` counter split by outcome. A label value the catalog marks as a
+    failure (vLLM's ``finished_reason``) goes to its outcome; an engine's failure counters
+    (SGLang) are taken out of its total. Served is never below 0 (the counters move at
+    different moments, so a window edge can split a request's two counts)."""
+    rc = spec.counters["requests"]
+    series = _counter(delta, rc)
+    if series is None:
+        return Requests()
+    counts: dict[RequestOutcome, float] = {}
+    for labels, v in series.items():
+        outcome = rc.outcome(labels)
+        counts[outcome] = counts.get(outcome, 0.0) + v
+    served = counts.pop(RequestOutcome.SERVED, 0.0)
+    for outcome, samples in spec.failure_counters.items():
+        found = [s for s in (_counter(delta, CounterSpec(n)) for n in samples) if s is not None]
+        if found:
+            n = math.fsum(v for s in found for v in s.values())
+            counts[outcome] = counts.get(outcome, 0.0) + n
+            served -= n
+    known = set(rc.outcomes.values()) | set(spec.failure_counters)
+    seen = {rc.outcome(labels) for labels in series} | set(counts)
+
+    def of(outcome: RequestOutcome) -> float | None:
+        return counts.get(outcome, 0.0) if outcome in known and outcome in seen else None
+
+    return Requests(served=max(0.0, served), aborted=of(RequestOutcome.ABORTED),
+                    errored=of(RequestOutcome.ERRORED))
 
 
 def worker_stats(
     delta: TargetDelta, role: Role, interval_s: float, engine: EngineSpec | None = None
 ) -> tuple[WorkerStats | None, list[TargetFailure]]:
-    """The worker's stats, or ``None`` plus a failure when no known engine is exposed."""
-    spec = engine or detect_engine(delta.families)
+    """The worker's stats, or ``None`` plus a failure when no known engine is exposed.
+
+    Each key is read from the first of its catalog names the target exports (older
+    releases' names included); a learning family it exports under no name is listed in
+    ``missing``, so a ``None`` there means "not exported", not "nothing happened"."""
+    detected = engine or detect_engine(delta.families)
     notes = list(delta.notes)
-    if spec is None:
+    if detected is None:
         notes.append(TargetFailure(
             target=delta.target, kind="missing_family",
             message="no vLLM or SGLang families found (is metrics export enabled?)",
         ))
         return None, notes
-    if not delta.has_baseline:
+    if not delta.has_baseline and not any(n.kind == "no_baseline" for n in notes):
         notes.append(TargetFailure(
             target=delta.target, kind="no_baseline",
             message="first snapshot of this target: counters need a previous one",
         ))
-    summaries: dict[str, Summary | None] = {
-        key: (histogram_summary(delta, spec.histograms[key]) if delta.has_baseline else None)
-        for key in HISTOGRAM_KEYS
-    }
-    requests = _counter(delta, spec.counters["requests"])
+    present = functools.partial(exported, delta)
+    spec = detected.resolve(present)
+    summaries = {key: _summary(delta, spec.histograms[key]) for key in HISTOGRAM_KEYS}
+    requests = finished_requests(delta, spec)
     generation = _counter(delta, spec.counters["generation_tokens"])
-    prompt_spec = spec.counters["prompt_tokens"]
-    prompt = _counter(delta, prompt_spec)
-    by_source: dict[str, float] | None = None
-    if prompt is not None:
-        by_source = {}
-        for labels, v in prompt.items():
-            key = (dict(labels).get(prompt_spec.by, "") if prompt_spec.by
-                   else prompt_spec.as_source or "total")
-            by_source[key] = by_source.get(key, 0.0) + v
     stats = WorkerStats(
         worker=delta.target,
         role=role,
         engine=spec.name,
-        request_rate=None if requests is None else math.fsum(requests.values()) / interval_s,
+        request_rate=None if requests.served is None else requests.served / interval_s,
         running=_gauge(delta, spec.gauges["running"]),
         waiting=_gauge(delta, spec.gauges["waiting"]),
         kv_cache_usage=_gauge(delta, spec.gauges["kv_cache_usage"]),
-        prompt_tokens_by_source=by_source,
+        prompt_tokens_by_source=_prompt_tokens(delta, spec.counters["prompt_tokens"]),
         generation_tokens=None if generation is None else math.fsum(generation.values()),
+        aborted=requests.aborted,
+        errored=requests.errored,
+        missing=detected.missing(present) if delta.families_known else (),
         **summaries,
     )
     return stats, notes
+
+
+def _prompt_tokens(delta: TargetDelta, spec: CounterSpec) -> dict[str, float] | None:
+    prompt = _counter(delta, spec)
+    if prompt is None:
+        return None
+    by_source: dict[str, float] = {}
+    for labels, v in prompt.items():
+        key = dict(labels).get(spec.by, "") if spec.by else spec.as_source or "total"
+        by_source[key] = by_source.get(key, 0.0) + v
+    return by_source
 
 
 @dataclass(slots=True)

@@ -5,7 +5,8 @@
   invalid refused keeping the last good policy, persisted before it goes live);
 * ``pdcontrol.v1.RouterAgentService`` for routers not written in Python: ``Decide`` /
   ``Observe`` against the same agent;
-* ``grpc.health.v1.Health`` (exempt from the bearer token) and, optionally, reflection.
+* ``grpc.health.v1.Health`` (exempt from the bearer token) and, optionally, reflection
+  (``grpc.reflection.v1`` and ``v1alpha``, :mod:`controller.rollout.reflection`).
 
 Security comes from :mod:`controller.rollout.security`; a refused call never reaches the agent.
 """
@@ -234,11 +235,9 @@ class RouterServer:
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         if self._reflection:
-            from grpc_reflection.v1alpha import reflection
+            from controller.rollout.reflection import enable_reflection
 
-            reflection.enable_server_reflection(
-                (*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-            )
+            enable_reflection((*services, health.SERVICE_NAME), server)
         try:
             if self.security.credentials is None:
                 port = server.add_insecure_port(self.listen)

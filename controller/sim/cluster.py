@@ -31,7 +31,7 @@ from controller.sim.engine import Engine, EngineRequest, Kind
 from controller.sim.link import KvLink
 from controller.sim.profiles import Profile
 from controller.sim.router import SimRouter
-from controller.sim.sglang_metrics import SglangView
+from controller.sim.sglang_metrics import SglangView, use_sglang_buckets
 
 Role = Literal["prefill", "decode"]
 KV_LEASE_S = 30.0  # vLLM NIXL kv_lease_duration default
@@ -194,6 +194,8 @@ class SimCluster:
             custom_buckets=dict(self.config.custom_histogram_buckets) or None,
         )
         if self.config.metrics_engine == "sglang":
+            if not self.config.custom_histogram_buckets:  # else they stand for --bucket-*
+                use_sglang_buckets(eng.metrics)
             eng.registry = SglangView(eng.metrics, tp_size=self.config.sglang_tp_ranks).registry
         if role == "prefill":
             self.prefill.append(eng)

@@ -8,13 +8,20 @@ rows of the engine catalog and the two windows compared. What it keeps of SGLang
   2**20 bytes (``kv_transfer_total_mb``), prefill time as
   ``per_stage_req_latency_seconds{stage="prefill_forward"}``;
 - labels: tokenizer series (TTFT, inter-token latency, TPOT, end-to-end, request and token
-  counters) carry ``model_name`` and ``engine_type``; scheduler series (queue time, stages,
-  KV transfers, running/queue/token-usage gauges) also ``tp_rank``, ``pp_rank`` and
-  ``moe_ep_rank``. With ``tp_size`` > 1 every rank reports the scheduler's series, as SGLang
-  does with ``--enable-metrics-for-all-schedulers``.
+  counters) carry ``model_name`` and ``engine_type`` (and ``is_streaming`` where 0.5.23 has
+  it); scheduler series (queue time, stages, KV transfers and their failures,
+  running/queue/token-usage gauges) also ``tp_rank``, ``pp_rank`` and ``moe_ep_rank``. With
+  ``tp_size`` > 1 every rank reports the scheduler's series, as SGLang does with
+  ``--enable-metrics-for-all-schedulers``;
+- request counts: ``num_requests`` counts every finished request, aborted ones too, as
+  SGLang's tokenizer manager does; ``num_aborted_requests`` the aborted ones;
+  ``num_transfer_failed_reqs`` the requests vLLM's exposition reports as
+  ``finished_reason="error"`` (a KV transfer that failed).
 
-Bucket edges are vLLM's, converted to SGLang's units (SGLang's own defaults differ; the
-reader takes whatever edges it is given).
+Bucket edges are whatever the worker's histograms hold: SGLang 0.5.23's own defaults
+(:data:`SGLANG_BUCKETS`) for a worker set up with :func:`use_sglang_buckets` (a cluster with
+``metrics_engine = "sglang"``), vLLM's otherwise (a view over a vLLM worker, to compare the
+two expositions of the same traffic bucket by bucket), in SGLang's units either way.
 """
 
 from __future__ import annotations
@@ -33,6 +40,36 @@ from controller.sim.vllm_metrics import Hist, WorkerMetrics
 
 MB = float(2**20)
 _ENGINE_TYPE = {"kv_producer": "prefill", "kv_consumer": "decode", None: "unified"}
+
+# sglang/srt/observability/metrics_collector.py (0.5.23) defaults, in seconds and bytes (the
+# view converts to SGLang's ms and MB). Keys are WorkerMetrics' histogram attributes.
+_SGLANG_ITL = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040,
+               0.060, 0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0)
+SGLANG_BUCKETS: dict[str, tuple[float, ...]] = {
+    "h_ttft": (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400),
+    "h_itl": _SGLANG_ITL,
+    "h_tpot": _SGLANG_ITL,  # request_time_per_output_token_seconds uses the ITL buckets
+    "h_e2e": (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600,
+              1200, 1800, 2400),
+    "h_queue": (0.0, 0.001, 0.005, 0.010, 0.050, 0.100, 0.200, 0.500, 1, 2, 3, 4, 5, 10, 15,
+                20, 30, 40, 50, 60, 70, 80, 90, 100, 200, 300, 400, 500, 600, 700, 800, 900,
+                1000, 1200, 1400, 1600, 1800, 2000, 2500, 3000),
+    # per_stage_req_latency_seconds: exponential_buckets(start=0.001, width=1.62, length=30)
+    "h_prefill": tuple(0.001 * 1.62**i for i in range(30)),
+    # kv_transfer_latency_ms (ms) and kv_transfer_total_mb (MB of 2**20 bytes)
+    "h_xfer": tuple(ms / 1e3 for ms in (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)),
+    "h_bytes": tuple(mb * MB for mb in (1, 5, 10, 50, 100, 500, 1000, 5000, 10000)),
+}
+
+
+def use_sglang_buckets(metrics: WorkerMetrics) -> None:
+    """Give ``metrics``' histograms SGLang's bucket edges (before it observes anything: the
+    counts of other edges cannot be re-binned)."""
+    for attr, edges in SGLANG_BUCKETS.items():
+        h: Hist = getattr(metrics, attr)
+        if h.count:
+            raise ValueError(f"{attr} has observations already: set the buckets first")
+        setattr(metrics, attr, Hist(edges))
 
 
 def _scaled(h: Hist, scale: float) -> tuple[list[tuple[str, float]], float]:
@@ -74,22 +111,28 @@ class SglangView:
                 g.add_metric(list(labels.values()), value)
             return g
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=list(tokenizer))
-            c.add_metric(list(tokenizer.values()), value)
+        def counter(name: str, doc: str, value: float,
+                    labelset: dict[str, str] = tokenizer) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=list(labelset))
+            c.add_metric(list(labelset.values()), value)
             return c
 
+        streaming = {**tokenizer, "is_streaming": "true"}
         yield hist("sglang:time_to_first_token_seconds", "Time to first token.", m.h_ttft,
-                   [tokenizer])
+                   [streaming])
         yield hist("sglang:inter_token_latency_seconds", "Inter-token latency.", m.h_itl,
                    [tokenizer])
         yield hist("sglang:request_time_per_output_token_seconds",
-                   "Time per output token per request.", m.h_tpot, [tokenizer])
+                   "Time per output token per request.", m.h_tpot, [streaming])
         yield hist("sglang:e2e_request_latency_seconds", "End-to-end request latency.",
-                   m.h_e2e, [tokenizer])
-        yield counter("sglang:num_requests", "Finished requests.", sum(m.success.values()))
-        yield counter("sglang:prompt_tokens", "Prefill tokens.", m.prompt_tokens)
-        yield counter("sglang:generation_tokens", "Generation tokens.", m.generation_tokens)
+                   m.h_e2e, [streaming])
+        yield counter("sglang:num_requests", "Number of requests processed.",
+                      sum(m.success.values()), streaming)
+        yield counter("sglang:num_aborted_requests", "Number of requests aborted.",
+                      m.success["abort"])
+        yield counter("sglang:prompt_tokens", "Prefill tokens.", m.prompt_tokens, streaming)
+        yield counter("sglang:generation_tokens", "Generation tokens.", m.generation_tokens,
+                      streaming)
         yield hist("sglang:queue_time_seconds", "Time in the waiting queue.", m.h_queue, ranks)
         yield hist("sglang:per_stage_req_latency_seconds", "Request latency per stage.",
                    m.h_prefill, ranks, stage="prefill_forward")
@@ -101,6 +144,20 @@ class SglangView:
                        ranks, scale=1e3)
             yield hist("sglang:kv_transfer_total_mb", "KV transfer size in MB.", m.h_bytes,
                        ranks, scale=1.0 / MB)
+            yield from _transfer_failures(m, ranks)
+
+
+def _transfer_failures(m: WorkerMetrics, ranks: list[dict[str, str]]
+                       ) -> Iterator[CounterMetricFamily]:
+    """P/D failures, on every rank: vLLM's finished_reason="error" as failed transfers."""
+    for name, doc, value in (
+        ("sglang:num_bootstrap_failed_reqs", "Bootstrap failures.", 0),
+        ("sglang:num_transfer_failed_reqs", "KV transfer failures.", m.success["error"]),
+    ):
+        c = CounterMetricFamily(name, doc, labels=list(ranks[0]))
+        for labels in ranks:
+            c.add_metric(list(labels.values()), value)
+        yield c
 
 
 class _Collector:

@@ -1,4 +1,4 @@
-"""Per-worker metrics with vLLM 0.33's families, names, labels and bucket boundaries.
+"""Per-worker metrics with vLLM 0.34's families, names, labels and bucket boundaries.
 
 The engine updates plain Python numbers (cheap, and histograms take ``n`` samples at once so
 runs of identical decode steps are recorded in bulk); a custom collector renders them into a
@@ -19,7 +19,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-# vllm/v1/metrics/buckets.py (0.33.0)
+# vllm/v1/metrics/buckets.py (0.33.0, 0.34.0)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -42,7 +42,9 @@ BUCKET_FAMILIES = ("time_to_first_token", "inter_token_latency", "request_latenc
                    "request_num_preemptions")
 
 KV_FETCH_STAGES = ("waiting_to_start", "in_progress", "completed_waiting")
-FINISH_REASONS = ("stop", "length", "abort")
+# vllm/v1/engine/__init__.py (0.34.0) FINISH_REASON_STRINGS: every value is a label of
+# vllm:request_success, created at start-up.
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:

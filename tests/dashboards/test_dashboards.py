@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controller.metrics import ControllerMetrics
 from controller.rollout.agent_metrics import RouterMetrics
+from controller.sim.sglang_metrics import SglangView
 from controller.sim.vllm_metrics import WorkerMetrics
 from tests.conftest import require
 
@@ -157,6 +158,7 @@ def exposed_names() -> set[str]:
             model_name="m", kv_role=kv_role, num_gpu_blocks=100, block_size=16, max_model_len=4096
         )
         registries.append(worker.registry)
+        registries.append(SglangView(worker).registry)  # the same worker as SGLang ships it
     names: set[str] = set()
     for registry in registries:
         for family in text_string_to_metric_families(generate_latest(registry).decode()):

@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from controller.metrics import ControllerMetrics
 from controller.rollout.agent_metrics import RouterMetrics
+from controller.sim.sglang_metrics import SglangView, use_sglang_buckets
 from controller.sim.vllm_metrics import WorkerMetrics
 from tests.conftest import require
 from tests.dashboards.test_dashboards import build, committed, exprs
@@ -90,15 +91,22 @@ def exporters() -> dict[str, tuple[str | None, CollectorRegistry]]:
     r.io_ratio.observe(0.5)
 
     workers = {}
+    sglang = {}
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         w = WorkerMetrics(model_name="m", kv_role=kv_role, num_gpu_blocks=100, block_size=16,
                           max_model_len=4096)
         workers[role] = w.registry
+        sg = WorkerMetrics(model_name="m", kv_role=kv_role, num_gpu_blocks=100, block_size=16,
+                           max_model_len=4096)
+        use_sglang_buckets(sg)
+        sglang[role] = SglangView(sg, tp_size=2).registry  # ranks repeat the scheduler's
     return {
         "pd-controller": (None, ctl),
         "pd-router": ("router", router),
         "pd-prefill": ("prefill", workers["prefill"]),
         "pd-decode": ("decode", workers["decode"]),
+        "pd-prefill-sglang": ("prefill", sglang["prefill"]),
+        "pd-decode-sglang": ("decode", sglang["decode"]),
     }
 
 

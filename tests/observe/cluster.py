@@ -63,7 +63,7 @@ class VllmWorker:
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "kv", LABELS, registry=r).labels(*lv)
         success = Counter("vllm:request_success", "ok", [*LABELS, "finished_reason"], registry=r)
         self.success = {reason: success.labels(*lv, reason)
-                        for reason in ("stop", "length", "abort")}
+                        for reason in ("stop", "length", "abort", "error", "repetition")}
         self.generation = Counter("vllm:generation_tokens", "gen", LABELS, registry=r).labels(*lv)
         prompt = Counter("vllm:prompt_tokens_by_source", "p", [*LABELS, "source"], registry=r)
         self.prompt = {s: prompt.labels(*lv, s) for s in SOURCES}
@@ -83,6 +83,8 @@ class Truth:
 
     hist: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # count, total
     requests: dict[str, float] = field(default_factory=dict)
+    aborted: dict[str, float] = field(default_factory=dict)
+    errored: dict[str, float] = field(default_factory=dict)
     generation: dict[str, float] = field(default_factory=dict)
     prompt: dict[str, dict[str, float]] = field(default_factory=dict)
     gauges: dict[str, dict[str, float]] = field(default_factory=dict)  # latest, not reset
@@ -165,10 +167,14 @@ class Cluster:
         assert self.fake is not None
         self.fake.finish_request(worker, gen_tokens, {k: float(v) for k, v in prompt.items()})
 
-    def abort_requests(self, worker: str, n: int) -> None:
-        """Requests the client gave up on: vLLM counts them under finished_reason="abort"
-        (not served, so not in the ledger)."""
-        self.workers[worker].success["abort"].inc(n)
+    def abort_requests(self, worker: str, n: int, reason: str = "abort") -> None:
+        """Requests that were not served: vLLM counts them under finished_reason="abort"
+        (the client gave up) or "error" (an engine failure), apart from the served ones."""
+        self.workers[worker].success[reason].inc(n)
+        ledger = self.truth.aborted if reason == "abort" else self.truth.errored
+        ledger[worker] = ledger.get(worker, 0.0) + n
+        assert self.fake is not None
+        self.fake.fail_requests(worker, **{"aborted" if reason == "abort" else "errored": n})
 
     def set_gauges(self, worker: str, running: float, waiting: float, kv: float) -> None:
         w = self.workers[worker]
@@ -236,6 +242,7 @@ class Cluster:
                     "local_cache_hit": rng.randint(0, 500),
                 })
             self.abort_requests(name, rng.randint(1, 4))
+            self.abort_requests(name, rng.randint(0, 2), reason="error")
             self.set_gauges(name, float(rng.randint(0, 16)), float(rng.randint(0, 4)),
                             round(rng.uniform(0.0, 0.95), 4))
         for name in self.routers:

@@ -148,6 +148,8 @@ def assert_window_matches(w: Window, truth: Truth, cluster: Cluster, how: str) -
         assert stats.kv_cache_usage == gauges["kv_cache_usage"]
         if exact:
             assert stats.request_rate == truth.requests[t.name] / w.interval_s
+            assert stats.aborted == truth.aborted.get(t.name, 0.0)
+            assert stats.errored == truth.errored.get(t.name, 0.0)
             assert stats.generation_tokens == truth.generation[t.name]
             assert stats.prompt_tokens_by_source is not None
             assert {k: v for k, v in stats.prompt_tokens_by_source.items() if v} == {

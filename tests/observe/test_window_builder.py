@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from controller.observe.catalog import SGLANG, VLLM, VLLM_LEGACY, detect_engine
+from controller.observe.catalog import SGLANG, VLLM, detect_engine
 from controller.observe.exposition import parse_exposition
 from controller.observe.window_builder import (
     ALL_BINS,
@@ -95,7 +95,7 @@ def _zeroed(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
-@pytest.mark.parametrize(("text", "spec"), [(VLLM_LEGACY_TEXT, VLLM_LEGACY), (SGLANG_TEXT, SGLANG)])
+@pytest.mark.parametrize(("text", "spec"), [(VLLM_LEGACY_TEXT, VLLM), (SGLANG_TEXT, SGLANG)])
 def test_engine_is_detected_from_its_families(text: str, spec) -> None:  # type: ignore[no-untyped-def]
     snap = parse_exposition(text, target="w", taken_at=1.0)
     assert detect_engine(snap.families) is spec
@@ -105,7 +105,7 @@ def test_old_vllm_names_map_to_the_same_keys() -> None:
     prev = parse_exposition(_zeroed(VLLM_LEGACY_TEXT), target="w", taken_at=0.0)
     cur = parse_exposition(VLLM_LEGACY_TEXT, target="w", taken_at=30.0)
     stats, _notes = worker_stats(diff_snapshots(prev, cur), "decode", 30.0)
-    assert stats is not None and stats.engine == "vllm-legacy"
+    assert stats is not None and stats.engine == "vllm"
     # time_per_output_token_seconds measured inter-token latency: it is NOT per-request TPOT
     assert stats.inter_token_s is not None and stats.inter_token_s.mean == pytest.approx(0.02)
     assert stats.tpot_s is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -298,7 +299,53 @@ async def test_health_and_reflection(router: RouterServer, transport: GrpcRouter
     names: set[str] = set()
     async for response in stub.ServerReflectionInfo(requests(), timeout=DEADLINE_S):
         names |= {s.name for s in response.list_services_response.service}
-    assert {POLICY_SERVICE, AGENT_SERVICE, "grpc.health.v1.Health"} <= names
+    assert {POLICY_SERVICE, AGENT_SERVICE, "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection"} <= names
+
+
+async def test_reflection_answers_on_v1(router: RouterServer,
+                                        transport: GrpcRouterTransport) -> None:
+    """A v1 client (v1's own message types, grpcurl's first try) lists the services and gets
+    the file that defines one; a server without reflection answers UNIMPLEMENTED."""
+    from google.protobuf import descriptor_pb2, descriptor_pool
+
+    from controller.rollout.reflection import V1_METHOD, v1_messages
+
+    request_cls, response_cls = v1_messages(descriptor_pool.DescriptorPool())
+    assert request_cls.DESCRIPTOR.full_name == "grpc.reflection.v1.ServerReflectionRequest"
+    call = transport.channel(router.address).stream_stream(
+        V1_METHOD, request_serializer=request_cls.SerializeToString,
+        response_deserializer=response_cls.FromString)
+
+    async def ask() -> AsyncIterator[Any]:
+        yield request_cls(list_services="")
+        yield request_cls(file_containing_symbol=POLICY_SERVICE)
+        yield request_cls(file_containing_symbol="grpc.reflection.v1.ServerReflection")
+
+    answers = [r async for r in call(ask(), timeout=DEADLINE_S)]
+    assert len(answers) == 3
+    listed = {s.name for s in answers[0].list_services_response.service}
+    assert {POLICY_SERVICE, AGENT_SERVICE, "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= listed
+    assert answers[0].original_request.list_services == ""
+    for answer, package in ((answers[1], "pdcontrol.v1"), (answers[2], "grpc.reflection.v1")):
+        files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+                 for b in answer.file_descriptor_response.file_descriptor_proto]
+        assert answer.WhichOneof("message_response") == "file_descriptor_response"
+        assert package in {f.package for f in files}
+
+    plain = RouterServer(RouterAgent(registry=CollectorRegistry()))
+    await plain.start()
+    try:
+        bare = transport.channel(plain.address).stream_stream(
+            V1_METHOD, request_serializer=request_cls.SerializeToString,
+            response_deserializer=response_cls.FromString)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in bare(iter([request_cls(list_services="")]), timeout=DEADLINE_S):
+                pass
+        assert e.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await plain.stop(grace=None)
 
 
 async def test_largest_table_is_pushed_within_the_message_limit(

@@ -64,6 +64,8 @@ def _compare(vllm: WorkerStats, sglang: WorkerStats) -> None:
         sum((vllm.prompt_tokens_by_source or {}).values()))
     assert (sglang.running, sglang.waiting) == (vllm.running, vllm.waiting)
     assert sglang.kv_cache_usage == pytest.approx(vllm.kv_cache_usage)
+    assert (sglang.aborted, sglang.errored) == (vllm.aborted, vllm.errored) == (0.0, 0.0)
+    assert sglang.missing == vllm.missing == ()
 
 
 @pytest.mark.parametrize("tp_size", [1, 4])
@@ -115,3 +117,42 @@ def test_a_scenario_selects_the_exposition() -> None:
     assert parse_scenario(base).cluster.metrics_engine == "vllm"
     sc = parse_scenario({**base, "cluster": {"metrics_engine": "sglang", "sglang_tp_ranks": 4}})
     assert (sc.cluster.metrics_engine, sc.cluster.sglang_tp_ranks) == ("sglang", 4)
+
+
+def test_an_sglang_cluster_has_sglang_s_bucket_edges() -> None:
+    """Its exposition carries SGLang 0.5.23's default edges (metrics_collector.py), in ms and
+    MB where SGLang counts in them; a vLLM cluster keeps vLLM's."""
+    from prometheus_client import generate_latest
+
+    cluster, done, _ = drive(route=Route.PREFILL_NODE, sessions=4, turns=1,
+                             cfg={"metrics_engine": "sglang"})
+    assert done
+    text = generate_latest(cluster.prefill[0].registry).decode()
+
+    def edges(family: str) -> list[str]:
+        return [line.split('le="')[1].split('"')[0] for line in text.splitlines()
+                if line.startswith(family + "_bucket")]
+
+    assert edges("sglang:time_to_first_token_seconds")[:3] == ["0.1", "0.2", "0.4"]
+    assert edges("sglang:inter_token_latency_seconds")[0] == "0.002"
+    assert edges("sglang:queue_time_seconds")[:2] == ["0.0", "0.001"]
+    assert [float(e) for e in edges("sglang:kv_transfer_latency_ms")[:-1]] == pytest.approx(
+        [1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000])
+    assert [float(e) for e in edges("sglang:kv_transfer_total_mb")[:-1]] == pytest.approx(
+        [1, 5, 10, 50, 100, 500, 1000, 5000, 10000])
+    stage = edges("sglang:per_stage_req_latency_seconds")
+    assert len(stage) == 31 and float(stage[0]) == pytest.approx(0.001)
+    assert float(stage[-2]) == pytest.approx(0.001 * 1.62**29)
+    vllm, _, _ = drive(route=Route.PREFILL_NODE, sessions=1, turns=1)
+    assert "vllm:time_to_first_token_seconds_bucket" in generate_latest(
+        vllm.prefill[0].registry).decode()
+
+
+def test_sglang_buckets_are_set_before_any_observation() -> None:
+    from controller.sim.sglang_metrics import use_sglang_buckets
+    from controller.sim.vllm_metrics import WorkerMetrics
+
+    m = WorkerMetrics(model_name="m", num_gpu_blocks=10, block_size=16, max_model_len=1024)
+    m.h_ttft.observe(0.5)
+    with pytest.raises(ValueError, match="h_ttft has observations"):
+        use_sglang_buckets(m)

@@ -6,6 +6,7 @@ import math
 import random
 
 from controller.core.window import (
+    Family,
     Histogram,
     RouteOutcome,
     Summary,
@@ -61,6 +62,10 @@ def sample_window(
                 }
             ),
             generation_tokens=_maybe(rng, float(rng.randint(0, 10**6))),
+            # From the index (no draw: the other fields stay what they were for a seed).
+            aborted=float(i % 3) if i % 2 else None,
+            errored=0.5 * i if i % 4 == 0 else None,
+            missing=(Family.KV_TRANSFER, Family.TTFT) if i % 5 == 0 else (),
         )
         for i in range(n_workers)
     ]

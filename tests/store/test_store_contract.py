@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import insert
 
 from controller.clock import VirtualClock
-from controller.core.window import Window
+from controller.core.window import Family, Window
 from controller.store import Store, StoreError, repository
 from controller.store.models import WindowRow
 from tests.store.factories import sample_window
@@ -42,6 +42,11 @@ def test_window_round_trip_is_exact(store: Store) -> None:
     assert [sw.id for sw in back] == ids
     assert [sw.window for sw in back] == written  # every float, None and inf edge exact
     assert back[0].window.workers[0].ttft_s == written[0].workers[0].ttft_s
+    # Request outcomes and the families an engine does not export are stored with the body.
+    first = back[0].window.workers
+    assert [w.aborted for w in first[:3]] == [None, 1.0, None]
+    assert first[0].errored == 0.0 and first[0].missing == (Family.KV_TRANSFER, Family.TTFT)
+    assert first[1].missing == () and first[5].missing == (Family.KV_TRANSFER, Family.TTFT)
     assert store.windows_by_ids([ids[3], ids[1]]) == [back[1], back[3]]
 
 
