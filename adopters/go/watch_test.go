@@ -24,7 +24,6 @@ func withVersion(t *testing.T, v int) []byte {
 	return edit(t, "version", strconv.Itoa(v))
 }
 
-
 func TestWatcherSwapsAndKeepsTheLastGoodPolicy(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "policy.json")
 	w := NewWatcher(path, 0)
