@@ -153,7 +153,7 @@ def test_go_matches_python_on_random_policies(go_bin: Path, tmp_path: Path) -> N
     compared = 0
     for i in range(40):
         policy = random_policy(rng, version=i + 1)
-        cases = [{"features": random_features(rng, policy),
+        cases: list[dict[str, Any]] = [{"features": random_features(rng, policy),
                   "draw": rng.choice((0.0, 0.1, 0.2, rng.random()))} for _ in range(150)]
         head, *decisions = run_pdcheck(go_bin, dumps(policy), cases, tmp_path)
         assert head == {"checksum": policy.checksum,
@@ -228,7 +228,7 @@ def request_mix(rng: random.Random, n: int) -> list[tuple[dict[str, Any], float,
     return out
 
 
-def outcome_table(text: str, before: str) -> tuple[dict[Any, tuple[float, ...]], Any, Any, Any]:
+def outcome_table(text: str, before: str) -> tuple[Any, ...]:
     """What the daemon reads from a router between two scrapes (its own parser and code)."""
     prev = snapshot_from_text(before, "router", 0.0)
     cur = snapshot_from_text(text, "router", 10.0)
