@@ -48,8 +48,9 @@ from controller.policy.model import Policy, Route, Slo
 
 # Ratio thresholds the Dynamo fit tries (effective / raw ISL of a request).
 DYNAMO_RATIOS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-# Two goodputs closer than this are a tie: the simpler (lower) threshold wins.
-TIE = 1e-9
+# Predicted goodputs closer than this are a tie (far below the model's own error): the rule
+# moving the fewest requests decode-local wins.
+TIE = 1e-4
 
 DYNAMO_TARGET = ("NVIDIA Dynamo KV router conditional disaggregation (Dynamo 1.6: frontend "
                  "--router-conditional-disagg --router-conditional-disagg-config, policy "
@@ -123,11 +124,15 @@ def exported_threshold(low: float, high: float) -> float:
 
 def fit_threshold(cells: RuleCells, evaluate: Evaluate,
                   ratios: tuple[float, ...] | None = None) -> RuleFit:
-    """The candidate with the highest predicted goodput (ties: the lower threshold, then
-    the lower ratio). ``ratios`` None: llm-d's form (no ratio clause)."""
-    best: RuleFit | None = None
+    """The candidate with the highest predicted goodput. Candidates within :data:`TIE` of it
+    are equally good for the model; of those, the one sending the fewest requests
+    decode-local (then the lower threshold, then the lower ratio) wins, so a flat optimum
+    gives a stable answer that moves the least traffic off the peer's default of always
+    disaggregating. ``ratios`` None: llm-d's form (no ratio clause)."""
     cache: dict[bytes, float] = {}
     ratio_ok = cells.cached_ratio
+    total = max(float(cells.mix.sum()), 1e-300)
+    found: list[RuleFit] = []
     for ratio in ratios if ratios is not None else (None,):
         for low, high in threshold_candidates(cells):
             threshold = exported_threshold(low, high)
@@ -138,10 +143,11 @@ def fit_threshold(cells: RuleCells, evaluate: Evaluate,
             g = cache.get(key)
             if g is None:
                 g = cache[key] = float(evaluate(mask))
-            if best is None or g > best.predicted_goodput + TIE:
-                share = float(cells.mix[mask].sum() / max(cells.mix.sum(), 1e-300))
-                best = RuleFit(threshold, low, high, ratio, g, share, 0)
-    assert best is not None  # there is always the (0, ...] candidate
+            share = float(cells.mix[mask].sum()) / total
+            found.append(RuleFit(threshold, low, high, ratio, g, share, 0))
+    top = max(f.predicted_goodput for f in found)
+    best = min((f for f in found if f.predicted_goodput >= top - TIE),
+               key=lambda f: (round(f.local_share, 12), f.threshold, f.ratio or 0.0))
     return replace(best, evaluated=len(cache))
 
 
