@@ -35,14 +35,17 @@ docs-check: $(STAMP)
 	$(BIN)/python -m controller.config --reference | diff -u docs/config-reference.md - \
 		|| (echo "docs/config-reference.md is stale: run 'python -m controller.config --reference > docs/config-reference.md'"; exit 1)
 
-# The Go adopter package (adopters/go): vet and test against the conformance vectors.
+# The Go adopter package (adopters/go): gofmt, vet, and test against the conformance vectors.
 # Offline (standard library only). Without go: skipped locally, an error with CI=true.
 GO_ENV := GOFLAGS=-buildvcs=false GOPROXY=off GOTOOLCHAIN=local
 go-check:
 	@if ! command -v go >/dev/null 2>&1; then \
 		case "$${CI:-}" in 1|true|yes) echo "go-check: go is not installed (CI=true)"; exit 1;; esac; \
 		echo "go-check: go is not installed, skipped (apt-get install golang)"; exit 0; fi; \
-	cd adopters/go && $(GO_ENV) go vet ./... && $(GO_ENV) go test ./...
+	export GOCACHE="$${GOCACHE:-$${XDG_CACHE_HOME:-$${HOME:-/tmp}/.cache}/go-build}"; \
+	cd adopters/go && unformatted="$$(gofmt -l .)" && \
+	if [ -n "$$unformatted" ]; then echo "go-check: not gofmt-formatted: $$unformatted"; exit 1; fi && \
+	$(GO_ENV) go vet ./... && $(GO_ENV) go test ./...
 
 clean:
 	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache

@@ -54,8 +54,9 @@ def go_env(tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(GOFLAGS="-buildvcs=false", GOPROXY="off", GOTOOLCHAIN="local",
                CGO_ENABLED="0")
-    env.setdefault("GOCACHE", str(tmp / "gocache"))
-    env.setdefault("GOPATH", str(tmp / "gopath"))
+    if "HOME" not in env and "XDG_CACHE_HOME" not in env:  # go needs somewhere to cache
+        env.setdefault("GOCACHE", str(tmp / "gocache"))
+        env.setdefault("GOPATH", str(tmp / "gopath"))
     return env
 
 
