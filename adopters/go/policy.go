@@ -179,7 +179,7 @@ func Parse(data []byte) (*Policy, error) {
 		return nil, &ValidationError{[]Problem{{"$", fmt.Sprintf("file larger than %d bytes",
 			MaxFileBytes)}}}
 	}
-	if err := checkDuplicateKeys(data); err != nil {
+	if err := checkTokens(data); err != nil {
 		return nil, &ValidationError{[]Problem{{"$", "not valid JSON: " + err.Error()}}}
 	}
 	var raw rawPolicy
@@ -416,15 +416,21 @@ func validateProvenance(pv *rawProvenance) []Problem {
 
 func finite(x float64) bool { return !math.IsNaN(x) && !math.IsInf(x, 0) }
 
-// checkDuplicateKeys walks the JSON tokens and refuses an object with a key twice
-// (encoding/json would silently keep the last one, so "version": 2, "version": 99 would
-// apply v99 while an unknown key is refused).
-func checkDuplicateKeys(data []byte) error {
+// nullable are the only keys whose value may be null (provenance timestamps), as in the
+// Python reader; encoding/json would otherwise read a null number as 0 and a null object or
+// string as absent.
+var nullable = map[string]bool{"created_at": true, "trained_from": true, "trained_to": true}
+
+// checkTokens walks the JSON tokens and refuses an object with a key twice (encoding/json
+// would silently keep the last one, so "version": 2, "version": 99 would apply v99 while an
+// unknown key is refused) and a null anywhere but a provenance timestamp.
+func checkTokens(data []byte) error {
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
 	type frame struct {
-		keys      map[string]struct{}
+		keys      map[string]struct{} // nil: an array
 		expectKey bool
+		key       string // the key whose value comes next
 	}
 	var stack []*frame
 	for {
@@ -439,36 +445,34 @@ func checkDuplicateKeys(data []byte) error {
 		if len(stack) > 0 {
 			top = stack[len(stack)-1]
 		}
-		switch t := tok.(type) {
-		case json.Delim:
-			switch t {
-			case '{', '[':
-				if top != nil && top.keys != nil {
-					top.expectKey = true // this value completes the pair
-				}
-				f := &frame{}
-				if t == '{' {
-					f.keys, f.expectKey = map[string]struct{}{}, true
-				}
-				stack = append(stack, f)
+		if s, isKey := tok.(string); isKey && top != nil && top.keys != nil && top.expectKey {
+			if _, dup := top.keys[s]; dup {
+				return fmt.Errorf("duplicate key %q", s)
+			}
+			top.keys[s], top.expectKey, top.key = struct{}{}, false, s
+			continue
+		}
+		if tok == nil && (top == nil || top.keys == nil || !nullable[top.key]) {
+			where := "in a list"
+			if top != nil && top.keys != nil {
+				where = fmt.Sprintf("for key %q", top.key)
+			}
+			return errors.New("null is not allowed " + where)
+		}
+		if top != nil && top.keys != nil {
+			top.expectKey = true // this token is (or opens) the pair's value
+		}
+		if d, ok := tok.(json.Delim); ok {
+			switch d {
+			case '{':
+				stack = append(stack, &frame{keys: map[string]struct{}{}, expectKey: true})
+			case '[':
+				stack = append(stack, &frame{})
 			case '}', ']':
 				stack = stack[:len(stack)-1]
-			}
-		case string:
-			if top != nil && top.keys != nil && top.expectKey {
-				if _, dup := top.keys[t]; dup {
-					return errors.New("duplicate key " + fmt.Sprintf("%q", t))
+				if len(stack) > 0 && stack[len(stack)-1].keys != nil {
+					stack[len(stack)-1].expectKey = true
 				}
-				top.keys[t] = struct{}{}
-				top.expectKey = false
-				continue
-			}
-			if top != nil && top.keys != nil {
-				top.expectKey = true
-			}
-		default:
-			if top != nil && top.keys != nil {
-				top.expectKey = true
 			}
 		}
 	}

@@ -227,6 +227,10 @@ func TestRefusals(t *testing.T) {
 		{"schema", edit(t, "schema_version", "2"), []string{"schema_version"}},
 		{"provenance", edit(t, "provenance", `{"created_at": "2026-11-30T00:00:00"}`),
 			[]string{"provenance.created_at"}},
+		{"null object", edit(t, "weights", "null"), []string{`null is not allowed for key "weights"`}},
+		{"null number", edit(t, "scores", "[0.25, null]"), []string{"null is not allowed in a list"}},
+		{"null route", edit(t, "default_route", "null"), []string{`key "default_route"`}},
+		{"null reason", edit(t, "provenance", `{"reason": null}`), []string{`key "reason"`}},
 		{"override range", edit(t, "overrides", `{"bypass_append_tokens": 4294967296}`),
 			[]string{"overrides.bypass_append_tokens"}},
 	} {

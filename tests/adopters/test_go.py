@@ -169,14 +169,19 @@ def test_go_refuses_what_python_refuses(go_bin: Path, tmp_path: Path) -> None:
     good = json.loads(TEST_VECTOR.read_text())["policy"]
     tampered = dict(good, scores=[0.5, 0.0])  # checksum kept: the content changed
     bad_edges = dict(good, axes=dict(good["axes"], io_ratio=[8.0, 1.0]))
-    for doc in (tampered, bad_edges):
+    nulls = [dict(good, weights=None), dict(good, scores=[0.25, None]),
+             dict(good, default_route=None), dict(good, provenance=dict(good["provenance"],
+                                                                       reason=None))]
+    for doc in (tampered, bad_edges, *nulls):
         text = json.dumps(doc)
         with pytest.raises(PolicyValidationError):
             loads(text)
         (head,) = run_pdcheck(go_bin, text, [], tmp_path)
         assert "error" in head
-    (head,) = run_pdcheck(go_bin, json.dumps(good), [], tmp_path)
-    assert head["checksum"] == good["checksum"]
+    # A null timestamp is allowed by both.
+    text = json.dumps(dict(good, provenance=dict(good["provenance"], created_at=None)))
+    (head,) = run_pdcheck(go_bin, text, [], tmp_path)
+    assert head["checksum"] == good["checksum"] == loads(text).checksum
 
 
 # -- the example router: the pdrouter_* minimum set, read by the daemon's own code ------------
