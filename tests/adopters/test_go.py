@@ -184,6 +184,52 @@ def test_go_refuses_what_python_refuses(go_bin: Path, tmp_path: Path) -> None:
     assert head["checksum"] == good["checksum"] == loads(text).checksum
 
 
+ODD_VALUES: tuple[Any, ...] = (None, "x", "DECODE", -1, 0, 1.5, 2**40, 2**64, [], {}, True,
+                                "2026-11-30T00:00:00", "2026-11-30T00:00:00+00:00", [1.0],
+                                [None], 0.2, 0.21, -0.0, 1e308)
+
+
+def mutate(rng: random.Random, doc: Any) -> Any:
+    """``doc`` with one random change: a value replaced, a key dropped or one added."""
+    doc = json.loads(json.dumps(doc))
+    node, key = doc, None
+    for _ in range(3):  # walk down a few levels
+        keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+        if not keys:
+            break
+        key = rng.choice(keys)
+        if not isinstance(node[key], (dict, list)) or rng.random() < 0.4:
+            break
+        node, key = node[key], None
+    action = rng.random()
+    if key is None or action < 0.1:
+        if isinstance(node, dict):
+            node["unexpected"] = 1
+    elif action < 0.25 and isinstance(node, dict):
+        del node[key]
+    else:
+        node[key] = rng.choice(ODD_VALUES)
+    return doc
+
+
+def test_go_accepts_and_refuses_exactly_what_python_does(go_bin: Path, tmp_path: Path
+                                                         ) -> None:
+    rng = random.Random(11)
+    good = json.loads(TEST_VECTOR.read_text())["policy"]
+    seeds = [good, {k: v for k, v in good.items() if k != "checksum"}]
+    verdicts = {True: 0, False: 0}
+    for _ in range(300):
+        text = json.dumps(mutate(rng, rng.choice(seeds)))
+        try:
+            py = loads(text).checksum
+        except PolicyValidationError:
+            py = None
+        (head,) = run_pdcheck(go_bin, text, [], tmp_path)
+        assert head.get("checksum") == py, (text, head)
+        verdicts[py is not None] += 1
+    assert min(verdicts.values()) > 30, verdicts  # both verdicts well exercised
+
+
 # -- the example router: the pdrouter_* minimum set, read by the daemon's own code ------------
 
 
