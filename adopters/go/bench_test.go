@@ -17,7 +17,6 @@ func benchPolicy(seed int64) *Policy {
 			IORatio:       []float64{0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64},
 			QPS:           []float64{0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256},
 		}}
-	p.nIO, p.nQPS = 10, 10
 	for i := 0; i < 1000; i++ {
 		p.Routes = append(p.Routes, Route(1+rng.Intn(2)))
 		p.Scores = append(p.Scores, rng.Float64()*2-1)

@@ -88,7 +88,8 @@ func prefillBusy(need uint32, waiting float64) bool {
 	return need > 0 && float64(need) <= waiting && !math.IsInf(waiting, 1)
 }
 
-// Decide routes one request. draw returns a uniform float in [0, 1); it is called only
+// Decide routes one request with a policy from Parse (a Policy built by hand must satisfy
+// the same rules: Parse's validation is what makes Decide's indexing safe). draw returns a uniform float in [0, 1); it is called only
 // when the request's cell has a non-zero exploration fraction. Decide never panics on bad
 // features: they get the policy's default route with ReasonInvalidInput.
 func (p *Policy) Decide(f Features, draw func() float64) Decision {
@@ -108,7 +109,7 @@ func (p *Policy) Decide(f Features, draw func() float64) Decision {
 	c := binIndex(p.Axes.ContextTokens, f.ContextTokens)
 	io := binIndex(p.Axes.IORatio, f.AppendTokens/f.ExpectedOutputTokens)
 	q := binIndex(p.Axes.QPS, f.QPS)
-	idx := (c*p.nIO+io)*p.nQPS + q
+	idx := (c*len(p.Axes.IORatio)+io)*len(p.Axes.QPS) + q
 	route := p.Routes[idx]
 	d := Decision{Route: route, Reason: ReasonTable, HasCell: true, Cell: [3]int{c, io, q}}
 	if e := p.Exploration[idx]; e > 0 && draw() < e {

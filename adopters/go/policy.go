@@ -99,8 +99,7 @@ type Policy struct {
 	Overrides   Overrides
 	Default     Route
 	// Checksum is the hex sha256 of CanonicalBytes, computed on parse.
-	Checksum  string
-	nIO, nQPS int
+	Checksum string
 }
 
 // Problem is one reason a file is refused, with its field path (axes.io_ratio[3], ...).
@@ -224,7 +223,6 @@ func fromRaw(raw *rawPolicy) (*Policy, error) {
 			probs = append(probs, validateEdges("axes."+ax.name, ax.edges)...)
 		}
 	}
-	p.nIO, p.nQPS = len(p.Axes.IORatio), len(p.Axes.QPS)
 	probs = append(probs, p.readCells(raw)...)
 	probs = append(probs, p.readScalars(raw)...)
 	if len(probs) == 0 {
@@ -243,7 +241,8 @@ func fromRaw(raw *rawPolicy) (*Policy, error) {
 func (p *Policy) readCells(raw *rawPolicy) []Problem {
 	var probs []Problem
 	bad := func(path, msg string) { probs = append(probs, Problem{path, msg}) }
-	n := len(p.Axes.ContextTokens) * p.nIO * p.nQPS
+	nIO, nQPS := len(p.Axes.IORatio), len(p.Axes.QPS)
+	n := len(p.Axes.ContextTokens) * nIO * nQPS
 	if raw.Routes == nil {
 		bad("routes", "must be a list of route names")
 	}
@@ -260,7 +259,7 @@ func (p *Policy) readCells(raw *rawPolicy) []Problem {
 	if raw.Exploration == nil {
 		p.Exploration = make([]float64, len(raw.Routes))
 	}
-	shape := fmt.Sprintf("(%d, %d, %d)", len(p.Axes.ContextTokens), p.nIO, p.nQPS)
+	shape := fmt.Sprintf("(%d, %d, %d)", len(p.Axes.ContextTokens), nIO, nQPS)
 	for _, f := range []struct {
 		name string
 		got  int
