@@ -37,7 +37,7 @@ docs-check: $(STAMP)
 
 # The Go adopter package (adopters/go): gofmt, vet, and test against the conformance vectors.
 # Offline (standard library only). Without go: skipped locally, an error with CI=true.
-GO_ENV := GOFLAGS=-buildvcs=false GOPROXY=off GOTOOLCHAIN=local
+GO_ENV := GOFLAGS=-buildvcs=false GOPROXY=off GOTOOLCHAIN=local CGO_ENABLED=0
 go-check:
 	@if ! command -v go >/dev/null 2>&1; then \
 		case "$${CI:-}" in 1|true|yes) echo "go-check: go is not installed (CI=true)"; exit 1;; esac; \

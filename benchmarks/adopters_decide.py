@@ -63,7 +63,8 @@ def go_ns(repeats: int) -> dict[str, float]:
     go = shutil.which("go")
     if go is None:
         return {}
-    env = dict(os.environ, GOFLAGS="-buildvcs=false", GOPROXY="off", GOTOOLCHAIN="local")
+    env = dict(os.environ, GOFLAGS="-buildvcs=false", GOPROXY="off", GOTOOLCHAIN="local",
+               CGO_ENABLED="0")
     done = subprocess.run(  # noqa: S603 - the go toolchain on PATH, fixed arguments
         [go, "test", "-run", "^$", "-bench", ".", "-benchmem", "-count", str(repeats)],
         cwd=GO_DIR, env=env, capture_output=True, text=True, check=True, timeout=600)
