@@ -74,6 +74,8 @@ class RuleCells:
     append: FloatArray  # [K] non-cached (append) tokens
     context: FloatArray  # [K] cached context tokens
     mix: FloatArray  # [K] share of requests
+    # [K] share of each cell's requests the rule decides (None: all; Dynamo: not turn 1)
+    movable: FloatArray | None = None
 
     @property
     def seen(self) -> Mask:
@@ -132,6 +134,7 @@ def fit_threshold(cells: RuleCells, evaluate: Evaluate,
     cache: dict[bytes, float] = {}
     ratio_ok = cells.cached_ratio
     total = max(float(cells.mix.sum()), 1e-300)
+    moved = cells.mix if cells.movable is None else cells.mix * cells.movable
     found: list[RuleFit] = []
     for ratio in ratios if ratios is not None else (None,):
         for low, high in threshold_candidates(cells):
@@ -143,7 +146,7 @@ def fit_threshold(cells: RuleCells, evaluate: Evaluate,
             g = cache.get(key)
             if g is None:
                 g = cache[key] = float(evaluate(mask))
-            share = float(cells.mix[mask].sum()) / total
+            share = float(moved[mask].sum()) / total
             found.append(RuleFit(threshold, low, high, ratio, g, share, 0))
     top = max(f.predicted_goodput for f in found)
     best = min((f for f in found if f.predicted_goodput >= top - TIE),
@@ -151,9 +154,10 @@ def fit_threshold(cells: RuleCells, evaluate: Evaluate,
     return replace(best, evaluated=len(cache))
 
 
-def rule_cells(grid: TableGrid) -> RuleCells:
+def rule_cells(grid: TableGrid, form: PeerFormat = PeerFormat.LLM_D) -> RuleCells:
+    forced = rule_grid(grid, form).forced_p
     return RuleCells(append=grid.ratio * grid.output_tokens, context=grid.context.copy(),
-                     mix=grid.mix.copy())
+                     mix=grid.mix.copy(), movable=None if forced is None else 1.0 - forced)
 
 
 def rule_grid(grid: TableGrid, form: PeerFormat) -> TableGrid:
@@ -220,7 +224,7 @@ def export_rule(model: LatencyModel, grid: TableGrid, policy: Policy, slo: Slo,
     """Fit ``form``'s best rule on ``grid`` (the windows' mix, laid on ``policy``'s cells)
     and predict the goodput of ``policy``'s own table on the same grid."""
     evaluate = goodput_of_rules(model, grid, slo, form)
-    cells = rule_cells(grid)
+    cells = rule_cells(grid, form)
     rule = fit_threshold(cells, evaluate, DYNAMO_RATIOS if form is PeerFormat.DYNAMO else None)
     routes, exploration = policy_routes_on(policy, grid)
     table = evaluated_goodput(model, grid, routes, exploration, slo)
