@@ -364,3 +364,46 @@ def test_example_keeps_the_last_good_policy_and_counts_refusals(
     replace(dict(good, version=45))
     text = wait_for("pdrouter_policy_version 45")
     assert 'pdrouter_updates_total{result="applied"} 2' in text
+
+
+def test_pushes_to_the_sidecar_reach_the_go_router(go_bin: Path, tmp_path: Path) -> None:
+    """The adoption path end to end: `pdctl push` → `pdctl router-agent` persists the policy
+    → the Go router (watching that file) decides with it, as Python does."""
+    from tests.cli.test_push import AgentProcess, push
+
+    state = tmp_path / "agent-state.json"
+    agent = AgentProcess("--listen", "127.0.0.1:0", "--state-file", str(state))
+    proc = subprocess.Popen(
+        [str(go_bin / "example"), "-policy", str(state), "-listen", "127.0.0.1:0",
+         "-poll", "20ms", "-seed", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        assert proc.stdout is not None
+        ex = Example(proc, proc.stdout.readline().split()[-1])
+        f = {"turn": 3, "context_tokens": 5000, "append_tokens": 300,
+             "expected_output_tokens": 100, "qps": 2}
+        assert ex.post("/decide", f)["reason"] == "no_policy"  # nothing pushed yet
+        rng = random.Random(5)
+        for version in (4, 9):
+            policy = random_policy(rng, version)
+            path = tmp_path / f"v{version}.json"
+            path.write_text(dumps(policy))
+            code, report = push(str(path), "--router", agent.address)
+            assert code == 0, report
+            deadline = time.monotonic() + 10
+            while f"pdrouter_policy_version {version}\n" not in ex.metrics():
+                assert time.monotonic() < deadline, f"v{version} never reached the Go router"
+                time.sleep(0.02)
+            for _ in range(50):
+                case = random_features(rng, policy)
+                if any(isinstance(v, str) for v in case.values()):
+                    continue  # the example takes numbers only
+                got = ex.post("/decide", case)
+                want = python_decision(policy, case, 1.0)  # 1.0: never explores
+                if not got["explored"]:
+                    assert got == want, case
+        assert 'pdrouter_updates_total{result="invalid"} 0' in ex.metrics()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        agent.stop()
