@@ -446,6 +446,34 @@ class CapacityConfig(_Section):
     )
 
 
+class ExportConfig(_Section):
+    """Tuned knobs for a router that keeps its own rule (docs/adopting.md): on every
+    approval the daemon fits the peer's rule to the approved policy's calibration and
+    writes its config fragment to ``path`` (atomic replace), as ``pdctl export`` prints it."""
+
+    format: Literal["dynamo", "llm-d"] | None = Field(
+        None, description="The peer's rule to export: dynamo (conditional disaggregation, "
+        "isl_bounding) or llm-d (prefix-based-pd-decider nonCachedTokens); unset: off."
+    )
+    path: Path | None = Field(
+        None, description="File the fragment is written to on every approval (needs format)."
+    )
+    traffic_chars_per_token: float = Field(
+        4.0, gt=0, description="Average characters per tokenizer token of your traffic "
+        "(llm-d: converts the fitted token threshold into llm-d's byte-based estimate)."
+    )
+    llmd_chars_per_token: float = Field(
+        4.0, gt=0, description="The average characters per token llm-d's decider divides "
+        "prompt bytes by."
+    )
+
+    @model_validator(mode="after")
+    def _format_and_path_together(self) -> ExportConfig:
+        if (self.format is None) != (self.path is None):
+            raise ValueError("[export] format and path are set together (both, or neither)")
+        return self
+
+
 class PrometheusConfig(_Section):
     """The Prometheus (or Thanos/Mimir) HTTP API the prometheus source queries."""
 
@@ -572,6 +600,7 @@ class Settings(BaseSettings):
     prometheus: PrometheusConfig = Field(default_factory=PrometheusConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
     capacity: CapacityConfig = Field(default_factory=CapacityConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
 
     _toml_file: ClassVar[Path | None] = None
 

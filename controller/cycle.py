@@ -498,6 +498,8 @@ class Cycle:
         self._policies = _RecentPolicies()
         self._fit_failed_at: float | None = None  # automatic fits back off after a failure
         self._scaling = ScalingState()
+        # Given each approved calibration's policy and basis ([export], controller/exporter.py).
+        self.on_approval: Callable[[Policy, Any], None] | None = None
         # Causes not yet recalibrated for (a deferred or rate-limited cycle keeps them).
         self._pending_scaling: str | None = None
         self._pending_recommendation: int | None = None  # the scaling reached this one
@@ -1047,6 +1049,7 @@ class Cycle:
             if status == "approved":
                 self._approve(tx, version, rollout, report)
                 self._state_for = version
+                self._export_approved(policy, outcome)
         # A refused refit leaves drift measured as it was: it was trained on windows where
         # two policies ran, and the candidate it refitted keeps running. (Adopting its model
         # for the performance detector moved later detections and cost goodput in 15 replays:
@@ -1072,6 +1075,16 @@ class Cycle:
              **_scaling_details(plan)},
         )
         self._link_retry_at = plan.link_retry_at  # any stored calibration replaces it
+
+    def _export_approved(self, policy: Policy, outcome: CalibrationOutcome) -> None:
+        """Hand an approved policy and its calibration's basis to ``on_approval``; a failure
+        there is logged, never the cycle's."""
+        if self.on_approval is None:
+            return
+        try:
+            self.on_approval(policy, outcome.basis)
+        except Exception as e:
+            log.error("on_approval failed for v%s: %s", policy.version, e)
 
     def _record_adoption(self, tx: Tx, found: RunningPolicy, report: CycleReport) -> None:
         policy, said, added = record_adoption(tx, found, self.routers, "the controller")

@@ -188,6 +188,11 @@ class Daemon:
             reconcile_only=[c.sidecar_router] if c.sidecar_router else None,
             planner=SettingsPlanner(s) if s.capacity.enabled else None,
         )
+        if s.export.format is not None:
+            from controller.exporter import ApprovalExporter
+            from controller.learning import calibration_config
+
+            cycle.on_approval = ApprovalExporter(s.export, calibration_config(s).slo)
         health = Health(self.clock, c.stalled_after(), lambda: cycle.last_completed_at,
                         lambda: cycle.last_ended_at, started_at=self._started_at)
         health.details = lambda: {"leader": leadership.is_leader, "holder": holder}

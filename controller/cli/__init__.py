@@ -27,6 +27,7 @@ _COMMAND_MODULES = (
     "explain_cmd",
     "active_cmd",
     "plan_cmd",
+    "export_cmd",
 )
 
 for _name in _COMMAND_MODULES:
