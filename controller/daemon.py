@@ -8,7 +8,8 @@ to ``asyncio.to_thread``). The next scheduled calibration follows from the last 
 so a restart does not forget it.
 
 systemd: ``READY=1`` once the store, health server and scheduler are up; ``WATCHDOG=1``
-only while the loop's heartbeat is fresh; ``STOPPING=1`` on SIGTERM. Shutdown: pause the
+only while the loop's heartbeat is fresh; ``STOPPING=1`` on SIGTERM, SIGINT or SIGQUIT (each
+logged; SIGHUP is logged and ignored: the config is read at start only). Shutdown: pause the
 scheduler, let the in-flight cycle finish within ``shutdown_timeout_s`` (else cancel it:
 a push is either acknowledged and recorded or retried by the next leader), release the
 lease, exit 0.
@@ -213,6 +214,22 @@ class Daemon:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if sig in TERMINATING_SIGNALS:
+            log.info("%s received: stopping (the lease is released)", sig.name)
+            self.request_stop()
+        else:
+            log.info("%s received and ignored: the configuration is read at start only "
+                     "(restart to apply a change)", sig.name)
+
+    def _handle_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Every terminating signal stops the daemon the same graceful way (the in-flight
+        cycle finished or abandoned, the lease released, exit 0); SIGHUP is logged and
+        ignored (a closed terminal or a reload request must not end the loop silently)."""
+        for sig in (*TERMINATING_SIGNALS, signal.SIGHUP):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+
     async def _job(self) -> None:
         """The scheduler job: one cycle, tracked so shutdown can wait for it."""
         assert self.parts is not None
@@ -272,10 +289,7 @@ class Daemon:
         from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED
         from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.request_stop)
+        self._handle_signals(asyncio.get_running_loop())
         parts = await self.build()
         metrics = parts.cycle.metrics
         interval = self.settings.controller.interval_s
@@ -358,16 +372,22 @@ class Daemon:
         log.info("stopped")
 
 
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+
+
 def _now_dt(clock: Clock) -> Any:
     return clock.utcnow()
 
 
 def run_daemon(settings: Settings, *, advisory: bool = False) -> int:
-    """Run until SIGTERM/SIGINT; the process exit code."""
+    """Run until SIGTERM, SIGINT or SIGQUIT; the process exit code."""
     import faulthandler
 
     # `kill -USR1 PID` dumps every thread's stack to stderr (a wedged loop, diagnosed live).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Until the loop's handlers are installed: SIGHUP's default action ended the process
+    # silently (exit 129).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     daemon = Daemon(settings, advisory=advisory)
     try:
         return asyncio.run(daemon.run())
