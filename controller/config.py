@@ -301,6 +301,14 @@ class RolloutConfig(_Section):
     backoff_max_s: float = Field(5.0, gt=0, le=3600,
         description="Largest retry delay (with full jitter).")
     max_concurrency: int = Field(64, ge=1, le=100_000, description="Routers pushed to at once.")
+    unacked_hold_initial_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="A router pushed without acknowledging (a mismatch, a conflict, no "
+        "answer to the update) is not contacted for this long; doubled after each such "
+        "push in a row of the same content, up to unacked_hold_max_s.")
+    unacked_hold_max_s: float = Field(
+        900.0, gt=0, le=86_400,
+        description="The longest a router that does not acknowledge is left alone.")
 
 
 class ControllerConfig(_Section):

@@ -1675,7 +1675,8 @@ class Cycle:
                     tx.add_push(router, version, _push_result(s), s.latency_s,
                                 None if s.ok else s.last_error, at=at)
                     self.metrics.observe_push(router, _push_result(s), s.latency_s)
-                report.acked[router] = s.acked_version
+                if s.ok:  # "acked" in the log: only what acknowledged the desired version
+                    report.acked[router] = s.acked_version
                 desired = s.reissued_as or desired_versions[router]
                 self.metrics.set_router_versions(router, desired, s.acked_version or 0)
                 self._exported_versions = True
