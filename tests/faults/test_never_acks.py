@@ -10,6 +10,7 @@ and left alone."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import secrets
 from pathlib import Path
@@ -134,7 +135,7 @@ async def test_a_router_that_never_acknowledges_is_held_off_and_never_listed_as_
     # RUN_S s at most 1 + 5 more pushes (every cycle: about 24 more).
     assert 2 <= len(pushes) <= 7, [(p.at, p.result) for p in pushes]
     assert applies <= 7 * 2  # two attempts at most per push
-    gaps = [(b.at - a.at).total_seconds() for a, b in zip(pushes, pushes[1:], strict=False)]
+    gaps = [(b.at - a.at).total_seconds() for a, b in itertools.pairwise(pushes)]
     assert all(g >= HOLD_S * 0.9 for g in gaps), gaps
     for line in _cycle_lines(log):
         acked = line.partition("acked: ")[2]
