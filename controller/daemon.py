@@ -29,6 +29,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
@@ -124,8 +125,12 @@ class SettingsPlanner:
 
 class Daemon:
     def __init__(self, settings: Settings, *, advisory: bool = False,
-                 clock: Clock | None = None, registry: CollectorRegistry | None = None) -> None:
+                 clock: Clock | None = None, registry: CollectorRegistry | None = None,
+                 init: bool = False) -> None:
         self.settings = settings
+        self.init = init  # may create a missing SQLite store (`pdctl run --init`)
+        self.exit_code = 0
+        self.store_problem: str | None = None
         self.advisory = advisory or settings.controller.advisory
         self.clock: Clock = clock or WallClock()
         self.registry = registry or CollectorRegistry()
@@ -172,7 +177,9 @@ class Daemon:
         if not routers:
             raise ConfigError("[routers] targets is empty: the daemon needs routers to control")
         if store.dialect == "sqlite":
+            refuse_a_new_store(store, self.init)
             await asyncio.to_thread(store.upgrade_embedded)  # the embedded default
+            mark_store(store)
         else:
             await asyncio.to_thread(store.require_schema)  # production: `pdctl db upgrade`
         names = router_outcome_names(s)
@@ -233,6 +240,8 @@ class Daemon:
     async def _job(self) -> None:
         """The scheduler job: one cycle, tracked so shutdown can wait for it."""
         assert self.parts is not None
+        if self._store_lost():
+            return
         task = asyncio.ensure_future(self.parts.cycle.run_once())
         self._inflight = task
         try:
@@ -242,9 +251,30 @@ class Daemon:
                 self._inflight = None
                 # A calibration's freed arrays stay mapped by glibc otherwise: RSS ratchets.
                 release_free_heap()
+            self._store_lost()
+
+    def _store_lost(self) -> bool:
+        """Whether the SQLite file was removed or replaced under the daemon. The first time:
+        no more cycles (the store refuses every write), the health endpoints fail with the
+        reason, and the daemon stops after ``STORE_GONE_GRACE_S`` with exit 3, so that its
+        supervisor restarts it (and the restart refuses to start an empty history there)."""
+        assert self.parts is not None
+        if self.store_problem is not None:
+            return True
+        problem = self.parts.store.identity_problem()
+        if problem is None:
+            return False
+        self.store_problem = problem
+        self.exit_code = 3
+        self.parts.health.failure = problem
+        log.error("%s: writes stopped; exiting with 3 in %g s", problem, STORE_GONE_GRACE_S)
+        asyncio.get_running_loop().call_later(STORE_GONE_GRACE_S, self.request_stop)
+        return True
 
     async def _renew_lease(self) -> None:
         assert self.parts is not None
+        if self._store_lost():
+            return
         try:
             leader = await self.parts.leadership.ensure()
         except Exception as e:  # the next renewal or cycle tries again
@@ -334,7 +364,7 @@ class Daemon:
             await self._stop.wait()
         finally:
             await self._shutdown(scheduler, watchdog)
-        return 0
+        return self.exit_code
 
     async def _shutdown(self, scheduler: Any, watchdog: asyncio.Task[None] | None) -> None:
         assert self.parts is not None
@@ -373,14 +403,51 @@ class Daemon:
 
 
 TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+# After the SQLite file was removed or replaced: how long /healthz says why before the exit.
+STORE_GONE_GRACE_S = 10.0
+
+
+def store_marker(path: str) -> Path:
+    """The file beside a SQLite store that says a store was created at ``path``: a dot
+    file, so neither ``rm history.db*`` nor ``rm dir/*`` removes it with the store."""
+    p = Path(path)
+    return p.with_name(f".{p.name}.pdctl-store")
+
+
+def refuse_a_new_store(store: Any, init: bool) -> None:
+    """A SQLite store is created at a path where none was before (its marker absent: a
+    first start), or when asked (``pdctl run --init``, ``pdctl db upgrade``). A missing file
+    whose marker is there was removed or moved: the daemon refuses to start an empty
+    history in its place. The marker is written whenever the store exists."""
+    from controller.store import StoreError
+
+    path = store.sqlite_file
+    if path is None:
+        return
+    marker = store_marker(path)
+    if not Path(path).exists() and marker.exists() and not init:
+        raise StoreError(
+            f"no store at {path}, where one was created ({marker} says so): refusing to "
+            "start an empty history in its place (removed or moved?). Restore it, or "
+            "create a new, empty one with `pdctl run --init` or `pdctl db upgrade`")
+
+
+def mark_store(store: Any) -> None:
+    """Write the marker of a SQLite store that exists (best effort: a read-only
+    directory only loses the protection)."""
+    path = store.sqlite_file
+    if path is not None and Path(path).exists():
+        with contextlib.suppress(OSError):
+            store_marker(path).touch()
 
 
 def _now_dt(clock: Clock) -> Any:
     return clock.utcnow()
 
 
-def run_daemon(settings: Settings, *, advisory: bool = False) -> int:
-    """Run until SIGTERM, SIGINT or SIGQUIT; the process exit code."""
+def run_daemon(settings: Settings, *, advisory: bool = False, init: bool = False) -> int:
+    """Run until SIGTERM, SIGINT or SIGQUIT (exit 0), or until the store's file is lost
+    (exit 3); the process exit code."""
     import faulthandler
 
     # `kill -USR1 PID` dumps every thread's stack to stderr (a wedged loop, diagnosed live).
@@ -388,7 +455,7 @@ def run_daemon(settings: Settings, *, advisory: bool = False) -> int:
     # Until the loop's handlers are installed: SIGHUP's default action ended the process
     # silently (exit 129).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    daemon = Daemon(settings, advisory=advisory)
+    daemon = Daemon(settings, advisory=advisory, init=init)
     try:
         return asyncio.run(daemon.run())
     except ConfigError as e:
