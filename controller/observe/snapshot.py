@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from controller.clock import Clock, WallClock
 from controller.core.window import TargetFailure, Window
 from controller.observe.catalog import wanted_families
+from controller.observe.counters import PROCESS_START
 from controller.observe.exposition import ExpositionError, Snapshot, parse_exposition
 from controller.observe.rediscovery import Rediscovery
 from controller.observe.source import Target
@@ -26,7 +27,8 @@ from controller.observe.window_builder import (
 )
 from controller.rollout.agent_metrics import CONTEXT_BINS, IO_RATIO_BINS
 
-_WANTED = wanted_families()
+# process_start_time_seconds tells a restart from a counter that fell (observe.counters).
+_WANTED = wanted_families() | {PROCESS_START}
 
 
 class FetchError(Exception):

@@ -18,6 +18,7 @@ from controller.store.repository import (
     POLICY_TRANSITIONS,
     Store,
     StoreError,
+    StoreGone,
     StoreUnavailable,
     Tx,
 )
@@ -25,6 +26,6 @@ from controller.store.repository import (
 __all__ = [
     "LEADER", "POLICY_TRANSITIONS", "CalibrationRecord", "DriftEventRecord", "Lease",
     "OperatorRequest", "PolicyRecord", "PushRecord", "RecommendationRecord", "RouterRecord",
-    "Store", "StoreError", "StoreUnavailable", "StoredWindow", "Tx", "make_engine",
+    "Store", "StoreError", "StoreGone", "StoreUnavailable", "StoredWindow", "Tx", "make_engine",
     "normalize_url",
 ]
