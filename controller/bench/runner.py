@@ -130,7 +130,7 @@ def numbered_scenarios(directory: Path, which: Sequence[str] = (), seed: int | N
     ``scenarios/bench``) whose number ``N`` is in ``which`` (all when empty), loaded, in file
     order; with ``seed``, replayed with that seed instead of their own."""
     out = []
-    for path in sorted(directory.glob("*.toml")):
+    for path in sorted(directory.glob("[0-9]*-*.toml")):
         if which and path.name.split("-")[0] not in which:
             continue
         scenario = load_scenario(path)
