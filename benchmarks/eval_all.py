@@ -33,7 +33,6 @@ from controller.bench.evaluation import (  # noqa: E402
     run_job,
 )
 from controller.bench.fingerprint import stale_results  # noqa: E402
-from controller.bench.summary import suite_markdown, with_doc_block  # noqa: E402
 from controller.clock import WallClock  # noqa: E402
 from controller.errors import ConfigError  # noqa: E402
 
@@ -51,7 +50,11 @@ def _stale_only(jobs: list[Job]) -> list[Job]:
 
 
 def rewrite_doc_blocks(sets: list[str]) -> None:
-    """Each set's generated block of docs/results.md, from its committed summaries."""
+    """Each set's generated block of docs/results.md, from its committed summaries.
+    Imported here, after the jobs: a worker's fingerprint lists the modules loaded when it
+    started, and the summary tables play no part in a result."""
+    from controller.bench.summary import suite_markdown, with_doc_block
+
     plan = load_seed_plan()
     text = RESULTS_DOC.read_text(encoding="utf-8")
     for name in sets:

@@ -18,7 +18,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from controller.bench.fingerprint import ROOT, FileReads, current_fingerprint
+from controller.bench.fingerprint import (
+    ROOT,
+    FileReads,
+    changed_during_run,
+    current_fingerprint,
+    package_digests,
+)
 from controller.errors import ConfigError
 
 SEEDS_FILE = "scenarios/bench/seeds.toml"
@@ -110,11 +116,16 @@ def run_job(job: Job, root: Path = ROOT) -> dict[str, Any]:
     quiet_logs()
     wall = WallClock()
     t0 = wall.monotonic()
+    before = package_digests(root)
     with FileReads(root) as reads:
         scenario = replace(load_scenario(root / job.scenario_file), seed=job.seed)
         bench = run_bench(scenario)
     doc = evaluation_document(bench)
     doc["fingerprint"] = current_fingerprint(job.command, sorted(reads.paths), root)
+    edited = changed_during_run(before, doc["fingerprint"])
+    if edited:  # the sources read now are not the code that ran: nothing written
+        raise RuntimeError(f"{job.label}: {', '.join(edited)} changed during the run; "
+                           f"run it again: {job.command}")
     out = root / job.out_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(markdown_report(doc, job.command), encoding="utf-8")

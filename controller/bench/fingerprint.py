@@ -33,6 +33,8 @@ PACKAGE = "controller"
 ROOT = Path(__file__).resolve().parents[2]  # the repository (the package's parent)
 # Files the run opened that are code, not data: covered by ``modules`` (or irrelevant).
 CODE_SUFFIXES = frozenset({".py", ".pyc", ".pyi", ".so", ".pth"})
+# Not the run's inputs: environments, outputs, and an install's own metadata (*.egg-info).
+SKIPPED_DIRS = frozenset({".venv", ".git", "results", "build", "dist"})
 
 
 def _strip_docstrings(tree: ast.AST) -> ast.AST:
@@ -184,7 +186,9 @@ class FileReads:
             rel = path.resolve().relative_to(self.root)
         except (ValueError, OSError):
             return
-        if rel.parts and rel.parts[0] not in {".venv", ".git", "results"}:
+        if rel.parts and rel.parts[0] not in SKIPPED_DIRS \
+                and not any(part.endswith(".egg-info") or part == "__pycache__"
+                            for part in rel.parts):
             self.paths.add(rel.as_posix())
 
     def __enter__(self) -> FileReads:
@@ -210,6 +214,23 @@ def current_fingerprint(command: str, files: Iterable[str], root: Path = ROOT,
             sources[name] = text
     data = {rel: (root / rel).read_bytes() for rel in files if (root / rel).is_file()}
     return fingerprint(sources, data, command)
+
+
+def package_digests(root: Path = ROOT) -> dict[str, str]:
+    """:func:`source_digest` of every module of the package under ``root``, by name."""
+    out = {}
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = source_digest(path.read_text(encoding="utf-8"))
+    return out
+
+
+def changed_during_run(before: Mapping[str, str], fp: Mapping[str, Any]) -> list[str]:
+    """The modules of fingerprint ``fp`` whose source differs from ``before`` (taken as the
+    run started): the run executed other code than the fingerprint names."""
+    return sorted(name for name, digest in (fp.get("modules") or {}).items()
+                  if before.get(name) != digest)
 
 
 def stale_results(paths: Iterable[Path], root: Path = ROOT) -> list[Stale]:

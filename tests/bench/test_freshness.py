@@ -16,8 +16,10 @@ from pathlib import Path
 from controller.bench.fingerprint import (
     FileReads,
     Staleness,
+    changed_during_run,
     current_fingerprint,
     imported_modules,
+    package_digests,
     source_digest,
     stale_results,
 )
@@ -91,6 +93,19 @@ def test_a_result_is_stale_exactly_when_its_code_or_data_changed(tmp_path: Path)
         Staleness.NO_FINGERPRINT]
 
 
+def test_a_module_edited_while_the_run_ran_is_named(tmp_path: Path) -> None:
+    """The fingerprint reads the sources when the run ends; an edit made while it ran would
+    be recorded as the code that produced it. ``run_job`` compares with the sources as the
+    run started and writes nothing then."""
+    root = _repo(tmp_path)
+    before = package_digests(root)
+    assert set(before) == {"controller", "controller.mod"}
+    (root / "controller" / "mod.py").write_text(MODULE.replace("2 * x", "x + x"))
+    fp = current_fingerprint("regen", [], root, modules=["controller", "controller.mod"])
+    assert changed_during_run(before, fp) == ["controller.mod"]
+    assert changed_during_run(package_digests(root), fp) == []
+
+
 def test_the_runs_file_reads_are_its_data_files_under_the_repository(tmp_path: Path) -> None:
     root = _repo(tmp_path)
     (root / "data.csv").write_text("a\n")
@@ -99,6 +114,10 @@ def test_the_runs_file_reads_are_its_data_files_under_the_repository(tmp_path: P
     try:
         with FileReads(root) as reads:
             (root / "data.csv").read_text()
+            meta = root / "pd_controller.egg-info" / "entry_points.txt"
+            meta.parent.mkdir()
+            meta.write_text("[x]\n")
+            meta.read_text()  # an install's metadata, not an input
             (root / "controller" / "mod.py").read_text()  # code: in the modules instead
             (root / "written.txt").write_text("y")  # written, not read
             outside.read_text()
