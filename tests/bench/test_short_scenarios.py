@@ -15,7 +15,10 @@ they do not hold: 10 s windows hold fewer than the 50 requests the workload and 
 need, and the first fits have only a few such windows (``bench_suite.py --scale 0.1 1 3``:
 adaptive 0.789 / 0.635 against best static 0.849 / 0.848); at 0.5x scenario 2 reaches 0.93
 of the oracle. Measured at 0.7x (commit 9087785): scenario 1 adaptive 0.9035 against local
-0.8647, oracle 0.9265; scenario 2 0.9020 against local 0.7344, oracle 0.9224.
+0.8647, oracle 0.9265; scenario 2 0.9020 against local 0.7344, oracle 0.9224. The static
+policies include ``ppd-static+overrides`` (the table with adaptive's starting overrides), the
+strongest of them at 0.7x: 0.8885 and 0.7660 against adaptive's 0.9155 and 0.9078
+(``bench_suite.py --scale 0.7 1 2``, 2026-12-05).
 """
 
 from __future__ import annotations
