@@ -494,11 +494,11 @@ class ExportConfig(_Section):
         None, description="File the fragment is written to on every approval (needs format)."
     )
     traffic_chars_per_token: float = Field(
-        4.0, gt=0, description="Average characters per tokenizer token of your traffic "
+        4.0, gt=0, le=64, description="Average characters per tokenizer token of your traffic "
         "(llm-d: converts the fitted token threshold into llm-d's byte-based estimate)."
     )
     llmd_chars_per_token: float = Field(
-        4.0, gt=0, description="The average characters per token llm-d's decider divides "
+        4.0, gt=0, le=64, description="The average characters per token llm-d's decider divides "
         "prompt bytes by."
     )
 
