@@ -503,6 +503,8 @@ class Cycle:
         self._scaling = ScalingState()
         # Given each approved calibration's policy and basis ([export], controller/exporter.py).
         self.on_approval: Callable[[Policy, Any], None] | None = None
+        # Approvals of the write in progress, handed to on_approval once it committed.
+        self._approved_in_write: list[tuple[Policy, CalibrationOutcome]] = []
         # Causes not yet recalibrated for (a deferred or rate-limited cycle keeps them).
         self._pending_scaling: str | None = None
         self._pending_recommendation: int | None = None  # the scaling reached this one
@@ -960,11 +962,15 @@ class Cycle:
         now_dt = self.clock.utcnow()
         metrics, after_commit = self.metrics, _AfterCommit(self.metrics)
         self.metrics = after_commit  # type: ignore[assignment]  # the same update methods
+        self._approved_in_write = []  # a failed write's approvals were never stored
         try:
             self._write_decision(plan, claimed, rollout, ops, report, now_dt)
         finally:
             self.metrics = metrics
         after_commit.apply()
+        approved, self._approved_in_write = self._approved_in_write, []
+        for policy, outcome in approved:
+            self._export_approved(policy, outcome)
 
     def _write_decision(self, plan: _Plan, claimed: list[OperatorRequest], rollout: Rollout,
                         ops: OperatorState, report: CycleReport, now_dt: datetime) -> None:
@@ -1100,7 +1106,7 @@ class Cycle:
             if status == "approved":
                 self._approve(tx, version, rollout, report)
                 self._state_for = version
-                self._export_approved(policy, outcome)
+                self._approved_in_write.append((policy, outcome))
         # A refused refit leaves drift measured as it was: it was trained on windows where
         # two policies ran, and the candidate it refitted keeps running. (Adopting its model
         # for the performance detector moved later detections and cost goodput in 15 replays:
@@ -1128,8 +1134,9 @@ class Cycle:
         self._link_retry_at = plan.link_retry_at  # any stored calibration replaces it
 
     def _export_approved(self, policy: Policy, outcome: CalibrationOutcome) -> None:
-        """Hand an approved policy and its calibration's basis to ``on_approval``; a failure
-        there is logged, never the cycle's."""
+        """Hand an approved policy and its calibration's basis to ``on_approval`` after the
+        write that stored it committed (a file never names a policy the store lacks); a
+        failure there is logged, never the cycle's."""
         if self.on_approval is None:
             return
         try:

@@ -68,3 +68,19 @@ async def test_pdctl_run_wires_the_export_writer_only_when_configured(tmp_path: 
             await parts.transport.close()
             await parts.source.aclose()
             parts.store.close()
+
+
+async def test_the_hook_runs_after_the_approval_committed(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    stored_when_called: list[dict[str, int]] = []
+
+    def record(policy: Policy, basis: Any) -> None:
+        # Read through the store's own reads: inside the write transaction the approval
+        # would not be visible yet to another connection.
+        stored_when_called.append(dict(rig.store.desired_versions()))
+
+    rig.cycle.on_approval = record
+    for _ in range(4):
+        if (await rig.step()).approved_version == 1:
+            break
+    assert stored_when_called and set(stored_when_called[0].values()) == {1}
