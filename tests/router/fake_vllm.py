@@ -105,6 +105,13 @@ class Fake:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            return await self._complete_inner(request, chat)
+        except asyncio.CancelledError:  # the caller hung up: vLLM aborts the request
+            self.stats["aborted"] += 1
+            raise
+
+    async def _complete_inner(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json()
         b = self.behaviour
         self.stats["requests"] += 1
@@ -194,7 +201,7 @@ class Fake:
                     "total_tokens": prompt + n}})
             await out.write(b"data: [DONE]\n\n")
             self._done(prompt, n)
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:
             self.stats["aborted"] += 1
             raise
         await out.write_eof()

@@ -74,11 +74,11 @@ def engines(*ids: str, interval_ms: float = 0.0) -> Iterator[list[Engine]]:
 
 
 def router_toml(prefill: Sequence[str], decode: Sequence[str], *, http_port: int,
-                grpc_port: int, extra: str = "") -> str:
+                grpc_port: int, extra: str = "", http_extra: str = "") -> str:
     def lst(xs: Sequence[str]) -> str:
         return "[" + ", ".join(f'"{x}"' for x in xs) + "]"
 
-    return (f'[http]\nlisten = "127.0.0.1:{http_port}"\n'
+    return (f'[http]\nlisten = "127.0.0.1:{http_port}"\n{http_extra}'
             f'[grpc]\nlisten = "127.0.0.1:{grpc_port}"\n'
             f"[instances]\nprefill = {lst(prefill)}\ndecode = {lst(decode)}\n"
             "health_interval_s = 0.2\n" + extra)
