@@ -51,7 +51,7 @@ def reset(*es: Engine) -> None:
 
 
 def test_chat_and_completions_stream_and_not_with_usage(cluster, tmp_path: Path) -> None:
-    p, d, r = cluster
+    _p, _d, r = cluster
     c = client(r)
     msgs = [{"role": "user", "content": "x" * 400}]
     whole = c.chat.completions.create(model="m", messages=msgs, max_tokens=7)
@@ -102,7 +102,7 @@ def test_prefill_leg_and_decode_leg_on_the_wire(cluster) -> None:
 
 
 def test_pushed_policy_runs_later_turns_decode_local_on_the_sessions_d(cluster, tmp_path) -> None:
-    p, d, r = cluster
+    _p, _d, r = cluster
     push(r, tmp_path, Policy.uniform(3, Route.DECODE_LOCAL))
     c = client(r)
     routes: dict[str, list[str]] = {}

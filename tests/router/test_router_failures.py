@@ -59,7 +59,7 @@ def test_a_failing_prefill_is_retried_on_another_p_then_runs_decode_local(cluste
 
 
 def test_no_handle_timeout_and_a_killed_p_fall_back_with_their_reasons(cluster) -> None:
-    p, d, r = cluster
+    p, _d, r = cluster
     for e in p:
         e.behave(no_handle=True)
     assert route(chat(r)) == "DECODE_LOCAL"
@@ -89,7 +89,7 @@ def test_a_4xx_from_p_goes_to_the_client_as_it_is(cluster) -> None:
 
 
 def test_decode_failures_before_the_first_byte_answer_502_or_504(cluster) -> None:
-    p, d, r = cluster
+    _p, d, r = cluster
     d[0].behave(hang=True)
     started = time.monotonic()
     got = chat(r, stream=True)
@@ -107,7 +107,7 @@ def test_decode_failures_before_the_first_byte_answer_502_or_504(cluster) -> Non
 
 
 def test_a_stalled_stream_ends_with_an_error_event_within_the_bound(cluster) -> None:
-    p, d, r = cluster
+    _p, d, r = cluster
     d[0].behave(stall_after=2)
     started = time.monotonic()
     got = chat(r, stream=True, max_tokens=10)
