@@ -46,6 +46,29 @@ class Estimate:
         return total
 
 
+class ModelCounter:
+    """The model's tokenizer; a chat it cannot render with its template (none, or a message
+    shape the template refuses) is counted as its texts plus the estimate's overhead."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+        self._template = bool(tok.has_chat_template)
+
+    def count_text(self, text: str) -> int:
+        return int(self._tok.count_text(text))
+
+    def count_chat(self, messages: list[dict[str, Any]]) -> int:
+        if self._template:
+            try:
+                return int(self._tok.count_chat(messages))
+            except ConfigError:
+                pass
+        total = 3
+        for m in messages:
+            total += self._tok.count_text(_content_text(m.get("content"))) + 4
+        return total
+
+
 class TokenCounts:
     """Counts for one router process; ``loaded`` says whether they are the model's own."""
 
@@ -71,12 +94,15 @@ def load_counts(path: Path | None) -> TokenCounts:
         log.warning("router: no [model] tokenizer configured: token counts are ESTIMATED "
                     "(UTF-8 bytes / 4); pdrouter_tokenizer_loaded is 0")
         return TokenCounts(Estimate(), loaded=False, source="estimate (bytes/4)")
-    try:
-        from controller.tokenize import load_tokenizer  # type: ignore[import-not-found,unused-ignore]
-    except ImportError as e:  # pragma: no cover - the package ships with the router
-        raise ConfigError(f"model.tokenizer: the tokenizer package is unavailable: {e}") from None
+    from controller.tokenize import load_tokenizer
+
     try:
         tok = load_tokenizer(path)
+    except ConfigError as e:
+        raise ConfigError(f"model.tokenizer: {e}") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.tokenizer {path}: {e}") from None
-    return TokenCounts(tok, loaded=True, source=str(path))
+    if not tok.has_chat_template:
+        log.warning("router: %s has no chat template: chat prompts are counted as their "
+                    "messages' tokens plus an estimated 4 per message and 3 per prompt", path)
+    return TokenCounts(ModelCounter(tok), loaded=True, source=str(path))

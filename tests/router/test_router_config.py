@@ -1,0 +1,67 @@
+"""router.toml validation, ``pdctl router check`` and the token counters' loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from controller.cli import app
+from controller.errors import ConfigError
+from controller.router.config import load_router_config, parse_router_config
+from controller.router.tokens import load_counts
+from controller.tokenize import bundled_tokenizer_dir, load_tokenizer
+
+runner = CliRunner()
+
+
+def test_a_minimal_config_takes_the_defaults() -> None:
+    cfg = parse_router_config({"instances": {"decode": ["http://127.0.0.1:8001/"]}})
+    assert cfg.instances.decode == ["http://127.0.0.1:8001"]
+    assert cfg.http.processes == 1 and cfg.model.tokenizer is None
+    assert cfg.timeouts.connect_s > 0
+
+
+@pytest.mark.parametrize(("doc", "says"), [
+    ({"instances": {"decode": []}}, "instances.decode"),
+    ({"instances": {"decode": ["127.0.0.1:8001"]}}, "expected http://HOST:PORT"),
+    ({"instances": {"decode": ["http://h:1/v1"]}}, "no path"),
+    ({"instances": {"decode": ["http://h:1", "http://h:1"]}}, "listed twice"),
+    ({"instances": {"decode": ["dns+svc:80"]}, "typo": 1}, "typo: unknown key"),
+    ({"instances": {"decode": ["dns+svc:80"]}, "timeouts": {"connect_s": 0}},
+     "timeouts.connect_s"),
+    ({"instances": {"decode": ["dns+svc:80"]}, "http": {"api_key": "a", "api_key_file": "f"}},
+     "not both"),
+])
+def test_bad_configs_name_the_key(doc: dict[str, object], says: str) -> None:
+    with pytest.raises(ConfigError, match="invalid router configuration") as e:
+        parse_router_config(doc)
+    assert says in str(e.value)
+
+
+def test_router_check_exits_2_with_every_problem(tmp_path: Path) -> None:
+    bad = tmp_path / "r.toml"
+    bad.write_text('[instances]\ndecode = ["nope"]\nprefill = ["http://a:1/x"]\n[http]\nx=1\n')
+    result = runner.invoke(app, ["router", "check", "--config", str(bad)])
+    assert result.exit_code == 2
+    for key in ("instances.decode", "instances.prefill", "http.x"):
+        assert key in result.output
+    good = tmp_path / "g.toml"
+    good.write_text('[instances]\ndecode = ["http://127.0.0.1:9"]\n')
+    ok = runner.invoke(app, ["router", "check", "--config", str(good)])
+    assert ok.exit_code == 0 and "none (estimates)" in ok.output
+    with pytest.raises(ConfigError, match="not found"):
+        load_router_config(tmp_path / "missing.toml")
+
+
+def test_counts_come_from_the_models_tokenizer_when_configured(tmp_path: Path) -> None:
+    counts = load_counts(bundled_tokenizer_dir())
+    tok = load_tokenizer(bundled_tokenizer_dir())
+    msgs = [{"role": "user", "content": "How many tokens does the router count here?"}]
+    assert counts.loaded and counts.chat(msgs) == tok.count_chat(msgs)
+    assert counts.text("hello world") == tok.count_text("hello world")
+    estimate = load_counts(None)
+    assert not estimate.loaded and estimate.text("abcdefgh") == 2
+    with pytest.raises(ConfigError, match=r"model\.tokenizer"):
+        load_counts(tmp_path)
