@@ -58,8 +58,15 @@ def test_router_check_exits_2_with_every_problem(tmp_path: Path) -> None:
 def test_counts_come_from_the_models_tokenizer_when_configured(tmp_path: Path) -> None:
     counts = load_counts(bundled_tokenizer_dir())
     tok = load_tokenizer(bundled_tokenizer_dir())
-    msgs = [{"role": "user", "content": "How many tokens does the router count here?"}]
-    assert counts.loaded and counts.chat(msgs) == tok.count_chat(msgs)
+    words = (Path(__file__).parents[2] / "docs" / "config-reference.md").read_text().split()
+    msgs = [{"role": "system", "content": " ".join(words[:40])}]
+    for i in range(4):
+        msgs.append({"role": "user", "content": " ".join(words[100 * i:100 * i + 90])})
+        msgs.append({"role": "assistant", "content": " ".join(words[50 * i:50 * i + 30])})
+    exact = tok.count_chat(msgs)
+    # per-message counts + the template's overhead: within a token or so per message
+    assert counts.loaded and abs(counts.chat(msgs) - exact) <= 0.02 * exact
+    assert counts.chat(msgs) == counts.chat([dict(m) for m in msgs])  # cached: same answer
     assert counts.text("hello world") == tok.count_text("hello world")
     estimate = load_counts(None)
     assert not estimate.loaded and estimate.text("abcdefgh") == 2
