@@ -67,10 +67,16 @@ class ModelCounter:
         self._cap = cache_entries
 
     def count_text(self, text: str) -> int:
+        """A completions prompt: the tokenizer's own count, special tokens included."""
+        return int(self._tok.count_text(text))
+
+    def _content(self, text: str) -> int:
+        """One message's content, no special tokens (the template holds those); offsets
+        are not computed (``encode_batch_fast``: about 20% cheaper than ``encode``)."""
         key = hash(text)
         got = self._texts.get(key)
         if got is None:
-            got = int(self._tok.count_text(text))
+            got = len(self._tok.hf.encode_batch_fast([text], add_special_tokens=False)[0].ids)
             self._texts[key] = got
             if len(self._texts) > self._cap:
                 self._texts.popitem(last=False)
@@ -90,7 +96,7 @@ class ModelCounter:
         return got
 
     def count_chat(self, messages: list[dict[str, Any]]) -> int:
-        content = sum(self.count_text(t) for m in messages
+        content = sum(self._content(t) for m in messages
                       if (t := _content_text(m.get("content"))))
         if self._template:
             try:
