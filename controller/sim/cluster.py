@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from controller.clock import VirtualClock
 from controller.policy import Decision, Features, Policy, Route
-from controller.sim.engine import Engine, EngineRequest
+from controller.sim.engine import Engine, EngineRequest, Kind
 from controller.sim.link import KvLink
 from controller.sim.profiles import Profile
 from controller.sim.router import SimRouter
@@ -90,6 +90,7 @@ class SimRequest:
     rejected: bool = False
     reject_reason: str = ""
     retries: int = 0
+    direct: bool = False  # addressed to one worker over HTTP (protocol mode): never rerouted
     features: Features | None = None
     decision: Decision | None = None
     on_complete: Callable[[SimRequest], None] | None = field(default=None, repr=False)
@@ -216,7 +217,9 @@ class SimCluster:
         now = self.loop.now
         for er in orphans:
             req = self.requests_by_tag.get(id(er))
-            if req is not None and req.finish is None and not req.rejected:
+            if req is not None and req.direct:
+                self._reject(req, "worker_removed")
+            elif req is not None and req.finish is None and not req.rejected:
                 req.retries += 1
                 self.loop.at(now, self._route, req)
         return eng
@@ -326,6 +329,54 @@ class SimCluster:
             self.requests_by_tag[id(er)] = req
             d.add(er, now)
             self._kick(d)
+
+    def run_on(self, eng: Engine, req: SimRequest, kind: Kind,
+               pull_from: str | None = None) -> EngineRequest:
+        """Protocol mode: run ``req`` on the worker it was sent to, now, as that worker's
+        HTTP request asked — ``prefill`` (the P leg: one token, then ``req.on_complete``),
+        ``local`` (prefill from the worker's own prefix cache, then decode) or
+        ``pd_decode`` (pull the blocks the worker lacks from prefill worker ``pull_from``
+        over its link, then decode). No router decides and nothing is rerouted."""
+        now = self.loop.now
+        req.arrival = now
+        req.direct = True
+        leg = kind == "prefill"
+        er = EngineRequest(
+            rid=req.rid, session=req.session, kind=kind, prompt=req.prompt,
+            shared_prefix=req.shared_prefix, max_out=1 if leg else req.output_tokens,
+            max_tokens_param=1 if leg else req.max_tokens, arrival=now,
+            on_first_token=self._first_token,
+            on_done=self._leg_done if leg else self._decode_done,
+            on_token=self._token if req.stream is not None and not leg else None, tag=req,
+        )
+        if leg:
+            req.prefill_worker = eng.name
+        else:
+            req.decode_worker = eng.name
+        self.requests_by_tag[id(er)] = req
+        if kind == "pd_decode":
+            req.prefill_worker = pull_from
+            req.prefill_done_at = now
+            eng.add_pd(er, now, self.config.transfer_missing_only)
+        else:
+            eng.add(er, now)
+        self._kick(eng)
+        return er
+
+    def abort(self, eng: Engine, er: EngineRequest) -> None:
+        """The HTTP client of a protocol-mode request went away: abort it on its worker."""
+        self.requests_by_tag.pop(id(er), None)
+        if eng.abort(er, self.loop.now):
+            self._kick(eng)
+
+    def _leg_done(self, er: EngineRequest, now: float) -> None:
+        req = er.tag
+        assert isinstance(req, SimRequest)
+        self.requests_by_tag.pop(id(er), None)
+        req.finish = now
+        req.output_tokens = er.generated
+        if req.on_complete is not None:
+            req.on_complete(req)
 
     def _prefill_done(self, er: EngineRequest, now: float) -> None:
         req = er.tag

@@ -60,6 +60,7 @@ class EngineRequest:
     preemptions: int = 0
     fetch_stage: FetchStage = "done"
     finished: bool = False
+    aborted: bool = False
     admitted_seq: int = 0
     tag: object = field(default=None)
 
@@ -397,7 +398,7 @@ class Engine:
         self._run_mixed = None
         self._run_steps = 0
         self.busy = False
-        done = [r for r in self.running if r.generated >= r.max_out]
+        done = [r for r in self.running if r.generated >= r.max_out or r.aborted]
         if done:
             for r in done:
                 self._finish(r, now)
@@ -586,7 +587,10 @@ class Engine:
         m.h_n.observe(1)
         m.h_kv_computed.observe(r.prompt - r.hit - r.external)
         m.h_preempt.observe(r.preemptions)
-        m.success["length" if r.generated >= r.max_tokens_param else "stop"] += 1
+        if r.aborted:
+            m.success["abort"] += 1
+        else:
+            m.success["length" if r.generated >= r.max_tokens_param else "stop"] += 1
         self._cache_put(r)
         if r.on_done is not None:
             r.on_done(r, now)
@@ -609,6 +613,31 @@ class Engine:
         m.kv_fetch["in_progress"] = deferred - starting
         m.kv_fetch["completed_waiting"] = completed
         m.kv_usage = self.used_blocks / self.total_blocks
+
+    # ---------------------------------------------------------------- aborts
+    def abort(self, req: EngineRequest, now: float) -> bool:
+        """The client went away (vLLM aborts the request): a queued or fetching request
+        leaves at once, its KV freed; a running one leaves at the end of the step in
+        progress, counted ``finished_reason="abort"``. Its callbacks never fire again.
+        False when the request had already finished."""
+        if req.finished or req.aborted:
+            return False
+        req.aborted = True
+        req.on_first_token = req.on_token = req.on_done = None
+        if req in self.running:
+            return True
+        if req in self.fetching:
+            self.fetching.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            return True
+        self.used_blocks -= req.blocks
+        req.blocks = 0
+        req.finished = True
+        self.metrics.success["abort"] += 1
+        self._update_gauges()
+        return True
 
     # ---------------------------------------------------------------- removal
     def shutdown(self) -> list[EngineRequest]:

@@ -52,6 +52,40 @@ class Event:
     workload: WorkloadConfig | None = None
 
 
+MAX_PORT_BASE = 65535 - 400  # the layout of docs/simulator.md spans base .. base + 400
+SERVE_KEYS = {"port_base", "tokenizer", "abort_timeout_s", "no_handle_fraction",
+              "default_max_tokens"}
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """``[serve]``: how ``pdctl sim serve`` exposes the cluster (live mode only)."""
+
+    port_base: int | None = None  # None: the OS picks free ports
+    tokenizer: Path | None = None  # None: the bundled simulator tokenizer
+    abort_timeout_s: float = 480.0  # VLLM_NIXL_ABORT_REQUEST_TIMEOUT (recent vLLM)
+    no_handle_fraction: float = 0.0  # prefill legs whose first token is EOS (no handle)
+    default_max_tokens: int = 64
+
+
+def _serve(data: Any, source_path: Path | None) -> ServeConfig:
+    t = _Table(data, "serve", SERVE_KEYS)
+    port_base = None
+    if "port_base" in data:
+        port_base = t.integer("port_base", ge=1024, le=MAX_PORT_BASE)
+    tokenizer = None
+    if "tokenizer" in data:
+        tokenizer = Path(t.string("tokenizer")).expanduser()
+        if source_path is not None and not tokenizer.is_absolute():
+            tokenizer = source_path.parent / tokenizer
+    return ServeConfig(
+        port_base=port_base, tokenizer=tokenizer,
+        abort_timeout_s=t.number("abort_timeout_s", 480.0, gt=0),
+        no_handle_fraction=t.number("no_handle_fraction", 0.0, ge=0, le=1),
+        default_max_tokens=t.integer("default_max_tokens", 64, ge=1),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Scenario:
     name: str
@@ -65,6 +99,7 @@ class Scenario:
     tpot_slo_s: float = 0.1
     interval_s: float = 30.0
     description: str = ""
+    serve: ServeConfig = field(default_factory=ServeConfig)
     source_path: Path | None = field(default=None, compare=False)
 
     def phase_bounds(self) -> list[tuple[float, float]]:
@@ -187,7 +222,7 @@ def _buckets(data: Any) -> tuple[tuple[str, tuple[float, ...]], ...]:
 
 def parse_scenario(data: Mapping[str, Any], source_path: Path | None = None) -> Scenario:
     top = _Table(data, "", {"name", "seed", "duration_s", "description", "cluster", "workload",
-                            "events", "slo", "controller"})
+                            "events", "slo", "controller", "serve"})
     name = top.string("name")
     seed = top.integer("seed", 0)
     duration = top.number("duration_s", gt=0, le=MAX_DURATION_S)
@@ -274,6 +309,7 @@ def parse_scenario(data: Mapping[str, Any], source_path: Path | None = None) -> 
         workload=workload, events=tuple(events),
         ttft_slo_s=slo.number("ttft_s", 2.0, gt=0), tpot_slo_s=slo.number("tpot_s", 0.1, gt=0),
         interval_s=interval, description=description,
+        serve=_serve(data.get("serve", {}), source_path),
         source_path=source_path,
     )
 

@@ -76,7 +76,7 @@ async def test_scrape_and_prometheus_agree_on_a_live_simulated_cluster(
             for turn in range(12):
                 r = await http.post(f"{api}/chat/completions", headers={
                     "X-Session-Id": f"s{turn % 3}"}, json={
-                    "model": "sim", "max_tokens": 8,
+                    "model": live_sim["model"], "max_tokens": 8,
                     "messages": [{"role": "user", "content": "hello " * (50 + 40 * turn)}]})
                 assert r.status_code == 200, r.text
         prom.wait_scraped_after(CLOCK.now() + 1.0)  # requests done, counters settled

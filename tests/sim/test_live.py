@@ -106,18 +106,18 @@ def test_live_mode_end_to_end(served: tuple[dict[str, Any], subprocess.Popen[str
     before = _scrape(router["metrics"])
     client = OpenAI(base_url=router["openai"], api_key="unused", timeout=30.0, max_retries=0)
     messages: list[dict[str, str]] = [{"role": "user", "content": "hello " * 400}]
-    reply = client.chat.completions.create(model="sim", messages=messages,  # type: ignore[arg-type]
+    reply = client.chat.completions.create(model=addresses["model"], messages=messages,  # type: ignore[arg-type]
                                            max_tokens=12, user="conv-1")
     assert reply.usage is not None and reply.usage.completion_tokens == 12
     assert reply.choices[0].message.content == " ".join(["sim"] * 12)
     messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                  {"role": "user", "content": "and more " * 30}]
-    stream = client.chat.completions.create(model="sim", messages=messages,  # type: ignore[arg-type]
+    stream = client.chat.completions.create(model=addresses["model"], messages=messages,  # type: ignore[arg-type]
                                             max_tokens=20, stream=True, user="conv-1")
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert "".join(pieces).split() == ["sim"] * 20
     assert len([p for p in pieces if p]) >= 2  # tokens arrive over several chunks
-    done = client.completions.create(model="sim", prompt="x" * 100, max_tokens=5)
+    done = client.completions.create(model=addresses["model"], prompt="x" * 100, max_tokens=5)
     assert done.choices[0].text.split() == ["sim"] * 5
     after = _scrape(router["metrics"])
     assert (_total(after, "pdrouter_decisions_total", reason="first_turn")
