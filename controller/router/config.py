@@ -61,14 +61,18 @@ class HttpSection(_Section):
         "api_key_file. The client's Authorization header is passed on to the engines.",
     )
     api_key_file: Path | None = Field(None, description="File holding api_key.")
+    metrics_listen: str | None = Field(
+        None, description="HOST:PORT serving /metrics alone (the daemon's [routers] "
+        "metrics_targets); /metrics is on the client API's port too.",
+    )
     max_body_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).",
     )
 
-    @field_validator("listen")
+    @field_validator("listen", "metrics_listen")
     @classmethod
-    def _listen(cls, v: str) -> str:
-        return check_host_port(v, listen=True)
+    def _listen(cls, v: str | None) -> str | None:
+        return None if v is None else check_host_port(v, listen=True)
 
     @model_validator(mode="after")
     def _one_key(self) -> HttpSection:

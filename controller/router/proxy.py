@@ -122,6 +122,11 @@ class Router:
         app.router.add_get("/metrics", self.metrics)
         return app
 
+    def metrics_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
     # -- small endpoints -------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:

@@ -105,15 +105,14 @@ async def serve_router(cfg: RouterConfig, stop: asyncio.Event, *,
                             resolve_interval_s=cfg.instances.resolve_interval_s,
                             timeout_s=t.health_s)
     checking: asyncio.Task[None] | None = None
+    metrics_runner = web.AppRunner(router.metrics_app(), access_log=None)
     try:
         await runner.setup()
-        host, port = split_host_port(cfg.http.listen)
-        site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
-        try:
-            await site.start()
-        except OSError as e:
-            raise ConfigError(f"cannot listen on http.listen {cfg.http.listen}: "
-                              f"{e.strerror or e}") from None
+        host, _ = split_host_port(cfg.http.listen)
+        await _listen(runner, "http.listen", cfg.http.listen, reuse_port)
+        if serve_grpc and cfg.http.metrics_listen is not None:
+            await metrics_runner.setup()
+            await _listen(metrics_runner, "http.metrics_listen", cfg.http.metrics_listen, False)
         if serve_grpc:
             await grpc_server.start()
         checking = asyncio.create_task(checker.run(stop))
@@ -133,4 +132,14 @@ async def serve_router(cfg: RouterConfig, stop: asyncio.Event, *,
             await checking
         await grpc_server.stop(grace=2.0)
         await runner.cleanup()
+        await metrics_runner.cleanup()
         await session.close()
+
+
+async def _listen(runner: web.AppRunner, key: str, address: str, reuse_port: bool) -> None:
+    host, port = split_host_port(address)
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+    try:
+        await site.start()
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {key} {address}: {e.strerror or e}") from None
