@@ -39,6 +39,7 @@ from controller.router.features import (
     prompt_tokens_of,
 )
 from controller.router.instances import Pool
+from controller.router.merge import merge_expositions
 from controller.router.metrics import DecodeFailure, FallbackReason, RouterHttpMetrics
 from controller.router.protocol import (
     REQUEST_ID_HEADER,
@@ -61,6 +62,7 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 ROUTE_HEADER = "X-PDRouter-Route"
 DECODE_HEADER = "X-PDRouter-Decode"
+PRIVATE_KEY: web.AppKey[bool] = web.AppKey("pdrouter_private_metrics", bool)
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
@@ -112,6 +114,8 @@ class Router:
         t = cfg.timeouts
         self._t = t
         self._p_timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s)
+        # With several processes: every process's private /metrics, merged on each scrape.
+        self.metrics_peers: list[str] = []
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.http.max_body_bytes)
@@ -122,8 +126,11 @@ class Router:
         app.router.add_get("/metrics", self.metrics)
         return app
 
-    def metrics_app(self) -> web.Application:
+    def metrics_app(self, private: bool = False) -> web.Application:
+        """``/metrics`` alone; ``private``: this process's own samples, never merged."""
         app = web.Application()
+        if private:
+            app[PRIVATE_KEY] = True
         app.router.add_get("/metrics", self.metrics)
         return app
 
@@ -136,7 +143,21 @@ class Router:
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.agent.registry)
+        if self.metrics_peers and request.app.get(PRIVATE_KEY) is None:
+            texts = await asyncio.gather(*(self._peer_metrics(u) for u in self.metrics_peers))
+            if any(t is None for t in texts):
+                return error_response(503, "a router process did not answer its metrics",
+                                      "service_unavailable")
+            body = merge_expositions(t for t in texts if t is not None).encode()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _peer_metrics(self, url: str) -> str | None:
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(
+                    total=self._t.health_s * 5)) as r:
+                return await r.text() if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError):
+            return None
 
     async def models(self, request: web.Request) -> web.Response:
         if (denied := self._auth(request)) is not None:

@@ -35,6 +35,7 @@ class Started:
     grpc: str  # HOST:PORT
     tokenizer: str
     policy_version: int
+    metrics_url: str = ""  # a worker process's private /metrics
 
 
 def initial_policy(path: Path | None) -> Policy | None:
@@ -47,13 +48,13 @@ def initial_policy(path: Path | None) -> Policy | None:
 
 
 def make_agent(cfg: RouterConfig, registry: CollectorRegistry, prefill: Pool,
-               state_file: Path | None) -> RouterAgent:
+               state_file: Path | None, initial: Policy | None) -> RouterAgent:
     return RouterAgent(
         router_id=cfg.router_id or socket.gethostname(),
         clock=WallClock(), registry=registry, state_file=state_file,
         decision_timeout_ms=cfg.grpc.decision_timeout_ms,
         stale_after_s=cfg.grpc.stale_after_s,
-        initial_policy=initial_policy(cfg.grpc.initial_policy),
+        initial_policy=initial,
         prefill_waiting=prefill.min_waiting,
     )
 
@@ -72,11 +73,29 @@ def make_pools(cfg: RouterConfig, metrics: RouterHttpMetrics) -> tuple[Pool, Poo
     return pools[0], pools[1]
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessSpec:
+    """How one process of a router instance runs.
+
+    The single process of a one-process router serves everything. With ``[http] processes``
+    > 1 each worker process serves the API on the shared port (``reuse_port``) and its own
+    registry on a private loopback port (``private_metrics``), starts from the policy the
+    parent runs (``initial``) and takes updates from the parent, which alone serves gRPC.
+    """
+
+    serve_grpc: bool = True
+    reuse_port: bool = False
+    private_metrics: bool = False
+    initial: Policy | None = None
+    use_initial: bool = False
+
+
 async def serve_router(cfg: RouterConfig, stop: asyncio.Event, *,
                        on_started: Callable[[Started], None] | None = None,
-                       reuse_port: bool = False, serve_grpc: bool = True,
-                       agent_hook: Callable[[RouterAgent], None] | None = None) -> None:
+                       spec: ProcessSpec | None = None,
+                       hook: Callable[[RouterAgent, Router], None] | None = None) -> None:
     """Run one router process until ``stop`` is set."""
+    spec = spec or ProcessSpec()
     clock = WallClock()
     registry = CollectorRegistry()
     metrics = RouterHttpMetrics(registry)
@@ -87,41 +106,57 @@ async def serve_router(cfg: RouterConfig, stop: asyncio.Event, *,
         await asyncio.to_thread(pool.resolve)
         for inst in pool.instances.values():
             metrics.instance_healthy.labels(inst.role.value, inst.url).set(1)
-    agent = make_agent(cfg, registry, prefill, cfg.grpc.state_file if serve_grpc else None)
-    if agent_hook is not None:
-        agent_hook(agent)
-    grpc_server = RouterServer(agent, listen=cfg.grpc.listen, security=cfg.security,
-                               serve_decisions=False,
-                               allow_unauthenticated=cfg.grpc.allow_unauthenticated)
+    agent = make_agent(cfg, registry, prefill, cfg.grpc.state_file if spec.serve_grpc else None,
+                       initial=spec.initial if spec.use_initial else
+                       initial_policy(cfg.grpc.initial_policy))
     t = cfg.timeouts
-    connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
     session = aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s),
+        connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s),
         auto_decompress=False, trust_env=False)
     router = Router(cfg, agent, counts, prefill, decode, metrics, session, clock)
-    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+    if hook is not None:
+        hook(agent, router)
     checker = HealthChecker((prefill, decode), session, clock,
                             interval_s=cfg.instances.health_interval_s,
                             resolve_interval_s=cfg.instances.resolve_interval_s,
                             timeout_s=t.health_s)
+    try:
+        await _run(cfg, stop, spec, agent, router, checker, counts.source, on_started)
+    finally:
+        await session.close()
+
+
+async def _run(cfg: RouterConfig, stop: asyncio.Event, spec: ProcessSpec, agent: RouterAgent,
+               router: Router, checker: HealthChecker, tokenizer: str,
+               on_started: Callable[[Started], None] | None) -> None:
+    grpc_server = RouterServer(agent, listen=cfg.grpc.listen, security=cfg.security,
+                               serve_decisions=False,
+                               allow_unauthenticated=cfg.grpc.allow_unauthenticated)
+    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+    metrics_runner = web.AppRunner(router.metrics_app(private=spec.private_metrics),
+                                   access_log=None)
     checking: asyncio.Task[None] | None = None
-    metrics_runner = web.AppRunner(router.metrics_app(), access_log=None)
     try:
         await runner.setup()
         host, _ = split_host_port(cfg.http.listen)
-        await _listen(runner, "http.listen", cfg.http.listen, reuse_port)
-        if serve_grpc and cfg.http.metrics_listen is not None:
+        await _listen(runner, "http.listen", cfg.http.listen, spec.reuse_port)
+        metrics_url = ""
+        if spec.private_metrics:
+            await metrics_runner.setup()
+            await _listen(metrics_runner, "private metrics", "127.0.0.1:0", False)
+            metrics_url = f"http://127.0.0.1:{metrics_runner.addresses[0][1]}/metrics"
+        elif spec.serve_grpc and cfg.http.metrics_listen is not None:
             await metrics_runner.setup()
             await _listen(metrics_runner, "http.metrics_listen", cfg.http.metrics_listen, False)
-        if serve_grpc:
+        if spec.serve_grpc:
             await grpc_server.start()
         checking = asyncio.create_task(checker.run(stop))
-        bound = runner.addresses[0]
         snap = agent.snapshot
         if on_started is not None:
-            on_started(Started(f"http://{host}:{bound[1]}",
-                               grpc_server.address if serve_grpc else "",
-                               counts.source, snap.version if snap else 0))
+            on_started(Started(f"http://{host}:{runner.addresses[0][1]}",
+                               grpc_server.address if spec.serve_grpc else "",
+                               tokenizer, snap.version if snap else 0, metrics_url))
         while not stop.is_set():
             agent.is_stale()
             with contextlib.suppress(TimeoutError):
@@ -133,7 +168,6 @@ async def serve_router(cfg: RouterConfig, stop: asyncio.Event, *,
         await grpc_server.stop(grace=2.0)
         await runner.cleanup()
         await metrics_runner.cleanup()
-        await session.close()
 
 
 async def _listen(runner: web.AppRunner, key: str, address: str, reuse_port: bool) -> None:

@@ -27,7 +27,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory
     with engines("p0", "p1", "d0", "d1") as es:
         p, d = es[:2], es[2:]
         toml = router_toml([e.url for e in p], [e.url for e in d], http_port=free_port(),
-                           grpc_port=free_port())
+                           grpc_port=free_port(), extra="[timeouts]\nhealth_s = 5.0\n")
         with router_serve(toml, tmp) as r:
             yield p, d, r
 

@@ -66,7 +66,9 @@ async def sim_and_router(tmp: Path) -> AsyncIterator[Sim]:
         ds = [w["url"] for w in a["workers"] if w["role"] == "decode"]
         toml = router_toml(ps, ds, http_port=free_port(), grpc_port=free_port(),
                            extra=f'[model]\ntokenizer = "{bundled_tokenizer_dir()}"\n'
-                                 f'names = ["{a["model"]}"]\n')
+                                 f'names = ["{a["model"]}"]\n'
+                                 # a loaded CI machine must not flap an instance's health
+                                 "[timeouts]\nhealth_s = 5.0\n")
         # started off the loop: the simulated workers keep answering meanwhile
         router = await asyncio.to_thread(stack.enter_context, router_serve(toml, tmp))
         yield Sim(sim, router)

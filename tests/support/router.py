@@ -74,19 +74,27 @@ def engines(*ids: str, interval_ms: float = 0.0) -> Iterator[list[Engine]]:
 
 
 def router_toml(prefill: Sequence[str], decode: Sequence[str], *, http_port: int,
-                grpc_port: int, extra: str = "", http_extra: str = "") -> str:
+                grpc_port: int, extra: str = "", http_extra: str = "",
+                grpc_extra: str = "") -> str:
     def lst(xs: Sequence[str]) -> str:
         return "[" + ", ".join(f'"{x}"' for x in xs) + "]"
 
     return (f'[http]\nlisten = "127.0.0.1:{http_port}"\n{http_extra}'
-            f'[grpc]\nlisten = "127.0.0.1:{grpc_port}"\n'
+            f'[grpc]\nlisten = "127.0.0.1:{grpc_port}"\n{grpc_extra}'
             f"[instances]\nprefill = {lst(prefill)}\ndecode = {lst(decode)}\n"
             "health_interval_s = 0.2\n" + extra)
 
 
 class RouterProc:
-    def __init__(self, proc: subprocess.Popen[str], url: str, grpc: str, log: Any) -> None:
+    def __init__(self, proc: subprocess.Popen[str], url: str, grpc: str, log: Any,
+                 line: str = "") -> None:
         self.proc, self.url, self.grpc, self._log = proc, url, grpc, log
+        self.line = line  # what it printed when ready
+
+    def worker_pids(self) -> list[int]:
+        """The worker processes' ids ([http] processes > 1)."""
+        part = self.line.split("processes: ", 1)[1].split(";", 1)[0]
+        return [int(x) for x in part.split(",")]
 
     def log_text(self) -> str:
         self._log.seek(0)
@@ -129,7 +137,7 @@ def router_serve(toml: str, tmp: Path) -> Iterator[RouterProc]:
                                    f"{log.read()[-3000:].decode(errors='replace')}")
             url = line.split("router listening on ", 1)[1].split(" ", 1)[0]
             grpc = line.split("policy gRPC on ", 1)[1].split(";", 1)[0]
-            yield RouterProc(proc, url, grpc, log)
+            yield RouterProc(proc, url, grpc, log, line)
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
