@@ -3,9 +3,17 @@
 Run from the repository root: ``.venv/bin/python benchmarks/tokenize_cost.py [--tokenizer DIR]``.
 
 Builds a multi-turn chat whose rendered prompt is about ``--tokens`` tokens (2,048 by default)
-from the project's docs, then times ``count_chat`` (template render + encode) and
-``count_text`` of the same rendered text (encode only) ``--repeat`` times each, and prints
-p50/p99/mean in microseconds. One thread; the machine's other load shows in p99.
+from the project's docs, then times, ``--repeat`` times each, and prints p50/p99/mean in
+microseconds:
+
+- ``count_chat`` cold: every message new (the piece cache emptied before each call);
+- ``count_chat`` next turn: the earlier messages seen before, the last user message new
+  (what a router sees on a conversation's later turn);
+- ``count_chat`` repeated: the same messages again;
+- ``count_text`` of the rendered text (one encode of everything, no cache) and
+  ``render_chat`` alone.
+
+One thread; the machine's other load shows in p99.
 """
 
 from __future__ import annotations
@@ -54,13 +62,28 @@ def main() -> None:
     text = tok.render_chat(msgs)
     n = tok.count_chat(msgs)
     print(f"tokenizer {args.tokenizer}; chat of {len(msgs)} messages, {n} prompt tokens, "
-          f"{len(text)} chars; {args.repeat} repeats")
-    for name, fn in (("count_chat (render + encode)", lambda: tok.count_chat(msgs)),
-                     ("count_text (encode only)", lambda: tok.count_text(text)),
+          f"{len(text)} chars; {args.repeat} repeats; piece cache "
+          f"{'on' if tok.segments is not None else 'off (this tokenizer)'}")
+    seg = tok.segments
+    turn = iter(range(10**9))
+
+    def cold() -> int:
+        if seg is not None:
+            seg.cache.clear()
+        return tok.count_chat(msgs)
+
+    def next_turn() -> int:
+        last = {"role": "user", "content": f"{next(turn)}: " + msgs[-1]["content"]}
+        return tok.count_chat([*msgs[:-1], last])
+
+    for name, fn in (("count_chat, cold", cold),
+                     ("count_chat, next turn", next_turn),
+                     ("count_chat, repeated", lambda: tok.count_chat(msgs)),
+                     ("count_text (one encode)", lambda: tok.count_text(text)),
                      ("render_chat (template only)", lambda: tok.render_chat(msgs))):
         timed(fn, 50)  # warm up
         us = sorted(timed(fn, args.repeat))
-        print(f"{name:<30} p50 {us[len(us) // 2]:8.1f} us  p99 {us[int(len(us) * 0.99)]:8.1f} us"
+        print(f"{name:<28} p50 {us[len(us) // 2]:8.1f} us  p99 {us[int(len(us) * 0.99)]:8.1f} us"
               f"  mean {statistics.fmean(us):8.1f} us")
 
 

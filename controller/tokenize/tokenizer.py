@@ -14,6 +14,7 @@ Counting rules (what vLLM's OpenAI server does, so router and engine agree):
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -27,6 +28,8 @@ from tokenizers import Tokenizer as HfTokenizer
 from controller.clock import WallClock
 from controller.errors import ConfigError
 
+SEGMENT_CACHE_ENTRIES = 65_536
+SEGMENT_CACHE_CHARS = 64 * 1024 * 1024
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 BUNDLED_NAME = "sim-tokenizer"
@@ -85,6 +88,55 @@ def _plain_content(content: Any) -> Any:
     return content
 
 
+class SegmentCounter:
+    """Chat counts that re-encode only what is new since an earlier request.
+
+    ``tokenizers`` cuts a text at its added tokens first and encodes every piece between
+    them on its own, so a rendered chat's count is the number of added tokens plus the
+    counts of the pieces; a conversation's earlier messages are pieces seen before, counted
+    from this cache. Used only when that cut is exact: every added token matched as is (no
+    ``lstrip``/``rstrip``/``single_word``, not normalized when there is a normalizer) and no
+    ``Metaspace`` pre-tokenizer (it treats the first piece apart). Bounded: the cache is
+    emptied when it passes ``SEGMENT_CACHE_ENTRIES`` pieces or ``SEGMENT_CACHE_CHARS``.
+    """
+
+    def __init__(self, hf: HfTokenizer, pattern: re.Pattern[str]) -> None:
+        self.hf = hf
+        self.pattern = pattern
+        self.cache: dict[str, int] = {}
+        self.chars = 0
+
+    @classmethod
+    def of(cls, hf: HfTokenizer) -> SegmentCounter | None:
+        added = list(hf.get_added_tokens_decoder().values())
+        if not added or "Metaspace" in json.dumps(json.loads(hf.to_str()).get("pre_tokenizer")):
+            return None
+        for t in added:
+            if t.lstrip or t.rstrip or t.single_word or (t.normalized and hf.normalizer):
+                return None
+        contents = sorted({t.content for t in added}, key=len, reverse=True)
+        return cls(hf, re.compile("(" + "|".join(re.escape(c) for c in contents) + ")"))
+
+    def count(self, text: str) -> int:
+        """Tokens of ``text`` encoded without adding special tokens."""
+        parts = self.pattern.split(text)
+        n = len(parts) // 2  # the added tokens: every other part
+        cache = self.cache
+        for seg in parts[::2]:
+            if not seg:
+                continue
+            c = cache.get(seg)
+            if c is None:
+                c = len(self.hf.encode(seg, add_special_tokens=False).ids)
+                if len(cache) >= SEGMENT_CACHE_ENTRIES or self.chars >= SEGMENT_CACHE_CHARS:
+                    cache.clear()
+                    self.chars = 0
+                cache[seg] = c
+                self.chars += len(seg)
+            n += c
+        return n
+
+
 @dataclass(frozen=True, slots=True)
 class Tokenizer:
     """A loaded tokenizer; thread-safe for concurrent encodes (``tokenizers`` is)."""
@@ -93,6 +145,7 @@ class Tokenizer:
     hf: HfTokenizer
     template: jinja2.Template | None
     special: Mapping[str, str]
+    segments: SegmentCounter | None = None
 
     @property
     def has_chat_template(self) -> bool:
@@ -121,8 +174,12 @@ class Tokenizer:
         return list(self.hf.encode(self.render_chat(messages), add_special_tokens=False).ids)
 
     def count_chat(self, messages: Sequence[Mapping[str, Any]]) -> int:
-        """Prompt tokens of a chat request, the template's overhead included."""
-        return len(self.encode_chat(messages))
+        """Prompt tokens of a chat request, the template's overhead included (equal to
+        ``len(encode_chat(messages))``; earlier turns' messages come from a cache)."""
+        text = self.render_chat(messages)
+        if self.segments is not None:
+            return self.segments.count(text)
+        return len(self.hf.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.hf.decode(list(ids)))
@@ -162,4 +219,4 @@ def load_tokenizer(path_or_dir: str | Path) -> Tokenizer:
         raise TokenizerError(f"{file}: not a valid {TOKENIZER_FILE}: {e}") from None
     config = file.with_name(CONFIG_FILE)
     template, special = _read_config(config) if config.is_file() else (None, {})
-    return Tokenizer(str(file), hf, template, special)
+    return Tokenizer(str(file), hf, template, special, SegmentCounter.of(hf))

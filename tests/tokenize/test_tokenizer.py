@@ -9,10 +9,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from controller.tokenize import TokenizerError, bundled_tokenizer_dir, load_tokenizer
+from controller.tokenize.tokenizer import SegmentCounter
 
 ROOT = Path(__file__).resolve().parents[2]
+BUNDLED = load_tokenizer(bundled_tokenizer_dir())
 
 
 def _build_module():  # scripts/ is not a package: load the build script by path
@@ -104,3 +108,38 @@ def test_clear_errors(tmp_path: Path, case: str) -> None:
     else:
         with pytest.raises(TokenizerError, match="only user roles"):
             load_tokenizer(tmp_path).count_chat([{"role": "user", "content": "x"}])
+
+
+SPECIALS = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+_TEXT = st.lists(st.one_of(st.sampled_from([*SPECIALS, " ", "\n\n", "  ", "the router",
+                                            "décodé", "日本語", "'s", "123456"]),
+                           st.text(max_size=12)), max_size=12).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), _TEXT),
+                min_size=1, max_size=6))
+def test_cached_chat_counts_equal_a_full_encode(turns: list[tuple[str, str]]) -> None:
+    """The piece cache (earlier messages counted once) gives the full encode's count, for
+    any text, added tokens inside messages and whitespace around them included."""
+    tok = BUNDLED
+    assert tok.segments is not None
+    msgs = [{"role": r, "content": c} for r, c in turns]
+    for i in range(1, len(msgs) + 1):  # a conversation growing turn by turn
+        assert tok.count_chat(msgs[:i]) == len(tok.encode_chat(msgs[:i]))
+
+
+def test_the_piece_cache_is_off_where_the_cut_is_not_exact(tmp_path: Path) -> None:
+    src = bundled_tokenizer_dir()
+    doc = json.loads((src / "tokenizer.json").read_text())
+    doc["added_tokens"][4]["lstrip"] = True  # <|eot_id|> eats the spaces before it
+    (tmp_path / "tokenizer.json").write_text(json.dumps(doc))
+    shutil.copy(src / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    tok = load_tokenizer(tmp_path)
+    assert tok.segments is None
+    msgs = [{"role": "user", "content": "spaces   <|eot_id|> before an added token"}]
+    assert tok.count_chat(msgs) == len(tok.encode_chat(msgs))
+    # cutting at the added tokens would count the spaces the token ate: a wrong count
+    assert BUNDLED.segments is not None
+    naive = SegmentCounter(tok.hf, BUNDLED.segments.pattern)
+    assert naive.count(tok.render_chat(msgs)) > tok.count_chat(msgs)
