@@ -62,6 +62,7 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 ROUTE_HEADER = "X-PDRouter-Route"
 DECODE_HEADER = "X-PDRouter-Decode"
+POLICY_HEADER = "X-PDRouter-Policy"  # the policy version that decided the request
 PRIVATE_KEY: web.AppKey[bool] = web.AppKey("pdrouter_private_metrics", bool)
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
@@ -93,6 +94,7 @@ class Ctx:
     features: Features | None = None
     decision: Decision | None = None
     decode_url: str = ""
+    policy_version: int = 0
     stage: str = "prefill"
     prefilled: bool = False
 
@@ -252,6 +254,8 @@ class Router:
             append_tokens=float(shape.append_tokens),
             expected_output_tokens=expected_output(body, self.cfg.model.default_output_tokens),
             qps=self._qps.rate(), prefill_waiting=self.p.min_waiting())
+        snap = self.agent.snapshot
+        ctx.policy_version = snap.version if snap is not None else 0
         ctx.decision = self.agent.decide(ctx.features)
 
     async def _execute(self, request: web.Request, ctx: Ctx) -> web.StreamResponse:
@@ -391,7 +395,8 @@ class Router:
         """Stream D's events to the client; (the response, whether D's stream ended)."""
         out = web.StreamResponse(status=200, headers={
             **SSE_HEADERS, REQUEST_ID_HEADER: ctx.headers[REQUEST_ID_HEADER],
-            ROUTE_HEADER: route.name, DECODE_HEADER: ctx.decode_url})
+            ROUTE_HEADER: route.name, DECODE_HEADER: ctx.decode_url,
+            POLICY_HEADER: str(ctx.policy_version)})
         await out.prepare(request)
         loop = asyncio.get_running_loop()
         between = self._t.between_tokens_s
@@ -445,7 +450,7 @@ class Router:
         self._finish(ctx, route, now, None, usage)
         return web.Response(body=raw, status=200, content_type="application/json", headers={
             REQUEST_ID_HEADER: ctx.headers[REQUEST_ID_HEADER], ROUTE_HEADER: route.name,
-            DECODE_HEADER: ctx.decode_url})
+            DECODE_HEADER: ctx.decode_url, POLICY_HEADER: str(ctx.policy_version)})
 
     def _finish(self, ctx: Ctx, route: Route, first_t: float | None, last_t: float | None,
                 usage: dict[str, Any] | None) -> None:
