@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -323,6 +324,8 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=1)
     ap.add_argument("--tokenizer", type=Path, default=bundled_tokenizer_dir())
     args = ap.parse_args()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # many requests in flight
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(run(args, Path(tmp)))
 

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import resource
 import signal
 import threading
 from collections.abc import Callable
@@ -44,7 +45,23 @@ WORKER_REPLY_S = 10.0  # a worker answers an apply within this, or the push is n
 START_S = 60.0
 
 
+def raise_fd_limit() -> int:
+    """Lift the soft open-files limit to the hard one: each request holds a client and an
+    engine connection, and the common soft default (1,024) refused connections (EMFILE) at
+    about 500 requests in flight. Returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return soft
+
+
 async def run_router_processes(cfg: RouterConfig, *, echo: Callable[[str], None]) -> None:
+    limit = raise_fd_limit()
+    if limit < 4096:
+        log.warning("router: open files limited to %d (about %d requests in flight)",
+                    limit, limit // 2)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
