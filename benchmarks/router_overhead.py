@@ -212,6 +212,21 @@ def children(pid: int) -> list[int]:
     return out
 
 
+async def overhead(url: str) -> tuple[float, float]:
+    """(sum, count) of the router's pdrouter_overhead_seconds: its own time per request
+    before the first upstream leg (parse, tokenize, decide, pick)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    got = {"pdrouter_overhead_seconds_sum": 0.0, "pdrouter_overhead_seconds_count": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name in got:
+                got[sample.name] += sample.value
+    return got["pdrouter_overhead_seconds_sum"], got["pdrouter_overhead_seconds_count"]
+
+
 def summary(name: str, direct: Stats, routed: Stats, extra: dict[str, Any]) -> dict[str, Any]:
     ms = 1000.0
     return {
@@ -269,6 +284,10 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
     try:
         await wait_http(p + "/health")
         await wait_http(d + "/health")
+        async with aiohttp.ClientSession() as s:  # the engines keep no request log here
+            for e in (p, d):
+                async with s.post(e + "/_fake/behaviour", json={"log": False}) as r:
+                    r.raise_for_status()
         for route, policy in (("DECODE_LOCAL", local), ("PREFILL_NODE", None)):
             router, url = start_router(args, tmp, p, d, policy)
             try:
@@ -276,10 +295,13 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
                 await paced(url, body, args.rate, min(200, args.paced))  # warm-up
                 prefill = p if route == "PREFILL_NODE" else None
                 direct = await paced(d, body, args.rate, args.paced, prefill)
+                before = await overhead(url)
                 routed = await paced(url, body, args.rate, args.paced)
+                after = await overhead(url)
+                own_ms = (after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1000
                 print(json.dumps(summary("paced", direct, routed, {
-                    "route": route, "rate": args.rate, "processes": args.processes})),
-                    flush=True)
+                    "route": route, "rate": args.rate, "processes": args.processes,
+                    "router_own_ms_mean": round(own_ms, 3)})), flush=True)
                 if route == "DECODE_LOCAL":
                     await ceiling_and_rss(args, router, url, body)
             finally:

@@ -208,6 +208,9 @@ class Router:
         except asyncio.CancelledError:
             self.m.client_disconnects.labels(ctx.stage if ctx else "read").inc()
             raise
+        except Exception:  # a bug must still answer in OpenAI's shape, and be counted
+            log.exception("router: request failed unexpectedly")
+            response = error_response(500, "internal router error", "internal_error")
         self.m.responses.labels(endpoint, str(response.status)).inc()
         return response
 
@@ -426,7 +429,10 @@ class Router:
             await self._stream_error(out, "decode stream ended early")
             return out, False
         self._finish(ctx, route, scan.first_t, scan.last_t, scan.usage)
-        await out.write_eof()
+        try:
+            await out.write_eof()
+        except ConnectionResetError:
+            self.m.client_disconnects.labels("decode").inc()
         return out, True
 
     @staticmethod
