@@ -21,17 +21,27 @@ from controller.router.tokens import TokenCounts
 
 @dataclass(frozen=True, slots=True)
 class Shape:
+    """A request's turn and token split. ``counted`` False: a first turn whose prompt was not
+    counted before routing (its route does not depend on its length); its tokens come from
+    the engine's usage once it completes."""
+
     turn: int
     context_tokens: int
     append_tokens: int
+    counted: bool = True
 
     @property
     def prompt_tokens(self) -> int:
         return self.context_tokens + self.append_tokens
 
 
-def chat_shape(counts: TokenCounts, messages: list[Any]) -> Shape:
+FIRST_TURN_UNCOUNTED = Shape(1, 0, 0, counted=False)
+
+
+def chat_shape(counts: TokenCounts, messages: list[Any], *, count_first: bool = True) -> Shape:
     turn, start = chat_turn(messages)
+    if start == 0 and not count_first:
+        return FIRST_TURN_UNCOUNTED
     total = counts.chat(messages)
     if start == 0:
         return Shape(1, 0, total)
@@ -55,6 +65,9 @@ class CompletionSessions:
 
     def __len__(self) -> int:
         return len(self._records)
+
+    def known(self, key: str) -> bool:
+        return key in self._records
 
     def shape(self, key: str, prompt_tokens: int) -> Shape:
         rec = self._records.get(key)

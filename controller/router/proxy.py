@@ -19,7 +19,7 @@ import asyncio
 import json
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -32,6 +32,7 @@ from controller.rollout.agent import RouterAgent
 from controller.rollout.qps import QpsMeter
 from controller.router.config import RouterConfig
 from controller.router.features import (
+    FIRST_TURN_UNCOUNTED,
     CompletionSessions,
     Shape,
     chat_shape,
@@ -243,11 +244,16 @@ class Router:
         return Ctx(endpoint, chat, body, bool(body.get("stream")), headers, started)
 
     def _decide(self, request: web.Request, ctx: Ctx) -> None:
+        """Features and the decision. A first turn is not counted here: its route is the
+        first-turn override's whatever its length (``controller.policy.decide``), so its
+        tokens come from the engine's usage when it completes (``_finish``)."""
         body = ctx.body
         ctx.key, _ = session_key(request.headers, body, chat=ctx.chat,
                                  opening_chars=self.cfg.sessions.opening_chars)
         if ctx.chat:
-            shape = chat_shape(self.counts, body["messages"])
+            shape = chat_shape(self.counts, body["messages"], count_first=False)
+        elif not self._sessions.known(ctx.key):
+            shape = FIRST_TURN_UNCOUNTED
         else:
             shape = self._sessions.shape(ctx.key, self.counts.text(prompt_text(body)))
         self._qps.note_arrival()
@@ -467,6 +473,10 @@ class Router:
             decision = Decision(route, decision.cell, decision.reason, decision.explored)
         out_tokens = output_tokens_of(usage)
         prompt_tokens = prompt_tokens_of(usage)
+        if not shape.counted:  # a first turn: the engine's count, else ours, now
+            shape = Shape(1, 0, prompt_tokens if prompt_tokens is not None
+                          else self._count_prompt(ctx))
+            features = replace(features, append_tokens=float(shape.append_tokens))
         tpot = None
         if first_t is not None and last_t is not None and out_tokens and out_tokens > 1:
             tpot = (last_t - first_t) / (out_tokens - 1)
@@ -482,3 +492,8 @@ class Router:
             self._sessions.record(ctx.key, shape.turn,
                                   prompt_tokens if prompt_tokens is not None
                                   else shape.prompt_tokens, out_tokens or 0)
+
+    def _count_prompt(self, ctx: Ctx) -> int:
+        if ctx.chat:
+            return self.counts.chat(ctx.body["messages"])
+        return self.counts.text(prompt_text(ctx.body))

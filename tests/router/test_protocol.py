@@ -150,3 +150,30 @@ def test_scan_counts_a_first_token_that_is_eos() -> None:
     scan = SseScan(chat=False, keep_usage=False)
     scan.feed(_ev({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}), 3.0)
     assert scan.first_t == 3.0
+
+
+def test_a_first_turns_route_does_not_depend_on_its_length() -> None:
+    """Why the router does not count a first turn before routing it (``Router._decide``)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from controller.cli.bench_decide import random_policy
+    from controller.policy import Features, Overrides
+    from controller.rollout.agent import RouterAgent
+
+    agents = [RouterAgent(initial_policy=random_policy(seed)) for seed in range(4)]
+    busy = random_policy(9)
+    busy = type(busy)(version=busy.version, table=busy.table,
+                      overrides=Overrides(first_turn_busy_waiting=3))
+    agents.append(RouterAgent(initial_policy=busy))
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.floats(0, 1e6), st.floats(0, 1e6), st.floats(1, 1e4), st.floats(0, 1e3),
+           st.one_of(st.none(), st.floats(0, 10)))
+    def check(ctx: float, append: float, out: float, qps: float, waiting: float | None) -> None:
+        for agent in agents:
+            uncounted = agent.decide(Features(1, 0.0, 0.0, out, qps, waiting))
+            counted = agent.decide(Features(1, ctx, append, out, qps, waiting))
+            assert uncounted.route is counted.route and uncounted.reason is counted.reason
+
+    check()
