@@ -20,6 +20,10 @@ Phases, each printed as one JSON line:
 2. ``ceiling``: ``--concurrency`` closed-loop clients for ``--ceiling-s`` through the router:
    req/s, streamed tokens/s, router CPU seconds per request (from /proc).
 3. ``rss`` (``--rss-requests N`` > 10,000): the router's RSS at request 10,000 and at N.
+
+First turns (the default) are routed without counting their tokens (their route does not
+depend on them); ``--later-turn`` sends second turns whose history the router has never
+counted, so every request pays a full 2,048-token count before it is routed.
 """
 
 from __future__ import annotations
@@ -70,15 +74,18 @@ class Bodies:
     """Request bodies with distinct prompts (a unique first word each), so that no request's
     token count comes from the router's cache of texts it counted before."""
 
-    def __init__(self, messages: list[dict[str, str]]) -> None:
+    def __init__(self, messages: list[dict[str, str]], later_turn: bool = False) -> None:
         self._text = messages[0]["content"]
         self._n = 0
+        self._later = later_turn
 
     def __call__(self) -> bytes:
         self._n += 1
-        doc = {"model": "m", "messages": [{"role": "user", "content": f"r{self._n} "
-                                            + self._text}],
-               "max_tokens": OUTPUT_TOKENS, "stream": True}
+        msgs = [{"role": "user", "content": f"r{self._n} " + self._text}]
+        if self._later:  # a second turn whose history this router never counted
+            msgs += [{"role": "assistant", "content": "ok"},
+                     {"role": "user", "content": "and then?"}]
+        doc = {"model": "m", "messages": msgs, "max_tokens": OUTPUT_TOKENS, "stream": True}
         return json.dumps(doc).encode()
 
 
@@ -273,7 +280,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 async def run(args: argparse.Namespace, tmp: Path) -> None:
     messages = prompt_of(2048, args.tokenizer)
-    body = Bodies(messages)
+    body = Bodies(messages, later_turn=args.later_turn)
     ports = free_port(), free_port()
     engines = [pinned(args.other_cpus, [sys.executable, str(FAKE), "--port", str(port),
                                         "--engine-id", f"e{port}"],
@@ -345,6 +352,9 @@ def main() -> None:
     ap.add_argument("--rss-requests", type=int, default=0)
     ap.add_argument("--processes", type=int, default=1)
     ap.add_argument("--tokenizer", type=Path, default=bundled_tokenizer_dir())
+    ap.add_argument("--later-turn", action="store_true",
+                    help="second turns whose 2,048-token history the router never counted "
+                    "(the worst case of a later turn: every token encoded)")
     args = ap.parse_args()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # many requests in flight
