@@ -113,6 +113,11 @@ class Stats:
         self.per_token: list[float] = []
         self.errors = 0
         self.tokens = 0
+        self.kinds: dict[str, int] = {}  # what the errors were
+
+    def error(self, kind: str) -> None:
+        self.errors += 1
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
 
 
 async def one(s: aiohttp.ClientSession, base: str, bodies: Bodies, stats: Stats,
@@ -131,6 +136,9 @@ async def one(s: aiohttp.ClientSession, base: str, bodies: Bodies, stats: Stats,
                 handle = (await r.json())["kv_transfer_params"]
             body = json.dumps({**doc, "kv_transfer_params": handle}).encode()
         async with s.post(base + "/v1/chat/completions", data=body, headers=headers) as r:
+            if r.status != 200:
+                stats.error(f"http {r.status}")
+                return
             first = last = None
             n = 0
             async for chunk in r.content.iter_any():
@@ -140,11 +148,11 @@ async def one(s: aiohttp.ClientSession, base: str, bodies: Bodies, stats: Stats,
                     first = first or now
                     last = now
                     n += k
-    except aiohttp.ClientError:
-        stats.errors += 1
+    except aiohttp.ClientError as e:
+        stats.error(type(e).__name__)
         return
     if first is None or last is None or n < OUTPUT_TOKENS:
-        stats.errors += 1
+        stats.error(f"{n} of {OUTPUT_TOKENS} tokens")
         return
     stats.ttft.append(first - t0)
     stats.per_token.append((last - first) / (n - 1))
@@ -239,6 +247,7 @@ def summary(name: str, direct: Stats, routed: Stats, extra: dict[str, Any]) -> d
     return {
         "phase": name, **extra,
         "requests": len(routed.ttft), "errors": routed.errors + direct.errors,
+        "error_kinds": {**direct.kinds, **routed.kinds},
         "direct_ttft_ms_p50": round(pct(direct.ttft, 0.5) * ms, 3),
         "direct_ttft_ms_p99": round(pct(direct.ttft, 0.99) * ms, 3),
         "router_ttft_ms_p50": round(pct(routed.ttft, 0.5) * ms, 3),

@@ -54,6 +54,8 @@ class _Record:
     turn: int
     prompt_tokens: int
     held_tokens: int  # prompt + output of the previous turn: what D holds
+    prompt_chars: int = 0  # the previous prompt's length in characters
+    prompt_hash: int = 0  # and its hash: a prompt that starts with it extends it
 
 
 class CompletionSessions:
@@ -76,9 +78,22 @@ class CompletionSessions:
         context = min(rec.held_tokens, prompt_tokens)
         return Shape(rec.turn + 1, context, prompt_tokens - context)
 
-    def record(self, key: str, turn: int, prompt_tokens: int, output_tokens: int) -> None:
+    def extension(self, key: str, prompt: str) -> tuple[int, str] | None:
+        """(the previous prompt's tokens, the text this prompt adds to it) when ``prompt``
+        starts with the session's previous prompt, else None: a later turn then encodes only
+        what it appends (a 20,000-token conversation cost ~20 ms to encode whole)."""
+        rec = self._records.get(key)
+        if rec is None or not rec.prompt_chars or len(prompt) <= rec.prompt_chars:
+            return None
+        if hash(prompt[:rec.prompt_chars]) != rec.prompt_hash:
+            return None
+        return rec.prompt_tokens, prompt[rec.prompt_chars:]
+
+    def record(self, key: str, turn: int, prompt_tokens: int, output_tokens: int,
+               prompt: str = "") -> None:
         records = self._records
-        records[key] = _Record(turn, prompt_tokens, prompt_tokens + max(output_tokens, 0))
+        records[key] = _Record(turn, prompt_tokens, prompt_tokens + max(output_tokens, 0),
+                               len(prompt), hash(prompt) if prompt else 0)
         records.move_to_end(key)
         while len(records) > self._capacity:
             records.popitem(last=False)

@@ -255,7 +255,7 @@ class Router:
         elif not self._sessions.known(ctx.key):
             shape = FIRST_TURN_UNCOUNTED
         else:
-            shape = self._sessions.shape(ctx.key, self.counts.text(prompt_text(body)))
+            shape = self._sessions.shape(ctx.key, self._completion_tokens(ctx.key, body))
         self._qps.note_arrival()
         ctx.shape = shape
         ctx.features = Features(
@@ -491,7 +491,17 @@ class Router:
         if not ctx.chat:
             self._sessions.record(ctx.key, shape.turn,
                                   prompt_tokens if prompt_tokens is not None
-                                  else shape.prompt_tokens, out_tokens or 0)
+                                  else shape.prompt_tokens, out_tokens or 0,
+                                  prompt_text(ctx.body))
+
+    def _completion_tokens(self, key: str, body: dict[str, Any]) -> int:
+        """A completions prompt's tokens; a prompt extending the session's previous one
+        encodes only what it adds (the boundary may differ from a whole encode by a token)."""
+        prompt = prompt_text(body)
+        ext = self._sessions.extension(key, prompt)
+        if ext is None:
+            return self.counts.text(prompt)
+        return ext[0] + self.counts.piece(ext[1])
 
     def _count_prompt(self, ctx: Ctx) -> int:
         if ctx.chat:

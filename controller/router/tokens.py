@@ -70,6 +70,9 @@ class ModelCounter:
         """A completions prompt: the tokenizer's own count, special tokens included."""
         return int(self._tok.count_text(text))
 
+    def count_piece(self, text: str) -> int:
+        return self._content(text)
+
     def _content(self, text: str) -> int:
         """One message's content, no special tokens (the template holds those); offsets
         are not computed (``encode_batch_fast``: about 20% cheaper than ``encode``)."""
@@ -116,6 +119,11 @@ class TokenCounts:
 
     def text(self, text: str) -> int:
         return self._counter.count_text(text)
+
+    def piece(self, text: str) -> int:
+        """Tokens ``text`` adds inside a longer prompt (no special tokens)."""
+        piece = getattr(self._counter, "count_piece", None)
+        return int(piece(text)) if piece is not None else self._counter.count_text(text)
 
     def chat(self, messages: Sequence[Any]) -> int:
         clean = [m for m in messages if isinstance(m, dict)]

@@ -161,11 +161,13 @@ def test_a_first_turns_route_does_not_depend_on_its_length() -> None:
     from controller.policy import Features, Overrides
     from controller.rollout.agent import RouterAgent
 
-    agents = [RouterAgent(initial_policy=random_policy(seed)) for seed in range(4)]
+    # no decision budget: a loaded machine's TIMEOUT is about time, not about the length
+    agents = [RouterAgent(initial_policy=random_policy(seed), decision_timeout_ms=1e6)
+              for seed in range(4)]
     busy = random_policy(9)
     busy = type(busy)(version=busy.version, table=busy.table,
                       overrides=Overrides(first_turn_busy_waiting=3))
-    agents.append(RouterAgent(initial_policy=busy))
+    agents.append(RouterAgent(initial_policy=busy, decision_timeout_ms=1e6))
 
     @settings(max_examples=200, deadline=None)
     @given(st.floats(0, 1e6), st.floats(0, 1e6), st.floats(1, 1e4), st.floats(0, 1e3),
@@ -177,3 +179,24 @@ def test_a_first_turns_route_does_not_depend_on_its_length() -> None:
             assert uncounted.route is counted.route and uncounted.reason is counted.reason
 
     check()
+
+
+def test_a_completions_turn_that_extends_the_last_prompt_encodes_only_its_addition() -> None:
+    from pathlib import Path
+
+    from controller.router.tokens import load_counts
+    from controller.tokenize import bundled_tokenizer_dir
+
+    counts = load_counts(bundled_tokenizer_dir())
+    words = (Path(__file__).parents[2] / "docs" / "router.md").read_text().split()
+    s = CompletionSessions(capacity=4)
+    prompt = " ".join(words[:400])
+    s.record("k", 1, counts.text(prompt), 20, prompt)
+    longer = prompt + " " + " ".join(words[400:700])
+    got = s.extension("k", longer)
+    assert got is not None and got[1] == " " + " ".join(words[400:700])
+    estimate = got[0] + counts.piece(got[1])
+    assert abs(estimate - counts.text(longer)) <= 1  # one boundary, at most one token
+    assert s.extension("k", "other " + longer) is None  # not the same conversation
+    assert s.extension("k", prompt[:100]) is None  # shorter: a new conversation
+    assert s.extension("nobody", longer) is None
