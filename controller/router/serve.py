@@ -172,7 +172,9 @@ async def _run(cfg: RouterConfig, stop: asyncio.Event, spec: ProcessSpec, agent:
 
 async def _listen(runner: web.AppRunner, key: str, address: str, reuse_port: bool) -> None:
     host, port = split_host_port(address)
-    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+    # A deep accept queue: a burst of clients waits in the kernel rather than being refused
+    # (aiohttp's default is 128; vLLM's uvicorn uses 2,048).
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=4096)
     try:
         await site.start()
     except OSError as e:
