@@ -4,6 +4,7 @@ every request gets an answer and every deviation a counted reason."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -185,3 +186,32 @@ def test_an_unhealthy_instance_leaves_the_rotation_and_comes_back(tmp_path: Path
             wait_until(lambda: metric(r.metrics(), "pdrouter_instance_healthy",
                                       instance=ds[1].url) == 1)
             assert decodes() == before  # the sessions return to their D
+
+
+def test_a_p_killed_mid_leg_is_retried_and_a_d_killed_mid_stream_ends_it(cluster) -> None:
+    p, d, r = cluster
+    p[0].behave(delay_s=3.0)
+    p[1].behave(delay_s=3.0)
+    results: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: results.append(chat(r, stream=True)))
+    t.start()
+    wait_until(lambda: sum(e.stats()["requests"] for e in p) == 1)
+    busy = next(e for e in p if e.stats()["requests"] == 1)
+    other = next(e for e in p if e is not busy)
+    other.behave()
+    busy.kill()  # mid-leg: P dies while the router waits for its answer
+    t.join(20)
+    assert results and results[0].status_code == 200 and route(results[0]) == "PREFILL_NODE"
+    text = r.metrics()
+    assert metric(text, "pdrouter_prefill_retries_total", reason="prefill_connect") == 1
+    assert metric(text, "pdrouter_fallbacks_total") == 0
+    d[0].behave(stall_after=3)
+    t2 = threading.Thread(target=lambda: results.append(chat(r, stream=True, max_tokens=50)))
+    t2.start()
+    wait_until(lambda: d[0].stats()["requests"] == 2)
+    time.sleep(0.3)
+    d[0].kill()  # mid-stream
+    t2.join(20)
+    assert results[1].status_code == 200 and b'"error"' in results[1].content
+    assert metric(r.metrics(), "pdrouter_decode_failures_total", reason="broken_stream",
+                  after_prefill="true") == 1
