@@ -61,12 +61,13 @@ class RouterHttpMetrics:
             ["reason", "after_prefill"], registry=registry)
         self.client_disconnects = Counter(
             "pdrouter_client_disconnects",
-            "Clients that hung up; both legs were cancelled. stage=prefill|decode.",
+            "Clients that hung up; the legs in flight were cancelled. stage=read|prefill|decode.",
             ["stage"], registry=registry)
         self.overhead = Histogram(
             "pdrouter_overhead_seconds",
-            "The router's own time per request before its first upstream leg is sent (parse, "
-            "tokenize, decide, pick): the latency it adds to TTFT, besides the network.",
+            "The router's own time per request from its arrival to its first upstream leg "
+            "(body read, parse, tokenize, decide, pick): what it adds to TTFT besides the "
+            "network.",
             buckets=OVERHEAD_BUCKETS_S, registry=registry)
         self.prompt_tokens = Counter(
             "pdrouter_prompt_tokens", "Prompt tokens of completed requests (engines' usage).",
