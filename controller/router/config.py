@@ -145,6 +145,10 @@ class InstancesSection(_Section):
                                  "instance out of rotation (one success brings it back).")
     waiting_stale_after_s: float = Field(5.0, gt=0, description="A P's polled waiting count "
                                          "older than this is unknown.")
+    api_key: SecretStr | None = Field(
+        None, description="Bearer token sent to the engines (their --api-key) instead of the "
+        "client's Authorization (None: the client's is passed on as it is).",
+    )
 
     @field_validator("prefill", "decode")
     @classmethod

@@ -113,6 +113,9 @@ class Router:
         self._qps = QpsMeter(clock, cfg.sessions.qps_window_s)
         self._sessions = CompletionSessions(cfg.sessions.max_sessions)
         self._key = cfg.http.client_key()
+        engine_key = cfg.instances.api_key
+        self._engine_auth = ({"Authorization": f"Bearer {engine_key.get_secret_value()}"}
+                             if engine_key is not None else None)
         self._names = set(cfg.model.names)
         t = cfg.timeouts
         self._t = t
@@ -240,7 +243,8 @@ class Router:
         headers = {"Content-Type": "application/json",
                    REQUEST_ID_HEADER: request.headers.get(REQUEST_ID_HEADER)
                    or f"pdr-{uuid.uuid4().hex}"}
-        headers.update(self._auth_header(request))
+        headers.update(self._engine_auth if self._engine_auth is not None
+                       else self._auth_header(request))
         return Ctx(endpoint, chat, body, bool(body.get("stream")), headers, started)
 
     def _decide(self, request: web.Request, ctx: Ctx) -> None:

@@ -153,3 +153,10 @@ def test_own_api_key_and_model_names(tmp_path: Path) -> None:
             assert other.status_code == 404 and "x" in json.dumps(other.json())
             assert [m["id"] for m in httpx.get(r.url + "/v1/models", headers=auth,
                                                timeout=5).json()["data"]] == ["served"]
+        # [instances] api_key: the engines get their own key, not the client's
+        toml = router_toml([], [d.url], http_port=free_port(), grpc_port=free_port(),
+                           extra='api_key = "engine-key"\n', http_extra='api_key = "sekrit"\n')
+        with router_serve(toml, tmp_path) as r:
+            ok = httpx.post(r.url + "/v1/completions", headers={"Authorization": "Bearer sekrit"},
+                            json={"model": "m", "prompt": "a", "max_tokens": 1}, timeout=10)
+            assert ok.status_code == 200 and d.log()[-1]["authorization"] == "Bearer engine-key"
