@@ -417,7 +417,7 @@ class Router:
         try:
             if first:
                 await out.write(first)
-            async with asyncio.timeout(loop.time() + between) as tm:
+            async with asyncio.timeout(between) as tm:
                 async for data in up.content.iter_any():
                     block = scan.feed(data, perf())
                     if block:

@@ -116,6 +116,13 @@ def test_a_stalled_stream_ends_with_an_error_event_within_the_bound(cluster) -> 
     assert got.status_code == 200 and b'"error"' in got.content
     assert metric(r.metrics(), "pdrouter_decode_failures_total",
                   reason="timeout_between_tokens") == 1
+    d[0].behave(stall_after=0)  # silent right after its first event (the role chunk)
+    started = time.monotonic()
+    got = chat(r, stream=True, max_tokens=10)
+    assert time.monotonic() - started < 5
+    assert got.status_code == 200 and b'"error"' in got.content
+    assert metric(r.metrics(), "pdrouter_decode_failures_total",
+                  reason="timeout_between_tokens") == 2
 
 
 def _hang_up_after(r: RouterProc, body: bytes, wait_for: bytes | None, sleep_s: float) -> None:
