@@ -72,3 +72,23 @@ def test_counts_come_from_the_models_tokenizer_when_configured(tmp_path: Path) -
     assert not estimate.loaded and estimate.text("abcdefgh") == 2
     with pytest.raises(ConfigError, match=r"model\.tokenizer"):
         load_counts(tmp_path)
+
+
+def test_docs_name_every_router_config_key() -> None:
+    from pydantic import BaseModel
+
+    from controller.router.config import RouterConfig
+
+    text = (Path(__file__).parents[2] / "docs" / "router.md").read_text()
+    table = text[text.index("## Configuration"):text.index("## The protocol")]
+    missing = []
+    for name, field in RouterConfig.model_fields.items():
+        model = field.annotation
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            if name == "security":  # the daemon's own section, documented there
+                continue
+            missing += [f"[{name}] {key}" for key in model.model_fields
+                        if f"{key}`" not in table]
+        elif f"`{name}`" not in table:
+            missing.append(name)
+    assert not missing, f"docs/router.md does not list: {missing}"
