@@ -13,6 +13,7 @@ _COMMAND_MODULES = (
     "config_cmd",
     "table_cmd",
     "agent_cmd",
+    "router_cmd",
     "push_cmd",
     "bench_decide",
     "bench_fanout",
