@@ -510,7 +510,8 @@ class StoreConfig(_Section):
     url: str = Field(
         "sqlite:///./pd-controller.db",
         description="SQLAlchemy URL: sqlite:///PATH (relative paths resolve against the working "
-        "directory at load time) or postgresql+psycopg://USER@HOST:PORT/DB.",
+        "directory at load time) or postgresql+psycopg://USER@HOST:PORT/DB (postgres:// and "
+        "postgresql://, as libpq takes them, are read as postgresql+psycopg://).",
         validate_default=True,
     )
     retention_days: float = Field(
@@ -533,6 +534,10 @@ class StoreConfig(_Section):
         from sqlalchemy.engine import make_url
         from sqlalchemy.exc import ArgumentError
 
+        from controller.store.engine import libpq_scheme
+
+        # libpq's schemes (postgres://, postgresql://) name PostgreSQL through psycopg 3.
+        v = libpq_scheme(v)
         try:  # a typo here would otherwise surface as a traceback in every store command
             backend = make_url(v).get_backend_name()
         except ArgumentError:
