@@ -99,6 +99,7 @@ SUPERSEDED = "superseded by its canary refit"  # a superseded canary's reason st
 ABANDONED_PREFIX = "dropped from its bake by "  # a canary an operator action took off
 UNPROMOTED = "rolled back after promotion"  # a promotion the watch undid: reason starts so
 ADOPTED_PREFIX = "adopted: "  # the routers' own policy, recorded on an empty store
+DRY_RUN_PREFIX = "dry run: would "  # a dry run's outcome starts so (never "approved")
 MAX_REQUESTS_PER_CYCLE = 16
 MAX_RELEASES = 2  # a request given back after its cycle failed, at most this often
 FIT_RETRY_INTERVALS = 10  # control intervals between automatic retries of a failed fit
@@ -1019,6 +1020,8 @@ class Cycle:
             self.metrics.set_predicted_goodput(outcome.predicted_goodput_current,
                                                outcome.predicted_goodput_new)
         report.guardrail = outcome.reason
+        if not_stored == "dry run":  # an operator's dry run: what it would have done
+            report.guardrail = dry_run_verdict(outcome.approved, outcome.reason)
         version: int | None = None
         reference_for: int | None = None
         if not dry_run:
@@ -1758,6 +1761,14 @@ def record_adoption(tx: Tx, found: RunningPolicy, routers: Sequence[str], who: s
     return policy, f"adopted the routers' policy as v{policy.version}{renumbered}", True
 
 
+def dry_run_verdict(approved: bool, reason: str) -> str:
+    """The outcome of an operator's ``recalibrate --dry-run``: what the guardrail would
+    have done, in the conditional (it approved nothing and stored no policy), with the
+    guardrail's own reason and numbers after it."""
+    return f"{DRY_RUN_PREFIX}{'approve' if approved else 'reject'}; nothing stored " \
+           f"(guardrail: {reason})"
+
+
 def _seen_by(windows: Sequence[Window], routers: set[str]) -> list[Window]:
     """The windows in which none of ``routers`` (outcome names) failed: unreachable, or a
     snapshot source's first read, which only sets the counters' baseline."""
@@ -1824,8 +1835,8 @@ def _report_fields(r: CycleReport) -> dict[str, Any]:
 
 
 __all__ = [
-    "FALLBACK_PREFILL", "AlwaysLeader", "CanaryVerdict", "CapacityPlanner", "Cycle",
-    "CycleConfig", "CycleReport",
-    "Leadership", "OperatorState", "Rollout", "canary_subset", "operator_state", "read_rollout",
-    "run_inline", "two_proportion_z", "watch_critical",
+    "DRY_RUN_PREFIX", "FALLBACK_PREFILL", "AlwaysLeader", "CanaryVerdict", "CapacityPlanner",
+    "Cycle", "CycleConfig", "CycleReport", "Leadership", "OperatorState", "Rollout",
+    "canary_subset", "dry_run_verdict", "operator_state", "read_rollout", "run_inline",
+    "two_proportion_z", "watch_critical",
 ]

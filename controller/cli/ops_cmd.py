@@ -108,9 +108,7 @@ def _submit(
     if as_json:
         typer.echo(json.dumps(_request_json(request), default=str))
     else:
-        line = f"request #{request.id} {request.kind} {json.dumps(request.args)} by " \
-            f"{request.who}: {request.status}"
-        typer.echo(line + (f" — {request.outcome}" if request.outcome else ""))
+        typer.echo(request_line(request))
     if wait and request.status in ("pending", "claimed"):
         if not as_json:
             typer.echo(f"no outcome within {timeout:g} s: request #{request.id} is still "
@@ -120,6 +118,23 @@ def _submit(
         raise typer.Exit(_EXIT_TIMEOUT)
     if request.status == "failed":
         raise typer.Exit(_EXIT_REFUSED)
+
+
+def request_line(r: Any) -> str:
+    """A request and its outcome in one line. A done dry run reads as what it would have
+    done ("dry run: would approve …"), never "done — approved": it approved nothing (an
+    outcome recorded by a daemon that wrote the guardrail's bare verdict is worded so too)."""
+    from controller.cycle import DRY_RUN_PREFIX, dry_run_verdict
+
+    head = f"request #{r.id} {r.kind} {json.dumps(r.args)} by {r.who}"
+    if r.kind == "recalibrate" and (r.args or {}).get("dry_run") and r.status == "done" \
+            and r.outcome:
+        outcome = r.outcome
+        if not outcome.startswith(DRY_RUN_PREFIX):
+            approved = outcome.startswith(("approved", "forced", "no current policy"))
+            outcome = dry_run_verdict(approved, outcome)
+        return f"{head}: {outcome}"
+    return f"{head}: {r.status}" + (f" — {r.outcome}" if r.outcome else "")
 
 
 def _request_json(r: Any) -> dict[str, Any]:
@@ -210,7 +225,9 @@ def exploration(state: Annotated[str, typer.Argument(help="on | off")],
 @app.command("recalibrate", epilog=EXIT_CODES)
 def recalibrate(
     dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="Fit and judge, store the calibration, approve nothing.")] = False,
+        "--dry-run", help="Fit and judge, store the calibration, approve nothing; the outcome "
+        "says what it would have done (\"dry run: would approve …\" or \"would reject …\").")
+    ] = False,
     force: Annotated[bool, typer.Option(
         "--force", help="Approve even if the guardrail would refuse.")] = False,
     local: Annotated[bool, typer.Option(
