@@ -68,7 +68,9 @@ def default_who() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def _open_store(url: str | None, config: Path | None) -> Store:
+def open_store(url: str | None, config: Path | None) -> Store:
+    """The store of ``--url`` or the config, migrated; exits 3 when it is unavailable or
+    has no schema."""
     from controller.cli.db_cmd import store_url
     from controller.errors import TransientError
     from controller.store import Store, StoreError
@@ -92,7 +94,7 @@ def _submit(
     from controller.clock import WallClock
 
     clock = WallClock()
-    store = _open_store(url, config)
+    store = open_store(url, config)
     try:
         request_id = store.add_request(kind, args, who or default_who(), reason)
         request = store.request(request_id)
@@ -265,7 +267,7 @@ def _recalibrate_local(url: str | None, config: Path | None, as_json: bool, forc
     from controller.policy import loads
 
     settings = load_settings_or_exit(config)
-    store = _open_store(url, config)
+    store = open_store(url, config)
     try:
         with store.read() as tx:
             stored = tx.windows(limit=settings.controller.training_windows)
@@ -497,7 +499,7 @@ def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOpt
     except ConfigError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(_EXIT_BAD_INPUT) from None
-    store = _open_store(url, config)
+    store = open_store(url, config)
     try:
         doc = status_doc(store, settings.controller.calibrate_every_s,
                          CycleConfig.from_settings(settings).watch_s,
