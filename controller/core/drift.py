@@ -10,8 +10,9 @@ is an argument) or keeps hidden state.
   larger of an effect-size floor (0.2, the usual "significant shift") and a multiple of PSI's
   expected value under no change (``(bins - 1) (1/n + 1/N)``, so small windows do not
   false-alarm); ``|log(qps / calibration median)|`` (requests counted over the window)
-  against the larger of ``log 1.2`` and four robust standard deviations of the calibration
-  windows; and a two-sided CUSUM of that log ratio, which accumulates a moderate step (QPS
+  against the larger of ``log 1.2`` and four standard deviations: the calibration windows'
+  robust one, at least the window's own Poisson spread (``qps_sampling_sd``); and a
+  two-sided CUSUM of that log ratio, which accumulates a moderate step (QPS
   x1.3 at ~120 requests a window is under three standard deviations, below any single-window
   threshold that keeps false alarms away). The CUSUM standardises by a window's expected
   spread: Poisson ``1 / expected count`` plus the calibration windows' variance beyond
@@ -374,7 +375,8 @@ def step_workload(
     cusum = state.cusum
     if q > 0:
         log_ratio = math.log(q) - ref.qps_log_median
-        thr = max(c.qps_floor, c.qps_sd_multiple * ref.qps_log_sd)
+        thr = max(c.qps_floor, c.qps_sd_multiple * max(ref.qps_log_sd,
+                                                       qps_sampling_sd(ref, window)))
         details["qps"] = {"log_ratio": abs(log_ratio), "threshold": thr, "qps": q,
                           "reference_qps": math.exp(ref.qps_log_median)}
         ratios.append(abs(log_ratio) / thr)
@@ -387,6 +389,19 @@ def step_workload(
     stat = max(ratios) if ratios else math.nan
     return _advance("workload", c.workload, state, now, stat, c.workload.threshold, samples,
                     details, cusum)
+
+
+def qps_sampling_sd(ref: DriftReference, window: Window) -> float:
+    """The spread of a window's log request count from sampling alone: ``1 / sqrt(count)``
+    of a Poisson count, at the reference's median rate over this window's length. The
+    per-window QPS test never puts its threshold below ``qps_sd_multiple`` of it: the
+    reference's robust spread, from a handful of windows, can be far below it (five equal
+    counts give 0), and a window of ~30 requests then crossed the ``log 1.2`` floor on
+    sampling noise alone (its Poisson spread is 0.18 = log 1.2): the demo's 3 s windows fired
+    the workload detector before anything changed. A reference from many windows already
+    scatters at least this much (its windows are samples too), so there it changes nothing."""
+    expected = math.exp(ref.qps_log_median) * window.interval_s
+    return 1.0 / math.sqrt(max(expected, 1.0))
 
 
 # Var(median of n) ~ (pi/2) Var(x) / n for normal samples.

@@ -165,3 +165,48 @@ async def test_the_story_follows_a_canary_refit_back_to_the_drift_behind_it(
     assert "canary v2 superseded by its canary refit" in text, text
     assert re.search(r"recalibration \(canary\): candidate v3 .* guardrail approved → approved",
                      text), text
+
+
+async def test_the_recovery_is_credited_to_the_first_version_promoted_after_the_shift(
+        tmp_path: Path) -> None:
+    # The real cycle on its fakes: after the shift a drift's v2 is promoted; later a second
+    # drift's v3 is promoted too. The recovery was v2's: the credit stays with it, and its
+    # recovery windows end where v3 first reached a router. (The newest approval took it.)
+    rig = make_rig(tmp_path, canary_fraction=0.25, bake_windows=1)
+    for _ in range(4):
+        if (await rig.step()).approved_version == 1:
+            break
+    t0 = rig.clock.now() - 1000.0
+    shift_at = rig.clock.now() - t0
+    rig.source.goodput = {1: 0.90, 2: 0.96, 3: 0.97, 4: 0.97, 5: 0.97}
+
+    async def drift_to_promotion() -> int:
+        rig.learner.fire = True
+        version = (await rig.step()).approved_version
+        assert version is not None
+        for _ in range(8):
+            if set(rig.store.desired_versions().values()) == {version} and \
+                    {a.snapshot.version for a in rig.agents.values()} == {version}:
+                return version
+            await rig.step()
+        raise AssertionError(f"v{version} was not promoted")
+
+    first = await drift_to_promotion()
+    for _ in range(4):  # windows measured under it alone
+        await rig.step()
+    second = await drift_to_promotion()
+    assert first < second
+    state = DemoState("demo", shift_at, "shift: scripted", list(rig.agents))
+    DemoWatcher(rig.store, state, t0).poll(rig.clock.now())
+    assert state.final_version == first, state.events
+    assert state.final_trigger == "drift"
+    later_push = min(p.at.timestamp() - t0 for p in rig.store.pushes() if p.version > first)
+    assert state.final_until == pytest.approx(later_push)
+    before, _, recovered = state.phases
+    assert recovered.windows >= 3
+    assert recovered.label == f"after v{first} is promoted (recovery)"
+    # Every recovery window ran before a later version reached any router.
+    stored = [w.window for w in rig.store.windows()]
+    assert recovered.windows == sum(1 for w in stored
+                                    if w.start - t0 >= state.final_promoted_at
+                                    and w.end - t0 <= later_push)

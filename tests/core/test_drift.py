@@ -372,3 +372,35 @@ def test_step_scaling_debounces_and_counts_lost_workers() -> None:
     assert state.known["prefill"] == 1
     state, ev = step_scaling(state, _with_workers(ws[5], drop="p1"))
     assert ev == ()
+
+
+def _short(n: int, seed: int, start: float, qps: float = 5.0) -> list[Window]:
+    """3 s windows of ~30 requests (2 routers x 5 req/s), as the demo's."""
+    return stationary(Truth(), Mix(), qps, LOCAL, n, seed=seed, start=start, interval_s=3.0,
+                      slo=SLO)
+
+
+# The demo's drift settings: windows of ~30 requests are judged ([drift] min_requests = 10).
+DEMO_DRIFT = DriftConfig(workload=DetectorConfig(threshold=1.0, min_samples=10.0))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_reference_of_a_few_equal_windows_does_not_fire_on_poisson_noise(seed: int) -> None:
+    """Five reference windows can agree closely by chance (their robust spread near 0): the
+    per-window QPS threshold then sat at the log 1.2 floor, one Poisson standard deviation
+    of a 30-request window, and stationary traffic fired the workload detector (the demo's
+    pre-shift drift). Its threshold keeps at least four sampling standard deviations."""
+    calib = _short(5, seed=300 + seed, start=1_750_000_000.0)
+    ref = dataclasses.replace(reference_from_windows(calib), qps_log_sd=0.0,
+                              qps_log_excess_var=0.0)
+    stream = _short(200, seed=seed, start=1_760_000_000.0)
+    assert not any(_workload_fires(stream, ref, DEMO_DRIFT))
+    # ...yet a tripled rate still fires at once (log 3 = 1.1 > 4 / sqrt 30 = 0.73).
+    tripled = _short(3, seed=seed + 7, start=1_770_000_000.0, qps=15.0)
+    no_cusum = dataclasses.replace(DEMO_DRIFT, qps_cusum_threshold=math.inf)
+    assert any(_workload_fires(tripled, ref, no_cusum))
+    # The floor is the sampling spread at the reference's rate over the window's length.
+    from controller.core.drift import qps_sampling_sd
+
+    expected = math.exp(ref.qps_log_median) * 3.0
+    assert qps_sampling_sd(ref, stream[0]) == pytest.approx(1 / math.sqrt(expected))
