@@ -34,6 +34,7 @@ from pydantic_settings import (
 )
 
 from controller.errors import ConfigError
+from controller.policy.model import MAX_EXPLORATION
 
 # ``dns+NAME:PORT``: every address NAME resolves to (a headless service), resolved again
 # as the daemon runs (controller.observe.discovery).
@@ -324,6 +325,15 @@ class ControllerConfig(_Section):
         0.2, ge=0, description="Requests per second a table cell may send the predicted-worse "
         "way to keep both routes measured (its exploration share is capped to this, floor "
         "included: the model needs samples, and a busy cell pays most per explored request).",
+    )
+    adopted_exploration: float = Field(
+        0.05, ge=0, le=MAX_EXPLORATION, description="When the daemon adopts the routers' own "
+        "policy and it explores nowhere (classic P/D as routers ship it), its first push is "
+        "that table with this exploration share in every cell, so the learner measures the "
+        "route the routers never take; recorded as the policy's provenance (pdctl status). "
+        "0: adopt it as it is (nothing is learned until `pdctl calibrate-active` or "
+        "`pdctl recalibrate --force`). Not with a pinned route ([ppd]) or while "
+        "exploration is off.",
     )
     advisory: bool = Field(
         False, description="Everything but pushes: candidates are recorded as advisory."

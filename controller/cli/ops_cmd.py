@@ -387,6 +387,9 @@ def status_doc(store: Store, calibrate_every_s: float | None,
         "newest_policy": None if not latest else {
             "version": latest[-1].version, "status": latest[-1].status,
             "reason": latest[-1].reason, "promoted_at": latest[-1].promoted_at},
+        # The fleet's policy is the routers' own with exploration the daemon turned on
+        # ([controller] adopted_exploration): the share, else None.
+        "fleet_seeded_exploration": fleet.seeded_exploration if fleet is not None else None,
         # The newest version a canary, the promotion watch or an operator rolled back, and
         # why (the newest policy is often a later candidate by then).
         "last_rollback": None if not rolled_back else {
@@ -433,6 +436,11 @@ def _print_status(doc: dict[str, Any]) -> None:
                   else "[bold]desired[/]  no policy yet", end="")
     console.print(f"  canary v{canary['version']} on {', '.join(canary['routers'])}"
                   if canary else "")
+    if doc.get("fleet_seeded_exploration") is not None:
+        console.print(f"[bold]explore[/]  v{doc['fleet_version']} is the routers' own policy "
+                      f"with exploration {doc['fleet_seeded_exploration']:g} in every cell, "
+                      "turned on by the daemon ([controller] adopted_exploration) so that it "
+                      "measures the route the routers never take")
     if doc["fleet_forced"]:
         console.print(f"[bold red]forced[/]   v{doc['fleet_version']} is a forced "
                       "`pdctl calibrate-active` policy that a killed run left behind: run "

@@ -202,7 +202,7 @@ async def test_the_recovery_is_credited_to_the_first_version_promoted_after_the_
     assert state.final_trigger == "drift"
     later_push = min(p.at.timestamp() - t0 for p in rig.store.pushes() if p.version > first)
     assert state.final_until == pytest.approx(later_push)
-    before, _, recovered = state.phases
+    recovered = state.phases[2]
     assert recovered.windows >= 3
     assert recovered.label == f"after v{first} is promoted (recovery)"
     # Every recovery window ran before a later version reached any router.
