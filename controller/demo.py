@@ -129,6 +129,9 @@ class DemoState:
     # When a version after final_version first reached a router (its recovery is measured
     # until then), None while none has.
     final_until: float | None = None
+    # Versions promoted after the shift before final_version that did not bring goodput
+    # back: (version, promoted at, goodput under it, windows), in order.
+    passed_over: list[tuple[int, float, float | None, int]] = field(default_factory=list)
     final_trigger: str | None = None  # what triggered the calibration behind final_version
     # final_version's origin when it is a canary refit: the canary it superseded, whose own
     # calibration's trigger is final_trigger (a refit's trigger is the bake's end, "canary").
@@ -264,7 +267,7 @@ class DemoWatcher:
                 s.final_version = version  # baking: the newest approved since the shift
             elif promoted_at is not None:
                 s.learned_version = version
-        self._credit(promoted_after, first_ok, stored)
+        self._credit(promoted_after, first_ok, stored, policies)
         # A refit is never refitted: one step back reaches the calibration a trigger started.
         s.final_refit_of = refit_of.get(s.final_version) if s.final_version else None
         origin = s.final_refit_of or s.final_version
@@ -273,22 +276,35 @@ class DemoWatcher:
         s.phases = self.phases()
 
     def _credit(self, promoted_after: list[tuple[float, int]],
-                first_ok: dict[int, dict[str, float]], stored: list[Any]) -> None:
+                first_ok: dict[int, dict[str, float]], stored: list[Any],
+                policies: dict[int, Any]) -> None:
         """The recovery is credited to the FIRST version promoted after the shift and
-        measured under it, until a later version reaches a router: a later approval (a
-        scheduled recalibration's, say) does not take the credit. Only a later version that
-        reached a router before ``RECOVERY_WINDOWS`` windows ran under it passes the credit
-        on. ``promoted_after``: (promoted at, version), neither rolled back nor superseded."""
+        measured under it until a later version reaches a router (a canary rolled back
+        aside): a later approval (a scheduled recalibration's, say) does not take the credit.
+        The credit passes on only when a later version reached a router after the first had
+        run ``RECOVERY_WINDOWS`` windows or more without bringing goodput back (or before it
+        had run that many): the summary then names the version passed over, with its numbers.
+        ``promoted_after``: (promoted at, version), neither rolled back nor superseded."""
         s = self.state
+        s.passed_over = []
+        spans = [(w.window.start - self.t0, w.window.end - self.t0,
+                  sum(o.met for o in w.window.outcomes),
+                  sum(o.requests for o in w.window.outcomes)) for w in stored]
+        before = _goodput([x for x in spans if x[1] <= s.shift_at])
         for promoted_at, version in sorted(promoted_after):
             later = [t for v, pushed in first_ok.items() if v > version
+                     and getattr(policies.get(v), "status", None) != "rolled_back"
                      for t in pushed.values()]
             s.final_promoted_at, s.final_version = promoted_at, version
             s.final_until = min(later) if later else None
-            if s.final_until is None or sum(
-                    1 for _, start, end in self._spans(stored)
-                    if start >= promoted_at and end <= s.final_until) >= RECOVERY_WINDOWS:
+            if s.final_until is None:
+                return  # measured from its promotion on
+            ran = [x for x in spans if x[0] >= promoted_at and x[1] <= s.final_until]
+            after = _goodput(ran)
+            if len(ran) >= RECOVERY_WINDOWS and before is not None and after is not None \
+                    and after >= before - RECOVERY_TOLERANCE:
                 return
+            s.passed_over.append((version, promoted_at, after, len(ran)))
 
     def _spans(self, stored: list[Any]) -> list[tuple[int, float, float]]:
         """(id, start, end) of each stored window, in seconds since the demo's start."""
@@ -325,6 +341,12 @@ class DemoWatcher:
         s = self.state
         return all(s.desired.get(r) == version and s.acked.get(r) == version
                    for r in s.routers)
+
+
+def _goodput(spans: list[tuple[float, float, float, float]]) -> float | None:
+    """Requests meeting both SLOs over all requests of (start, end, met, requests) spans."""
+    n = sum(x[3] for x in spans)
+    return sum(x[2] for x in spans) / n if n else None
 
 
 def _fmt(x: float | None) -> str:
@@ -470,6 +492,10 @@ def summary_lines(state: DemoState, events: bool = True) -> list[str]:
                      f"shift)")
     acked = ", ".join(f"{r} v{state.acked.get(r)}" for r in state.routers)
     lines.append(f"  routers acknowledged: {acked}")
+    for version, at, goodput, windows in state.passed_over:
+        lines.append(f"  v{version}, promoted after the shift at {at:.1f} s, did not bring "
+                     f"goodput back: {_pct(goodput)} over {windows} window(s) before the next "
+                     "version reached a router")
     if state.forced:
         lines.append(f"  NOTE: the guardrail approved nothing within the wait; the demo asked "
                      f"for an operator recalibration --force at {state.force_requested_at:.0f} s")

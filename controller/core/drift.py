@@ -24,7 +24,8 @@ is an argument) or keeps hidden state.
   target; standardised by the calibration set's own residual mean and spread, clipped per
   window so that one bad window cannot fire it alone (its hysteresis is that clip: the
   default needs two windows of a large shift).
-- **slo**: window goodput outside the calibration band ``mean ± max(4 sd, floor)``.
+- **slo**: window goodput outside the calibration band ``mean ± max(4 sd, floor)``, its sd
+  at least the window's own binomial spread (``goodput_sampling_sd``).
 
 A change in the number of prefill or decode workers is not drift: :func:`scaling_event`
 reports it as a known cause that triggers a recalibration directly.
@@ -475,6 +476,19 @@ def step_performance(
     return new, verdict
 
 
+def goodput_sampling_sd(p: float, n: float) -> float:
+    """The spread of a window's goodput from sampling alone: binomial, ``sqrt(p (1 - p) / n)``
+    at the reference's goodput ``p`` over the window's ``n`` requests. The SLO band is never
+    narrower than ``goodput_sd_multiple`` of it, for the same reason as the QPS test's floor
+    (``qps_sampling_sd``): a reference of a few windows can agree by chance (all at 1.0: a
+    spread of 0), and a 30-request window at 98 % goodput moves by 0.026 from sampling alone,
+    so two windows with a few misses each crossed the 0.05 floor (the demo's pre-shift SLO
+    drift, 1.11). With hundreds of requests a window it is below the floor and changes
+    nothing."""
+    q = min(max(p, 0.0), 1.0)
+    return math.sqrt(q * (1.0 - q) / n) if n > 0 else 0.0
+
+
 def step_slo(
     state: DetectorState, ref: DriftReference, window: Window, now: float,
     cfg: DriftConfig | None = None,
@@ -483,7 +497,9 @@ def step_slo(
     g, n = window_goodput(window)
     if g is None or ref.goodput_mean is None:
         return _advance("slo", c.slo, state, now, math.nan, c.slo.threshold, n, {})
-    band = max(c.goodput_sd_multiple * ref.goodput_sd, c.goodput_floor)
+    band = max(c.goodput_sd_multiple * max(ref.goodput_sd,
+                                           goodput_sampling_sd(ref.goodput_mean, n)),
+               c.goodput_floor)
     stat = abs(g - ref.goodput_mean) / band
     details = {"goodput": g, "reference": ref.goodput_mean, "band": band}
     return _advance("slo", c.slo, state, now, stat, c.slo.threshold, n, details)

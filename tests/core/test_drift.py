@@ -28,7 +28,7 @@ from controller.core.drift import (
 from controller.core.features import build_training_set
 from controller.core.latency_model import LatencyModel, fit_latency_model
 from controller.core.window import TargetFailure, Window
-from controller.policy.model import Slo
+from controller.policy.model import Route, Slo
 from tests.core.synth import Mix, Truth, make_window, stationary, training_windows
 
 SLO = Slo(ttft_s=1.0, tpot_s=0.05)
@@ -404,3 +404,35 @@ def test_a_reference_of_a_few_equal_windows_does_not_fire_on_poisson_noise(seed:
 
     expected = math.exp(ref.qps_log_median) * 3.0
     assert qps_sampling_sd(ref, stream[0]) == pytest.approx(1 / math.sqrt(expected))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_reference_of_a_few_equal_goodputs_does_not_fire_the_slo_band_on_binomial_noise(
+        seed: int) -> None:
+    """Reference windows agreeing by chance (goodput spread 0) left the SLO band at its 0.05
+    floor, while a 30-request window at 90 % goodput moves by 0.055 from sampling alone: the
+    demo's SLO detector fired before the shift. The band keeps four binomial sd's."""
+    from controller.core.drift import goodput_sampling_sd, step_slo
+    from controller.core.window import RouteOutcome
+
+    rng = np.random.default_rng(seed)
+    calib = _short(5, seed=400 + seed, start=1_750_000_000.0)
+    ref = dataclasses.replace(reference_from_windows(calib), goodput_mean=0.9, goodput_sd=0.0)
+    cfg = DriftConfig(slo=DetectorConfig(threshold=1.0, min_samples=10.0))
+
+    def window(i: int, p: float) -> Window:
+        met = float(rng.binomial(30, p))
+        return Window.build(1_760_000_000.0 + 3 * i, 1_760_000_003.0 + 3 * i, 3.0, outcomes=[
+            RouteOutcome("r0", Route.PREFILL_NODE, 0, 0, 30.0, met, 1.0, 1.0, 1.0, 1.0)])
+
+    state, fired = DetectorState(), []
+    for i in range(200):
+        state, v = step_slo(state, ref, window(i, 0.9), float(i), cfg)
+        fired.append(v.fired)
+    assert not any(fired)
+    state, fired = DetectorState(), []
+    for i in range(4):  # goodput halves: fires within the hysteresis
+        state, v = step_slo(state, ref, window(i, 0.45), float(i), cfg)
+        fired.append(v.fired)
+    assert any(fired)
+    assert goodput_sampling_sd(0.9, 30.0) == pytest.approx(math.sqrt(0.09 / 30))
