@@ -47,6 +47,17 @@ from controller.core.window import Histogram, Window
 KINDS = ("workload", "performance", "slo")
 HISTORY = 32  # statistics kept per detector for `pdctl drift`
 KV_RESIDUAL = "KV.transfer"  # the KV link's own residual (the others are per route)
+# Windows a reference needs before a residual's spread is taken from them (fewer: the key is
+# left out and the performance detector does not watch it until a later reference has them).
+# A route's latency residual carries queueing noise and an in-sample fit, and a standard
+# deviation from n windows is below half the true one with probability P(chi2(n-1) <
+# (n-1)/4): 22 % from 3 windows, 6 % from 6. Half the spread doubles each window's z, and a
+# stationary stream then climbs the CUSUM to its threshold within a few windows: the demo's
+# references of 3-4 windows fired it before anything changed (8.04 and 8.56, led by
+# PREFILL_NODE.ttft). The KV link's transfer time is bytes over bandwidth, with little noise:
+# 3 windows, so a slower link is still seen right after a first calibration.
+ROUTE_REFERENCE_WINDOWS = 6
+KV_REFERENCE_WINDOWS = 3
 RESIDUAL_KEYS = ("PREFILL_NODE.ttft", "PREFILL_NODE.tpot", "DECODE_LOCAL.ttft",
                  "DECODE_LOCAL.tpot", KV_RESIDUAL)
 
@@ -302,7 +313,8 @@ def reference_from_windows(
         per = performance_residuals(model, windows)
         for key in RESIDUAL_KEYS:
             vals = np.array([p[key][0] for p in per if key in p])
-            if vals.size >= 3:
+            if vals.size >= (KV_REFERENCE_WINDOWS if key == KV_RESIDUAL
+                             else ROUTE_REFERENCE_WINDOWS):
                 res_mean[key] = float(np.mean(vals))
                 res_sd[key] = float(np.std(vals, ddof=1))
                 res_count[key] = float(np.mean([p[key][1] for p in per if key in p]))

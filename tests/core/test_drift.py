@@ -436,3 +436,21 @@ def test_a_reference_of_a_few_equal_goodputs_does_not_fire_the_slo_band_on_binom
         fired.append(v.fired)
     assert any(fired)
     assert goodput_sampling_sd(0.9, 30.0) == pytest.approx(math.sqrt(0.09 / 30))
+
+
+def test_a_route_residual_needs_six_reference_windows_the_kv_link_three(
+        model: LatencyModel) -> None:
+    """From 3-4 windows a route's residual spread is too often far too narrow (the demo's
+    pre-shift performance drift); the KV link's, nearly noiseless, is kept from 3."""
+    from controller.core.drift import KV_RESIDUAL
+
+    calib = stationary(Truth(), Mix(), QPS, LOCAL, 6, seed=500, slo=SLO)
+    few = reference_from_windows(calib[:4], model)
+    assert set(few.residual_sd) == {KV_RESIDUAL}
+    enough = reference_from_windows(calib, model)
+    assert KV_RESIDUAL in enough.residual_sd
+    assert {"PREFILL_NODE.ttft", "DECODE_LOCAL.tpot"} <= set(enough.residual_sd)
+    # A route key the reference left out is not watched; the link still is.
+    residuals = performance_residuals(model, calib[:1])[0]
+    _, verdict = step_performance(DetectorState(), few, residuals, calib[0].end)
+    assert set(verdict.details) == {KV_RESIDUAL}
