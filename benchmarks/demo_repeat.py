@@ -7,8 +7,9 @@ event, then the summary) in its own process, one after the other. Per run it pri
 - ``drift<shift``: drift events before the scripted shift (the script changes nothing there;
   the bar is 0), with each one's time, detector and statistic;
 - ``credited``: the version the summary credits the recovery to;
-- ``first promoted``: the first version every router acknowledged after the shift (the bar:
-  the same as ``credited``);
+- ``first promoted``: the first version approved after the shift (a response to it) that
+  every router acknowledged (the bar: the same as ``credited``; a version approved before the
+  shift whose bake ends after it is not one);
 - ``wall s``: the run's wall time, and ``demo s`` the time the demo itself states.
 
 Then the count of runs that met all three (no drift before the shift, credit to the first
@@ -70,13 +71,17 @@ def parse(out: str, exit_code: int, wall_s: float) -> RunResult:
     if r.shift_at is None:
         return r
     streamed = out[:out.index("summary:")] if "summary:" in out else out
+    after: set[int] = set()  # versions approved after the shift (its responses)
     for m in EVENT.finditer(streamed):
         at, text = float(m[1]), m[2]
         drift = re.match(r"drift: (\w+) detector fired \(statistic ([\d.]+)", text)
         if drift and at < r.shift_at:
             r.drift_before.append(f"{drift[1]} {drift[2]} at {at:.1f} s")
+        approved = re.match(r"recalibration \(\w+\): candidate v(\d+) .*guardrail approved", text)
+        if approved and at >= r.shift_at:
+            after.add(int(approved[1]))
         promoted = re.match(r"promotion: v(\d+) acknowledged by every router", text)
-        if promoted and at >= r.shift_at and r.first_promoted is None:
+        if promoted and int(promoted[1]) in after and r.first_promoted is None:
             r.first_promoted = int(promoted[1])
     return r
 

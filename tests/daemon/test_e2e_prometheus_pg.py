@@ -74,9 +74,9 @@ NO_DATA_EXPECTED = {
 def _scenario(tmp_path: Path) -> Path:
     """The demo's scenario with the shift moved earlier (to keep the test short)."""
     text = DEMO.read_text()
-    assert "at_s = 60" in text, "scenarios/demo.toml changed: update this test's scenario"
+    assert "at_s = 48" in text, "scenarios/demo.toml changed: update this test's scenario"
     path = tmp_path / "shift.toml"
-    path.write_text(text.replace("at_s = 60", f"at_s = {SHIFT_AT_S:g}"))
+    path.write_text(text.replace("at_s = 48", f"at_s = {SHIFT_AT_S:g}"))
     return path
 
 
