@@ -12,9 +12,10 @@ event, then the summary) in its own process, one after the other. Per run it pri
   shift whose bake ends after it is not one);
 - ``wall s``: the run's wall time, and ``demo s`` the time the demo itself states.
 
-Then the count of runs that met all three (no drift before the shift, credit to the first
-promoted version, exit 0 within the stated 75-95 s). Bounded: at most ``MAX_RUNS`` runs, each
-killed after ``--timeout-s`` plus a margin.
+Then the count of runs that met the bar (exit 0, no drift before the shift, credit to the
+first promoted version, done within the stated 95 s), and the range of run times against the
+stated 75-95 s. Bounded: at most ``MAX_RUNS`` runs, each killed after ``--timeout-s`` plus a
+margin.
 
     .venv/bin/python benchmarks/demo_repeat.py --runs 10
 """
@@ -53,9 +54,12 @@ class RunResult:
 
     @property
     def ok(self) -> bool:
+        """Exit 0, no drift before the shift, the credit to the first version promoted after
+        it, and done within the stated upper bound (the range is printed: a quicker run is
+        not a failure, the README's lower bound is then the one to correct)."""
         return (self.exit_code == 0 and not self.drift_before and self.credited is not None
                 and self.credited == self.first_promoted and self.demo_s is not None
-                and STATED_S[0] <= self.demo_s <= STATED_S[1])
+                and self.demo_s <= STATED_S[1])
 
 
 def parse(out: str, exit_code: int, wall_s: float) -> RunResult:
@@ -131,9 +135,13 @@ def main() -> int:
               flush=True)
     good = sum(r.ok for r in results)
     walls = sorted(r.wall_s for r in results)
-    print(f"{good} of {len(results)} runs: no drift before the shift, recovery credited to the "
-          f"first version promoted after it, demo time within {STATED_S[0]:g}-{STATED_S[1]:g} "
-          f"s; wall time {walls[0]:.1f}-{walls[-1]:.1f} s")
+    stated = sorted(r.demo_s for r in results if r.demo_s is not None)
+    within = sum(1 for t in stated if STATED_S[0] <= t <= STATED_S[1])
+    print(f"{good} of {len(results)} runs: exit 0, no drift before the shift, recovery credited "
+          f"to the first version promoted after it, done within {STATED_S[1]:g} s")
+    print(f"wall time {walls[0]:.1f}-{walls[-1]:.1f} s; demo time "
+          + (f"{stated[0]:g}-{stated[-1]:g} s" if stated else "n/a")
+          + f", {within} of {len(results)} within the stated {STATED_S[0]:g}-{STATED_S[1]:g} s")
     return 0 if good == len(results) else 1
 
 
