@@ -1103,7 +1103,13 @@ class Cycle:
         The seeded table counts as a change for ``min_policy_interval_s``: the first
         calibration waits for the measurements it makes."""
         share = self.config.adopted_exploration
-        if share <= 0 or self.config.advisory or any(adopted.table.exploration):
+        if any(adopted.table.exploration):
+            return None
+        if share <= 0:  # said once, at adoption: the refusals that follow are not silent
+            return (f"v{adopted.version} explores nowhere and [controller] adopted_exploration "
+                    "is 0 (or [ppd] pins a route): the learner cannot measure the route the "
+                    "routers never take (`pdctl calibrate-active` measures both)")
+        if self.config.advisory:
             return None
         ops = operator_state(tx.requests(status="done"))
         if ops.holding or ops.exploration_off:

@@ -77,8 +77,11 @@ async def test_nothing_is_seeded_where_it_must_not_be(tmp_path: Path, case: str)
     rig = make_rig(tmp_path, **config)
     exploration = 0.1 if case == "explores already" else 0.0
     _routers_run(rig, Policy.uniform(7, Route.PREFILL_NODE, exploration=exploration))
-    await rig.step()
+    first = await rig.step()
     assert [p.version for p in rig.store.policies()] == [7]
+    # Opted out, the cycle line says what that means, once, rather than refusing silently.
+    said = "v7 explores nowhere and [controller] adopted_exploration is 0" in first.reason
+    assert said == (case == "opted out"), first.reason
     assert rig.store.policy(7).seeded_exploration is None  # type: ignore[union-attr]
     assert not [c for c in rig.transport.calls if c[0] == "apply"]
 
