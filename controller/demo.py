@@ -72,8 +72,14 @@ def demo_settings(addresses: dict[str, Any], store_url: str, ttft_s: float, tpot
         store={"url": store_url},
         metrics={"enable": False},
         slo={"ttft_s": ttft_s, "tpot_s": tpot_s},
+        # 8 training windows: with 5, a drift calibration could never train on the windows
+        # since the change alone (learning.MIN_REGIME_WINDOWS = 7), and its residual
+        # references were too thin to watch a route's latency (ROUTE_REFERENCE_WINDOWS = 6);
+        # after the KV link slowed, candidates trained across it were refused three times
+        # over 40 s in one run of 10 (106 s in all). With 8: 10 runs of 10 in 70-88 s
+        # (docs/demo.md, "Repeated runs").
         controller={
-            "interval_s": interval_s, "min_training_windows": 3, "training_windows": 5,
+            "interval_s": interval_s, "min_training_windows": 3, "training_windows": 8,
             "min_policy_interval_s": 0, "calibrate_every_s": 20, "bake_windows": 2,
             "bake_min_requests": 10, "max_bake_windows": 8, "promote_margin": 0.05,
             "lease_ttl_s": 10, "shutdown_timeout_s": 5,
