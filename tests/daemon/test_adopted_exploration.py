@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +118,9 @@ def _demo_in_virtual_time(tmp_path: Path, share: float) -> tuple[Store, list[Any
     """The demo's cluster (routers on classic P/D, no exploration, an empty store), the KV
     link slowed at 240 s, 360 s in all; 10 s windows, the daemon's defaults otherwise."""
     text = (REPO / "scenarios" / "demo.toml").read_text()
-    text = text.replace("duration_s = 600", "duration_s = 360").replace("at_s = 60",
-                                                                       "at_s = 240")
+    assert re.search(r"^at_s = \d+$", text, re.M), "demo.toml changed: update this test"
+    text = re.sub(r"^at_s = \d+$", "at_s = 240", text.replace("duration_s = 600",
+                                                               "duration_s = 360"), flags=re.M)
     path = tmp_path / "demo.toml"
     path.write_text(text)
     scenario = load_scenario(path)
