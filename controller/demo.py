@@ -418,11 +418,7 @@ async def run_demo(*, scenario_path: Path = SCENARIO, timeout_s: float = 170.0,
                 f"{state.warmup_s:g} s (warm-up: sessions fill the cluster), "
                 f"SLO TTFT {scenario.ttft_slo_s:g} s / TPOT {1000 * scenario.tpot_slo_s:g} ms; "
                 f"baseline v1 = classic P/D")))
-            while clock.now() < t0 + state.warmup_s:
-                state.now = clock.now() - t0
-                if on_update is not None:
-                    on_update(state)
-                await clock.sleep(min(0.5, max(0.0, t0 + state.warmup_s - clock.now())))
+            await _warm_up(clock, t0, state, on_update)
             daemon = Daemon(settings, clock=clock)
             daemon_task = asyncio.create_task(daemon.run())
             watcher = DemoWatcher(store, state, t0)
@@ -465,6 +461,16 @@ async def run_demo(*, scenario_path: Path = SCENARIO, timeout_s: float = 170.0,
                     await asyncio.wait_for(daemon_task, 15.0)
             await sim.stop()
             store.close()
+
+
+async def _warm_up(clock: Clock, t0: float, state: DemoState,
+                   on_update: Callable[[DemoState], None] | None) -> None:
+    """Wait until ``state.warmup_s`` after ``t0``, the screen kept up to date."""
+    while clock.now() < t0 + state.warmup_s:
+        state.now = clock.now() - t0
+        if on_update is not None:
+            on_update(state)
+        await clock.sleep(min(0.5, max(0.0, t0 + state.warmup_s - clock.now())))
 
 
 def recovered(state: DemoState) -> bool:

@@ -421,6 +421,15 @@ def _t(value: datetime | None) -> str:
     return "—" if value is None else value.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def _print_seeded(console: Any, doc: dict[str, Any]) -> None:
+    """The fleet's policy is the routers' own with exploration the daemon turned on."""
+    if doc.get("fleet_seeded_exploration") is not None:
+        console.print(f"[bold]explore[/]  v{doc['fleet_version']} is the routers' own policy "
+                      f"with exploration {doc['fleet_seeded_exploration']:g} in every cell, "
+                      "turned on by the daemon ([controller] adopted_exploration) so that it "
+                      "measures the route the routers never take")
+
+
 def _print_status(doc: dict[str, Any]) -> None:
     from rich.table import Table
 
@@ -436,11 +445,7 @@ def _print_status(doc: dict[str, Any]) -> None:
                   else "[bold]desired[/]  no policy yet", end="")
     console.print(f"  canary v{canary['version']} on {', '.join(canary['routers'])}"
                   if canary else "")
-    if doc.get("fleet_seeded_exploration") is not None:
-        console.print(f"[bold]explore[/]  v{doc['fleet_version']} is the routers' own policy "
-                      f"with exploration {doc['fleet_seeded_exploration']:g} in every cell, "
-                      "turned on by the daemon ([controller] adopted_exploration) so that it "
-                      "measures the route the routers never take")
+    _print_seeded(console, doc)
     if doc["fleet_forced"]:
         console.print(f"[bold red]forced[/]   v{doc['fleet_version']} is a forced "
                       "`pdctl calibrate-active` policy that a killed run left behind: run "
@@ -494,7 +499,8 @@ def _print_status(doc: dict[str, Any]) -> None:
 @app.command("status")
 def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOption = None
            ) -> None:
-    """One screen: leader, desired versions (and a promotion under watch), each router's
+    """One screen: leader, desired versions (and a promotion under watch, and the exploration
+    the daemon turned on in an adopted policy that explored nowhere), each router's
     acked version and health, last drift event, last calibration, operator state, next
     scheduled calibration, and when the newest window ended (STALE past
     [controller] stalled_after_s: nothing has been observed since)."""
