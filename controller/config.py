@@ -35,6 +35,7 @@ from pydantic_settings import (
 )
 
 from controller.errors import ConfigError
+from controller.policy.model import MAX_EXPLORATION
 
 # ``dns+NAME:PORT``: every address NAME resolves to (a headless service), resolved again
 # as the daemon runs (controller.observe.discovery).
@@ -353,6 +354,15 @@ class ControllerConfig(_Section):
         "way to keep both routes measured (its exploration share is capped to this, floor "
         "included: the model needs samples, and a busy cell pays most per explored request).",
     )
+    adopted_exploration: float = Field(
+        0.05, ge=0, le=MAX_EXPLORATION, description="When the daemon adopts the routers' own "
+        "policy and it explores nowhere (classic P/D as routers ship it), its first push is "
+        "that table with this exploration share in every cell, so the learner measures the "
+        "route the routers never take; recorded as the policy's provenance (pdctl status). "
+        "0: adopt it as it is (nothing is learned until `pdctl calibrate-active` or "
+        "`pdctl recalibrate --force`). Not with a pinned route ([ppd]) or while "
+        "exploration is off.",
+    )
     advisory: bool = Field(
         False, description="Everything but pushes: candidates are recorded as advisory."
     )
@@ -573,7 +583,8 @@ class StoreConfig(_Section):
     url: str = Field(
         "sqlite:///./pd-controller.db",
         description="SQLAlchemy URL: sqlite:///PATH (relative paths resolve against the working "
-        "directory at load time) or postgresql+psycopg://USER@HOST:PORT/DB.",
+        "directory at load time) or postgresql+psycopg://USER@HOST:PORT/DB (postgres:// and "
+        "postgresql://, as libpq takes them, are read as postgresql+psycopg://).",
         validate_default=True,
     )
     retention_days: float = Field(
@@ -597,6 +608,10 @@ class StoreConfig(_Section):
         from sqlalchemy.engine import make_url
         from sqlalchemy.exc import ArgumentError
 
+        from controller.store.engine import libpq_scheme
+
+        # libpq's schemes (postgres://, postgresql://) name PostgreSQL through psycopg 3.
+        v = libpq_scheme(v)
         try:  # a typo here would otherwise surface as a traceback in every store command
             backend = make_url(v).get_backend_name()
         except ArgumentError:

@@ -77,7 +77,7 @@ from controller.learning import (
 )
 from controller.metrics import ControllerMetrics
 from controller.observe.source import MetricsSource
-from controller.policy import Policy, Provenance, Route, dumps, loads
+from controller.policy import LookupTable, Policy, Provenance, Route, dumps, loads
 from controller.policy.validation import MAX_VERSION
 from controller.rollout.reconciler import Reconciler, RouterStatus, RunningPolicy
 from controller.store import (
@@ -99,6 +99,8 @@ SUPERSEDED = "superseded by its canary refit"  # a superseded canary's reason st
 ABANDONED_PREFIX = "dropped from its bake by "  # a canary an operator action took off
 UNPROMOTED = "rolled back after promotion"  # a promotion the watch undid: reason starts so
 ADOPTED_PREFIX = "adopted: "  # the routers' own policy, recorded on an empty store
+SEEDED_PREFIX = "exploration "  # a seeded policy's reason: "exploration 0.05 in every cell of v1 …"
+DRY_RUN_PREFIX = "dry run: would "  # a dry run's outcome starts so (never "approved")
 MAX_REQUESTS_PER_CYCLE = 16
 MAX_RELEASES = 2  # a request given back after its cycle failed, at most this often
 FIT_RETRY_INTERVALS = 10  # control intervals between automatic retries of a failed fit
@@ -131,6 +133,9 @@ class CycleConfig:
     request_stale_after_s: float = 300.0
     capacity_interval_s: float = 300.0
     capacity_min_windows: int = 2
+    # Exploration share turned on in an adopted policy that explores nowhere (0: none); 0
+    # as well where the operator pins a route ([ppd]): a pin explores nothing.
+    adopted_exploration: float = 0.0
 
     @property
     def watch_s(self) -> float | None:
@@ -154,6 +159,8 @@ class CycleConfig:
             watch_load_rise=c.watch_load_rise,
             capacity_interval_s=settings.capacity.interval_s,
             capacity_min_windows=settings.capacity.min_windows,
+            adopted_exploration=(c.adopted_exploration if settings.ppd.enabled
+                                 and settings.ppd.append_prefill_route == "dynamic" else 0.0),
         )
 
 
@@ -1078,6 +1085,8 @@ class Cycle:
             self.metrics.set_predicted_goodput(outcome.predicted_goodput_current,
                                                outcome.predicted_goodput_new)
         report.guardrail = outcome.reason
+        if not_stored == "dry run":  # an operator's dry run: what it would have done
+            report.guardrail = dry_run_verdict(outcome.approved, outcome.reason)
         version: int | None = None
         reference_for: int | None = None
         if not dry_run:
@@ -1150,6 +1159,49 @@ class Cycle:
             self._policies[policy.version] = policy
             self.metrics.policy_changed(policy.version)
         report.reason = _join(report.reason, said)
+        seeded = self._seed_exploration(tx, policy)
+        if seeded is not None:
+            report.reason = _join(report.reason, seeded)
+
+    def _seed_exploration(self, tx: Tx, adopted: Policy) -> str | None:
+        """The adopted policy with ``adopted_exploration`` in every cell, approved and
+        desired by every router (the daemon's first push), when the adopted one explores
+        nowhere: otherwise the learner never measures the route the routers do not take,
+        and every candidate is an extrapolation the guardrail refuses (predicted goodput
+        0.0000 against the routers' own). Not in advisory mode (nothing is pushed), nor while
+        an operator holds the rollout or turned exploration off. What was done, or None.
+
+        The seeded table counts as a change for ``min_policy_interval_s``: the first
+        calibration waits for the measurements it makes."""
+        share = self.config.adopted_exploration
+        if any(adopted.table.exploration):
+            return None
+        if share <= 0:  # said once, at adoption: the refusals that follow are not silent
+            return (f"v{adopted.version} explores nowhere and [controller] adopted_exploration "
+                    "is 0 (or [ppd] pins a route): the learner cannot measure the route the "
+                    "routers never take (`pdctl calibrate-active` measures both)")
+        if self.config.advisory:
+            return None
+        ops = operator_state(tx.requests(status="done"))
+        if ops.holding or ops.exploration_off:
+            return None
+        version = tx.next_version()
+        reason = (f"{SEEDED_PREFIX}{share:g} in every cell of v{adopted.version}, the routers' "
+                  "own policy, which explores nowhere ([controller] adopted_exploration): the "
+                  "learner measures the route the routers never take")
+        t = adopted.table
+        policy = replace(
+            adopted, version=version,
+            table=LookupTable(t.axes, t.routes, t.scores, (share,) * len(t.exploration)),
+            provenance=Provenance(created_at=self.clock.utcnow(), reason=reason,
+                                  created_by=self.leadership.holder))
+        tx.add_policy(version, policy.checksum, dumps(policy), "approved", reason,
+                      seeded_exploration=share)
+        self._policies[version] = policy
+        for router in self.routers:
+            tx.set_desired(router, version)
+        self.metrics.policy_changed(version)
+        return f"v{version}: v{adopted.version} with exploration {share:g} to every router"
 
     def _everywhere(self, tx: Tx, policy: Policy, reason: str) -> None:
         """Store ``policy`` as approved and make it every router's desired version at once
@@ -1832,6 +1884,14 @@ def record_adoption(tx: Tx, found: RunningPolicy, routers: Sequence[str], who: s
     return policy, f"adopted the routers' policy as v{policy.version}{renumbered}", True
 
 
+def dry_run_verdict(approved: bool, reason: str) -> str:
+    """The outcome of an operator's ``recalibrate --dry-run``: what the guardrail would
+    have done, in the conditional (it approved nothing and stored no policy), with the
+    guardrail's own reason and numbers after it."""
+    return f"{DRY_RUN_PREFIX}{'approve' if approved else 'reject'}; nothing stored " \
+           f"(guardrail: {reason})"
+
+
 def _seen_by(windows: Sequence[Window], routers: set[str]) -> list[Window]:
     """The windows in which none of ``routers`` (outcome names) failed: unreachable, or a
     snapshot source's first read, which only sets the counters' baseline."""
@@ -1898,8 +1958,8 @@ def _report_fields(r: CycleReport) -> dict[str, Any]:
 
 
 __all__ = [
-    "FALLBACK_PREFILL", "AlwaysLeader", "CanaryVerdict", "CapacityPlanner", "Cycle",
-    "CycleConfig", "CycleReport",
-    "Leadership", "OperatorState", "Rollout", "canary_subset", "operator_state", "read_rollout",
-    "run_inline", "two_proportion_z", "watch_critical",
+    "DRY_RUN_PREFIX", "FALLBACK_PREFILL", "AlwaysLeader", "CanaryVerdict", "CapacityPlanner",
+    "Cycle", "CycleConfig", "CycleReport", "Leadership", "OperatorState", "Rollout",
+    "canary_subset", "dry_run_verdict", "operator_state", "read_rollout", "run_inline",
+    "two_proportion_z", "watch_critical",
 ]

@@ -7,9 +7,10 @@ SQLite store in a temporary directory, APScheduler job, gRPC pushes) with short 
 The demo itself only watches: it reads the daemon's store (windows, drift events,
 calibrations, policies, pushes, acknowledgements) and tells the story as it happens:
 
-baseline (classic P/D with exploration, v1) → first calibration → canary → promotion → the
-scenario's shift (every KV link to a quarter of its bandwidth) → drift → recalibration →
-guardrail → canary → promotion → recovery, then a summary. A recalibration right after the
+baseline (classic P/D with exploration, v1; the daemon starts after a warm-up of
+``WARMUP_S``) → first calibration → canary → promotion → the scenario's shift (every KV link
+to a quarter of its bandwidth) → drift → recalibration → guardrail → canary → promotion →
+recovery, then a summary. A recalibration right after the
 shift trains partly on windows from before it and the guardrail may refuse its candidate;
 the demo's config then recalibrates on schedule (every 20 s) on post-shift windows. The
 demo ends once goodput after the promotion is back within ``RECOVERY_TOLERANCE`` of before
@@ -41,6 +42,13 @@ RECOVERY_WINDOWS = 3  # windows measured after the promotion before the demo end
 RECOVERY_TOLERANCE = 0.10
 DEMO_WHO = "pdctl demo (operator)"
 BASELINE_EXPLORATION = 0.2
+# The daemon starts once the sessions have filled the cluster, as a daemon meets a serving
+# cluster. From an empty cluster the first windows are a ramp: at first only turn 1 (3000
+# context tokens), then the later turns of sessions that started together (the request rate
+# went 7 -> 14 -> 10 req/s over the first 18 s); tables and drift references from them
+# described that ramp, and the steady traffic after it fired the workload and performance
+# detectors before the shift (docs/demo.md, "Drift before the shift").
+WARMUP_S = 18.0
 SHOWN_STATUSES = ("approved", "rolled_back", "superseded")  # policies that reached routers
 
 
@@ -64,8 +72,14 @@ def demo_settings(addresses: dict[str, Any], store_url: str, ttft_s: float, tpot
         store={"url": store_url},
         metrics={"enable": False},
         slo={"ttft_s": ttft_s, "tpot_s": tpot_s},
+        # 8 training windows: with 5, a drift calibration could never train on the windows
+        # since the change alone (learning.MIN_REGIME_WINDOWS = 7), and its residual
+        # references were too thin to watch a route's latency (ROUTE_REFERENCE_WINDOWS = 6);
+        # after the KV link slowed, candidates trained across it were refused three times
+        # over 40 s in one run of 10 (106 s in all). With 8: 10 runs of 10 in 70-88 s
+        # (docs/demo.md, "Repeated runs").
         controller={
-            "interval_s": interval_s, "min_training_windows": 3, "training_windows": 5,
+            "interval_s": interval_s, "min_training_windows": 3, "training_windows": 8,
             "min_policy_interval_s": 0, "calibrate_every_s": 20, "bake_windows": 2,
             "bake_min_requests": 10, "max_bake_windows": 8, "promote_margin": 0.05,
             "lease_ttl_s": 10, "shutdown_timeout_s": 5,
@@ -109,6 +123,7 @@ class DemoState:
     shift_text: str
     routers: list[str]
     now: float = 0.0
+    warmup_s: float = 0.0  # the daemon starts then
     events: list[Event] = field(default_factory=list)
     windows: list[tuple[float, float, float | None, float]] = field(default_factory=list)
     desired: dict[str, int] = field(default_factory=dict)
@@ -117,6 +132,12 @@ class DemoState:
     learned_version: int | None = None  # promoted before the shift
     final_version: int | None = None  # approved after the shift
     final_promoted_at: float | None = None
+    # When a version after final_version first reached a router (its recovery is measured
+    # until then), None while none has.
+    final_until: float | None = None
+    # Versions promoted after the shift before final_version that did not bring goodput
+    # back: (version, promoted at, goodput under it, windows), in order.
+    passed_over: list[tuple[int, float, float | None, int]] = field(default_factory=list)
     final_trigger: str | None = None  # what triggered the calibration behind final_version
     # final_version's origin when it is a canary refit: the canary it superseded, whose own
     # calibration's trigger is final_trigger (a refit's trigger is the bake's end, "canary").
@@ -141,6 +162,9 @@ class DemoState:
             return "shift: waiting for drift detection and recalibration"
         if self.learned_version is not None:
             return f"steady: v{self.learned_version} everywhere, shift at {self.shift_at:.0f} s"
+        if self.now < self.warmup_s:
+            return (f"warm-up: sessions filling the cluster; the daemon starts at "
+                    f"{self.warmup_s:.0f} s")
         return "baseline: classic P/D (v1), collecting windows for the first calibration"
 
 
@@ -218,6 +242,8 @@ class DemoWatcher:
         s.learned_version = None
         s.final_version = None
         s.final_promoted_at = None
+        s.final_until = None
+        promoted_after: list[tuple[float, int]] = []  # (promoted at, version) after the shift
         for version, rec in sorted(policies.items()):
             if version == s.baseline_version or rec.status not in SHOWN_STATUSES:
                 continue
@@ -241,18 +267,54 @@ class DemoWatcher:
             if promoted_at is not None:
                 self._add(("promoted", version), promoted_at, "promotion",
                           f"promotion: v{version} acknowledged by every router")
-            # The newest approved version wins: after the shift it is the one whose
-            # recovery the demo measures (a newer approval restarts the measurement).
-            if after_shift:
-                s.final_version, s.final_promoted_at = version, promoted_at
+            if after_shift and promoted_at is not None:
+                promoted_after.append((promoted_at, version))
+            elif after_shift and not promoted_after:
+                s.final_version = version  # baking: the newest approved since the shift
             elif promoted_at is not None:
                 s.learned_version = version
+        self._credit(promoted_after, first_ok, stored, policies)
         # A refit is never refitted: one step back reaches the calibration a trigger started.
         s.final_refit_of = refit_of.get(s.final_version) if s.final_version else None
         origin = s.final_refit_of or s.final_version
         s.final_trigger = triggers.get(origin) if origin else None
         s.events.sort(key=lambda e: e.at)
         s.phases = self.phases()
+
+    def _credit(self, promoted_after: list[tuple[float, int]],
+                first_ok: dict[int, dict[str, float]], stored: list[Any],
+                policies: dict[int, Any]) -> None:
+        """The recovery is credited to the FIRST version promoted after the shift and
+        measured under it until a later version reaches a router (a canary rolled back
+        aside): a later approval (a scheduled recalibration's, say) does not take the credit.
+        The credit passes on only when a later version reached a router after the first had
+        run ``RECOVERY_WINDOWS`` windows or more without bringing goodput back (or before it
+        had run that many): the summary then names the version passed over, with its numbers.
+        ``promoted_after``: (promoted at, version), neither rolled back nor superseded."""
+        s = self.state
+        s.passed_over = []
+        spans = [(w.window.start - self.t0, w.window.end - self.t0,
+                  sum(o.met for o in w.window.outcomes),
+                  sum(o.requests for o in w.window.outcomes)) for w in stored]
+        before = _goodput([x for x in spans if x[1] <= s.shift_at])
+        for promoted_at, version in sorted(promoted_after):
+            later = [t for v, pushed in first_ok.items() if v > version
+                     and getattr(policies.get(v), "status", None) != "rolled_back"
+                     for t in pushed.values()]
+            s.final_promoted_at, s.final_version = promoted_at, version
+            s.final_until = min(later) if later else None
+            if s.final_until is None:
+                return  # measured from its promotion on
+            ran = [x for x in spans if x[0] >= promoted_at and x[1] <= s.final_until]
+            after = _goodput(ran)
+            if len(ran) >= RECOVERY_WINDOWS and before is not None and after is not None \
+                    and after >= before - RECOVERY_TOLERANCE:
+                return
+            s.passed_over.append((version, promoted_at, after, len(ran)))
+
+    def _spans(self, stored: list[Any]) -> list[tuple[int, float, float]]:
+        """(id, start, end) of each stored window, in seconds since the demo's start."""
+        return [(w.id, w.window.start - self.t0, w.window.end - self.t0) for w in stored]
 
     def phases(self) -> list[Phase]:
         s = self.state
@@ -268,6 +330,8 @@ class DemoWatcher:
             elif start < s.shift_at:
                 continue  # straddles the shift
             elif s.final_promoted_at is not None and start >= s.final_promoted_at:
+                if s.final_until is not None and end > s.final_until:
+                    continue  # a later version runs on some router: not this one's recovery
                 phase = recovered
             else:
                 phase = after
@@ -283,6 +347,12 @@ class DemoWatcher:
         s = self.state
         return all(s.desired.get(r) == version and s.acked.get(r) == version
                    for r in s.routers)
+
+
+def _goodput(spans: list[tuple[float, float, float, float]]) -> float | None:
+    """Requests meeting both SLOs over all requests of (start, end, met, requests) spans."""
+    n = sum(x[3] for x in spans)
+    return sum(x[2] for x in spans) / n if n else None
 
 
 def _fmt(x: float | None) -> str:
@@ -340,12 +410,15 @@ async def run_demo(*, scenario_path: Path = SCENARIO, timeout_s: float = 170.0,
                     tx.set_desired(r, baseline.version)
             settings = demo_settings(addresses, store_url, scenario.ttft_slo_s,
                                      scenario.tpot_slo_s, scenario.interval_s)
-            state = DemoState(scenario.name, shift.at_s, shift_text, routers)
+            state = DemoState(scenario.name, shift.at_s, shift_text, routers,
+                              warmup_s=min(WARMUP_S, shift.at_s / 2))
             state.events.append(Event(0.0, "start", (
                 f"start: live cluster '{scenario.name}' ({len(addresses['workers'])} workers, "
-                f"{len(routers)} routers), daemon every {scenario.interval_s:g} s, "
+                f"{len(routers)} routers), daemon every {scenario.interval_s:g} s from "
+                f"{state.warmup_s:g} s (warm-up: sessions fill the cluster), "
                 f"SLO TTFT {scenario.ttft_slo_s:g} s / TPOT {1000 * scenario.tpot_slo_s:g} ms; "
                 f"baseline v1 = classic P/D")))
+            await _warm_up(clock, t0, state, on_update)
             daemon = Daemon(settings, clock=clock)
             daemon_task = asyncio.create_task(daemon.run())
             watcher = DemoWatcher(store, state, t0)
@@ -366,7 +439,6 @@ async def run_demo(*, scenario_path: Path = SCENARIO, timeout_s: float = 170.0,
                     state.forced = True
                     state.force_requested_at = state.now
                 if state.final_promoted_at is not None and state.final_version is not None \
-                        and watcher.all_acked(state.final_version) \
                         and state.phases[2].windows >= RECOVERY_WINDOWS and recovered(state):
                     state.done = True
                 if on_update is not None:
@@ -389,6 +461,16 @@ async def run_demo(*, scenario_path: Path = SCENARIO, timeout_s: float = 170.0,
                     await asyncio.wait_for(daemon_task, 15.0)
             await sim.stop()
             store.close()
+
+
+async def _warm_up(clock: Clock, t0: float, state: DemoState,
+                   on_update: Callable[[DemoState], None] | None) -> None:
+    """Wait until ``state.warmup_s`` after ``t0``, the screen kept up to date."""
+    while clock.now() < t0 + state.warmup_s:
+        state.now = clock.now() - t0
+        if on_update is not None:
+            on_update(state)
+        await clock.sleep(min(0.5, max(0.0, t0 + state.warmup_s - clock.now())))
 
 
 def recovered(state: DemoState) -> bool:
@@ -422,6 +504,10 @@ def summary_lines(state: DemoState, events: bool = True) -> list[str]:
                      f"shift)")
     acked = ", ".join(f"{r} v{state.acked.get(r)}" for r in state.routers)
     lines.append(f"  routers acknowledged: {acked}")
+    for version, at, goodput, windows in state.passed_over:
+        lines.append(f"  v{version}, promoted after the shift at {at:.1f} s, did not bring "
+                     f"goodput back: {_pct(goodput)} over {windows} window(s) before the next "
+                     "version reached a router")
     if state.forced:
         lines.append(f"  NOTE: the guardrail approved nothing within the wait; the demo asked "
                      f"for an operator recalibration --force at {state.force_requested_at:.0f} s")

@@ -139,7 +139,7 @@ def calibrate_active(
         ActiveCalibrationRunner,
         RunnerLimits,
     )
-    from controller.cli.ops_cmd import _open_store
+    from controller.cli.ops_cmd import open_store
     from controller.clock import WallClock
     from controller.config import load_settings
     from controller.core.active import plan_active_calibration
@@ -174,7 +174,7 @@ def calibrate_active(
         typer.echo("error: [routers] targets is empty", err=True)
         raise typer.Exit(_EXIT_BAD_INPUT)
     console = Console(stderr=True)
-    store = _open_store(None, config)
+    store = open_store(None, config)
     clock = WallClock()
     runners: list[ActiveCalibrationRunner] = []  # the run's report, after an interruption
 

@@ -138,10 +138,10 @@ def refit(store: Store, settings: Settings) -> Learned:
 
 
 def _settings_and_store(config: Path | None, url: str | None) -> tuple[Settings, Store]:
-    from controller.cli.ops_cmd import _open_store
+    from controller.cli.ops_cmd import open_store
 
     settings = load_settings_or_exit(config)
-    return settings, _open_store(url, config)
+    return settings, open_store(url, config)
 
 
 def _learned_or_exit(store: Store, settings: Settings) -> Learned:

@@ -69,7 +69,9 @@ def default_who() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def _open_store(url: str | None, config: Path | None) -> Store:
+def open_store(url: str | None, config: Path | None) -> Store:
+    """The store of ``--url`` or the config, migrated; exits 3 when it is unavailable or
+    has no schema."""
     from controller.cli.db_cmd import store_url
     from controller.errors import TransientError
     from controller.store import Store, StoreError
@@ -93,7 +95,7 @@ def _submit(
     from controller.clock import WallClock
 
     clock = WallClock()
-    store = _open_store(url, config)
+    store = open_store(url, config)
     try:
         request_id = store.add_request(kind, args, who or default_who(), reason)
         request = store.request(request_id)
@@ -109,9 +111,7 @@ def _submit(
     if as_json:
         typer.echo(json.dumps(_request_json(request), default=str))
     else:
-        line = f"request #{request.id} {request.kind} {json.dumps(request.args)} by " \
-            f"{request.who}: {request.status}"
-        typer.echo(shown(line + (f" — {request.outcome}" if request.outcome else "")))
+        typer.echo(shown(request_line(request)))
     if wait and request.status in ("pending", "claimed"):
         if not as_json:
             typer.echo(f"no outcome within {timeout:g} s: request #{request.id} is still "
@@ -121,6 +121,23 @@ def _submit(
         raise typer.Exit(_EXIT_TIMEOUT)
     if request.status == "failed":
         raise typer.Exit(_EXIT_REFUSED)
+
+
+def request_line(r: Any) -> str:
+    """A request and its outcome in one line. A done dry run reads as what it would have
+    done ("dry run: would approve …"), never "done — approved": it approved nothing (an
+    outcome recorded by a daemon that wrote the guardrail's bare verdict is worded so too)."""
+    from controller.cycle import DRY_RUN_PREFIX, dry_run_verdict
+
+    head = f"request #{r.id} {r.kind} {json.dumps(r.args)} by {r.who}"
+    if r.kind == "recalibrate" and (r.args or {}).get("dry_run") and r.status == "done" \
+            and r.outcome:
+        outcome = r.outcome
+        if not outcome.startswith(DRY_RUN_PREFIX):
+            approved = outcome.startswith(("approved", "forced", "no current policy"))
+            outcome = dry_run_verdict(approved, outcome)
+        return f"{head}: {outcome}"
+    return f"{head}: {r.status}" + (f" — {r.outcome}" if r.outcome else "")
 
 
 def _request_json(r: Any) -> dict[str, Any]:
@@ -211,7 +228,9 @@ def exploration(state: Annotated[str, typer.Argument(help="on | off")],
 @app.command("recalibrate", epilog=EXIT_CODES)
 def recalibrate(
     dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="Fit and judge, store the calibration, approve nothing.")] = False,
+        "--dry-run", help="Fit and judge, store the calibration, approve nothing; the outcome "
+        "says what it would have done (\"dry run: would approve …\" or \"would reject …\").")
+    ] = False,
     force: Annotated[bool, typer.Option(
         "--force", help="Approve even if the guardrail would refuse.")] = False,
     local: Annotated[bool, typer.Option(
@@ -249,7 +268,7 @@ def _recalibrate_local(url: str | None, config: Path | None, as_json: bool, forc
     from controller.policy import loads
 
     settings = load_settings_or_exit(config)
-    store = _open_store(url, config)
+    store = open_store(url, config)
     try:
         with store.read() as tx:
             stored = tx.windows(limit=settings.controller.training_windows)
@@ -369,6 +388,9 @@ def status_doc(store: Store, calibrate_every_s: float | None,
         "newest_policy": None if not latest else {
             "version": latest[-1].version, "status": latest[-1].status,
             "reason": latest[-1].reason, "promoted_at": latest[-1].promoted_at},
+        # The fleet's policy is the routers' own with exploration the daemon turned on
+        # ([controller] adopted_exploration): the share, else None.
+        "fleet_seeded_exploration": fleet.seeded_exploration if fleet is not None else None,
         # The newest version a canary, the promotion watch or an operator rolled back, and
         # why (the newest policy is often a later candidate by then).
         "last_rollback": None if not rolled_back else {
@@ -400,6 +422,15 @@ def _t(value: datetime | None) -> str:
     return "—" if value is None else value.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def _print_seeded(console: Any, doc: dict[str, Any]) -> None:
+    """The fleet's policy is the routers' own with exploration the daemon turned on."""
+    if doc.get("fleet_seeded_exploration") is not None:
+        console.print(f"[bold]explore[/]  v{doc['fleet_version']} is the routers' own policy "
+                      f"with exploration {doc['fleet_seeded_exploration']:g} in every cell, "
+                      "turned on by the daemon ([controller] adopted_exploration) so that it "
+                      "measures the route the routers never take")
+
+
 def _print_status(doc: dict[str, Any]) -> None:
     from rich.table import Table
 
@@ -415,6 +446,7 @@ def _print_status(doc: dict[str, Any]) -> None:
                   else "[bold]desired[/]  no policy yet", end="")
     console.print(f"  canary v{canary['version']} on {', '.join(canary['routers'])}"
                   if canary else "")
+    _print_seeded(console, doc)
     if doc["fleet_forced"]:
         console.print(f"[bold red]forced[/]   v{doc['fleet_version']} is a forced "
                       "`pdctl calibrate-active` policy that a killed run left behind: run "
@@ -468,7 +500,8 @@ def _print_status(doc: dict[str, Any]) -> None:
 @app.command("status")
 def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOption = None
            ) -> None:
-    """One screen: leader, desired versions (and a promotion under watch), each router's
+    """One screen: leader, desired versions (and a promotion under watch, and the exploration
+    the daemon turned on in an adopted policy that explored nowhere), each router's
     acked version and health, last drift event, last calibration, operator state, next
     scheduled calibration, and when the newest window ended (STALE past
     [controller] stalled_after_s: nothing has been observed since)."""
@@ -481,7 +514,7 @@ def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOpt
     except ConfigError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(_EXIT_BAD_INPUT) from None
-    store = _open_store(url, config)
+    store = open_store(url, config)
     try:
         doc = status_doc(store, settings.controller.calibrate_every_s,
                          CycleConfig.from_settings(settings).watch_s,

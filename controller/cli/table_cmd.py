@@ -1,4 +1,5 @@
-"""``pdctl table show|decide|new``: inspect, query and create lookup-table policy files."""
+"""``pdctl table show|decide|new``: inspect, query and create lookup-table policy files
+(``show`` also the store's policies: ``--version N``, ``--desired``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from controller.cli._app import load_policy_or_exit, table_app, writable_file_or_exit
+from controller.policy.validation import MAX_VERSION
 
 if TYPE_CHECKING:
     from controller.policy import Features, Policy
@@ -54,7 +56,19 @@ def _route_letter(route: Any) -> str:
 
 @table_app.command("show")
 def show(
-    policy_file: Annotated[Path, typer.Argument(help="Policy JSON file (lookup-table format).")],
+    policy_file: Annotated[Path | None, typer.Argument(
+        help="Policy JSON file (lookup-table format); or --version / --desired.")] = None,
+    version: Annotated[int | None, typer.Option(
+        "--version", min=1, max=MAX_VERSION,
+        help="Show the stored policy of this version (from the store: --url or --config's "
+        "[store]).")] = None,
+    desired: Annotated[bool, typer.Option(
+        "--desired", help="Show the stored policy the fleet's routers are desired to run "
+        "(a canary's routers are named).")] = False,
+    url: Annotated[str | None, typer.Option(
+        "--url", help="Database URL for --version / --desired (overrides the config).")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="Config file whose [store] --version / --desired read.")] = None,
     plot: Annotated[
         Path | None,
         typer.Option("--plot", help="Also draw heat-maps (one panel per io-ratio bin) to a PNG."),
@@ -62,12 +76,22 @@ def show(
 ) -> None:
     """Print a policy: header, then per io-ratio bin a context x qps grid of route and score.
 
-    P = prefill node (classic P/D), L = decode-local (PPD). Exits 2 on an invalid file,
-    listing every problem with its field path.
+    The policy comes from a file, or from the store: --version N (any stored version,
+    rejected candidates too) or --desired (the fleet's). P = prefill node (classic P/D),
+    L = decode-local (PPD). Exits 2 on an invalid file or no such version (listing every
+    problem of a file with its field path), 3 when the store is unavailable.
     """
     from rich.console import Console
 
-    policy = load_policy_or_exit(policy_file)
+    chosen = [x for x in (policy_file is not None, version is not None, desired) if x]
+    if len(chosen) != 1:
+        typer.echo("table show takes one of: a policy file, --version N, --desired", err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT)
+    stored: list[str] = []
+    if policy_file is not None:
+        policy = load_policy_or_exit(policy_file)
+    else:
+        policy, stored = _stored_policy_or_exit(version, url, config)
     if plot is not None:
         writable_file_or_exit(plot, "--plot")
     axes = policy.table.axes
@@ -76,7 +100,7 @@ def show(
         3 + max(8, len(bin_text(axes.qps, k))) for k in range(axes.shape[2])
     )
     console = Console(width=max(100, width), highlight=False)
-    console.print(_header(policy))
+    console.print(_header(policy, stored))
     console.print(
         "Per io-ratio bin: rows = context tokens, columns = qps; each cell shows its route "
         "(P = prefill node, L = decode-local), its score, and * when it explores."
@@ -88,7 +112,46 @@ def show(
         console.print(f"heat-maps written to {plot}")
 
 
-def _header(policy: Policy) -> Any:
+def _stored_policy_or_exit(version: int | None, url: str | None, config: Path | None
+                           ) -> tuple[Policy, list[str]]:
+    """The stored policy ``version`` (None: the fleet's desired one) and the store's lines
+    about it (status, reason, who is desired to run it)."""
+    from controller.cli.ops_cmd import open_store
+    from controller.cycle import read_rollout
+    from controller.policy import PolicyValidationError, loads
+
+    store = open_store(url, config)
+    try:
+        with store.read() as tx:
+            rollout = read_rollout(tx)
+            if version is None and rollout.fleet_version is None:
+                typer.echo("--desired: no router has a desired version yet (no policy "
+                           "stored, or the daemon has not started)", err=True)
+                raise typer.Exit(_EXIT_BAD_INPUT)
+            wanted = rollout.fleet_version if version is None else version
+            assert wanted is not None
+            record = tx.policy(wanted)
+            desired = tx.desired_versions()
+    finally:
+        store.close()
+    if record is None:
+        typer.echo(f"--version {wanted}: no such policy version in the store", err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT)
+    try:
+        policy = loads(record.body_json)
+    except PolicyValidationError as e:  # a stored table this release cannot read
+        typer.echo(f"v{wanted} as stored is not a valid policy: "
+                   + "; ".join(f"{p.path}: {p.message}" for p in e.problems), err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT) from None
+    routers = sorted(r for r, v in desired.items() if v == wanted)
+    role = ("the fleet's" if wanted == rollout.fleet_version else
+            "baking as a canary" if wanted == rollout.canary_version else "")
+    lines = [f"{record.status}" + (f" ({role})" if role else "") + f": {record.reason}",
+             f"desired by {', '.join(routers)}" if routers else "desired by no router"]
+    return policy, lines
+
+
+def _header(policy: Policy, stored: list[str] | None = None) -> Any:
     from rich.table import Table
 
     from controller.policy import Route, first_turn_busy_waiting, later_turn_busy_waiting
@@ -127,6 +190,7 @@ def _header(policy: Policy) -> Any:
         ("trained on", f"{pv.trained_from.isoformat() if pv.trained_from else '-'} .. "
                        f"{pv.trained_to.isoformat() if pv.trained_to else '-'}"),
     ]
+    rows += [("stored", line) for line in stored or []]
     for key, value in rows:
         grid.add_row(key, value)
     return grid

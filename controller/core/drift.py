@@ -10,8 +10,9 @@ is an argument) or keeps hidden state.
   larger of an effect-size floor (0.2, the usual "significant shift") and a multiple of PSI's
   expected value under no change (``(bins - 1) (1/n + 1/N)``, so small windows do not
   false-alarm); ``|log(qps / calibration median)|`` (requests counted over the window)
-  against the larger of ``log 1.2`` and four robust standard deviations of the calibration
-  windows; and a two-sided CUSUM of that log ratio, which accumulates a moderate step (QPS
+  against the larger of ``log 1.2`` and four standard deviations: the calibration windows'
+  robust one, at least the window's own Poisson spread (``qps_sampling_sd``); and a
+  two-sided CUSUM of that log ratio, which accumulates a moderate step (QPS
   x1.3 at ~120 requests a window is under three standard deviations, below any single-window
   threshold that keeps false alarms away). The CUSUM standardises by a window's expected
   spread: Poisson ``1 / expected count`` plus the calibration windows' variance beyond
@@ -23,7 +24,8 @@ is an argument) or keeps hidden state.
   target; standardised by the calibration set's own residual mean and spread, clipped per
   window so that one bad window cannot fire it alone (its hysteresis is that clip: the
   default needs two windows of a large shift).
-- **slo**: window goodput outside the calibration band ``mean ± max(4 sd, floor)``.
+- **slo**: window goodput outside the calibration band ``mean ± max(4 sd, floor)``, its sd
+  at least the window's own binomial spread (``goodput_sampling_sd``).
 
 A change in the number of prefill or decode workers is not drift: :func:`scaling_event`
 reports it as a known cause that triggers a recalibration directly.
@@ -45,6 +47,17 @@ from controller.core.window import Histogram, Window
 KINDS = ("workload", "performance", "slo")
 HISTORY = 32  # statistics kept per detector for `pdctl drift`
 KV_RESIDUAL = "KV.transfer"  # the KV link's own residual (the others are per route)
+# Windows a reference needs before a residual's spread is taken from them (fewer: the key is
+# left out and the performance detector does not watch it until a later reference has them).
+# A route's latency residual carries queueing noise and an in-sample fit, and a standard
+# deviation from n windows is below half the true one with probability P(chi2(n-1) <
+# (n-1)/4): 22 % from 3 windows, 6 % from 6. Half the spread doubles each window's z, and a
+# stationary stream then climbs the CUSUM to its threshold within a few windows: the demo's
+# references of 3-4 windows fired it before anything changed (8.04 and 8.56, led by
+# PREFILL_NODE.ttft). The KV link's transfer time is bytes over bandwidth, with little noise:
+# 3 windows, so a slower link is still seen right after a first calibration.
+ROUTE_REFERENCE_WINDOWS = 6
+KV_REFERENCE_WINDOWS = 3
 RESIDUAL_KEYS = ("PREFILL_NODE.ttft", "PREFILL_NODE.tpot", "DECODE_LOCAL.ttft",
                  "DECODE_LOCAL.tpot", KV_RESIDUAL)
 
@@ -300,7 +313,8 @@ def reference_from_windows(
         per = performance_residuals(model, windows)
         for key in RESIDUAL_KEYS:
             vals = np.array([p[key][0] for p in per if key in p])
-            if vals.size >= 3:
+            if vals.size >= (KV_REFERENCE_WINDOWS if key == KV_RESIDUAL
+                             else ROUTE_REFERENCE_WINDOWS):
                 res_mean[key] = float(np.mean(vals))
                 res_sd[key] = float(np.std(vals, ddof=1))
                 res_count[key] = float(np.mean([p[key][1] for p in per if key in p]))
@@ -374,7 +388,8 @@ def step_workload(
     cusum = state.cusum
     if q > 0:
         log_ratio = math.log(q) - ref.qps_log_median
-        thr = max(c.qps_floor, c.qps_sd_multiple * ref.qps_log_sd)
+        thr = max(c.qps_floor, c.qps_sd_multiple * max(ref.qps_log_sd,
+                                                       qps_sampling_sd(ref, window)))
         details["qps"] = {"log_ratio": abs(log_ratio), "threshold": thr, "qps": q,
                           "reference_qps": math.exp(ref.qps_log_median)}
         ratios.append(abs(log_ratio) / thr)
@@ -387,6 +402,19 @@ def step_workload(
     stat = max(ratios) if ratios else math.nan
     return _advance("workload", c.workload, state, now, stat, c.workload.threshold, samples,
                     details, cusum)
+
+
+def qps_sampling_sd(ref: DriftReference, window: Window) -> float:
+    """The spread of a window's log request count from sampling alone: ``1 / sqrt(count)``
+    of a Poisson count, at the reference's median rate over this window's length. The
+    per-window QPS test never puts its threshold below ``qps_sd_multiple`` of it: the
+    reference's robust spread, from a handful of windows, can be far below it (five equal
+    counts give 0), and a window of ~30 requests then crossed the ``log 1.2`` floor on
+    sampling noise alone (its Poisson spread is 0.18 = log 1.2): the demo's 3 s windows fired
+    the workload detector before anything changed. A reference from many windows already
+    scatters at least this much (its windows are samples too), so there it changes nothing."""
+    expected = math.exp(ref.qps_log_median) * window.interval_s
+    return 1.0 / math.sqrt(max(expected, 1.0))
 
 
 # Var(median of n) ~ (pi/2) Var(x) / n for normal samples.
@@ -460,6 +488,19 @@ def step_performance(
     return new, verdict
 
 
+def goodput_sampling_sd(p: float, n: float) -> float:
+    """The spread of a window's goodput from sampling alone: binomial, ``sqrt(p (1 - p) / n)``
+    at the reference's goodput ``p`` over the window's ``n`` requests. The SLO band is never
+    narrower than ``goodput_sd_multiple`` of it, for the same reason as the QPS test's floor
+    (``qps_sampling_sd``): a reference of a few windows can agree by chance (all at 1.0: a
+    spread of 0), and a 30-request window at 98 % goodput moves by 0.026 from sampling alone,
+    so two windows with a few misses each crossed the 0.05 floor (the demo's pre-shift SLO
+    drift, 1.11). With hundreds of requests a window it is below the floor and changes
+    nothing."""
+    q = min(max(p, 0.0), 1.0)
+    return math.sqrt(q * (1.0 - q) / n) if n > 0 else 0.0
+
+
 def step_slo(
     state: DetectorState, ref: DriftReference, window: Window, now: float,
     cfg: DriftConfig | None = None,
@@ -468,7 +509,9 @@ def step_slo(
     g, n = window_goodput(window)
     if g is None or ref.goodput_mean is None:
         return _advance("slo", c.slo, state, now, math.nan, c.slo.threshold, n, {})
-    band = max(c.goodput_sd_multiple * ref.goodput_sd, c.goodput_floor)
+    band = max(c.goodput_sd_multiple * max(ref.goodput_sd,
+                                           goodput_sampling_sd(ref.goodput_mean, n)),
+               c.goodput_floor)
     stat = abs(g - ref.goodput_mean) / band
     details = {"goodput": g, "reference": ref.goodput_mean, "band": band}
     return _advance("slo", c.slo, state, now, stat, c.slo.threshold, n, details)

@@ -24,11 +24,36 @@ PG_CONNECT_ARGS: dict[str, int] = {
 WRITE_OPTION = "pdc_write"
 
 
+# URI schemes libpq takes for PostgreSQL (``postgres://`` is what Heroku, psql and most
+# tools print); SQLAlchemy 1.4+ knows only ``postgresql``. Without a driver the store
+# uses psycopg 3, the one it depends on (SQLAlchemy's default would be psycopg2).
+LIBPQ_SCHEMES = ("postgresql", "postgres")
+PG_DRIVER = "postgresql+psycopg"
+
+
+def libpq_scheme(url: str) -> str:
+    """``url`` with a libpq PostgreSQL scheme made SQLAlchemy's psycopg 3 one:
+    ``postgres://`` and ``postgresql://`` become ``postgresql+psycopg://``,
+    ``postgres+DRIVER://`` becomes ``postgresql+DRIVER://``. The rest of the URL (user,
+    password, host, query) is kept byte for byte; any other URL is returned as it is."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    backend, plus, driver = scheme.partition("+")
+    if backend.lower() not in LIBPQ_SCHEMES:
+        return url
+    return f"{PG_DRIVER if not plus else 'postgresql+' + driver}://{rest}"
+
+
 def normalize_url(url: str | URL) -> URL:
-    """Make ``postgresql://`` explicit about psycopg 3 and SQLite file paths absolute."""
-    u = make_url(url)
-    if u.drivername in ("postgresql", "postgres"):
-        u = u.set(drivername="postgresql+psycopg")
+    """Make a PostgreSQL URL explicit about psycopg 3 (``postgres://`` and
+    ``postgresql://`` as libpq takes them, see :func:`libpq_scheme`) and SQLite file paths
+    absolute."""
+    u = make_url(libpq_scheme(url) if isinstance(url, str) else url)
+    if u.drivername in LIBPQ_SCHEMES:
+        u = u.set(drivername=PG_DRIVER)
+    elif u.drivername.startswith("postgres+"):
+        u = u.set(drivername="postgresql+" + u.drivername.partition("+")[2])
     db = u.database
     if u.get_backend_name() == "sqlite" and db and db != ":memory:" and not db.startswith("file:"):
         u = u.set(database=str(Path(db).expanduser().resolve()))

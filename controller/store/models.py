@@ -82,6 +82,9 @@ class PolicyRow(Base):
     promoted_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
     # The version whose table a re-issue carries: the rollout orders tables by it (0005).
     reissue_of: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # The exploration share the controller turned on in an adopted policy that explored
+    # nowhere (its provenance, typed: 0006); NULL for every other policy.
+    seeded_exploration: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class CalibrationRow(Base):

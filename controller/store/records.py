@@ -26,6 +26,9 @@ class PolicyRecord:
     updated_at: datetime
     promoted_at: datetime | None = None  # a canary's promotion to every router
     reissue_of: int | None = None  # re-issued under this number: the table of that version
+    # The exploration share the controller turned on in every cell of an adopted policy
+    # that explored nowhere ([controller] adopted_exploration); None for every other policy.
+    seeded_exploration: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

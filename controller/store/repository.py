@@ -292,6 +292,7 @@ class Tx:
         reason: str = "",
         at: datetime | None = None,
         reissue_of: int | None = None,
+        seeded_exploration: float | None = None,
     ) -> PolicyRecord:
         if status not in POLICY_STATUSES:
             raise StoreError(f"unknown policy status {status!r}; expected one of {POLICY_STATUSES}")
@@ -303,6 +304,7 @@ class Tx:
         row = PolicyRow(
             version=version, checksum=checksum, body=body_json, status=status, reason=reason,
             created_at=when, updated_at=when, reissue_of=reissue_of,
+            seeded_exploration=seeded_exploration,
         )
         self._s.add(row)
         self._s.flush()
@@ -1056,6 +1058,8 @@ def _policy(r: PolicyRow) -> PolicyRecord:
         version=int(r.version), checksum=r.checksum, body_json=r.body, status=r.status,
         reason=r.reason, created_at=r.created_at, updated_at=r.updated_at,
         promoted_at=r.promoted_at, reissue_of=None if r.reissue_of is None else int(r.reissue_of),
+        seeded_exploration=(None if r.seeded_exploration is None
+                            else float(r.seeded_exploration)),
     )
 
 

@@ -165,3 +165,85 @@ async def test_the_story_follows_a_canary_refit_back_to_the_drift_behind_it(
     assert "canary v2 superseded by its canary refit" in text, text
     assert re.search(r"recalibration \(canary\): candidate v3 .* guardrail approved → approved",
                      text), text
+
+
+async def test_the_recovery_is_credited_to_the_first_version_promoted_after_the_shift(
+        tmp_path: Path) -> None:
+    # The real cycle on its fakes: after the shift a drift's v2 is promoted; later a second
+    # drift's v3 is promoted too. The recovery was v2's: the credit stays with it, and its
+    # recovery windows end where v3 first reached a router. (The newest approval took it.)
+    rig = make_rig(tmp_path, canary_fraction=0.25, bake_windows=1)
+    for _ in range(4):
+        if (await rig.step()).approved_version == 1:
+            break
+    t0 = rig.clock.now() - 1000.0
+    shift_at = rig.clock.now() - t0
+    rig.source.goodput = {1: 0.90, 2: 0.96, 3: 0.97, 4: 0.97, 5: 0.97}
+
+    async def drift_to_promotion() -> int:
+        rig.learner.fire = True
+        version = (await rig.step()).approved_version
+        assert version is not None
+        for _ in range(8):
+            if set(rig.store.desired_versions().values()) == {version} and \
+                    {a.snapshot.version for a in rig.agents.values()} == {version}:
+                return version
+            await rig.step()
+        raise AssertionError(f"v{version} was not promoted")
+
+    first = await drift_to_promotion()
+    for _ in range(4):  # windows measured under it alone
+        await rig.step()
+    second = await drift_to_promotion()
+    assert first < second
+    state = DemoState("demo", shift_at, "shift: scripted", list(rig.agents))
+    DemoWatcher(rig.store, state, t0).poll(rig.clock.now())
+    assert state.final_version == first, state.events
+    assert state.final_trigger == "drift"
+    later_push = min(p.at.timestamp() - t0 for p in rig.store.pushes() if p.version > first)
+    assert state.final_until == pytest.approx(later_push)
+    recovered = state.phases[2]
+    assert recovered.windows >= 3
+    assert recovered.label == f"after v{first} is promoted (recovery)"
+    # Every recovery window ran before a later version reached any router.
+    stored = [w.window for w in rig.store.windows()]
+    assert recovered.windows == sum(1 for w in stored
+                                    if w.start - t0 >= state.final_promoted_at
+                                    and w.end - t0 <= later_push)
+
+
+def test_demo_repeat_reads_drift_credit_and_first_promotion_from_a_run() -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "demo_repeat.py"
+    spec = importlib.util.spec_from_file_location("demo_repeat", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["demo_repeat"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    out = "\n".join([
+        "  20.0 s  drift: slo detector fired (statistic 1.03 > threshold 1.00)",
+        "  40.0 s  recalibration (schedule): candidate v3 predicted goodput 0.9 vs current "
+        "0.8, 1 cell(s) changed, trained on 3 window(s); guardrail approved → approved",
+        "  48.0 s  shift: link_bandwidth ×0.25 (scenario event at 48 s)",
+        "  49.0 s  promotion: v3 acknowledged by every router",
+        "  52.0 s  drift: performance detector fired (statistic 8.00 > threshold 7.50)",
+        "  52.0 s  recalibration (drift): candidate v4 predicted goodput 0.9 vs current 0.5, "
+        "9 cell(s) changed, trained on 6 window(s), 4 from before the shift; guardrail "
+        "approved → approved",
+        "  58.0 s  promotion: v4 acknowledged by every router",
+        "  70.0 s  recalibration (schedule): candidate v6 predicted goodput 0.9 vs current "
+        "0.8, 1 cell(s) changed, trained on 6 window(s), 0 from before the shift; guardrail "
+        "approved → approved",
+        "  76.0 s  promotion: v6 acknowledged by every router",
+        "", "summary:",
+        "demo: shift at 48 s, v6 (schedule → guardrail approval) promoted at 76.0 s, every "
+        "router acked v6; goodput 99.0% → 50.0% → 98.0% in 85 s",
+    ])
+    r = mod.parse(out, 0, 88.0)
+    assert r.drift_before == ["slo 1.03 at 20.0 s"]
+    # v3 was approved before the shift: the first response to it promoted is v4, not v6.
+    assert (r.shift_at, r.first_promoted, r.credited, r.demo_s) == (48.0, 4, 6, 85.0)
+    assert not r.ok
+    clean = mod.parse(out.replace("slo detector fired", "x").replace("v6", "v4"), 0, 88.0)
+    assert clean.ok

@@ -260,3 +260,58 @@ def test_status_reads_the_rollout_of_the_configured_routers_and_a_held_candidate
         assert "held as a candidate v3" in out and "approved v3" not in out
     finally:
         store.close()
+
+
+async def test_a_dry_run_says_what_it_would_do_and_never_done_approved(tmp_path: Path) -> None:
+    """`recalibrate --dry-run --wait` printed "done — approved: …" for a calibration that
+    approved nothing and stored no policy."""
+    rig = make_rig(tmp_path)
+    await _bootstrap(rig)
+
+    def run(approve: bool) -> str:
+        rig.learner.approve = approve
+
+        def daemon_cycle_later() -> None:
+            time.sleep(0.5)
+            asyncio.run(rig.step())
+
+        worker = threading.Thread(target=daemon_cycle_later)
+        worker.start()
+        try:
+            result = runner.invoke(app, ["recalibrate", "--dry-run", "--wait", "--timeout",
+                                         "30", "--url", _url(tmp_path)])
+        finally:
+            worker.join(30)
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    before = rig.store.next_version()
+    would = run(approve=True)
+    assert "dry run: would approve; nothing stored (guardrail: approved: scripted)" in would
+    assert "done" not in would and "— approved" not in would, would
+    refused = run(approve=False)
+    assert "dry run: would reject; nothing stored (guardrail: rejected: scripted)" in refused
+    assert rig.store.next_version() == before  # neither stored a policy
+    # The request's stored outcome says so too (`pdctl history requests`).
+    outcomes = [r.outcome for r in rig.store.requests() if r.kind == "recalibrate"]
+    assert [o.split(";")[0] for o in outcomes if o] == ["dry run: would approve",
+                                                        "dry run: would reject"]
+
+
+def test_a_dry_run_outcome_an_older_daemon_recorded_still_reads_as_a_dry_run() -> None:
+    from types import SimpleNamespace
+
+    from controller.cli.ops_cmd import request_line
+
+    old = SimpleNamespace(id=3, kind="recalibrate", args={"dry_run": True, "force": False},
+                          who="ops@box", status="done",
+                          outcome="approved: predicted goodput 0.94 vs current 0.91")
+    line = request_line(old)
+    assert line.endswith("dry run: would approve; nothing stored (guardrail: approved: "
+                         "predicted goodput 0.94 vs current 0.91)"), line
+    assert "done" not in line
+    rejected = request_line(SimpleNamespace(**{**old.__dict__, "outcome": "rejected: x"}))
+    assert "dry run: would reject" in rejected
+    # A request that is not a dry run reads as before.
+    real = request_line(SimpleNamespace(**{**old.__dict__, "args": {"dry_run": False}}))
+    assert real.endswith(": done — approved: predicted goodput 0.94 vs current 0.91")

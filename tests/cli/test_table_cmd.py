@@ -242,3 +242,65 @@ def test_new_refuses_bad_arguments(args: list[str], message: str) -> None:
     assert result.exit_code == 2
     assert message in result.stderr
     assert len(result.stderr.splitlines()) <= 2  # one problem said once, not once per cell
+
+
+def _stored(tmp_path: Path) -> str:
+    """A store holding v4 (approved, every router's) and v5 (a rejected candidate)."""
+    from controller.store import Store
+
+    url = f"sqlite:///{tmp_path / 'history.db'}"
+    with Store(url) as store:
+        store.upgrade()
+        with store.cycle() as tx:
+            for v, status in ((4, "approved"), (5, "rejected")):
+                p = mixed_policy(v)
+                tx.add_policy(v, p.checksum, dumps(p), status, f"v{v} for the test")
+            for router in ("r0", "r1"):
+                tx.set_desired(router, 4)
+    return url
+
+
+def test_show_reads_a_stored_version_or_the_desired_one_as_a_file_would(
+        tmp_path: Path, policy_file: Path) -> None:
+    url = _stored(tmp_path)
+    from_file = runner.invoke(app, ["table", "show", str(policy_file)])
+    desired = runner.invoke(app, ["table", "show", "--desired", "--url", url])
+    assert desired.exit_code == 0, desired.output
+    # The same table as the file's (the file holds v4), cell for cell.
+    assert grid_rows(desired.stdout) == grid_rows(from_file.stdout)
+    assert mixed_policy(4).checksum in desired.stdout
+    assert "approved (the fleet's): v4 for the test" in desired.stdout
+    assert "desired by r0, r1" in desired.stdout
+    rejected = runner.invoke(app, ["table", "show", "--version", "5", "--url", url])
+    assert rejected.exit_code == 0, rejected.output
+    assert "version 5" in rejected.stdout and mixed_policy(5).checksum in rejected.stdout
+    assert "rejected: v5 for the test" in rejected.stdout
+    assert "desired by no router" in rejected.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--version", "9"], "--version 9: no such policy version"),
+    (["--version", "4", "FILE"], "one of: a policy file, --version N, --desired"),
+    (["--version", "4", "--desired"], "one of: a policy file, --version N, --desired"),
+    ([], "one of: a policy file, --version N, --desired"),
+])
+def test_show_from_the_store_refuses_what_it_cannot_show(
+        tmp_path: Path, policy_file: Path, args: list[str], message: str) -> None:
+    url = _stored(tmp_path)
+    args = [str(policy_file) if a == "FILE" else a for a in args]
+    result = runner.invoke(app, ["table", "show", *args, "--url", url])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+
+
+def test_show_desired_on_a_store_with_no_desired_version_exits_2(tmp_path: Path) -> None:
+    from controller.store import Store
+
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    with Store(url) as store:
+        store.upgrade()
+    result = runner.invoke(app, ["table", "show", "--desired", "--url", url])
+    assert result.exit_code == 2 and "no router has a desired version" in result.stderr
+    missing = runner.invoke(app, ["table", "show", "--desired", "--url",
+                                  f"sqlite:///{tmp_path / 'nope.db'}"])
+    assert missing.exit_code == 3, missing.output

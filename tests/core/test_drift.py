@@ -28,7 +28,7 @@ from controller.core.drift import (
 from controller.core.features import build_training_set
 from controller.core.latency_model import LatencyModel, fit_latency_model
 from controller.core.window import TargetFailure, Window
-from controller.policy.model import Slo
+from controller.policy.model import Route, Slo
 from tests.core.synth import Mix, Truth, make_window, stationary, training_windows
 
 SLO = Slo(ttft_s=1.0, tpot_s=0.05)
@@ -372,3 +372,85 @@ def test_step_scaling_debounces_and_counts_lost_workers() -> None:
     assert state.known["prefill"] == 1
     state, ev = step_scaling(state, _with_workers(ws[5], drop="p1"))
     assert ev == ()
+
+
+def _short(n: int, seed: int, start: float, qps: float = 5.0) -> list[Window]:
+    """3 s windows of ~30 requests (2 routers x 5 req/s), as the demo's."""
+    return stationary(Truth(), Mix(), qps, LOCAL, n, seed=seed, start=start, interval_s=3.0,
+                      slo=SLO)
+
+
+# The demo's drift settings: windows of ~30 requests are judged ([drift] min_requests = 10).
+DEMO_DRIFT = DriftConfig(workload=DetectorConfig(threshold=1.0, min_samples=10.0))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_reference_of_a_few_equal_windows_does_not_fire_on_poisson_noise(seed: int) -> None:
+    """Five reference windows can agree closely by chance (their robust spread near 0): the
+    per-window QPS threshold then sat at the log 1.2 floor, one Poisson standard deviation
+    of a 30-request window, and stationary traffic fired the workload detector (the demo's
+    pre-shift drift). Its threshold keeps at least four sampling standard deviations."""
+    calib = _short(5, seed=300 + seed, start=1_750_000_000.0)
+    ref = dataclasses.replace(reference_from_windows(calib), qps_log_sd=0.0,
+                              qps_log_excess_var=0.0)
+    stream = _short(200, seed=seed, start=1_760_000_000.0)
+    assert not any(_workload_fires(stream, ref, DEMO_DRIFT))
+    # ...yet a tripled rate still fires at once (log 3 = 1.1 > 4 / sqrt 30 = 0.73).
+    tripled = _short(3, seed=seed + 7, start=1_770_000_000.0, qps=15.0)
+    no_cusum = dataclasses.replace(DEMO_DRIFT, qps_cusum_threshold=math.inf)
+    assert any(_workload_fires(tripled, ref, no_cusum))
+    # The floor is the sampling spread at the reference's rate over the window's length.
+    from controller.core.drift import qps_sampling_sd
+
+    expected = math.exp(ref.qps_log_median) * 3.0
+    assert qps_sampling_sd(ref, stream[0]) == pytest.approx(1 / math.sqrt(expected))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_reference_of_a_few_equal_goodputs_does_not_fire_the_slo_band_on_binomial_noise(
+        seed: int) -> None:
+    """Reference windows agreeing by chance (goodput spread 0) left the SLO band at its 0.05
+    floor, while a 30-request window at 90 % goodput moves by 0.055 from sampling alone: the
+    demo's SLO detector fired before the shift. The band keeps four binomial sd's."""
+    from controller.core.drift import goodput_sampling_sd, step_slo
+    from controller.core.window import RouteOutcome
+
+    rng = np.random.default_rng(seed)
+    calib = _short(5, seed=400 + seed, start=1_750_000_000.0)
+    ref = dataclasses.replace(reference_from_windows(calib), goodput_mean=0.9, goodput_sd=0.0)
+    cfg = DriftConfig(slo=DetectorConfig(threshold=1.0, min_samples=10.0))
+
+    def window(i: int, p: float) -> Window:
+        met = float(rng.binomial(30, p))
+        return Window.build(1_760_000_000.0 + 3 * i, 1_760_000_003.0 + 3 * i, 3.0, outcomes=[
+            RouteOutcome("r0", Route.PREFILL_NODE, 0, 0, 30.0, met, 1.0, 1.0, 1.0, 1.0)])
+
+    state, fired = DetectorState(), []
+    for i in range(200):
+        state, v = step_slo(state, ref, window(i, 0.9), float(i), cfg)
+        fired.append(v.fired)
+    assert not any(fired)
+    state, fired = DetectorState(), []
+    for i in range(4):  # goodput halves: fires within the hysteresis
+        state, v = step_slo(state, ref, window(i, 0.45), float(i), cfg)
+        fired.append(v.fired)
+    assert any(fired)
+    assert goodput_sampling_sd(0.9, 30.0) == pytest.approx(math.sqrt(0.09 / 30))
+
+
+def test_a_route_residual_needs_six_reference_windows_the_kv_link_three(
+        model: LatencyModel) -> None:
+    """From 3-4 windows a route's residual spread is too often far too narrow (the demo's
+    pre-shift performance drift); the KV link's, nearly noiseless, is kept from 3."""
+    from controller.core.drift import KV_RESIDUAL
+
+    calib = stationary(Truth(), Mix(), QPS, LOCAL, 6, seed=500, slo=SLO)
+    few = reference_from_windows(calib[:4], model)
+    assert set(few.residual_sd) == {KV_RESIDUAL}
+    enough = reference_from_windows(calib, model)
+    assert KV_RESIDUAL in enough.residual_sd
+    assert {"PREFILL_NODE.ttft", "DECODE_LOCAL.tpot"} <= set(enough.residual_sd)
+    # A route key the reference left out is not watched; the link still is.
+    residuals = performance_residuals(model, calib[:1])[0]
+    _, verdict = step_performance(DetectorState(), few, residuals, calib[0].end)
+    assert set(verdict.details) == {KV_RESIDUAL}

@@ -119,7 +119,11 @@ def test_the_daemons_cycle_runs_in_virtual_time_inside_the_simulator(tmp_path: P
     assert desired == running
     assert {r.router_id: r.acked_version for r in store.routers()} == running
     learned = {c.policy_version for c in cals if (c.details or {}).get("approved")}
-    assert {p.version for p in store.pushes()} <= learned
+    # ...and the first push: the routers' own table with exploration turned on
+    # ([controller] adopted_exploration), since it explored nowhere.
+    seeded = {p.version for p in store.policies() if p.seeded_exploration is not None}
+    assert seeded == {2}
+    assert {p.version for p in store.pushes()} <= learned | seeded
     # The rate triples at 200 s: the workload detector fires after it (not before), and the
     # drift triggers a calibration whose verdict is stored with its numbers.
     events = store.drift_events()

@@ -53,7 +53,7 @@ EXPLORATION = 0.2  # the routers' starting policy measures both routes (as the d
 INTERVAL_S = 3.0
 # After the shift the drift detectors fired 5-20 s later in our runs. The learner trains a
 # drift calibration on the windows since the change alone once there are 7 of them
-# (controller.learning.MIN_REGIME_WINDOWS; the demo's 5 training windows never allow it);
+# (controller.learning.MIN_REGIME_WINDOWS; the demo trains on 8 windows);
 # with fewer it trains across the change and the guardrail may refuse the candidate, and
 # the shift fires again after the drift cooldown. The schedule (45 s) must not pre-empt the
 # drift: with 30 s it once came 14 s after the shift, before any drift had fired.
@@ -74,9 +74,9 @@ NO_DATA_EXPECTED = {
 def _scenario(tmp_path: Path) -> Path:
     """The demo's scenario with the shift moved earlier (to keep the test short)."""
     text = DEMO.read_text()
-    assert "at_s = 45" in text, "scenarios/demo.toml changed: update this test's scenario"
+    assert "at_s = 48" in text, "scenarios/demo.toml changed: update this test's scenario"
     path = tmp_path / "shift.toml"
-    path.write_text(text.replace("at_s = 45", f"at_s = {SHIFT_AT_S:g}"))
+    path.write_text(text.replace("at_s = 48", f"at_s = {SHIFT_AT_S:g}"))
     return path
 
 

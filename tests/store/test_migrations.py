@@ -78,7 +78,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "9001"
-down_revision = "0005"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
@@ -107,14 +107,14 @@ def test_batch_migration_of_a_parent_table_keeps_its_children(
     cfg = migrate.alembic_config(db_url)
     cfg.set_main_option("script_location", str(scripts))
 
-    command.upgrade(cfg, "0005")
+    command.upgrade(cfg, "0006")
     with Store(db_url) as store:
         store.add_policy(1, "aa" * 32, "{}", "approved", "seed")
         store.set_desired("r1", 1)
         store.add_calibration([1], {"mape": 0.1}, 0.9, None, policy_version=1)
 
     command.upgrade(cfg, "9001")
-    command.downgrade(cfg, "0005")
+    command.downgrade(cfg, "0006")
 
     with Store(db_url) as store:
         assert store.desired_versions() == {"r1": 1}
@@ -306,7 +306,7 @@ def test_upgrade_from_0004_fills_reissue_of_from_the_reason_and_downgrade_drops_
                 "INSERT INTO policies (version, checksum, body, status, reason, created_at, "
                 "updated_at) VALUES (:v, :c, '{}', 'approved', :r, '2026-12-01 00:00:00', "
                 "'2026-12-01 00:00:00')"), {"v": version, "c": "aa" * 32, "r": reason})
-    migrate.upgrade(db_url, "0005")
+    migrate.upgrade(db_url)  # 0005, and the later revisions the models need
     with Store(db_url) as store:
         assert [(p.version, p.reissue_of) for p in store.policies()] == [
             (1, None), (7, 1), (8, None)]
@@ -322,3 +322,22 @@ def test_upgrade_from_0004_fills_reissue_of_from_the_reason_and_downgrade_drops_
     with Store(db_url) as store:
         assert [(p.version, p.reissue_of) for p in store.policies()] == [
             (1, None), (7, 1), (8, None), (9, None)]  # 9's origin was only in the column
+
+
+def test_0006_adds_seeded_exploration_empty_and_the_downgrade_drops_it(db_url: str) -> None:
+    migrate.upgrade(db_url, "0005")
+    _seed_0001(db_url)
+    migrate.upgrade(db_url, "0006")
+    with Store(db_url) as store:
+        # Stored before it: no policy was seeded then.
+        assert [(p.version, p.seeded_exploration) for p in store.policies()] == [(1, None)]
+        store.add_policy(2, "bb" * 32, "{}", "approved", "seeded", seeded_exploration=0.05)
+        assert store.policy(2).seeded_exploration == 0.05  # type: ignore[union-attr]
+    migrate.downgrade(db_url, "0005")
+    with _engine(db_url) as engine:
+        columns = {c["name"] for c in sa.inspect(engine).get_columns("policies")}
+    assert "seeded_exploration" not in columns and "reissue_of" in columns
+    migrate.upgrade(db_url)
+    with Store(db_url) as store:
+        assert [(p.version, p.seeded_exploration) for p in store.policies()] == [
+            (1, None), (2, None)]
