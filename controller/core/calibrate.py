@@ -513,7 +513,7 @@ def policy_routes_on(policy: Policy, grid: TableGrid) -> tuple[Any, FloatArray]:
     return routes, expl
 
 
-def _cell_uncertainty(ts: TrainingSet, model: LatencyModel, axes: Axes
+def cell_uncertainty(ts: TrainingSet, model: LatencyModel, axes: Axes
                       ) -> tuple[FloatArray, FloatArray, NDArray[np.bool_]]:
     """Per table cell (flattened, policy order): rarer-route samples, residual spread, seen."""
     _, n_io, n_qps = axes.shape
@@ -689,7 +689,7 @@ def calibrate(
             first_route, grid, choice, fp = other, alt_grid, alt_choice, alt_fp
 
     # Exploration per cell (policy order: ctx, io, qps; the grid is [qps, ctx*io]).
-    samples, spread, seen = _cell_uncertainty(ts, model, cfg.axes)
+    samples, spread, seen = cell_uncertainty(ts, model, cfg.axes)
     score_flat = fp.scores.T.reshape(-1)  # [(ctx*io), qps] -> policy order
     explore = exploration_fractions(samples, spread, score_flat, seen, cfg.exploration)
     explore = np.minimum(explore, _rate_capped_share(grid, cfg.exploration_max_rate))
@@ -758,7 +758,7 @@ def explain(result: CalibrationResult, features: Features,
     """What ``pdctl explain`` shows: predictions per route for the features' cell (under the
     load the policy creates), the score, the weights, the decision and its confidence.
 
-    ``rarer_route_requests`` (per cell, policy order; from :func:`_cell_uncertainty`): a
+    ``rarer_route_requests`` (per cell, policy order; from :func:`cell_uncertainty`): a
     cell where one route was never measured is an extrapolation for that route, whatever
     its score."""
     policy = result.policy

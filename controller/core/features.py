@@ -19,14 +19,16 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controller.core.window import Histogram, Window, WorkerStats
-from controller.policy.model import DEFAULT_CONTEXT_EDGES, DEFAULT_IO_RATIO_EDGES, Route
+from controller.policy.bins import FEATURE_CONTEXT_EDGES, FEATURE_IO_RATIO_EDGES
+from controller.policy.model import Route
 
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
 
-# Router bins: inclusive upper edges of the default axes, index len(edges) = beyond the last.
-ROUTER_CONTEXT_EDGES: tuple[float, ...] = tuple(float(e) for e in DEFAULT_CONTEXT_EDGES)
-ROUTER_IO_EDGES: tuple[float, ...] = tuple(float(e) for e in DEFAULT_IO_RATIO_EDGES)
+# Router bins: the routers' fixed feature bins (controller.policy.bins), index len(edges) =
+# beyond the last.
+ROUTER_CONTEXT_EDGES: tuple[float, ...] = FEATURE_CONTEXT_EDGES
+ROUTER_IO_EDGES: tuple[float, ...] = FEATURE_IO_RATIO_EDGES
 N_CTX_BINS = len(ROUTER_CONTEXT_EDGES) + 1
 N_IO_BINS = len(ROUTER_IO_EDGES) + 1
 N_ROUTER_CELLS = N_CTX_BINS * N_IO_BINS

@@ -13,9 +13,9 @@ import abc
 from collections.abc import Sequence
 
 from controller.clock import Clock, WallClock
+from controller.core.catalog import wanted_families
+from controller.core.exposition import ExpositionError, Snapshot, parse_exposition
 from controller.core.window import TargetFailure, Window
-from controller.observe.catalog import wanted_families
-from controller.observe.exposition import ExpositionError, Snapshot, parse_exposition
 from controller.observe.rediscovery import Rediscovery
 from controller.observe.source import Target
 from controller.observe.window_builder import (
@@ -24,7 +24,7 @@ from controller.observe.window_builder import (
     check_histograms,
     diff_snapshots,
 )
-from controller.rollout.agent_metrics import CONTEXT_BINS, IO_RATIO_BINS
+from controller.policy.bins import CONTEXT_BINS, IO_RATIO_BINS
 
 _WANTED = wanted_families()
 

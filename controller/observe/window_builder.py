@@ -23,17 +23,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from controller.core.window import (
-    Histogram,
-    Role,
-    RouteOutcome,
-    Summary,
-    TargetFailure,
-    Window,
-    WorkerStats,
-    Workload,
-)
-from controller.observe.catalog import (
+from controller.core.catalog import (
     HISTOGRAM_KEYS,
     ROUTER,
     AnySpec,
@@ -47,11 +37,21 @@ from controller.observe.catalog import (
     once_per_scheduler,
     process_of,
 )
-from controller.observe.exposition import (
+from controller.core.exposition import (
     ExpositionError,
     LabelKey,
     Snapshot,
     base_name,
+)
+from controller.core.window import (
+    Histogram,
+    Role,
+    RouteOutcome,
+    Summary,
+    TargetFailure,
+    Window,
+    WorkerStats,
+    Workload,
 )
 from controller.policy.model import Route
 
