@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 
-.PHONY: demo test unit lint typecheck proto-check docs-check bench clean
+.PHONY: demo test unit lint typecheck proto-check docs-check house-check bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,13 +16,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/pdctl demo
 
-test: $(STAMP) lint typecheck proto-check docs-check unit
+test: $(STAMP) lint typecheck proto-check docs-check house-check unit
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check controller tests scripts benchmarks dashboards
+	$(BIN)/ruff check controller tests scripts benchmarks dashboards migrations setup.py
 	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
@@ -34,6 +34,10 @@ proto-check: $(STAMP)
 docs-check: $(STAMP)
 	$(BIN)/python -m controller.config --reference | diff -u docs/config-reference.md - \
 		|| (echo "docs/config-reference.md is stale: run 'python -m controller.config --reference > docs/config-reference.md'"; exit 1)
+
+# Functions a reader can hold (limits and exceptions: scripts/check_function_length.py).
+house-check: $(STAMP)
+	$(BIN)/python scripts/check_function_length.py
 
 clean:
 	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache
