@@ -37,7 +37,7 @@ STRICT_PREFIXES = (
     "controller/calibration_runner.py", "controller/capacity_planner.py",
     "controller/leader.py", "controller/metrics.py",
 )
-SKIPPED_PREFIXES = ("controller/_proto/", "controller/_migrations/", "controller/store/migrations/")
+SKIPPED_PREFIXES = ("controller/_proto/", "controller/_migrations/")
 EXTRA_FILES = ("dashboards/build.py",)
 
 
