@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
-	$(BIN)/mypy controller dashboards/build.py
+	$(BIN)/mypy controller dashboards/build.py migrations/env.py
 
 proto-check: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH bash scripts/check_generated.sh
