@@ -3,7 +3,7 @@
 Limits (lines from the ``def`` line to the function's last line, docstring included):
 
 - 60 in the pure layers (``controller/policy``, ``controller/core``), the loop modules and
-  the adapters (``observe``, ``store``, ``rollout``, ``router``);
+  the adapters (``observe``, ``store``, ``rollout``) and the router;
 - 100 everywhere else in ``controller/`` and in ``dashboards/build.py``;
 - generated code (``controller/_proto``) and migrations are not checked.
 
