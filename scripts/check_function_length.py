@@ -2,8 +2,8 @@
 
 Limits (lines from the ``def`` line to the function's last line, docstring included):
 
-- 60 in the pure layers (``controller/policy``, ``controller/core``), the loop modules and
-  the adapters (``observe``, ``store``, ``rollout``) and the router;
+- 60 in the pure layers (``controller/policy``, ``controller/core``), the loop modules, the
+  router and the adapters (``observe``, ``store``, ``rollout``);
 - 100 everywhere else in ``controller/`` and in ``dashboards/build.py``;
 - generated code (``controller/_proto``) and migrations are not checked.
 
