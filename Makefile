@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 
-.PHONY: demo test unit lint typecheck proto-check docs-check house-check bench clean
+.PHONY: demo test unit lint typecheck proto-check docs-check house-check go-check bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/pdctl demo
 
-test: $(STAMP) lint typecheck proto-check docs-check house-check unit
+test: $(STAMP) lint typecheck proto-check docs-check house-check go-check unit
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -38,6 +38,18 @@ docs-check: $(STAMP)
 # Functions a reader can hold (limits and exceptions: scripts/check_function_length.py).
 house-check: $(STAMP)
 	$(BIN)/python scripts/check_function_length.py
+
+# The Go adopter package (adopters/go): gofmt, vet, and test against the conformance vectors.
+# Offline (standard library only). Without go: skipped locally, an error with CI=true.
+GO_ENV := GOFLAGS=-buildvcs=false GOPROXY=off GOTOOLCHAIN=local CGO_ENABLED=0
+go-check:
+	@if ! command -v go >/dev/null 2>&1; then \
+		case "$${CI:-}" in 1|true|yes) echo "go-check: go is not installed (CI=true)"; exit 1;; esac; \
+		echo "go-check: go is not installed, skipped (apt-get install golang)"; exit 0; fi; \
+	export GOCACHE="$${GOCACHE:-$${XDG_CACHE_HOME:-$${HOME:-/tmp}/.cache}/go-build}"; \
+	cd adopters/go && unformatted="$$(gofmt -l .)" && \
+	if [ -n "$$unformatted" ]; then echo "go-check: not gofmt-formatted: $$unformatted"; exit 1; fi && \
+	$(GO_ENV) go vet ./... && $(GO_ENV) go test ./...
 
 clean:
 	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache

@@ -1,5 +1,8 @@
-"""Run the built-in evaluation scenarios (``scenarios/bench/*.toml``) under all six policies
-and print, per scenario, the wall time and the headline figures (the issue 7 goals).
+"""Run the built-in evaluation scenarios (``scenarios/bench/N-*.toml``) under every policy
+and print, per scenario, the wall time and the headline figures (the issue 7 goals). With
+``--out`` each ``summary.json`` records its fingerprint (``controller.bench.fingerprint``).
+The whole committed evaluation (every seed of ``scenarios/bench/seeds.toml``, the held-out
+scenarios too) is ``benchmarks/eval_all.py``.
 
     .venv/bin/python benchmarks/bench_suite.py                     # full length, all five
     .venv/bin/python benchmarks/bench_suite.py --scale 0.1 1 3     # CI size, scenarios 1, 3
@@ -17,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from controller.bench.fingerprint import FileReads, current_fingerprint  # noqa: E402
 from controller.bench.report import evaluation_document, markdown_report  # noqa: E402
 from controller.bench.runner import (  # noqa: E402
     STATIC,
@@ -26,6 +30,7 @@ from controller.bench.runner import (  # noqa: E402
     scale_scenario,
 )
 from controller.clock import WallClock  # noqa: E402
+from controller.sim.scenario import load_scenario  # noqa: E402
 
 
 def goals(doc: dict[str, object]) -> dict[str, object]:
@@ -63,16 +68,23 @@ def main() -> None:
         scenario = scale_scenario(scenario, args.scale)
         t0 = wall.perf_counter_ns()
         quiet_logs()
-        bench = run_bench(scenario, time_scale=args.scale)
+        with FileReads(ROOT) as reads:
+            load_scenario(f)  # read again while recording: the scenario and its profile
+            bench = run_bench(scenario, time_scale=args.scale)
         seconds = (wall.perf_counter_ns() - t0) / 1e9
         doc = evaluation_document(bench)
         if args.out is not None:
             d = args.out / scenario.name
             d.mkdir(parents=True, exist_ok=True)
-            (d / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
             cmd = f"pdctl bench run {f.relative_to(ROOT)} --duration-scale {args.scale:g}"
             if args.seed is not None:
                 cmd += f" --seed {args.seed}"
+            # What regenerates this file, fingerprint included (pdctl bench run writes none).
+            again = (f".venv/bin/python benchmarks/bench_suite.py --out {args.out} "
+                     f"--scale {args.scale:g}" + (f" --seed {args.seed}" if args.seed is not None
+                                                  else "") + f" {f.name.split('-')[0]}")
+            doc["fingerprint"] = current_fingerprint(again, sorted(reads.paths))
+            (d / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
             (d / "report.md").write_text(markdown_report(doc, cmd))
             from controller.bench.plots import write_plots
 

@@ -26,6 +26,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -94,8 +95,15 @@ def _scrape_address(value: str) -> str:
     return value
 
 
+DAY = 86_400.0
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Every number is finite (``inf``, ``nan`` and TOML's ``1e400``, read as inf, refused)
+    and every duration and size has an upper bound in its ``Field`` (the reference lists
+    each key's range): ``1e308`` seconds overflowed the scheduler and gRPC's deadlines."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class PpdConfig(_Section):
@@ -117,8 +125,10 @@ class PpdConfig(_Section):
         '(pins: a uniform table, applied at the next calibration without the guardrail), '
         '"dynamic" = the calibrated lookup table.',
     )
-    wtft: float = Field(1.0, ge=0, description="TTFT weight; larger leans to decode-local.")
-    wtpot: float = Field(1.0, ge=0, description="TPOT weight; larger leans to prefill-node.")
+    wtft: float = Field(1.0, ge=0, le=1000,
+        description="TTFT weight; larger leans to decode-local.")
+    wtpot: float = Field(1.0, ge=0, le=1000,
+        description="TPOT weight; larger leans to prefill-node.")
     pin_weights: bool = Field(
         False, description="Keep wtft/wtpot as configured instead of tuning them."
     )
@@ -126,10 +136,12 @@ class PpdConfig(_Section):
         None, description="JSON lookup-table file (policy format, schema_version 1)."
     )
     decision_timeout_ms: float = Field(
-        1.0, gt=0, description="A slower decision falls back to the default route and is counted."
+        1.0, gt=0, le=60_000,
+        description="A slower decision falls back to the default route and is counted."
     )
     bypass_append_tokens: int = Field(
-        0, ge=0, description="Appends strictly shorter than this run decode-local (0 = off)."
+        0, ge=0, le=10_000_000,
+        description="Appends strictly shorter than this run decode-local (0 = off)."
     )
     first_turn_busy_waiting: int = Field(
         2, ge=0, le=2**32 - 1,
@@ -150,7 +162,7 @@ class PoolConfig(_Section):
         description="Worker addresses HOST:PORT (/metrics); dns+NAME:PORT expands to every "
         "address of a headless service (resolved again every 60 s).",
     )
-    max_concurrent: int = Field(8, ge=1, description="Concurrent requests per worker.")
+    max_concurrent: int = Field(8, ge=1, le=100_000, description="Concurrent requests per worker.")
     local_append_prefill: bool = Field(
         True, description="Decode workers may run append-prefill locally (decode pool only)."
     )
@@ -163,13 +175,13 @@ class PoolConfig(_Section):
 
 class KvTransferConfig(_Section):
     protocol: Literal["nccl", "rdma", "nixl", "tcp"] = Field("nccl", description="KV link kind.")
-    timeout_s: float = Field(30.0, gt=0, description="KV transfer timeout.")
-    max_queue: int = Field(64, ge=1, description="Pending transfers per link.")
+    timeout_s: float = Field(30.0, gt=0, le=3600, description="KV transfer timeout.")
+    max_queue: int = Field(64, ge=1, le=1_000_000, description="Pending transfers per link.")
 
 
 class MetricsConfig(_Section):
     enable: bool = Field(True, description="Export metrics.")
-    export_interval_s: float = Field(5.0, gt=0, description="Export interval.")
+    export_interval_s: float = Field(5.0, gt=0, le=3600, description="Export interval.")
     listen: str = Field("127.0.0.1:9464", description="HOST:PORT of the /metrics endpoint.")
 
     @field_validator("listen")
@@ -179,8 +191,8 @@ class MetricsConfig(_Section):
 
 
 class SloConfig(_Section):
-    ttft_s: float = Field(2.0, gt=0, description="Time-to-first-token SLO (seconds).")
-    tpot_s: float = Field(0.1, gt=0, description="Time-per-output-token SLO (seconds).")
+    ttft_s: float = Field(2.0, gt=0, le=3600, description="Time-to-first-token SLO (seconds).")
+    tpot_s: float = Field(0.1, gt=0, le=60, description="Time-per-output-token SLO (seconds).")
 
 
 class RoutersConfig(_Section):
@@ -256,19 +268,20 @@ class AgentConfig(_Section):
         None, description="Where the applied policy is persisted (atomic write) and read on start."
     )
     stale_after_s: float = Field(
-        900.0, gt=0, description="Raise the staleness signal when no update came for this long."
+        900.0, gt=0, le=30 * DAY,
+        description="Raise the staleness signal when no update came for this long."
     )
     metrics_listen: str | None = Field(
         None, description="HOST:PORT for the agent's /metrics (None: not served)."
     )
     prefill_poll_interval_s: float = Field(
-        1.0, ge=0,
+        1.0, ge=0, le=3600,
         description="Poll the [prefill_pool] nodes' /metrics this often for the waiting count "
         "turn 1's busy override needs, used when a router's request leaves prefill_waiting "
         "out (0 = off).",
     )
     prefill_stale_after_s: float = Field(
-        5.0, gt=0,
+        5.0, gt=0, le=3600,
         description="A prefill worker's polled waiting count older than this is unknown; with "
         "none known the busy override does not fire.",
     )
@@ -280,37 +293,51 @@ class AgentConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    push_deadline_s: float = Field(2.0, gt=0, description="Deadline of one ApplyPolicy call.")
-    max_attempts: int = Field(5, ge=1, description="Attempts per router and reconcile pass.")
-    backoff_initial_s: float = Field(0.05, gt=0, description="First retry delay.")
-    backoff_max_s: float = Field(5.0, gt=0, description="Largest retry delay (with full jitter).")
-    max_concurrency: int = Field(64, ge=1, description="Routers pushed to at once.")
+    push_deadline_s: float = Field(2.0, gt=0, le=600,
+        description="Deadline of one ApplyPolicy call.")
+    max_attempts: int = Field(5, ge=1, le=100,
+        description="Attempts per router and reconcile pass.")
+    backoff_initial_s: float = Field(0.05, gt=0, le=600, description="First retry delay.")
+    backoff_max_s: float = Field(5.0, gt=0, le=3600,
+        description="Largest retry delay (with full jitter).")
+    max_concurrency: int = Field(64, ge=1, le=100_000, description="Routers pushed to at once.")
+    unacked_hold_initial_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="A router pushed without acknowledging (a mismatch, a conflict, no "
+        "answer to the update) is not contacted for this long; doubled after each such "
+        "push in a row of the same content, up to unacked_hold_max_s.")
+    unacked_hold_max_s: float = Field(
+        900.0, gt=0, le=86_400,
+        description="The longest a router that does not acknowledge is left alone.")
 
 
 class ControllerConfig(_Section):
-    interval_s: float = Field(30.0, gt=0, description="Control interval (window length).")
+    interval_s: float = Field(30.0, gt=0, le=3600, description="Control interval (window length).")
     calibrate_every_s: float | None = Field(
-        3600.0, gt=0, description="Scheduled recalibration period (None: only on drift, "
+        3600.0, gt=0, le=30 * DAY,
+        description="Scheduled recalibration period (None: only on drift, "
         "scaling or operator request). The next due time follows from the last calibration "
         "stored, so a restart keeps it.",
     )
     training_windows: int = Field(
-        120, ge=2, description="Newest complete windows a calibration trains on."
+        120, ge=2, le=100_000, description="Newest complete windows a calibration trains on."
     )
     min_training_windows: int = Field(
-        4, ge=2, description="Windows with routed requests needed before the first calibration."
+        4, ge=2, le=100_000,
+        description="Windows with routed requests needed before the first calibration."
     )
     min_policy_interval_s: float = Field(
-        300.0, ge=0, description="Automatic approvals at most this often (operator actions "
+        300.0, ge=0, le=7 * DAY,
+        description="Automatic approvals at most this often (operator actions "
         "and a drift led by the KV link's own transfer times, measured rather than modelled, "
         "are not limited). A drift or scaling held back is calibrated for once the limit "
         "allows, also by a restarted or newly elected daemon (read back from the store).",
     )
     guardrail_margin: float = Field(
-        0.005, ge=0, description="A candidate needs predicted goodput >= current + margin."
+        0.005, ge=0, le=1, description="A candidate needs predicted goodput >= current + margin."
     )
     refinement_margin: float = Field(
-        0.01, ge=0, description="A refinement needs predicted goodput >= current + this "
+        0.01, ge=0, le=1, description="A refinement needs predicted goodput >= current + this "
         "(at least guardrail_margin): a calibration for a performance drift alone (not the KV "
         "link's) while neither the workload nor the SLO detector has fired since the last "
         "approval. The traffic is the one the running policy was learned on, so a small "
@@ -321,7 +348,8 @@ class ControllerConfig(_Section):
         "(overloaded), a candidate's gain must also exceed the model's held-out goodput error.",
     )
     exploration_max_rate: float = Field(
-        0.2, ge=0, description="Requests per second a table cell may send the predicted-worse "
+        0.2, ge=0, le=1,
+        description="Requests per second a table cell may send the predicted-worse "
         "way to keep both routes measured (its exploration share is capped to this, floor "
         "included: the model needs samples, and a busy cell pays most per explored request).",
     )
@@ -331,12 +359,14 @@ class ControllerConfig(_Section):
     canary_fraction: float = Field(
         0.25, gt=0, le=1, description="Share of routers that get a new policy first (>= 1)."
     )
-    bake_windows: int = Field(3, ge=1, description="Windows a canary bakes before judging.")
+    bake_windows: int = Field(3, ge=1, le=10_000,
+        description="Windows a canary bakes before judging.")
     bake_min_requests: float = Field(
-        100.0, ge=0, description="Requests needed on both canary and control routers."
+        100.0, ge=0, le=1e9, description="Requests needed on both canary and control routers."
     )
     max_bake_windows: int = Field(
-        12, ge=1, description="A canary still short of requests after this many windows is "
+        12, ge=1, le=10_000,
+        description="A canary still short of requests after this many windows is "
         "rolled back (no evidence, no promotion).",
     )
     canary_refit: bool = Field(
@@ -345,7 +375,7 @@ class ControllerConfig(_Section):
         "place (the fleet changes once, not twice). A refit is not refitted.",
     )
     promote_margin: float = Field(
-        0.02, ge=0, description="Canary goodput may be this much below control's and still "
+        0.02, ge=0, le=1, description="Canary goodput may be this much below control's and still "
         "be promoted.",
     )
     promote_alpha: float = Field(
@@ -354,7 +384,8 @@ class ControllerConfig(_Section):
         "(each look at promote_alpha / watch_windows).",
     )
     watch_windows: int = Field(
-        3, ge=0, description="Windows after a canary's promotion in which the fleet's goodput "
+        3, ge=0, le=10_000,
+        description="Windows after a canary's promotion in which the fleet's goodput "
         "is compared with the bake's (a route fine for the canary's share of the traffic can "
         "overload a shared pool for all of it); 0: no watch.",
     )
@@ -363,21 +394,22 @@ class ControllerConfig(_Section):
         "goodput since is below the bake's by more than this.",
     )
     watch_load_rise: float = Field(
-        0.1, ge=0, description="...unless the request rate rose by more than this share "
+        0.1, ge=0, le=100, description="...unless the request rate rose by more than this share "
         "since the bake (a heavier load explains the fall without the policy).",
     )
     lease_ttl_s: float = Field(
-        15.0, gt=0, description="Leader lease lifetime (both stores: on PostgreSQL the lease "
+        15.0, gt=0, le=3600,
+        description="Leader lease lifetime (both stores: on PostgreSQL the lease "
         "row on top of the advisory lock fences each cycle's writes); a follower takes over "
         "once a dead leader's lease expired."
     )
     stalled_after_s: float | None = Field(
-        None, gt=0, description="/healthz fails when no cycle completed ok for this long; "
+        None, gt=0, le=DAY, description="/healthz fails when no cycle completed ok for this long; "
         "/livez (the liveness probe) and the systemd watchdog when no cycle ended at all, "
         "a wedged loop (None: 3 intervals + 30 s).",
     )
     shutdown_timeout_s: float = Field(
-        10.0, gt=0, description="On SIGTERM, wait this long for the in-flight cycle."
+        10.0, gt=0, le=3600, description="On SIGTERM, wait this long for the in-flight cycle."
     )
     replica_id: str | None = Field(
         None, description="This replica's name in leases and request claims (None: "
@@ -399,29 +431,31 @@ class DriftSettings(_Section):
     """Drift detectors (workload PSI/qps/QPS CUSUM, performance CUSUM, SLO band)."""
 
     cooldown_s: float = Field(
-        300.0, ge=0, description="After a detector fires or a recalibration, it stays quiet "
+        300.0, ge=0, le=7 * DAY,
+        description="After a detector fires or a recalibration, it stays quiet "
         "this long (a shift whose calibration was refused fires again after it, measured "
         "against the running policy's reference)."
     )
     hysteresis: int = Field(
-        2, ge=1, description="Consecutive windows over threshold before the workload and "
+        2, ge=1, le=1000, description="Consecutive windows over threshold before the workload and "
         "SLO detectors fire."
     )
     min_requests: float = Field(
-        50.0, ge=0, description="Requests a window needs before the workload and SLO "
+        50.0, ge=0, le=1e9, description="Requests a window needs before the workload and SLO "
         "detectors judge it."
     )
     reference_windows: int = Field(
-        10, ge=1, description="Newest windows of a calibration set that become the drift "
+        10, ge=1, le=100_000,
+        description="Newest windows of a calibration set that become the drift "
         "reference (what \"normal\" looks like after a shift)."
     )
     qps_cusum_allowance: float = Field(
-        1.0, ge=0, description="Workload detector's QPS CUSUM: allowance k, in standard "
+        1.0, ge=0, le=1e6, description="Workload detector's QPS CUSUM: allowance k, in standard "
         "deviations of one window's log request rate (Poisson plus the calibration windows' "
         "overdispersion), before the reference's own error is added; larger: less sensitive."
     )
     qps_cusum_threshold: float = Field(
-        5.0, gt=0, description="Workload detector's QPS CUSUM: threshold h, in the same "
+        5.0, gt=0, le=1e6, description="Workload detector's QPS CUSUM: threshold h, in the same "
         "standard deviations (one window moves it by at most 0.8 h)."
     )
 
@@ -438,19 +472,48 @@ class CapacityConfig(_Section):
         "120% of the observed load).",
     )
     interval_s: float = Field(
-        300.0, gt=0, description="Seconds between two recommendations (the planner runs on "
+        300.0, gt=0, le=7 * DAY,
+        description="Seconds between two recommendations (the planner runs on "
         "the control cycle that follows)."
     )
     min_windows: int = Field(
-        2, ge=1, description="Stored windows needed before the first recommendation."
+        2, ge=1, le=100_000, description="Stored windows needed before the first recommendation."
     )
+
+
+class ExportConfig(_Section):
+    """Tuned knobs for a router that keeps its own rule (docs/adopting.md): on every
+    approval the daemon fits the peer's rule to the approved policy's calibration and
+    writes its config fragment to ``path`` (atomic replace), as ``pdctl export`` prints it."""
+
+    format: Literal["dynamo", "llm-d"] | None = Field(
+        None, description="The peer's rule to export: dynamo (conditional disaggregation, "
+        "isl_bounding) or llm-d (prefix-based-pd-decider nonCachedTokens); unset: off."
+    )
+    path: Path | None = Field(
+        None, description="File the fragment is written to on every approval (needs format)."
+    )
+    traffic_chars_per_token: float = Field(
+        4.0, gt=0, le=64, description="Average characters per tokenizer token of your traffic "
+        "(llm-d: converts the fitted token threshold into llm-d's byte-based estimate)."
+    )
+    llmd_chars_per_token: float = Field(
+        4.0, gt=0, le=64, description="The average characters per token llm-d's decider divides "
+        "prompt bytes by."
+    )
+
+    @model_validator(mode="after")
+    def _format_and_path_together(self) -> ExportConfig:
+        if (self.format is None) != (self.path is None):
+            raise ValueError("[export] format and path are set together (both, or neither)")
+        return self
 
 
 class PrometheusConfig(_Section):
     """The Prometheus (or Thanos/Mimir) HTTP API the prometheus source queries."""
 
     url: str = Field("http://127.0.0.1:9090", description="Base URL of the HTTP API.")
-    timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False,
+    timeout_s: float = Field(10.0, gt=0, le=600, allow_inf_nan=False,
                              description="Timeout of one API request.")
     retries: int = Field(
         2, ge=0, le=10, description="Retries on connection errors and HTTP 429/502/503/504."
@@ -499,9 +562,9 @@ class ObserveConfig(_Section):
     source: Literal["scrape", "prometheus"] = Field(
         "scrape", description="scrape: GET every target's /metrics; prometheus: PromQL."
     )
-    scrape_timeout_s: float = Field(5.0, gt=0, allow_inf_nan=False,
+    scrape_timeout_s: float = Field(5.0, gt=0, le=600, allow_inf_nan=False,
                                     description="Timeout of one /metrics scrape.")
-    scrape_concurrency: int = Field(32, ge=1, description="Scrapes in flight at once.")
+    scrape_concurrency: int = Field(32, ge=1, le=10_000, description="Scrapes in flight at once.")
 
 
 class StoreConfig(_Section):
@@ -514,12 +577,13 @@ class StoreConfig(_Section):
         validate_default=True,
     )
     retention_days: float = Field(
-        30.0, gt=0, description="Windows older than this are compacted (policies, events and "
+        30.0, gt=0, le=36_500,
+        description="Windows older than this are compacted (policies, events and "
         "requests are kept).",
     )
     echo: bool = Field(False, description="Log every SQL statement (debugging).")
     busy_timeout_ms: int = Field(
-        5000, ge=0, description="SQLite: wait this long for a lock before failing."
+        5000, ge=0, le=600_000, description="SQLite: wait this long for a lock before failing."
     )
     sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
         "NORMAL",
@@ -572,6 +636,7 @@ class Settings(BaseSettings):
     prometheus: PrometheusConfig = Field(default_factory=PrometheusConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
     capacity: CapacityConfig = Field(default_factory=CapacityConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
 
     _toml_file: ClassVar[Path | None] = None
 
@@ -728,7 +793,9 @@ def config_reference() -> str:
         "",
         "Every key can also be set from the environment as `PDCTL_<SECTION>__<KEY>` "
         "(e.g. `PDCTL_SLO__TTFT_S=1.5`). Unknown keys are rejected, in the file and in the "
-        "environment (an error from a variable names it).",
+        "environment (an error from a variable names it). Every number must be finite "
+        "(`inf`, `nan` and TOML's `1e400`, read as infinity, are refused) and within its "
+        "range; `pdctl config check` and `pdctl run` name the key that is not.",
     ]
     for name, field in Settings.model_fields.items():
         model = field.annotation
@@ -736,12 +803,25 @@ def config_reference() -> str:
         out += ["", f"## `[{name}]`", ""]
         if model.__doc__:
             out += [model.__doc__.strip(), ""]
-        out += ["| key | type | default | meaning |", "|---|---|---|---|"]
+        out += ["| key | type | default | range | meaning |", "|---|---|---|---|---|"]
         for key, f in model.model_fields.items():
             typ = _type_name(f.annotation)
             default = f.default_factory() if f.default_factory else f.default  # type: ignore[call-arg]
-            out.append(f"| `{key}` | {typ} | `{default!r}` | {f.description or ''} |")
+            out.append(f"| `{key}` | {typ} | `{default!r}` | {value_range(f)} | "
+                       f"{f.description or ''} |")
     return "\n".join(out) + "\n"
+
+
+def value_range(f: FieldInfo) -> str:
+    """A numeric key's accepted range as ``low < x <= high`` (finite values only), else ""."""
+    low = high = ""
+    for m in f.metadata:
+        for attr, fmt in (("gt", "{} <"), ("ge", "{} ≤"), ("lt", "< {}"), ("le", "≤ {}")):
+            v = getattr(m, attr, None)
+            if v is not None:
+                text = fmt.format(f"{int(v):,}" if float(v).is_integer() else f"{v:g}")
+                low, high = (text, high) if attr[0] == "g" else (low, text)
+    return f"{low} x {high}".strip() if low or high else ""
 
 
 def _type_name(t: Any) -> str:

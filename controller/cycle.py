@@ -103,6 +103,9 @@ MAX_REQUESTS_PER_CYCLE = 16
 MAX_RELEASES = 2  # a request given back after its cycle failed, at most this often
 FIT_RETRY_INTERVALS = 10  # control intervals between automatic retries of a failed fit
 SETTLED_FAILURES = 2  # windows a target must have failed in a row to count as gone
+# Flap damping: one scaling recalibration per role per max(min_policy_interval_s, this many
+# control intervals) at most (Cycle.scaling_damping_s).
+SCALING_DAMPING_WINDOWS = 10
 RECENT_RECOMMENDATIONS = 5  # a scaling event is matched against this many of the newest
 STALE_RECOMMENDATION_INTERVALS = 3  # older than this many capacity intervals: not re-exported
 
@@ -498,9 +501,18 @@ class Cycle:
         self._policies = _RecentPolicies()
         self._fit_failed_at: float | None = None  # automatic fits back off after a failure
         self._scaling = ScalingState()
+        # Given each approved calibration's policy and basis ([export], controller/exporter.py).
+        self.on_approval: Callable[[Policy, Any], None] | None = None
+        # Approvals of the write in progress, handed to on_approval once it committed.
+        self._approved_in_write: list[tuple[Policy, CalibrationOutcome]] = []
         # Causes not yet recalibrated for (a deferred or rate-limited cycle keeps them).
         self._pending_scaling: str | None = None
         self._pending_recommendation: int | None = None  # the scaling reached this one
+        self._pending_scaling_roles: frozenset[str] = frozenset()  # the roles it is about
+        # Flap damping: when each role's last scaling recalibration ran (clock.now()), and
+        # the worker counts the last calibration saw.
+        self._scaling_recal_at: dict[str, float] = {}
+        self._calibrated_counts: dict[str, int] | None = None
         self._pending_drift = False
         self._pending_measured = False  # ... and led by the KV link (not rate-limited)
         # A link calibration refused before it could train on the new link's windows alone
@@ -587,6 +599,7 @@ class Cycle:
     # changed in place).
     _DECISION_MEMORY = ("_state", "_state_for", "_pending_drift", "_pending_measured",
                         "_pending_scaling", "_pending_recommendation", "_scaling",
+                        "_pending_scaling_roles", "_scaling_recal_at", "_calibrated_counts",
                         "_link_retry_at", "_fit_failed_at", "_failing")
 
     def _decision_memory(self) -> dict[str, Any]:
@@ -674,6 +687,7 @@ class Cycle:
                     self._pending_recommendation = plan.applied_recommendation
                     self._pending_scaling += \
                         f" (recommendation #{plan.applied_recommendation} applied)"
+            self._damp_flap(events)
         complete = window is not None and self.usable(window)
         if window is not None:
             t0 = self.clock.monotonic()
@@ -781,7 +795,7 @@ class Cycle:
             return "scaling"
         if self._pending_drift:
             return "drift"
-        if self._pending_scaling is not None:
+        if self._pending_scaling is not None and not self._scaling_damped(now):
             return "scaling"
         if self._link_retry_at is not None and now >= self._link_retry_at:
             log.info("calibrating again for the KV link's drift, on the windows since it")
@@ -790,6 +804,43 @@ class Cycle:
         if due is not None and now >= due:
             return "schedule"
         return None
+
+    def _damp_flap(self, events: Sequence[Any]) -> None:
+        """Scaling events name the roles of the pending scaling cause. A flap that brought
+        every role back to the counts the last calibration saw (a worker that failed, then
+        answered again) cancels the cause: nothing changed to calibrate for. An applied
+        recommendation is never cancelled."""
+        if not events:
+            return
+        self._pending_scaling_roles = self._pending_scaling_roles | {e.role for e in events}
+        if self._pending_recommendation is None and self._calibrated_counts is not None \
+                and dict(self._scaling.known) == self._calibrated_counts:
+            log.info("scaling cause dropped: the workers answering are back to the counts "
+                     "the last calibration saw (%s)", self._pending_scaling)
+            self._pending_scaling = None
+            self._pending_scaling_roles = frozenset()
+
+    def scaling_damping_s(self) -> float:
+        """The least time between two scaling recalibrations for one role (cause):
+        ``max(min_policy_interval_s, SCALING_DAMPING_WINDOWS * interval_s)``."""
+        return max(self.config.min_policy_interval_s,
+                   SCALING_DAMPING_WINDOWS * self.config.interval_s)
+
+    def _scaling_damped(self, now: float) -> bool:
+        """Whether every role of the pending scaling cause had a scaling recalibration less
+        than :meth:`scaling_damping_s` ago (approved or not: a rejected candidate counts).
+        The cause stays pending and is calibrated for once one role is free. A clock
+        stepped back lifts the damping (as it lifts the change limit)."""
+        if self._pending_recommendation is not None:
+            return False  # an operator-intended change, not a flap
+        bound = self.scaling_damping_s()
+        for role in self._pending_scaling_roles or {""}:
+            at = self._scaling_recal_at.get(role)
+            if at is None or not 0 <= now - at < bound:
+                return False
+        log.info("scaling cause held back: a scaling recalibration for %s ran less than "
+                 "%.0f s ago", ", ".join(sorted(self._pending_scaling_roles)), bound)
+        return True
 
     def _refit_due(self, rollout: Rollout, window: Window | None) -> bool:
         """Whether to refit the baking canary now: it is not itself a refit, and the judge,
@@ -859,6 +910,8 @@ class Cycle:
         if trigger == "scaling":
             plan.scaling = self._pending_scaling
             plan.scaling_recommendation = self._pending_recommendation
+            self._scaling_recal_at = {**self._scaling_recal_at,
+                                      **dict.fromkeys(self._pending_scaling_roles, now)}
         if trigger == "canary":
             # The candidate's own reason: the learner trains the refit on the same regime's
             # windows (since the drift or the scaling it answered), the bake's included.
@@ -870,6 +923,8 @@ class Cycle:
             for_link = trigger == "drift" and self._pending_measured
             self._pending_scaling = None  # this calibration sees the new capacity and mix
             self._pending_recommendation = None
+            self._pending_scaling_roles = frozenset()
+            self._calibrated_counts = dict(self._scaling.known) or None
             self._pending_drift = self._pending_measured = False
             if recal is not None and recal.reason:
                 reason = f"{trigger}: {recal.reason}"
@@ -907,11 +962,15 @@ class Cycle:
         now_dt = self.clock.utcnow()
         metrics, after_commit = self.metrics, _AfterCommit(self.metrics)
         self.metrics = after_commit  # type: ignore[assignment]  # the same update methods
+        self._approved_in_write = []  # a failed write's approvals were never stored
         try:
             self._write_decision(plan, claimed, rollout, ops, report, now_dt)
         finally:
             self.metrics = metrics
         after_commit.apply()
+        approved, self._approved_in_write = self._approved_in_write, []
+        for policy, outcome in approved:
+            self._export_approved(policy, outcome)
 
     def _write_decision(self, plan: _Plan, claimed: list[OperatorRequest], rollout: Rollout,
                         ops: OperatorState, report: CycleReport, now_dt: datetime) -> None:
@@ -1047,6 +1106,7 @@ class Cycle:
             if status == "approved":
                 self._approve(tx, version, rollout, report)
                 self._state_for = version
+                self._approved_in_write.append((policy, outcome))
         # A refused refit leaves drift measured as it was: it was trained on windows where
         # two policies ran, and the candidate it refitted keeps running. (Adopting its model
         # for the performance detector moved later detections and cost goodput in 15 replays:
@@ -1072,6 +1132,17 @@ class Cycle:
              **_scaling_details(plan)},
         )
         self._link_retry_at = plan.link_retry_at  # any stored calibration replaces it
+
+    def _export_approved(self, policy: Policy, outcome: CalibrationOutcome) -> None:
+        """Hand an approved policy and its calibration's basis to ``on_approval`` after the
+        write that stored it committed (a file never names a policy the store lacks); a
+        failure there is logged, never the cycle's."""
+        if self.on_approval is None:
+            return
+        try:
+            self.on_approval(policy, outcome.basis)
+        except Exception as e:
+            log.error("on_approval failed for v%s: %s", policy.version, e)
 
     def _record_adoption(self, tx: Tx, found: RunningPolicy, report: CycleReport) -> None:
         policy, said, added = record_adoption(tx, found, self.routers, "the controller")
@@ -1570,6 +1641,8 @@ class Cycle:
         # Compacted away, or nothing calibrated yet: the first window sets the counts.
         self._scaling = ScalingState(worker_counts(trained[0].window)) if trained \
             else ScalingState()
+        self._pending_scaling_roles = frozenset()
+        self._calibrated_counts = dict(self._scaling.known) or None
 
     def _assign_new_routers(self, tx: Tx, now: datetime) -> None:
         """A configured router without a desired version joins the fleet's version."""
@@ -1675,7 +1748,8 @@ class Cycle:
                     tx.add_push(router, version, _push_result(s), s.latency_s,
                                 None if s.ok else s.last_error, at=at)
                     self.metrics.observe_push(router, _push_result(s), s.latency_s)
-                report.acked[router] = s.acked_version
+                if s.ok:  # "acked" in the log: only what acknowledged the desired version
+                    report.acked[router] = s.acked_version
                 desired = s.reissued_as or desired_versions[router]
                 self.metrics.set_router_versions(router, desired, s.acked_version or 0)
                 self._exported_versions = True

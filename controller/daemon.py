@@ -8,7 +8,8 @@ to ``asyncio.to_thread``). The next scheduled calibration follows from the last 
 so a restart does not forget it.
 
 systemd: ``READY=1`` once the store, health server and scheduler are up; ``WATCHDOG=1``
-only while the loop's heartbeat is fresh; ``STOPPING=1`` on SIGTERM. Shutdown: pause the
+only while the loop's heartbeat is fresh; ``STOPPING=1`` on SIGTERM, SIGINT or SIGQUIT (each
+logged; SIGHUP is logged and ignored: the config is read at start only). Shutdown: pause the
 scheduler, let the in-flight cycle finish within ``shutdown_timeout_s`` (else cancel it:
 a push is either acknowledged and recorded or retried by the next leader), release the
 lease, exit 0.
@@ -28,6 +29,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
@@ -123,8 +125,12 @@ class SettingsPlanner:
 
 class Daemon:
     def __init__(self, settings: Settings, *, advisory: bool = False,
-                 clock: Clock | None = None, registry: CollectorRegistry | None = None) -> None:
+                 clock: Clock | None = None, registry: CollectorRegistry | None = None,
+                 init: bool = False) -> None:
         self.settings = settings
+        self.init = init  # may create a missing SQLite store (`pdctl run --init`)
+        self.exit_code = 0
+        self.store_problem: str | None = None
         self.advisory = advisory or settings.controller.advisory
         self.clock: Clock = clock or WallClock()
         self.registry = registry or CollectorRegistry()
@@ -171,7 +177,9 @@ class Daemon:
         if not routers:
             raise ConfigError("[routers] targets is empty: the daemon needs routers to control")
         if store.dialect == "sqlite":
+            refuse_a_new_store(store, self.init)
             await asyncio.to_thread(store.upgrade_embedded)  # the embedded default
+            mark_store(store)
         else:
             await asyncio.to_thread(store.require_schema)  # production: `pdctl db upgrade`
         names = router_outcome_names(s)
@@ -188,6 +196,11 @@ class Daemon:
             reconcile_only=[c.sidecar_router] if c.sidecar_router else None,
             planner=SettingsPlanner(s) if s.capacity.enabled else None,
         )
+        if s.export.format is not None:
+            from controller.exporter import ApprovalExporter
+            from controller.learning import calibration_config
+
+            cycle.on_approval = ApprovalExporter(s.export, calibration_config(s).slo)
         health = Health(self.clock, c.stalled_after(), lambda: cycle.last_completed_at,
                         lambda: cycle.last_ended_at, started_at=self._started_at)
         health.details = lambda: {"leader": leadership.is_leader, "holder": holder}
@@ -213,9 +226,27 @@ class Daemon:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if sig in TERMINATING_SIGNALS:
+            log.info("%s received: stopping (the lease is released)", sig.name)
+            self.request_stop()
+        else:
+            log.info("%s received and ignored: the configuration is read at start only "
+                     "(restart to apply a change)", sig.name)
+
+    def _handle_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Every terminating signal stops the daemon the same graceful way (the in-flight
+        cycle finished or abandoned, the lease released, exit 0); SIGHUP is logged and
+        ignored (a closed terminal or a reload request must not end the loop silently)."""
+        for sig in (*TERMINATING_SIGNALS, signal.SIGHUP):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+
     async def _job(self) -> None:
         """The scheduler job: one cycle, tracked so shutdown can wait for it."""
         assert self.parts is not None
+        if self._store_lost():
+            return
         task = asyncio.ensure_future(self.parts.cycle.run_once())
         self._inflight = task
         try:
@@ -225,9 +256,30 @@ class Daemon:
                 self._inflight = None
                 # A calibration's freed arrays stay mapped by glibc otherwise: RSS ratchets.
                 release_free_heap()
+            self._store_lost()
+
+    def _store_lost(self) -> bool:
+        """Whether the SQLite file was removed or replaced under the daemon. The first time:
+        no more cycles (the store refuses every write), the health endpoints fail with the
+        reason, and the daemon stops after ``STORE_GONE_GRACE_S`` with exit 3, so that its
+        supervisor restarts it (and the restart refuses to start an empty history there)."""
+        assert self.parts is not None
+        if self.store_problem is not None:
+            return True
+        problem = self.parts.store.identity_problem()
+        if problem is None:
+            return False
+        self.store_problem = problem
+        self.exit_code = 3
+        self.parts.health.failure = problem
+        log.error("%s: writes stopped; exiting with 3 in %g s", problem, STORE_GONE_GRACE_S)
+        asyncio.get_running_loop().call_later(STORE_GONE_GRACE_S, self.request_stop)
+        return True
 
     async def _renew_lease(self) -> None:
         assert self.parts is not None
+        if self._store_lost():
+            return
         try:
             leader = await self.parts.leadership.ensure()
         except Exception as e:  # the next renewal or cycle tries again
@@ -272,10 +324,7 @@ class Daemon:
         from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED
         from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.request_stop)
+        self._handle_signals(asyncio.get_running_loop())
         parts = await self.build()
         metrics = parts.cycle.metrics
         interval = self.settings.controller.interval_s
@@ -320,7 +369,7 @@ class Daemon:
             await self._stop.wait()
         finally:
             await self._shutdown(scheduler, watchdog)
-        return 0
+        return self.exit_code
 
     async def _shutdown(self, scheduler: Any, watchdog: asyncio.Task[None] | None) -> None:
         assert self.parts is not None
@@ -358,17 +407,60 @@ class Daemon:
         log.info("stopped")
 
 
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+# After the SQLite file was removed or replaced: how long /healthz says why before the exit.
+STORE_GONE_GRACE_S = 10.0
+
+
+def store_marker(path: str) -> Path:
+    """The file beside a SQLite store that says a store was created at ``path``: a dot
+    file, so neither ``rm history.db*`` nor ``rm dir/*`` removes it with the store."""
+    p = Path(path)
+    return p.with_name(f".{p.name}.pdctl-store")
+
+
+def refuse_a_new_store(store: Any, init: bool) -> None:
+    """A SQLite store is created at a path where none was before (its marker absent: a
+    first start), or when asked (``pdctl run --init``, ``pdctl db upgrade``). A missing file
+    whose marker is there was removed or moved: the daemon refuses to start an empty
+    history in its place. The marker is written whenever the store exists."""
+    from controller.store import StoreError
+
+    path = store.sqlite_file
+    if path is None:
+        return
+    marker = store_marker(path)
+    if not Path(path).exists() and marker.exists() and not init:
+        raise StoreError(
+            f"no store at {path}, where one was created ({marker} says so): refusing to "
+            "start an empty history in its place (removed or moved?). Restore it, or "
+            "create a new, empty one with `pdctl run --init` or `pdctl db upgrade`")
+
+
+def mark_store(store: Any) -> None:
+    """Write the marker of a SQLite store that exists (best effort: a read-only
+    directory only loses the protection)."""
+    path = store.sqlite_file
+    if path is not None and Path(path).exists():
+        with contextlib.suppress(OSError):
+            store_marker(path).touch()
+
+
 def _now_dt(clock: Clock) -> Any:
     return clock.utcnow()
 
 
-def run_daemon(settings: Settings, *, advisory: bool = False) -> int:
-    """Run until SIGTERM/SIGINT; the process exit code."""
+def run_daemon(settings: Settings, *, advisory: bool = False, init: bool = False) -> int:
+    """Run until SIGTERM, SIGINT or SIGQUIT (exit 0), or until the store's file is lost
+    (exit 3); the process exit code."""
     import faulthandler
 
     # `kill -USR1 PID` dumps every thread's stack to stderr (a wedged loop, diagnosed live).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    daemon = Daemon(settings, advisory=advisory)
+    # Until the loop's handlers are installed: SIGHUP's default action ended the process
+    # silently (exit 129).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    daemon = Daemon(settings, advisory=advisory, init=init)
     try:
         return asyncio.run(daemon.run())
     except ConfigError as e:

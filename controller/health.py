@@ -54,6 +54,7 @@ class Health:
         self._last_ended = last_ended or self._last_cycle  # the last cycle, any result
         self.ready = False
         self.ready_reason = "starting"
+        self.failure: str | None = None  # fatal: every probe fails with it (the store lost)
         self.details: Callable[[], dict[str, Any]] = dict
 
     def last_cycle_at(self) -> float | None:
@@ -61,10 +62,14 @@ class Health:
 
     def healthy(self) -> tuple[bool, dict[str, Any]]:
         """``/healthz``: a cycle completed ok within ``stalled_after_s``."""
+        if self.failure is not None:
+            return False, {"status": f"failing: {self.failure}", **self.details()}
         return self._fresh(self.last_cycle_at(), "completed", "last_cycle_age_s")
 
     def live(self) -> tuple[bool, dict[str, Any]]:
         """``/livez``: a cycle ended, whatever its result, within ``stalled_after_s``."""
+        if self.failure is not None:
+            return False, {"status": f"failing: {self.failure}", **self.details()}
         ended = self._last_ended()
         since_start = self.clock.now() - self.started_at
         if ended is None and since_start <= self.stalled_after_s:
@@ -88,6 +93,8 @@ class Health:
         return True, {**doc, "status": "ok"}
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
+        if self.failure is not None:
+            return False, {"status": f"failing: {self.failure}"}
         return self.ready, {"status": "ready" if self.ready else self.ready_reason}
 
 

@@ -63,6 +63,9 @@ class CalibrationOutcome:
     heldout_error: Mapping[str, Any]
     details: Mapping[str, Any] = field(default_factory=dict)
     reference: Any = None  # what `adopt` turns into the new drift reference
+    # What the candidate was fitted with: (latency model, calibration grid); what a peer's
+    # rule is fitted on ([export]). None from learners that keep no model.
+    basis: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +258,7 @@ class CoreLearner:
             predicted_goodput_new=_finite(result.predicted_goodput_candidate),
             predicted_goodput_current=_finite(result.predicted_goodput_current),
             heldout_error=json_safe(result.heldout_mape()), details=json_safe(details),
-            reference=(reference, result.model),
+            reference=(reference, result.model), basis=(result.model, result.grid),
         )
 
     def is_refinement(self, reason: str) -> bool:

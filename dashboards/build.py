@@ -273,6 +273,28 @@ def routing() -> dashboard.Dashboard:
             (_hq(0.5, "pdrouter_io_ratio", "job"), "p50"),
             (_hq(0.9, "pdrouter_io_ratio", "job"), "p90"),
         ]))
+        .with_row(dashboard.Row("Router data plane (pdctl router serve)").id(lay.take()))
+        .with_panel(series(lay, "Routes executed", "reqps", [
+            (f"sum by (route) (rate(pdrouter_routes_executed_total[{RATE}]))", "{{route}}"),
+        ], "What ran after any fallback (decisions are above)."))
+        .with_panel(series(lay, "Fallbacks and decode failures", "ops", [
+            (f"sum by (reason) (rate(pdrouter_fallbacks_total[{RATE}]))",
+             "fallback {{reason}}"),
+            (f"sum by (reason, after_prefill) (rate(pdrouter_decode_failures_total[{RATE}]))",
+             "decode {{reason}} after_prefill={{after_prefill}}"),
+            (f"sum by (stage) (rate(pdrouter_client_disconnects_total[{RATE}]))",
+             "client hung up ({{stage}})"),
+        ], "Prefill legs that failed (one retry on another P, then decode-local), decode "
+           "legs that failed (after_prefill=true pins P's blocks until vLLM's abort timeout) "
+           "and clients that hung up."))
+        .with_panel(series(lay, "Added latency: the router's own time before the first leg",
+                           "s", [
+            (_hq(0.5, "pdrouter_overhead_seconds", "job"), "p50"),
+            (_hq(0.99, "pdrouter_overhead_seconds", "job"), "p99"),
+        ], "Parse, tokenize, decide and pick per request (pdrouter_overhead_seconds)."))
+        .with_panel(series(lay, "Answers by HTTP status", "reqps", [
+            (f"sum by (code) (rate(pdrouter_http_responses_total[{RATE}]))", "{{code}}"),
+        ]))
     )
 
 

@@ -428,12 +428,14 @@ async def test_a_running_daemon_refuses_the_run_before_anything_is_pushed(
     store.close()
 
 
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
 def test_sigterm_ends_the_real_process_with_the_routers_sent_back(
-    tmp_path: Path, live_sim: dict[str, Any] | None
+    tmp_path: Path, live_sim: dict[str, Any] | None, signame: str
 ) -> None:
-    """`pdctl calibrate-active` as a real process, terminated (systemd, kubectl, `timeout`)
-    during the all-decode-local phase: exit 143, and the routers, which ran no policy, are
-    on classic P/D, not on the forced policy."""
+    """`pdctl calibrate-active` as a real process, terminated (systemd, kubectl, `timeout`;
+    SIGHUP: its terminal closed) during the all-decode-local phase: exit 143, the lease
+    released, and the routers, which ran no policy, are on classic P/D, not on the forced
+    policy."""
     require("pdctl sim serve (the live simulated cluster)", live_sim is not None)
     assert live_sim is not None
     import signal
@@ -460,7 +462,7 @@ def test_sigterm_ends_the_real_process_with_the_routers_sent_back(
             time.sleep(0.2)
         assert proc.poll() is None, "the run ended before its decode-local phase"
         time.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, signame))
         out, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:

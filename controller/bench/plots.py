@@ -134,7 +134,7 @@ def write_plots(out: Path, bench: Any, doc: dict[str, Any]) -> list[Path]:
 
 
 def _colors(keys: Sequence[str]) -> dict[str, Any]:
-    """Distinct colours: the six policies from tab10, oracle candidates from tab20's pale
+    """Distinct colours: the built-in policies from tab10, oracle candidates from tab20's pale
     half, the oracle black."""
     import matplotlib
 

@@ -10,7 +10,10 @@ Order of the runs (each a full virtual-time replay of the scenario, same seed):
    io-ratio classes x QPS points, two-turn conversations) replayed under forced
    all-prefill-node and all-decode-local on the scenario's cluster as its first phase
    starts (no events), windows recorded alike; a table calibrated by the learning core on
-   those windows, weights pinned at (1, 1), never changed.
+   those windows, weights pinned at (1, 1), never changed. ``ppd-static+overrides``: the
+   same table with the controller's configured router-side overrides (the busy overrides
+   adaptive starts with), never changed: the strongest static table a user could deploy,
+   so that "learning beats a static table" is measured against it.
 3. ``threshold``: the Dynamo-style rule (:mod:`controller.bench.baselines`).
 4. ``adaptive``: the daemon's cycle (:mod:`controller.bench.adaptive`) from ``ppd-static``
    with the controller's configured overrides.
@@ -28,6 +31,7 @@ import math
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +58,23 @@ from controller.sim.scenario import (
     load_scenario,
 )
 
-POLICIES: tuple[str, ...] = ("pd", "local", "ppd-static", "threshold", "adaptive", "oracle")
-STATIC = ("pd", "local", "ppd-static", "threshold")
+
+class BenchPolicy(StrEnum):
+    """The evaluation's built-in policies (their values are the report's keys)."""
+
+    PD = "pd"
+    LOCAL = "local"
+    PPD_STATIC = "ppd-static"
+    PPD_STATIC_OVERRIDES = "ppd-static+overrides"
+    THRESHOLD = "threshold"
+    ADAPTIVE = "adaptive"
+    ORACLE = "oracle"
+
+
+POLICIES: tuple[BenchPolicy, ...] = tuple(BenchPolicy)
+# What a user could deploy and never change: adaptive is compared with the best of these.
+STATIC: tuple[BenchPolicy, ...] = (BenchPolicy.PD, BenchPolicy.LOCAL, BenchPolicy.PPD_STATIC,
+                                   BenchPolicy.PPD_STATIC_OVERRIDES, BenchPolicy.THRESHOLD)
 
 Progress = Callable[[str, float, float], None]  # (label, virtual now, virtual total)
 
@@ -111,7 +130,7 @@ def numbered_scenarios(directory: Path, which: Sequence[str] = (), seed: int | N
     ``scenarios/bench``) whose number ``N`` is in ``which`` (all when empty), loaded, in file
     order; with ``seed``, replayed with that seed instead of their own."""
     out = []
-    for path in sorted(directory.glob("*.toml")):
+    for path in sorted(directory.glob("[0-9]*-*.toml")):
         if which and path.name.split("-")[0] not in which:
             continue
         scenario = load_scenario(path)
@@ -204,10 +223,10 @@ def run_bench(
     if unknown:
         raise ValueError(f"unknown policy {', '.join(unknown)}; expected {', '.join(POLICIES)}")
     slo = slo_of(scenario)
-    phases = scenario.phase_bounds()
     wanted = set(policies)
-    need_tables = bool(wanted & {"ppd-static", "adaptive", "oracle"})
-    need_windows = "oracle" in wanted  # the oracle's tables learn from the forced runs
+    need_tables = bool(wanted & {BenchPolicy.PPD_STATIC, BenchPolicy.PPD_STATIC_OVERRIDES,
+                                 BenchPolicy.ADAPTIVE, BenchPolicy.ORACLE})
+    need_windows = BenchPolicy.ORACLE in wanted  # the oracle's tables learn from the forced runs
     notes: list[str] = []
 
     def replay(key: str, policy: Any, *, controller: Any = None,
@@ -216,7 +235,9 @@ def run_bench(
 
     runs: dict[str, PolicyRun] = {}
     windows: dict[str, list[Window]] = {}
-    for key, route in (("pd", Route.PREFILL_NODE), ("local", Route.DECODE_LOCAL)):
+    key: str
+    for key, route in ((BenchPolicy.PD, Route.PREFILL_NODE),
+                       (BenchPolicy.LOCAL, Route.DECODE_LOCAL)):
         if key not in wanted and not need_windows:
             continue
         if need_windows:
@@ -231,56 +252,69 @@ def run_bench(
         settings = adaptive_settings(scenario, time_scale)
     if need_tables:
         static_start = ppd_static_start(scenario, progress, settings.drift.reference_windows)
-        if "ppd-static" in wanted or "oracle" in wanted:
-            runs["ppd-static"] = PolicyRun(replay("ppd-static", static_start.policy),
-                                           tables=[(0.0, static_start.policy)],
-                                           adaptation_s=[None] * len(scenario.events))
-    if "threshold" in wanted or "oracle" in wanted:
-        cfg = threshold or ThresholdConfig()
-        runs["threshold"] = PolicyRun(replay("threshold", static_policy(Route.PREFILL_NODE, slo),
-                                             setup=install_threshold(cfg)),
+        with_overrides = adaptive_start(static_start.policy, settings)
+        for key, table in ((BenchPolicy.PPD_STATIC, static_start.policy),
+                           (BenchPolicy.PPD_STATIC_OVERRIDES, with_overrides)):
+            if key in wanted or BenchPolicy.ORACLE in wanted:
+                runs[key] = PolicyRun(replay(key, table), tables=[(0.0, table)],
                                       adaptation_s=[None] * len(scenario.events))
-    for key, pol in (extra or {}).items():
-        runs[key] = PolicyRun(replay(key, pol), tables=[(0.0, pol)],
-                              adaptation_s=[None] * len(scenario.events))
-    if "adaptive" in wanted:
+    if BenchPolicy.THRESHOLD in wanted or BenchPolicy.ORACLE in wanted:
+        cfg = threshold or ThresholdConfig()
+        runs[BenchPolicy.THRESHOLD] = PolicyRun(
+            replay(BenchPolicy.THRESHOLD, static_policy(Route.PREFILL_NODE, slo),
+                   setup=install_threshold(cfg)),
+            adaptation_s=[None] * len(scenario.events))
+    for name, pol in (extra or {}).items():
+        runs[name] = PolicyRun(replay(name, pol), tables=[(0.0, pol)],
+                               adaptation_s=[None] * len(scenario.events))
+    if BenchPolicy.ADAPTIVE in wanted:
         assert static_start is not None
-        runs["adaptive"] = _run_adaptive(
+        runs[BenchPolicy.ADAPTIVE] = _run_adaptive(
             scenario, adaptive_start(static_start.policy, settings), settings, replay, workdir,
             static_start.drift_reference)
 
     candidates: dict[str, RunResult] = {k: runs[k].result for k in STATIC if k in runs}
     oracle: list[OraclePick] | None = None
-    if "oracle" in wanted:
-        # The controller's own overrides: the oracle bounds what its tables could do.
-        oracle_overrides = calibration_config(settings).overrides
-        for wtft, wtpot in ORACLE_RATIOS:
-            key = ratio_key(wtft, wtpot)
-            tables: list[tuple[float, Policy]] = []
-            for i, (start, end) in enumerate(phases):
-                mine = [w for k in ("pd", "local") for w in windows_in(windows[k], start, end)]
-                try:
-                    tables.append((start, calibrated_table(
-                        mine, slo, Weights(wtft, wtpot), i + 1,
-                        f"oracle candidate: phase {i} windows, wtft:wtpot {wtft:g}:{wtpot:g}",
-                        overrides=oracle_overrides)))
-                except ValueError as e:  # CalibrationError: too few windows in the phase
-                    notes.append(f"{key}: phase {i} has no table ({e}); previous kept")
-            if not tables:
-                continue
-            if tables[0][0] > 0:
-                tables[0] = (0.0, tables[0][1])
-            res = replay(key, tables[0][1], setup=_phase_switcher(tables))
-            candidates[key] = res
-            runs.setdefault(key, PolicyRun(res, tables=tables, policy_changes=len(tables) - 1,
-                                           adaptation_s=[None] * len(scenario.events)))
+    if BenchPolicy.ORACLE in wanted:
+        _oracle_candidates(scenario, windows, settings, replay, runs, candidates, notes)
         oracle = pick_per_phase(candidates)
     # Keep only what was asked for (plus oracle candidates, needed for the oracle's report).
     report_runs = {k: v for k, v in runs.items()
                    if k in wanted or k in (extra or {}) or k.startswith("table-")}
-    if "oracle" not in wanted:
+    if BenchPolicy.ORACLE not in wanted:
         report_runs = {k: v for k, v in report_runs.items() if not k.startswith("table-")}
     return BenchRun(scenario, report_runs, candidates, oracle, notes)
+
+
+def _oracle_candidates(scenario: Scenario, windows: dict[str, list[Window]], settings: Any,
+                       replay: Callable[..., RunResult], runs: dict[str, PolicyRun],
+                       candidates: dict[str, RunResult], notes: list[str]) -> None:
+    """One run per oracle weight ratio, each phase under a table calibrated on that phase's
+    windows of the forced runs (added to ``candidates`` and ``runs``)."""
+    slo = slo_of(scenario)
+    # The controller's own overrides: the oracle bounds what its tables could do.
+    oracle_overrides = calibration_config(settings).overrides
+    for wtft, wtpot in ORACLE_RATIOS:
+        key = ratio_key(wtft, wtpot)
+        tables: list[tuple[float, Policy]] = []
+        for i, (start, end) in enumerate(scenario.phase_bounds()):
+            mine = [w for k in (BenchPolicy.PD, BenchPolicy.LOCAL)
+                    for w in windows_in(windows[k], start, end)]
+            try:
+                tables.append((start, calibrated_table(
+                    mine, slo, Weights(wtft, wtpot), i + 1,
+                    f"oracle candidate: phase {i} windows, wtft:wtpot {wtft:g}:{wtpot:g}",
+                    overrides=oracle_overrides)))
+            except ValueError as e:  # CalibrationError: too few windows in the phase
+                notes.append(f"{key}: phase {i} has no table ({e}); previous kept")
+        if not tables:
+            continue
+        if tables[0][0] > 0:
+            tables[0] = (0.0, tables[0][1])
+        res = replay(key, tables[0][1], setup=_phase_switcher(tables))
+        candidates[key] = res
+        runs.setdefault(key, PolicyRun(res, tables=tables, policy_changes=len(tables) - 1,
+                                       adaptation_s=[None] * len(scenario.events)))
 
 
 PPD_STATIC_REASON = ("ppd-static: the active calibration's grid under forced "
@@ -415,7 +449,7 @@ def _run_adaptive(scenario: Scenario, initial: Policy, settings: Any,
     try:
         hook = AdaptiveController(initial, settings, workdir / f"{scenario.name}-adaptive.db",
                                   drift_reference)
-        res = replay("adaptive", initial, controller=hook, setup=hook.setup)
+        res = replay(BenchPolicy.ADAPTIVE, initial, controller=hook, setup=hook.setup)
         outcome = hook.finish()
     finally:
         if owned is not None:

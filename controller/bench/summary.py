@@ -16,7 +16,8 @@ from typing import Any
 
 from controller.bench.goals import phase_margins
 from controller.bench.report import seconds_list
-from controller.bench.runner import POLICIES, STATIC
+from controller.bench.runner import POLICIES, STATIC, BenchPolicy
+from controller.bench.uncertainty import MIN_SEEDS, Margin, Verdict, margin_over_strongest
 
 RESULTS_BLOCK = "bench-results"
 HELDOUT_BLOCK = "bench-heldout"
@@ -71,10 +72,45 @@ def run_row(doc: Mapping[str, Any]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def strongest_margin(runs: Iterable[Mapping[str, Any]]) -> Margin | None:
+    """Adaptive against the scenario's strongest static policy over its seeds
+    (:func:`controller.bench.uncertainty.margin_over_strongest`); None: not computable."""
+    goodputs = [{k: float(v["goodput"]) for k, v in d["policies"].items()
+                 if v.get("goodput") is not None} for d in runs]
+    try:
+        return margin_over_strongest(goodputs, [str(k) for k in STATIC], BenchPolicy.ADAPTIVE)
+    except (ValueError, KeyError):
+        return None
+
+
+def strongest_margin_cells(runs: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The policy, the mean margin with its 95 % paired bootstrap interval, the claim."""
+    m = strongest_margin(runs)
+    if m is None:
+        return ["-", "-", "-"]
+    claim = m.verdict.value if m.seeds >= MIN_SEEDS else f"none ({m.seeds} < {MIN_SEEDS} seeds)"
+    return [m.against, f"{m.mean:+.4f} [{m.low:+.4f}, {m.high:+.4f}]", claim]
+
+
+def claim_line(name: str, m: Margin) -> str:
+    """The sentence a scenario's interval allows (prose quotes these, never its own)."""
+    ci = f"{m.mean:+.4f}, 95 % interval {m.low:+.4f} to {m.high:+.4f} over {m.seeds} seeds"
+    if m.seeds < MIN_SEEDS:  # a bootstrap over a handful of seeds is too narrow to claim on
+        return (f"- `{name}`: no claim, {m.seeds} seeds (a claim needs {MIN_SEEDS}); adaptive "
+                f"minus `{m.against}`: {ci}.")
+    if m.verdict is Verdict.BEATS:
+        return f"- `{name}`: adaptive beats `{m.against}` ({ci})."
+    if m.verdict is Verdict.LOSES:
+        return f"- `{name}`: adaptive loses to `{m.against}` ({ci})."
+    return (f"- `{name}`: adaptive ties with `{m.against}` ({ci}): learning adds nothing "
+            "measurable here.")
+
+
 def seed_rows(docs: Iterable[Mapping[str, Any]]) -> list[str]:
     """Per scenario run with two or more seeds: adaptive's margin over the best static
     policy per seed, on how many seeds it was above, the mean margin, its worst phase over
-    the seeds, the oracle ratios."""
+    the seeds, the oracle ratios, and the margin over the scenario's strongest static policy
+    with its interval and claim ("beats" only where the interval excludes zero)."""
     by_scenario: dict[str, list[Mapping[str, Any]]] = {}
     for doc in docs:
         if "adaptive" in doc["policies"]:
@@ -93,8 +129,23 @@ def seed_rows(docs: Iterable[Mapping[str, Any]]) -> list[str]:
             f"| {', '.join(f'{m:+.3f}' for m in margins)} "
             f"| {sum(m > 0 for m in margins)} of {len(runs)} "
             f"| {sum(margins) / len(runs):+.3f} | {f'{min(lows):+.3f}' if lows else '-'} "
-            f"| {ratio_range} |")
+            f"| {ratio_range} | " + " | ".join(strongest_margin_cells(runs)) + " |")
     return rows
+
+
+def claim_lines(docs: Iterable[Mapping[str, Any]]) -> list[str]:
+    """One claim per scenario run with two or more seeds, in scenario order."""
+    by_scenario: dict[str, list[Mapping[str, Any]]] = {}
+    for doc in docs:
+        if "adaptive" in doc["policies"]:
+            by_scenario.setdefault(str(doc["scenario"]), []).append(doc)
+    out = []
+    for name in sorted(by_scenario):
+        runs = by_scenario[name]
+        m = strongest_margin(runs) if len({d.get("seed") for d in runs}) >= 2 else None
+        if m is not None:
+            out.append(claim_line(name, m))
+    return out
 
 
 def suite_markdown(docs: Iterable[Mapping[str, Any]]) -> str:
@@ -109,8 +160,12 @@ def suite_markdown(docs: Iterable[Mapping[str, Any]]) -> str:
     seeds = seed_rows(ordered)
     if seeds:
         lines += ["", "| scenario | seeds | adaptive - best static, per seed | adaptive above "
-                  "| mean | lowest phase | adaptive / oracle |", "|---|---|---|---|---|---|---|",
-                  *seeds]
+                  "| mean | lowest phase | adaptive / oracle | strongest static "
+                  "| adaptive - strongest, mean [95 % CI] | claim |",
+                  "|---" * 10 + "|", *seeds]
+        claims = claim_lines(ordered)
+        if claims:
+            lines += ["", *claims]
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,7 @@ _COMMAND_MODULES = (
     "config_cmd",
     "table_cmd",
     "agent_cmd",
+    "router_cmd",
     "push_cmd",
     "bench_decide",
     "bench_fanout",
@@ -27,6 +28,7 @@ _COMMAND_MODULES = (
     "explain_cmd",
     "active_cmd",
     "plan_cmd",
+    "export_cmd",
 )
 
 for _name in _COMMAND_MODULES:

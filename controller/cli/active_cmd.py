@@ -179,11 +179,13 @@ def calibrate_active(
     runners: list[ActiveCalibrationRunner] = []  # the run's report, after an interruption
 
     async def main() -> dict[str, Any]:
-        # SIGTERM (systemd, kubectl, `timeout`) ends the run as Ctrl-C does: the routers are
-        # sent back before the process exits, not left on a forced policy.
+        # SIGTERM (systemd, kubectl, `timeout`), SIGHUP (a closed terminal) and SIGQUIT end
+        # the run as Ctrl-C does: the routers are sent back and the lease released before
+        # the process exits, not left on a forced policy.
         me = asyncio.current_task()
         assert me is not None
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, me.cancel)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            asyncio.get_running_loop().add_signal_handler(sig, me.cancel)
         source = await source_from_settings(settings, clock=clock)
         transport = GrpcRouterTransport(settings.security)
         progress = Progress(TextColumn("{task.description}"), BarColumn(),

@@ -61,9 +61,9 @@ def bench_run(
     scenario_path: Annotated[Path, typer.Argument(metavar="SCENARIO.toml",
                                                   help="Scenario file (TOML).")],
     policy: Annotated[list[str] | None, typer.Option(
-        "--policy", help="pd | local | ppd-static | threshold | adaptive | oracle | "
-        "PATH.json (reported under its file name, which must not be another policy's); "
-        "repeat for several (default: the six policies).")] = None,
+        "--policy", help="pd | local | ppd-static | ppd-static+overrides | threshold | "
+        "adaptive | oracle | PATH.json (reported under its file name, which must not be "
+        "another policy's); repeat for several (default: the seven policies).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON summary.")] = False,
     out: Annotated[Path | None, typer.Option(
         "--out", help="Write summary.json, report.md, PNG plots and per-request records "

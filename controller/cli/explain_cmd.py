@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from controller.cli._app import app, load_settings_or_exit, table_console
+from controller.cli.shown import shown_doc
 
 if TYPE_CHECKING:
     from controller.config import Settings
@@ -220,6 +221,7 @@ def explain_command(
     if as_json:
         typer.echo(json.dumps(doc))
         return
+    doc = shown_doc(doc)  # reasons come from the store: escaped for the terminal
     running, produced = doc["policy_version"], doc["calibration_policy_version"]
     if running is None:
         source = "no stored policy: a dry run"
@@ -335,7 +337,7 @@ def drift_command(
     if as_json:
         typer.echo(json.dumps(doc))
         return
-    _print_drift(doc)
+    _print_drift(shown_doc(doc, markup=True))
 
 
 def _print_drift(doc: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ import typer
 
 from controller.cli._app import app
 from controller.cli.db_cmd import ConfigOption, UrlOption, store_url
+from controller.cli.shown import shown
 
 if TYPE_CHECKING:
     from controller.store import Store, Tx
@@ -115,8 +116,8 @@ def _run(family: Family, url: str | None, config: Any, since: str | None, limit:
     table = Table(title=f"{family.title} ({len(rows)})")
     for c in family.columns:
         table.add_column(c.header)
-    for row in rows:
-        table.add_row(*row)
+    for row in rows:  # store text, escaped for the terminal (and for rich's markup)
+        table.add_row(*(shown(cell, markup=True) for cell in row))
     Console(width=200).print(table)
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from controller.cli._app import app, load_settings_or_exit
+from controller.cli.shown import shown
 
 if TYPE_CHECKING:
     from controller.config import Settings
@@ -66,7 +67,7 @@ def observe(
 
         typer.echo(json.dumps(window.to_dict(), indent=2))
     else:
-        typer.echo(render_window(window))
+        typer.echo(shown(render_window(window), keep_newlines=True))  # peers' messages
     if not window.answered:
         raise typer.Exit(1)
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from controller.cli._app import app, load_settings_or_exit, table_console
+from controller.cli.shown import shown, shown_doc
 from controller.policy.validation import MAX_VERSION
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def _submit(
     else:
         line = f"request #{request.id} {request.kind} {json.dumps(request.args)} by " \
             f"{request.who}: {request.status}"
-        typer.echo(line + (f" — {request.outcome}" if request.outcome else ""))
+        typer.echo(shown(line + (f" — {request.outcome}" if request.outcome else "")))
     if wait and request.status in ("pending", "claimed"):
         if not as_json:
             typer.echo(f"no outcome within {timeout:g} s: request #{request.id} is still "
@@ -490,4 +491,4 @@ def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOpt
     if as_json:
         typer.echo(json.dumps(doc, default=str, indent=1))
     else:
-        _print_status(doc)
+        _print_status(shown_doc(doc, markup=True))  # store and peer text, escaped

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from controller.cli._app import app, load_settings_or_exit, table_console
+from controller.cli.shown import shown
 
 if TYPE_CHECKING:
     from controller.rollout.reconciler import RouterStatus
@@ -35,18 +36,19 @@ def _print_table(statuses: dict[str, RouterStatus], version: int, rollback: bool
         if s.reissued_as is not None:
             acked += " (re-issued)"
         table.add_row(
-            router,
+            shown(router, markup=True),
             "[green]yes[/green]" if s.ok else "[red]no[/red]",
-            s.outcome,
+            shown(s.outcome, markup=True),
             acked,
-            (s.acked_checksum or "")[:12],
+            shown((s.acked_checksum or "")[:12], markup=True),
             str(s.attempts),
             f"{s.latency_s * 1000:.1f}",
         )
     console.print(table)
     for router, s in statuses.items():
         if s.last_error:
-            console.print(Text.assemble((router, "red"), ": ", s.last_error), soft_wrap=True)
+            console.print(Text.assemble((shown(router), "red"), ": ", shown(s.last_error)),
+                          soft_wrap=True)
 
 
 @app.command("push")

@@ -23,6 +23,11 @@ def run(
     log_json: Annotated[bool, typer.Option(
         "--log-json", help="Structured logs: one JSON object per line on stderr.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logs.")] = False,
+    init: Annotated[bool, typer.Option(
+        "--init", help="Create the SQLite store even where one was created before and is "
+        "now missing (without it that is refused: a removed history is not silently "
+        "replaced by an empty one).")
+    ] = False,
 ) -> None:
     """Run the control loop: observe, detect drift, recalibrate, canary, push. Serves
     /healthz, /readyz and /metrics on the metrics listen address; stops on SIGTERM."""
@@ -32,4 +37,4 @@ def run(
 
     settings = load_settings_or_exit(config)
     configure_logging(log_json, logging.DEBUG if verbose else logging.INFO)
-    raise typer.Exit(run_daemon(settings, advisory=advisory))
+    raise typer.Exit(run_daemon(settings, advisory=advisory, init=init))

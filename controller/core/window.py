@@ -45,6 +45,7 @@ FAILURE_KINDS = (
     "duplicate_series",
     "non_numeric",
     "counter_reset",  # reported, the window still uses the post-reset increase
+    "counter_decrease",  # fell without a restart: no increase (observe.counters)
     "missing_family",  # a family the window needs is absent
     "query",  # a PromQL query failed
 )

@@ -1,7 +1,11 @@
 """``ScrapeSource``: GET every target's ``/metrics`` directly and diff consecutive snapshots.
 
-One shared ``httpx.AsyncClient`` (keep-alive), at most ``concurrency`` scrapes in flight,
-a per-request timeout. A target that refuses, times out, answers non-2xx or answers
+One small ``httpx.AsyncClient`` per target (keep-alive), at most ``concurrency`` scrapes in
+flight. Each target gets one TOTAL deadline (``timeout_s``: connect, headers and the whole
+body together, not per read, so a body trickling a byte a second still ends on time) and a
+cap of ``MAX_BODY_BYTES`` on its decoded body, enforced while streaming
+(:mod:`controller.observe.bounded_body`), so one target costs at most that time and memory
+whatever it sends. A target that refuses, times out, answers non-2xx or answers
 something that is not exposition text is a reported failure for this window; its previous
 snapshot is dropped so the next answer starts a fresh baseline instead of a diff across
 the gap.
@@ -15,6 +19,7 @@ from collections.abc import Sequence
 import httpx
 
 from controller.clock import Clock
+from controller.observe.bounded_body import ACCEPT_ENCODING, BodyRefused, read_bounded
 from controller.observe.rediscovery import Rediscovery
 from controller.observe.snapshot import FetchError, SnapshotSource
 from controller.observe.source import Target
@@ -64,24 +69,33 @@ class ScrapeSource(SnapshotSource):
     async def _fetch(self, target: Target) -> str | FetchError:
         async with self._semaphore:
             try:
-                response = await self._client_for(target).get(
-                    target.metrics_url, headers={"Accept": _ACCEPT}, timeout=self._timeout
-                )
-            except httpx.TimeoutException:
-                return FetchError("timeout", f"no answer within {self._timeout:g} s")
+                async with asyncio.timeout(self._timeout):
+                    return await self._fetch_within(target)
+            except TimeoutError:
+                return FetchError("timeout", f"no whole answer within {self._timeout:g} s")
+            except BodyRefused as e:
+                return FetchError("parse", str(e))
             except httpx.HTTPError as e:
                 return FetchError("unreachable", f"{type(e).__name__}: {e}")
-        if response.status_code // 100 != 2:
-            return FetchError(
-                "http_status", f"HTTP {response.status_code} from {target.metrics_url}"
-            )
-        if len(response.content) > MAX_BODY_BYTES:
-            return FetchError("parse", f"answer larger than {MAX_BODY_BYTES} bytes")
-        ctype = response.headers.get("content-type", "")
-        if "html" in ctype.lower():
-            return FetchError("parse", f"the answer is {ctype}, not exposition text")
+
+    async def _fetch_within(self, target: Target) -> str | FetchError:
+        """One GET, its body read raw and decoded by our bounded decoders."""
+        headers = {"Accept": _ACCEPT, "Accept-Encoding": ACCEPT_ENCODING}
+        async with self._client_for(target).stream(
+            "GET", target.metrics_url, headers=headers, timeout=self._timeout
+        ) as response:
+            if response.status_code // 100 != 2:
+                return FetchError(
+                    "http_status", f"HTTP {response.status_code} from {target.metrics_url}"
+                )
+            ctype = response.headers.get("content-type", "")
+            if "html" in ctype.lower():
+                return FetchError("parse", f"the answer is {ctype}, not exposition text")
+            body = await read_bounded(response.aiter_raw(),
+                                      response.headers.get("content-encoding", ""),
+                                      MAX_BODY_BYTES)
         try:
-            return response.content.decode("utf-8")
+            return body.decode("utf-8")
         except UnicodeDecodeError:
             return FetchError("parse", "the answer is not UTF-8 text")
 

@@ -16,6 +16,7 @@ from controller.clock import Clock, WallClock
 from controller.core.catalog import wanted_families
 from controller.core.exposition import ExpositionError, Snapshot, parse_exposition
 from controller.core.window import TargetFailure, Window
+from controller.observe.counters import PROCESS_START
 from controller.observe.rediscovery import Rediscovery
 from controller.observe.source import Target
 from controller.observe.window_builder import (
@@ -26,7 +27,8 @@ from controller.observe.window_builder import (
 )
 from controller.policy.bins import CONTEXT_BINS, IO_RATIO_BINS
 
-_WANTED = wanted_families()
+# process_start_time_seconds tells a restart from a counter that fell (observe.counters).
+_WANTED = wanted_families() | {PROCESS_START}
 
 
 class FetchError(Exception):

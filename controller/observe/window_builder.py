@@ -4,9 +4,9 @@ Two steps shared by every source:
 
 1. :func:`diff_snapshots` turns two cumulative snapshots of one target into a
    :class:`TargetDelta` (increases of counters and histogram series, gauges at the end).
-   A family whose series went down was reset (engine restart): its increase is the value
-   after the reset, and the reset is reported. A series that appears counts from zero; one
-   that vanished is ignored. NaN samples are missing values, never zeros.
+   Counter rules (restarts, decreases within a tolerance, series first seen) are
+   :mod:`controller.observe.counters`': never a rate from a lifetime total. A series that
+   vanished is ignored. NaN samples are missing values, never zeros.
    :class:`~controller.observe.prometheus.PrometheusSource` builds the same delta from
    ``increase()`` results instead.
 2. :func:`worker_stats` / :func:`router_stats` read a delta through the engine catalog. A
@@ -35,7 +35,6 @@ from controller.core.catalog import (
     detect_engine,
     is_router,
     once_per_scheduler,
-    process_of,
 )
 from controller.core.exposition import (
     ExpositionError,
@@ -53,6 +52,7 @@ from controller.core.window import (
     WorkerStats,
     Workload,
 )
+from controller.observe.counters import CounterNotes, family_increases
 from controller.policy.model import Route
 
 CUMULATIVE_SUFFIXES = ("_total", "_bucket", "_sum", "_count")
@@ -146,7 +146,6 @@ def diff_snapshots(prev: Snapshot | None, cur: Snapshot, *, announced: bool = Tr
     TYPE line) before it has a series, so a family absent from ``prev`` was not read then.
     Prometheus has no series for a family with none yet: there (False), absent is new."""
     delta = TargetDelta(target=cur.target, families=cur.families, has_baseline=prev is not None)
-    reset_families: list[str] = []
     by_family: dict[str, list[str]] = {}
     for name, series in cur.samples.items():
         if not is_cumulative(name):
@@ -156,60 +155,21 @@ def diff_snapshots(prev: Snapshot | None, cur: Snapshot, *, announced: bool = Tr
         by_family.setdefault(base_name(name), []).append(name)
     if prev is None:
         return delta
-    unbaselined: list[str] = []
+    notes = CounterNotes()
     for family, names in by_family.items():
         if announced and family not in prev.families \
                 and not any(n in prev.samples for n in names):
             # Not even announced in the previous snapshot (an answer cut after a whole
             # family, a process that changed): its series' lifetime values are no window's
-            # increase. Counted from the next window; a series new in a family that was
-            # there (a first request in a cell) still counts from zero.
-            unbaselined.append(family)
+            # increase. Counted from the next window.
+            notes.unbaselined.append(family)
             continue
-        # A reset is decided per process (its rank labels, :func:`process_of`), over every
-        # series of the family: a histogram's buckets, count and sum restart together.
-        reset: set[LabelKey] = set()
-        for name in names:
-            old = prev.series(name)
-            reset.update(process_of(labels) for labels, value in cur.series(name).items()
-                         if value < old.get(labels, -math.inf))
-        if reset:
-            reset_families.append(family + _process_names(reset))
-        for name in names:
-            old = prev.series(name)
-            inc: dict[LabelKey, float] = {}
-            for labels, value in cur.series(name).items():
-                if math.isnan(value):
-                    continue
-                before = old.get(labels)
-                if before is None or math.isnan(before) or (reset and process_of(labels) in reset):
-                    inc[labels] = value  # reset or a new series: counted from zero
-                else:
-                    inc[labels] = value - before
-            if not inc and cur.series(name):
-                continue  # every series NaN: no value (summed, an empty set read as 0)
+        for name, inc in family_increases(prev, cur, family, names, notes).items():
             # Increases per replica, then one per scheduler: a replica that restarted alone
             # still counts from its own baseline.
             delta.increases[name] = once_per_scheduler(name, inc)
-    if unbaselined:
-        delta.notes.append(TargetFailure(
-            target=cur.target, kind="no_baseline",
-            message="not in the previous snapshot: " + ", ".join(sorted(unbaselined))
-            + "; counted from the next window",
-        ))
-    if reset_families:
-        delta.notes.append(TargetFailure(
-            target=cur.target, kind="counter_reset",
-            message="counters reset (restart?): " + ", ".join(sorted(reset_families))
-            + "; the window counts from the reset",
-        ))
+    delta.notes.extend(notes.failures(cur.target))
     return delta
-
-
-def _process_names(processes: set[LabelKey]) -> str:
-    """`` {engine="1"}`` for the processes that reset; nothing when the target is one."""
-    named = sorted(",".join(f'{k}="{v}"' for k, v in p) for p in processes if p)
-    return " {" + "; ".join(named) + "}" if named else ""
 
 
 def _matches(labels: LabelKey, match: tuple[tuple[str, str], ...]) -> bool:

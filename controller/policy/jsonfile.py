@@ -188,7 +188,8 @@ def policy_from_dict(d: Any) -> Policy:
     if not isinstance(d, dict):
         raise PolicyValidationError(r.problems)
     sv = top.get("schema_version")
-    if sv != SCHEMA_VERSION:
+    # ``True == 1`` and ``1.0 == 1`` in Python: the type is checked too, as for every field.
+    if type(sv) is not int or sv != SCHEMA_VERSION:
         r.bad("schema_version", f"unsupported schema_version {sv!r} (this build reads 1)")
     version = r.integer(top, "version", "", None)
     axes, routes, scores, exploration = _read_table(r, top)

@@ -89,7 +89,9 @@ class RouterStatus:
     ``outcome``: ``in_sync`` (nothing pushed), ``applied``, ``noop``, or why it failed:
     ``unreachable``, ``refused`` (a terminal transport error), ``conflict``, ``stale``,
     ``invalid``, ``persist_failed``, ``mismatch`` (acked something other than pushed),
-    ``ahead`` (found ahead after the re-issue version was chosen: next pass).
+    ``ahead`` (found ahead after the re-issue version was chosen: next pass),
+    ``held_off`` (not contacted: its last pushes were not acknowledged, see
+    :meth:`Reconciler.hold_s`).
     """
 
     router: str
@@ -102,6 +104,17 @@ class RouterStatus:
     attempts: int
     pushed: bool = False
     reissued_as: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Hold:
+    """A router left alone after pushes it did not acknowledge: ``failures`` in a row of
+    the policy content ``checksum``, not contacted before ``until`` (monotonic)."""
+
+    checksum: str
+    failures: int
+    until: float
+    last: str
 
 
 class _RetriesExhausted(Exception):
@@ -137,6 +150,8 @@ class Reconciler:
         max_attempts: int = 5,
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 5.0,
+        unacked_hold_initial_s: float = 10.0,
+        unacked_hold_max_s: float = 900.0,
         draw: Callable[[], float] | None = None,
     ) -> None:
         if max_concurrency < 1 or max_attempts < 1:
@@ -149,6 +164,9 @@ class Reconciler:
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self._draw: Callable[[], float] = draw if draw is not None else random.Random().random
+        self._hold_initial_s = unacked_hold_initial_s
+        self._hold_max_s = unacked_hold_max_s
+        self._holds: dict[str, _Hold] = {}  # across passes: this object lives as the daemon
 
     @classmethod
     def from_config(
@@ -166,6 +184,8 @@ class Reconciler:
             max_attempts=config.max_attempts,
             backoff_initial_s=config.backoff_initial_s,
             backoff_max_s=config.backoff_max_s,
+            unacked_hold_initial_s=config.unacked_hold_initial_s,
+            unacked_hold_max_s=config.unacked_hold_max_s,
             draw=draw,
         )
 
@@ -173,6 +193,12 @@ class Reconciler:
         """Full jitter: uniform in [0, min(max, initial * 2^(attempt-1)))."""
         cap = min(self._backoff_max_s, self._backoff_initial_s * 2.0 ** (attempt - 1))
         return self._draw() * cap
+
+    def hold_s(self, failures: int) -> float:
+        """How long a router is left alone after ``failures`` pushes in a row that it did
+        not acknowledge: ``min(max, initial * 2^(failures-1))``, no jitter."""
+        exponent = min(failures - 1, 60)
+        return float(min(self._hold_max_s, self._hold_initial_s * 2.0 ** exponent))
 
     async def running_policy(self, routers: Sequence[str]) -> RunningPolicy:
         """The policy every one of ``routers`` runs, fetched from one of them: what a
@@ -224,7 +250,46 @@ class Reconciler:
         (the store's next version: a number above the routers' may still be a stored,
         e.g. rejected, version).
         """
-        return await _Pass(self, desired, rollback, version_floor).run()
+        now = self._clock.monotonic()
+        held = {r: h for r, p in desired.items()
+                if (h := self._holds.get(r)) is not None and now < h.until
+                and h.checksum == p.checksum}
+        todo = {r: p for r, p in desired.items() if r not in held}
+        statuses = await _Pass(self, todo, rollback, version_floor).run()
+        self._update_holds(todo, statuses)
+        out = {}
+        for router in desired:
+            h = held.get(router)
+            out[router] = statuses[router] if h is None else _held_status(router, h, now)
+        return out
+
+    def _update_holds(self, pushed: Mapping[str, Policy],
+                      statuses: Mapping[str, RouterStatus]) -> None:
+        """A router that was pushed and did not acknowledge (a mismatch, a conflict, an
+        apply that never answered...) is held off for :meth:`hold_s`; an acknowledgement,
+        or another policy content to push, starts it afresh."""
+        now = self._clock.monotonic()
+        for router, s in statuses.items():
+            if s.ok:
+                self._holds.pop(router, None)
+            elif s.pushed:
+                checksum = pushed[router].checksum
+                prev = self._holds.get(router)
+                failures = prev.failures + 1 if prev and prev.checksum == checksum else 1
+                self._holds[router] = _Hold(checksum, failures, now + self.hold_s(failures),
+                                            f"{s.outcome}: {s.last_error}")
+
+
+def _held_status(router: str, hold: _Hold, now: float) -> RouterStatus:
+    return RouterStatus(
+        router=router, ok=False, outcome=HELD_OFF, acked_version=None, acked_checksum=None,
+        last_error=(f"not contacted for {hold.until - now:.0f} s more after {hold.failures} "
+                    f"push(es) in a row it did not acknowledge (last: {hold.last})"),
+        latency_s=0.0, attempts=0,
+    )
+
+
+HELD_OFF = "held_off"
 
 
 class _Pass:

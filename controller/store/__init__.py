@@ -19,6 +19,7 @@ from controller.store.repository import (
     POLICY_TRANSITIONS,
     Store,
     StoreError,
+    StoreGone,
     StoreUnavailable,
     Tx,
 )
@@ -26,6 +27,6 @@ from controller.store.repository import (
 __all__ = [
     "LEADER", "POLICY_TRANSITIONS", "CalibrationRecord", "DriftEventRecord", "Lease",
     "OperatorRequest", "PolicyRecord", "PushRecord", "RecommendationRecord", "RouterRecord",
-    "Store", "StoreError", "StoreUnavailable", "StoredWindow", "Tx", "make_engine",
+    "Store", "StoreError", "StoreGone", "StoreUnavailable", "StoredWindow", "Tx", "make_engine",
     "normalize_url",
 ]

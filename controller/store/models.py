@@ -23,7 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from controller.store.types import JsonText, UtcDateTime
+from controller.store.types import JsonText, SafeString, SafeText, UtcDateTime
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -75,7 +75,7 @@ class PolicyRow(Base):
     checksum: Mapped[str] = mapped_column(String(64))
     body: Mapped[str] = mapped_column(Text)  # the policy JSON file format
     status: Mapped[str] = mapped_column(String(16))
-    reason: Mapped[str] = mapped_column(Text)
+    reason: Mapped[str] = mapped_column(SafeText())
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
     # When a canary became the fleet's policy: the post-promotion watch counts from it (0004).
@@ -123,7 +123,7 @@ class RouterRow(Base):
     acked_version: Mapped[int | None] = mapped_column(BigInteger)
     acked_checksum: Mapped[str | None] = mapped_column(String(64))
     last_seen: Mapped[datetime | None] = mapped_column(UtcDateTime)
-    last_error: Mapped[str | None] = mapped_column(Text)
+    last_error: Mapped[str | None] = mapped_column(SafeText())
     last_error_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
 
 
@@ -148,7 +148,7 @@ class PushRow(Base):
     version: Mapped[int] = mapped_column(BigInteger)
     result: Mapped[str] = mapped_column(String(32))
     latency_s: Mapped[float | None] = mapped_column(Float)
-    error: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(SafeText())
 
 
 class OperatorRequestRow(Base):
@@ -163,14 +163,14 @@ class OperatorRequestRow(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
-    who: Mapped[str] = mapped_column(String(255))
+    who: Mapped[str] = mapped_column(SafeString(255))
     kind: Mapped[str] = mapped_column(String(32))
     args: Mapped[Any] = mapped_column(JsonText)
-    reason: Mapped[str] = mapped_column(Text)
+    reason: Mapped[str] = mapped_column(SafeText())
     status: Mapped[str] = mapped_column(String(16))
-    claimed_by: Mapped[str | None] = mapped_column(String(255))
+    claimed_by: Mapped[str | None] = mapped_column(SafeString(255))
     claimed_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
-    outcome: Mapped[str | None] = mapped_column(Text)
+    outcome: Mapped[str | None] = mapped_column(SafeText())
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
 
 
@@ -180,7 +180,7 @@ class LeaderLeaseRow(Base):
     __tablename__ = "leader_lease"
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
-    holder: Mapped[str | None] = mapped_column(String(255))
+    holder: Mapped[str | None] = mapped_column(SafeString(255))
     term: Mapped[int] = mapped_column(BigInteger)
     acquired_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -99,6 +100,11 @@ class StoreError(TerminalError):
 
 class StoreUnavailable(TransientError):
     """The database could not be reached or was busy; the cycle may be retried."""
+
+
+class StoreGone(TerminalError):
+    """The SQLite file this store opened was removed or replaced under it: every write
+    would go where nobody can read it (an unlinked file), so none is made."""
 
 
 # PostgreSQL errors by SQLSTATE (psycopg raises most of them as InternalError,
@@ -831,6 +837,8 @@ class Store:
         # (SQLite's deferred BEGIN takes its snapshot at the first read already.)
         self._reader = (self.engine.execution_options(isolation_level="REPEATABLE READ")
                         if self.dialect == "postgresql" else self.engine)
+        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the SQLite file
+        self.identity_problem()  # records it when the file exists
 
     @classmethod
     def from_config(cls, config: StoreConfig, clock: Clock | None = None) -> Store:
@@ -848,6 +856,36 @@ class Store:
 
         migrate.upgrade(self.url, revision)
         self.engine.dispose()  # pooled connections predate the schema change
+        self.identity_problem()  # a file just created is the one this store writes
+
+    @property
+    def sqlite_file(self) -> str | None:
+        """The SQLite database file's path (None: PostgreSQL, in-memory or a ``file:`` URI)."""
+        db = self.url.database
+        if self.dialect != "sqlite" or not db or db == ":memory:" or db.startswith("file:"):
+            return None
+        return db
+
+    def identity_problem(self) -> str | None:
+        """Why the SQLite file is no longer the one this store opened (removed, or another
+        file at its path: its device and inode changed), else None. The first call that
+        finds the file records its identity. One ``stat`` per call."""
+        path = self.sqlite_file
+        if path is None:
+            return None
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            if self._identity is None:
+                return None
+            return f"the database file {path} was removed while the daemon had it open"
+        identity = (st.st_dev, st.st_ino)
+        if self._identity is None:
+            self._identity = identity
+        elif identity != self._identity:
+            return (f"the database file {path} was replaced by another file while the "
+                    "daemon had it open")
+        return None
 
     def upgrade_embedded(self) -> None:
         """The embedded default (SQLite) migrates itself at start; a file that is not a
@@ -897,6 +935,9 @@ class Store:
 
     @contextmanager
     def _session(self, bind: Engine) -> Iterator[Tx]:
+        problem = self.identity_problem()
+        if problem is not None:
+            raise StoreGone(problem)
         try:
             with Session(bind, expire_on_commit=False) as session, session.begin():
                 yield Tx(session, self.clock)

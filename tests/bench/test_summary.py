@@ -51,8 +51,26 @@ def test_the_seed_table_counts_the_seeds_adaptive_won_and_orders_runs() -> None:
     # Runs by scenario then seed; then one line for "b", the only scenario with two seeds.
     assert [r.split("|")[1:3] for r in rows[:3]] == [
         [" `a` ", " 1 "], [" `b` ", " 1 "], [" `b` ", " 3 "]]
-    assert rows[3] == "| `b` | 1, 3 | +0.050, -0.050 | 1 of 2 | +0.000 | - | 0.950–0.990 |"
+    # local is b's strongest static policy (0.85 on both seeds): +0.05 and -0.05; two seeds
+    # are too few for a claim.
+    assert rows[3] == ("| `b` | 1, 3 | +0.050, -0.050 | 1 of 2 | +0.000 | - | 0.950–0.990 "
+                       "| local | +0.0000 [-0.0500, +0.0500] | none (2 < 10 seeds) |")
     assert len(rows) == 4
+
+
+def test_claims_need_ten_seeds_and_an_interval_clear_of_zero() -> None:
+    """Ten seeds: "beats" where the interval excludes zero, "ties" (learning adds nothing
+    measurable) where it does not; the claim lines and the table cells agree."""
+    beats = [_doc("a", s, 0.90 + 0.001 * (s % 3), 0.85, 0.70) for s in range(10)]
+    ties = [_doc("t", s, 0.85 + (0.01 if s % 2 else -0.01), 0.85, 0.70) for s in range(10)]
+    text = suite_markdown(beats + ties)
+    claims = [line for line in text.splitlines() if line.startswith("- ")]
+    assert claims[0].startswith("- `a`: adaptive beats `local` (+0.0509, 95 % interval")
+    assert claims[1].startswith("- `t`: adaptive ties with `local` (+0.0000")
+    assert claims[1].endswith("learning adds nothing measurable here.")
+    seed_rows = {line.split("|")[1].strip(): line for line in text.splitlines()
+                 if line.startswith("| `") and "| 0, 1, 2" in line}
+    assert seed_rows["`a`"].endswith("| beats |") and seed_rows["`t`"].endswith("| ties |")
 
 
 def _with_phases(doc: dict[str, Any], phases: dict[str, list[float]]) -> dict[str, Any]:
@@ -84,8 +102,9 @@ def test_the_lowest_phase_is_against_each_phases_own_best_static_policy() -> Non
             "adaptive": [0.9], "pd": [0.5], "local": [0.85], "threshold": [0.8]}),
         _with_phases(_doc("b", 2, 0.9, 0.85, 0.8), {
             "adaptive": [0.9], "pd": [0.5], "local": [0.92], "threshold": [0.8]}),
-    ]).splitlines()[-1]
-    assert seeds.split("|")[-3].strip() == "-0.020"
+    ]).splitlines()
+    seeds = next(line for line in seeds if line.startswith("| `b` | 1, 2 |"))
+    assert seeds.split("|")[-6].strip() == "-0.020"
 
 
 @pytest.mark.parametrize("block", [RESULTS_BLOCK, HELDOUT_BLOCK])

@@ -250,11 +250,16 @@ async def test_an_unrecommended_scaling_is_recalibrated_without_a_match(tmp_path
     assert "recommendation_id" not in cal.details
     assert all(r.applied_at is None for r in rig.store.recommendations())
     # Back to the shape the scripted recommendation saw: it asked for no change of decode
-    # workers, so going back applies nothing either.
+    # workers, so going back applies nothing either. A second scaling of decode workers so
+    # soon is damped (issue 39): calibrated for once the damping period has passed.
+    first_at = cal.created_at.timestamp()
     del rig.source.workers["d2"]
-    await rig.step()
-    report = await rig.step()
+    for _ in range(14):
+        report = await rig.step()
+        if report.trigger is not None:
+            break
     assert report.trigger == "scaling", report.reason
+    assert rig.clock.now() - first_at >= rig.cycle.scaling_damping_s()
     assert rig.store.calibrations()[-1].details["scaling"] == "decode workers 3 -> 2"
     assert all(r.applied_at is None for r in rig.store.recommendations())
     assert rid in [r.id for r in rig.store.recommendations()]

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controller.metrics import ControllerMetrics
 from controller.rollout.agent_metrics import RouterMetrics
+from controller.router.metrics import RouterHttpMetrics
 from controller.sim.sglang_metrics import SglangView
 from controller.sim.vllm_metrics import WorkerMetrics
 from tests.conftest import require
@@ -152,6 +153,10 @@ def exposed_names() -> set[str]:
     rm.count_request("DECODE_LOCAL", "1024", "1", "met")
     rm.observe_ttft("DECODE_LOCAL", "1024", 0.1)  # labelled histograms appear once observed
     rm.observe_tpot("DECODE_LOCAL", "1024", 0.01)
+    http = RouterHttpMetrics(router)  # pdctl router serve's own families
+    http.decode_failures.labels("connect", "false").inc()
+    http.client_disconnects.labels("decode").inc()
+    http.responses.labels("/v1/completions", "200").inc()
     registries.append(router)
     for kv_role in ("kv_producer", "kv_consumer"):
         worker = WorkerMetrics(

@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from controller.metrics import ControllerMetrics
 from controller.rollout.agent_metrics import RouterMetrics
+from controller.router.metrics import RouterHttpMetrics
 from controller.sim.sglang_metrics import SglangView, use_sglang_buckets
 from controller.sim.vllm_metrics import WorkerMetrics
 from tests.conftest import require
@@ -89,6 +90,13 @@ def exporters() -> dict[str, tuple[str | None, CollectorRegistry]]:
         r.observe_tpot(route, ctx, tpot)
     r.context_tokens.observe(2000)
     r.io_ratio.observe(0.5)
+    h = RouterHttpMetrics(router)  # pdctl router serve's own families, same registry
+    h.routes.labels("DECODE_LOCAL").inc()
+    h.fallbacks.labels("prefill_5xx").inc()
+    h.decode_failures.labels("connect", "true").inc()
+    h.client_disconnects.labels("decode").inc()
+    h.overhead.observe(0.0012)
+    h.responses.labels("/v1/chat/completions", "200").inc()
 
     workers = {}
     sglang = {}

@@ -46,6 +46,8 @@ def _problems(d: Any) -> dict[str, str]:
         (lambda d: d.update(version=0), "version"),
         (lambda d: d.update(version="7"), "version"),
         (lambda d: d.update(schema_version=2), "schema_version"),
+        (lambda d: d.update(schema_version=True), "schema_version"),
+        (lambda d: d.update(schema_version=1.0), "schema_version"),
         (lambda d: d["axes"]["io_ratio"].__setitem__(3, 0.1), "axes.io_ratio[3]"),
         (lambda d: d["axes"]["qps"].__setitem__(0, -1), "axes.qps[0]"),
         (lambda d: d["axes"].__setitem__("context_tokens", []), "axes.context_tokens"),

@@ -88,14 +88,17 @@ def sim_serve(
                     proc.wait(5)
 
 
-def start_daemon(config: Path, log: Path, notify: str | None = None) -> subprocess.Popen[bytes]:
-    """``pdctl run --config CONFIG --log-json``, its log appended to ``log``; with ``notify``,
-    as systemd would run it (Type=notify, WatchdogSec=2)."""
+def start_daemon(config: Path, log: Path, notify: str | None = None, *, init: bool = False
+                 ) -> subprocess.Popen[bytes]:
+    """``pdctl run --config CONFIG --log-json`` (``--init``: a missing SQLite store is
+    created), its log appended to ``log``; with ``notify``, as systemd would run it
+    (Type=notify, WatchdogSec=2)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if notify is not None:
         env.update(NOTIFY_SOCKET=notify, WATCHDOG_USEC="2000000")
-    return subprocess.Popen([*PDCTL, "run", "--config", str(config), "--log-json"], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=log.open("ab"), env=env)
+    args = [*PDCTL, "run", "--config", str(config), "--log-json", *(["--init"] if init else [])]
+    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log.open("ab"),
+                            env=env)
 
 
 def wait_for(what: str, check: Any, timeout_s: float, log: Path) -> Any:

@@ -1,0 +1,158 @@
+"""Counters that go backwards by a little, restarts and label changes (issue 39, class 4):
+a real HTTP server serving a vLLM worker's exposition, scraped by the real ScrapeSource;
+the PromQL ``edges`` path runs the same diff (``announced=False``), checked on the same
+snapshots. Never a rate from a lifetime total."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import generate_latest
+
+from controller.core.exposition import parse_exposition
+from controller.core.window import Window
+from controller.observe.counters import decrease_tolerance
+from controller.observe.scrape import ScrapeSource
+from controller.observe.source import Target
+from controller.observe.window_builder import diff_snapshots
+from tests.observe.cluster import VllmWorker
+from tests.observe.textserver import TextServer
+
+pytestmark = [pytest.mark.integration]
+
+WINDOW_S = 30.0
+LIFETIME = 27_000  # requests before the test's first scrape
+
+
+def _worker(model: str = "llama-3.1-8b", requests: int = LIFETIME) -> VllmWorker:
+    w = VllmWorker(model=model)
+    w.success["stop"].inc(requests)
+    for _ in range(3):
+        w.hist["ttft_s"].observe(0.2)
+    return w
+
+
+def _text(w: VllmWorker, started: float, sum_shift: float = 0.0) -> str:
+    text = generate_latest(w.registry).decode()
+    if sum_shift:  # the TTFT histogram's _sum moved by ``sum_shift`` (negative: fell)
+        def shift(m: re.Match[str]) -> str:
+            return f"{m.group(1)} {float(m.group(2)) + sum_shift!r}"
+        text = re.sub(r"^(vllm:time_to_first_token_seconds_sum\{[^}]*\}) (\S+)$", shift,
+                      text, flags=re.M)
+    return text + ("# TYPE process_start_time_seconds gauge\n"
+                   f"process_start_time_seconds {started}\n")
+
+
+@pytest.fixture
+def served() -> Iterator[TextServer]:
+    server = TextServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+class Scraper:
+    def __init__(self, server: TextServer) -> None:
+        self.server = server
+        self.source = ScrapeSource([Target("w", "decode", f"http://{server.address}/metrics")],
+                                   timeout_s=2.0)
+        self.t = 0.0
+
+    async def window(self, text: str) -> Window:
+        self.server.default = text
+        start, self.t = self.t, self.t + WINDOW_S
+        return await self.source.window(start, self.t)
+
+
+def _rate(w: Window) -> float | None:
+    [stats] = w.workers
+    return stats.request_rate
+
+
+def _kinds(w: Window) -> list[str]:
+    return sorted(f.kind for f in w.failures)
+
+
+async def test_a_counter_falling_by_a_little_counts_no_increase(served: TextServer) -> None:
+    worker, scraper = _worker(), Scraper(served)
+    try:
+        await scraper.window(_text(worker, 100.0))
+        for k in range(1, 4):  # 9 requests/s; the TTFT _sum falls by 0.001 per scrape
+            worker.success["stop"].inc(9 * WINDOW_S)
+            w = await scraper.window(_text(worker, 100.0, sum_shift=-0.001 * k))
+            assert _rate(w) == pytest.approx(9.0)
+            assert _kinds(w) == ["counter_decrease"], w.failures
+            assert "within the tolerance" in w.failures[0].message
+    finally:
+        await scraper.source.aclose()
+
+
+async def test_a_restart_counts_from_zero_and_a_fall_without_one_counts_nothing(
+    served: TextServer,
+) -> None:
+    worker, scraper = _worker(), Scraper(served)
+    try:
+        await scraper.window(_text(worker, 100.0))
+        restarted = _worker(requests=45)  # a new process: 45 requests since its start
+        w = await scraper.window(_text(restarted, 5000.0))
+        assert _rate(w) == pytest.approx(45 / WINDOW_S)
+        assert _kinds(w) == ["counter_reset"]
+        assert "process_start_time_seconds changed" in w.failures[0].message
+        # Then it falls by far more than the tolerance with the same start time: no restart,
+        # so its value counts from nothing we know: no rate at all (not its lifetime).
+        fallen = _worker(requests=20)
+        w = await scraper.window(_text(fallen, 5000.0))
+        assert _rate(w) is None
+        assert "counter_decrease" in _kinds(w) and "counter_reset" not in _kinds(w)
+        fallen.success["stop"].inc(60)  # the next window counts from the new baseline
+        w = await scraper.window(_text(fallen, 5000.0))
+        assert _rate(w) == pytest.approx(60 / WINDOW_S)
+        assert _kinds(w) == []
+    finally:
+        await scraper.source.aclose()
+
+
+async def test_a_changed_label_value_sets_a_baseline_instead_of_counting_a_lifetime(
+    served: TextServer,
+) -> None:
+    worker, scraper = _worker(), Scraper(served)
+    try:
+        await scraper.window(_text(worker, 100.0))
+        worker.success["stop"].inc(90)
+        renamed = _worker(model="llama-3.1-8b-instruct", requests=LIFETIME + 90)
+        w = await scraper.window(_text(renamed, 100.0))  # same process, new label value
+        assert _rate(w) is None  # was 900 requests/s: the lifetime in one window
+        assert "no_baseline" in _kinds(w)
+        assert any("new series" in f.message for f in w.failures)
+        renamed.success["stop"].inc(90)
+        w = await scraper.window(_text(renamed, 100.0))
+        assert _rate(w) == pytest.approx(3.0)
+        assert _kinds(w) == []
+    finally:
+        await scraper.source.aclose()
+
+
+def test_the_promql_edges_path_follows_the_same_rules() -> None:
+    """Prometheus' edges mode diffs the two edges' values with ``announced=False``."""
+    def snap(text: str, at: float):  # type: ignore[no-untyped-def]
+        s = parse_exposition(text, target="w", taken_at=at)
+        return s.__class__(s.target, s.taken_at, s.samples, frozenset())
+
+    worker = _worker()
+    base = snap(_text(worker, 100.0), 0)
+    worker.success["stop"].inc(270)
+    jitter = diff_snapshots(base, snap(_text(worker, 100.0, -0.001), 30), announced=False)
+    assert sum(jitter.increases["vllm:request_success_total"].values()) == 270
+    assert [n.kind for n in jitter.notes] == ["counter_decrease"]
+    renamed = _worker(model="other", requests=LIFETIME + 270)
+    label = diff_snapshots(base, snap(_text(renamed, 100.0), 30), announced=False)
+    assert "vllm:request_success_total" not in label.increases
+    assert [n.kind for n in label.notes] == ["no_baseline"]
+
+
+def test_the_tolerance_is_relative_with_a_floor() -> None:
+    assert decrease_tolerance(0.5) == 0.01
+    assert decrease_tolerance(27_000.0) == pytest.approx(2.7)
