@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 
-.PHONY: demo test unit lint typecheck proto-check docs-check go-check bench clean
+.PHONY: demo test unit lint typecheck proto-check docs-check house-check go-check bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,17 +16,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/pdctl demo
 
-test: $(STAMP) lint typecheck proto-check docs-check go-check unit
+test: $(STAMP) lint typecheck proto-check docs-check house-check go-check unit
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check controller tests scripts benchmarks dashboards
+	$(BIN)/ruff check controller tests scripts benchmarks dashboards migrations setup.py
 	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
-	$(BIN)/mypy controller dashboards/build.py
+	$(BIN)/mypy controller dashboards/build.py migrations/env.py
 
 proto-check: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH bash scripts/check_generated.sh
@@ -34,6 +34,10 @@ proto-check: $(STAMP)
 docs-check: $(STAMP)
 	$(BIN)/python -m controller.config --reference | diff -u docs/config-reference.md - \
 		|| (echo "docs/config-reference.md is stale: run 'python -m controller.config --reference > docs/config-reference.md'"; exit 1)
+
+# Functions a reader can hold (limits and exceptions: scripts/check_function_length.py).
+house-check: $(STAMP)
+	$(BIN)/python scripts/check_function_length.py
 
 # The Go adopter package (adopters/go): gofmt, vet, and test against the conformance vectors.
 # Offline (standard library only). Without go: skipped locally, an error with CI=true.

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Container, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -118,97 +118,135 @@ def _ratio(num: float, den: float) -> float | None:
 
 def observe_demand(windows: Sequence[Window]) -> ObservedDemand:
     """Demand, shape and per-worker load range of ``windows`` (oldest first)."""
-    seconds = requests = finished = generated = 0.0
-    prompt_total = computed_p = computed_d = prefill_hits = 0.0
-    usage_sums: list[float] = []
-    prompt_seen = False
-    n_local = n_pd = 0.0
-    max_p_rate = max_d_tokens = 0.0
-    kv_estimates: list[float] = []
-    window_rates: list[float] = []
+    t = _DemandTally()
     for w in windows:
+        t.add(w)
+    output = _ratio(t.generated, t.finished)
+    prompt = _ratio(t.prompt_total, t.finished) if t.prompt_seen else None
+    routed = t.n_local + t.n_pd
+    share = _ratio(t.n_local, routed)
+    local_append, cached, decode_cached = t.prompt_shares()
+    kv_estimates = _kv_capacity_estimates(windows, prompt, output)
+    newest = windows[-1] if windows else None
+    current = None
+    if newest is not None and "prefill" in newest.roles and "decode" in newest.roles:
+        current = (newest.roles["prefill"].workers, newest.roles["decode"].workers)
+    observed = (ObservedRange(t.max_p_rate, t.max_d_tokens)
+                if windows and (t.max_p_rate > 0 or t.max_d_tokens > 0) else None)
+    profile = rate_profile(t.window_rates, [w.interval_s for w in windows])
+    return ObservedDemand(
+        qps=_ratio(t.requests, t.seconds), rate_profile=profile,
+        profile_window_s=t.seconds / len(windows) if windows else 30.0, input_tokens=prompt,
+        cached_fraction=cached,
+        output_tokens=output, decode_local_share=share, local_append_tokens=local_append,
+        seconds=t.seconds, current=current, observed=observed,
+        kv_capacity_tokens=statistics.median(kv_estimates) if kv_estimates else None,
+        decode_cached_fraction=decode_cached,
+        decode_kv_usage=statistics.fmean(t.usage_sums) if t.usage_sums else None,
+    )
+
+
+@dataclass(slots=True)
+class _DemandTally:
+    """Sums over windows, added in window order (the figures do not depend on how the
+    code is split: the same float additions happen in the same order)."""
+
+    seconds: float = 0.0
+    requests: float = 0.0
+    finished: float = 0.0  # decode completions of workers that report generated tokens
+    generated: float = 0.0
+    prompt_total: float = 0.0
+    computed_p: float = 0.0
+    computed_d: float = 0.0
+    prefill_hits: float = 0.0
+    prompt_seen: bool = False  # a decode worker reported prompt tokens by source
+    n_local: float = 0.0
+    n_pd: float = 0.0
+    max_p_rate: float = 0.0  # per prefill worker, requests/s
+    max_d_tokens: float = 0.0  # per decode worker, generated tokens/s
+    usage_sums: list[float] = field(default_factory=list)
+    window_rates: list[float] = field(default_factory=list)
+
+    def add(self, w: Window) -> None:
         iv = w.interval_s
-        seconds += iv
-        routers = w.workload.qps_by_router
-        win_finished = 0.0
-        for ws in w.workers_of("decode"):
-            if ws.request_rate is None:
-                continue
-            f = ws.request_rate * iv
-            win_finished += f
-            if ws.generation_tokens is not None:
-                generated += ws.generation_tokens
-                finished += f
-            src = ws.prompt_tokens_by_source or {}
-            computed_d += src.get("local_compute", 0.0)
-            if "local_cache_hit" in src or "external_kv_transfer" in src:
-                prompt_seen = True
-            prompt_total += math.fsum(src.values())
+        self.seconds += iv
+        win_finished = self._add_decode(w)
         for ws in w.workers_of("prefill"):
-            computed_p += (ws.prompt_tokens_by_source or {}).get("local_compute", 0.0)
-            prefill_hits += (ws.prompt_tokens_by_source or {}).get("local_cache_hit", 0.0)
+            self.computed_p += (ws.prompt_tokens_by_source or {}).get("local_compute", 0.0)
+            self.prefill_hits += (ws.prompt_tokens_by_source or {}).get("local_cache_hit", 0.0)
         usages = [ws.kv_cache_usage for ws in w.workers_of("decode")
                   if ws.kv_cache_usage is not None]
         if usages:
-            usage_sums.append(math.fsum(usages))
+            self.usage_sums.append(math.fsum(usages))
         routed_here = 0.0
         for o in w.outcomes:
             routed_here += o.requests
             if o.route == Route.DECODE_LOCAL:
-                n_local += o.requests
+                self.n_local += o.requests
             else:
-                n_pd += o.requests
+                self.n_pd += o.requests
         # the routers' counts are exact; their QPS gauge is a sliding rate at the window's end
         if routed_here > 0:
             here = routed_here
         elif win_finished > 0:
             here = win_finished
         else:
-            here = math.fsum(routers.values()) * iv
-        requests += here
-        window_rates.append(here / iv)
-        roles = w.roles
-        p, d = roles.get("prefill"), roles.get("decode")
+            here = math.fsum(w.workload.qps_by_router.values()) * iv
+        self.requests += here
+        self.window_rates.append(here / iv)
+        p, d = w.roles.get("prefill"), w.roles.get("decode")
         if p is not None and p.workers and p.request_rate is not None:
-            max_p_rate = max(max_p_rate, p.request_rate / p.workers)
+            self.max_p_rate = max(self.max_p_rate, p.request_rate / p.workers)
         if d is not None and d.workers and d.generation_tokens is not None:
-            max_d_tokens = max(max_d_tokens, d.generation_tokens / iv / d.workers)
-    output = _ratio(generated, finished)
-    prompt = _ratio(prompt_total, finished) if prompt_seen else None
-    routed = n_local + n_pd
-    share = _ratio(n_local, routed)
-    # decode workers recompute one prompt position of each P/D request
-    recompute = n_pd * (finished / routed) if routed > 0 else 0.0
-    local_append = _ratio(max(computed_d - recompute, 0.0), n_local * (finished / routed)) \
-        if routed > 0 and n_local > 0 else None
-    cached = decode_cached = None
-    if prompt_seen and prompt_total > 0:
-        cached = min(max(1.0 - (computed_p + computed_d - recompute) / prompt_total, 0.0), 1.0)
-        # what is cached but not by the prefill workers' own prefix caches: decode-held KV
-        decode_cached = min(max(cached - prefill_hits / prompt_total, 0.0), cached)
+            self.max_d_tokens = max(self.max_d_tokens, d.generation_tokens / iv / d.workers)
+
+    def _add_decode(self, w: Window) -> float:
+        """Add the decode workers' counts; returns the window's decode completions."""
+        win_finished = 0.0
+        for ws in w.workers_of("decode"):
+            if ws.request_rate is None:
+                continue
+            f = ws.request_rate * w.interval_s
+            win_finished += f
+            if ws.generation_tokens is not None:
+                self.generated += ws.generation_tokens
+                self.finished += f
+            src = ws.prompt_tokens_by_source or {}
+            self.computed_d += src.get("local_compute", 0.0)
+            if "local_cache_hit" in src or "external_kv_transfer" in src:
+                self.prompt_seen = True
+            self.prompt_total += math.fsum(src.values())
+        return win_finished
+
+    def prompt_shares(self) -> tuple[float | None, float | None, float | None]:
+        """Decode-local append tokens per request, the cached prompt fraction, and the part
+        of it cached outside the prefill workers' own prefix caches (decode-held KV)."""
+        routed = self.n_local + self.n_pd
+        # decode workers recompute one prompt position of each P/D request
+        recompute = self.n_pd * (self.finished / routed) if routed > 0 else 0.0
+        local_append = _ratio(max(self.computed_d - recompute, 0.0),
+                              self.n_local * (self.finished / routed)) \
+            if routed > 0 and self.n_local > 0 else None
+        cached = decode_cached = None
+        if self.prompt_seen and self.prompt_total > 0:
+            cached = min(max(1.0 - (self.computed_p + self.computed_d - recompute)
+                             / self.prompt_total, 0.0), 1.0)
+            decode_cached = min(max(cached - self.prefill_hits / self.prompt_total, 0.0), cached)
+        return local_append, cached, decode_cached
+
+
+def _kv_capacity_estimates(windows: Sequence[Window], prompt: float | None,
+                           output: float | None) -> list[float]:
+    """Per decode worker and window: the KV tokens its cache holds when full, from its
+    running requests' mean context and its usage (busy enough windows only)."""
+    kv_estimates: list[float] = []
     if prompt is not None and output is not None:
         ctx = prompt + output / 2.0
         for w in windows:
             for ws in w.workers_of("decode"):
                 if ws.kv_cache_usage and ws.kv_cache_usage >= MIN_KV_USAGE and ws.running:
                     kv_estimates.append(ws.running * ctx / ws.kv_cache_usage)
-    newest = windows[-1] if windows else None
-    current = None
-    if newest is not None and "prefill" in newest.roles and "decode" in newest.roles:
-        current = (newest.roles["prefill"].workers, newest.roles["decode"].workers)
-    observed = (ObservedRange(max_p_rate, max_d_tokens)
-                if windows and (max_p_rate > 0 or max_d_tokens > 0) else None)
-    profile = rate_profile(window_rates, [w.interval_s for w in windows])
-    return ObservedDemand(
-        qps=_ratio(requests, seconds), rate_profile=profile,
-        profile_window_s=seconds / len(windows) if windows else 30.0, input_tokens=prompt,
-        cached_fraction=cached,
-        output_tokens=output, decode_local_share=share, local_append_tokens=local_append,
-        seconds=seconds, current=current, observed=observed,
-        kv_capacity_tokens=statistics.median(kv_estimates) if kv_estimates else None,
-        decode_cached_fraction=decode_cached,
-        decode_kv_usage=statistics.fmean(usage_sums) if usage_sums else None,
-    )
+    return kv_estimates
 
 
 PLAUSIBLE_FACTOR = 5.0  # a fitted coefficient this far from the prior is not believed
@@ -347,51 +385,71 @@ def fitted_params(windows: Sequence[Window], prior: ComponentParams | None = Non
         return base, [f"physics: defaults (fit failed: {e})"]
     lines: list[str] = []
     if "prefill" in report:
-        rows = worker_means(windows, "prefill")
-        refit = fit_prefill_curve(rows, token_scv(rows))
-        if refit is not None:
-            curve, used = refit
-            params = replace(params, prefill_base_s=curve[0], prefill_per_token_s=curve[1],
-                             prefill_per_token2_s=curve[2])
-            lines.append(f"physics: prefill curve refitted on {used} per-worker window means: "
-                         f"{curve[0] * 1e3:.1f} ms + {curve[1] * 1e6:.2f} us/token + "
-                         f"{curve[2] * 1e9:.3f} ns/token^2")
-    # Fields checked per component; a component failing the check is restored whole (its
-    # fitted intercept absorbed what the implausible slope missed). step_per_seq_s is not
-    # checked: below the weight-read floor a decode step does not grow with the batch and a
-    # zero fit is right there, so a fitted value below the prior's is kept.
-    groups = {
-        "prefill": ("prefill_base_s", "prefill_per_token_s", "prefill_per_token2_s"),
-        "prefill_queue": ("prefill_queue_scale",),
-        "decode_step": ("step_base_s", "step_per_seq_s", "step_per_ctx_token_s",
-                        "step_per_prefill_token_s"),
-    }
-    checked = {
-        "prefill": ("prefill_per_token_s",),
-        "prefill_queue": ("prefill_queue_scale",),
-        "decode_step": ("step_base_s", "step_per_ctx_token_s", "step_per_prefill_token_s"),
-    }
-    kept: list[str] = []
-    for name, fields in groups.items():
-        if name not in report:
-            continue
-        bad = [f for f in checked[name] if not _plausible(getattr(params, f), getattr(base, f))]
-        if bad:
-            kept.append(f"{name} ({', '.join(bad)})")
-            restore = {f: getattr(base, f) for f in fields}
-            if name == "decode_step":
-                restore["step_per_seq_s"] = min(params.step_per_seq_s, base.step_per_seq_s)
-            params = replace(params, **restore)
+        params, line = _refit_prefill(windows, params)
+        lines += [line] if line else []
+    params, kept = _restore_implausible(params, base, report)
     fitted = sorted(report)
     lines.insert(0, f"physics: fitted on {len(windows)} window(s): "
                     f"{', '.join(fitted) or 'nothing'}")
     if kept:
         lines.append(f"physics: prior kept for {'; '.join(kept)} (fit implausible: zero or "
                      f"over {PLAUSIBLE_FACTOR:g}x off the prior)")
-    missing = [c for c in groups if c not in report]
+    missing = [c for c in COMPONENT_FIELDS if c not in report]
     if missing:
         lines.append(f"physics: prior kept for {', '.join(missing)} (no signal in the windows)")
     return params, lines
+
+
+# The fields of each fitted component; a component failing the plausibility check is restored
+# whole (its fitted intercept absorbed what the implausible slope missed).
+COMPONENT_FIELDS: dict[str, tuple[str, ...]] = {
+    "prefill": ("prefill_base_s", "prefill_per_token_s", "prefill_per_token2_s"),
+    "prefill_queue": ("prefill_queue_scale",),
+    "decode_step": ("step_base_s", "step_per_seq_s", "step_per_ctx_token_s",
+                    "step_per_prefill_token_s"),
+}
+# The fields checked per component. step_per_seq_s is not checked: below the weight-read
+# floor a decode step does not grow with the batch and a zero fit is right there, so a fitted
+# value below the prior's is kept.
+CHECKED_FIELDS: dict[str, tuple[str, ...]] = {
+    "prefill": ("prefill_per_token_s",),
+    "prefill_queue": ("prefill_queue_scale",),
+    "decode_step": ("step_base_s", "step_per_ctx_token_s", "step_per_prefill_token_s"),
+}
+
+
+def _refit_prefill(windows: Sequence[Window], params: ComponentParams,
+                   ) -> tuple[ComponentParams, str | None]:
+    """The prefill curve refitted on per-worker window means, when they allow it."""
+    rows = worker_means(windows, "prefill")
+    refit = fit_prefill_curve(rows, token_scv(rows))
+    if refit is None:
+        return params, None
+    curve, used = refit
+    params = replace(params, prefill_base_s=curve[0], prefill_per_token_s=curve[1],
+                     prefill_per_token2_s=curve[2])
+    return params, (f"physics: prefill curve refitted on {used} per-worker window means: "
+                    f"{curve[0] * 1e3:.1f} ms + {curve[1] * 1e6:.2f} us/token + "
+                    f"{curve[2] * 1e9:.3f} ns/token^2")
+
+
+def _restore_implausible(params: ComponentParams, base: ComponentParams,
+                         report: Container[str]) -> tuple[ComponentParams, list[str]]:
+    """Fitted components with an implausible checked field go back to ``base``; the list says
+    which (and why)."""
+    kept: list[str] = []
+    for name, fields in COMPONENT_FIELDS.items():
+        if name not in report:
+            continue
+        bad = [f for f in CHECKED_FIELDS[name]
+               if not _plausible(getattr(params, f), getattr(base, f))]
+        if bad:
+            kept.append(f"{name} ({', '.join(bad)})")
+            restore = {f: getattr(base, f) for f in fields}
+            if name == "decode_step":
+                restore["step_per_seq_s"] = min(params.step_per_seq_s, base.step_per_seq_s)
+            params = replace(params, **restore)
+    return params, kept
 
 
 def plan_from_windows(windows: Sequence[Window], settings: Settings,
@@ -405,28 +463,60 @@ def plan_from_windows(windows: Sequence[Window], settings: Settings,
     seen = observe_demand(windows)
     notes = [f"demand: {len(windows)} window(s), {seen.seconds:.0f} s of history"
              if windows else "demand: no history, from the given values only"]
+    demand = _demand(windows, o, seen, notes)
+    if o.params is not None:
+        params, param_notes = o.params, ["physics: given"]
+    else:
+        params, param_notes = fitted_params(windows, o.prior)
+    kv = o.kv_capacity_tokens if o.kv_capacity_tokens is not None else seen.kv_capacity_tokens
+    if kv is not None and o.kv_capacity_tokens is None:
+        notes.append(f"KV capacity per decode worker: {kv:.0f} tokens (estimated from "
+                     "kv_cache_usage)")
+    cache = _session_cache(o, seen, demand, kv, notes)
+    plan = plan_capacity(
+        demand, params,
+        slo_ttft_s=o.ttft_slo_s if o.ttft_slo_s is not None else settings.slo.ttft_s,
+        slo_tpot_s=o.tpot_slo_s if o.tpot_slo_s is not None else settings.slo.tpot_s,
+        headroom=o.headroom if o.headroom is not None else settings.capacity.headroom,
+        current=seen.current, observed=seen.observed if o.params is None else None,
+        kv_capacity_tokens=kv, max_num_seqs=o.max_num_seqs, session_cache=cache,
+    )
+    head = tuple(notes + param_notes)
+    return replace(
+        plan,
+        prefill=replace(plan.prefill, explanation=head + plan.prefill.explanation),
+        decode=replace(plan.decode, explanation=head + plan.decode.explanation),
+    )
 
-    def pick(name: str, given: float | None, observed: float | None, default: float | None,
-             ) -> float:
-        if given is not None:
-            notes.append(f"{name}: {given:g} (given)")
-            return given
-        if observed is not None:
-            return observed
-        if default is not None:
-            notes.append(f"{name}: {default:g} (not observed; assumed)")
-            return default
-        flag = name.replace("_", "-")
-        raise NoDemand(f"no {name} to plan for: no window shows it; give it explicitly "
-                       f"(pdctl plan --{flag})")
 
-    qps = pick("qps", o.qps, seen.qps, None)
-    prompt = pick("input_tokens", o.input_tokens, seen.input_tokens, None)
-    output = pick("output_tokens", o.output_tokens, seen.output_tokens, None)
-    share = pick("decode_local_share", o.decode_local_share, seen.decode_local_share, 0.0)
-    cached = pick("cached_fraction", o.cached_fraction, seen.cached_fraction, 0.0)
-    append = pick("local_append_tokens", o.local_append_tokens, seen.local_append_tokens,
-                  prompt * (1.0 - cached))
+def _pick(notes: list[str], name: str, given: float | None, observed: float | None,
+          default: float | None) -> float:
+    """The given value, else the observed one, else the default (noting which); raises
+    :class:`NoDemand` when there is none."""
+    if given is not None:
+        notes.append(f"{name}: {given:g} (given)")
+        return given
+    if observed is not None:
+        return observed
+    if default is not None:
+        notes.append(f"{name}: {default:g} (not observed; assumed)")
+        return default
+    flag = name.replace("_", "-")
+    raise NoDemand(f"no {name} to plan for: no window shows it; give it explicitly "
+                   f"(pdctl plan --{flag})")
+
+
+def _demand(windows: Sequence[Window], o: PlanOverrides, seen: ObservedDemand,
+            notes: list[str]) -> CapacityDemand:
+    """The demand to plan for: each figure given, else observed, else assumed (noted)."""
+    qps = _pick(notes, "qps", o.qps, seen.qps, None)
+    prompt = _pick(notes, "input_tokens", o.input_tokens, seen.input_tokens, None)
+    output = _pick(notes, "output_tokens", o.output_tokens, seen.output_tokens, None)
+    share = _pick(notes, "decode_local_share", o.decode_local_share, seen.decode_local_share,
+                  0.0)
+    cached = _pick(notes, "cached_fraction", o.cached_fraction, seen.cached_fraction, 0.0)
+    append = _pick(notes, "local_append_tokens", o.local_append_tokens,
+                   seen.local_append_tokens, prompt * (1.0 - cached))
     spreads: dict[str, float] = {}
     derived = {"prefill_scv": token_scv(worker_means(windows, "prefill")),
                "input_scv": token_scv(worker_means(windows, "decode")), "append_scv": None}
@@ -443,54 +533,37 @@ def plan_from_windows(windows: Sequence[Window], settings: Settings,
     if o.rate_profile is not None:
         notes.append(f"rate profile: given, {len(o.rate_profile)} entries of "
                      f"{o.profile_window_s or seen.profile_window_s:g} s")
-    demand = CapacityDemand(qps=qps, input_tokens=prompt, cached_fraction=cached,
-                            output_tokens=output, decode_local_share=share,
-                            local_append_tokens=append, rate_profile=o.rate_profile
-                            if o.rate_profile is not None else seen.rate_profile,
-                            profile_window_s=o.profile_window_s or seen.profile_window_s,
-                            **spreads)
-    if o.params is not None:
-        params, param_notes = o.params, ["physics: given"]
-    else:
-        params, param_notes = fitted_params(windows, o.prior)
-    kv = o.kv_capacity_tokens if o.kv_capacity_tokens is not None else seen.kv_capacity_tokens
-    if kv is not None and o.kv_capacity_tokens is None:
-        notes.append(f"KV capacity per decode worker: {kv:.0f} tokens (estimated from "
-                     "kv_cache_usage)")
-    cache = None
+    return CapacityDemand(qps=qps, input_tokens=prompt, cached_fraction=cached,
+                          output_tokens=output, decode_local_share=share,
+                          local_append_tokens=append, rate_profile=o.rate_profile
+                          if o.rate_profile is not None else seen.rate_profile,
+                          profile_window_s=o.profile_window_s or seen.profile_window_s,
+                          **spreads)
+
+
+def _session_cache(o: PlanOverrides, seen: ObservedDemand, demand: CapacityDemand,
+                   kv: float | None, notes: list[str]) -> SessionCache | None:
+    """The decode pool's session KV feedback, when asked for and the windows allow it."""
     if not o.session_feedback:
         notes.append("session KV feedback: off (the observed shares at every shape)")
-    elif kv is None or seen.current is None or seen.decode_cached_fraction is None \
+        return None
+    if kv is None or seen.current is None or seen.decode_cached_fraction is None \
             or seen.decode_kv_usage is None or not seen.current[1]:
         notes.append("session KV feedback: not modelled (the windows lack the decode pool's "
                      "KV size, usage or shape)")
-    else:
-        if o.session_gap_s is not None and (not math.isfinite(o.session_gap_s)
-                                            or o.session_gap_s < 0):
-            raise CapacityError(f"session_gap_s: must be a finite number >= 0, got "
-                                f"{o.session_gap_s!r}")
-        work = None if o.session_gap_s is None else \
-            qps * (prompt + output) * o.session_gap_s
-        if work is not None:
-            notes.append(f"session KV working set: {work:.4g} tokens = {qps:.3g} req/s x "
-                         f"{prompt + output:.0f} context tokens x {o.session_gap_s:g} s "
-                         "between turns (given)")
-        cache = SessionCache(
-            observed_decode_workers=seen.current[1], kv_capacity_tokens=kv,
-            observed_running_tokens=seen.decode_kv_usage * kv,
-            decode_cached_fraction=min(seen.decode_cached_fraction, cached),
-            working_set_tokens=work)
-    plan = plan_capacity(
-        demand, params,
-        slo_ttft_s=o.ttft_slo_s if o.ttft_slo_s is not None else settings.slo.ttft_s,
-        slo_tpot_s=o.tpot_slo_s if o.tpot_slo_s is not None else settings.slo.tpot_s,
-        headroom=o.headroom if o.headroom is not None else settings.capacity.headroom,
-        current=seen.current, observed=seen.observed if o.params is None else None,
-        kv_capacity_tokens=kv, max_num_seqs=o.max_num_seqs, session_cache=cache,
-    )
-    head = tuple(notes + param_notes)
-    return replace(
-        plan,
-        prefill=replace(plan.prefill, explanation=head + plan.prefill.explanation),
-        decode=replace(plan.decode, explanation=head + plan.decode.explanation),
-    )
+        return None
+    if o.session_gap_s is not None and (not math.isfinite(o.session_gap_s)
+                                        or o.session_gap_s < 0):
+        raise CapacityError(f"session_gap_s: must be a finite number >= 0, got "
+                            f"{o.session_gap_s!r}")
+    qps, context = demand.qps, demand.input_tokens + demand.output_tokens
+    work = None if o.session_gap_s is None else qps * context * o.session_gap_s
+    if work is not None:
+        notes.append(f"session KV working set: {work:.4g} tokens = {qps:.3g} req/s x "
+                     f"{context:.0f} context tokens x {o.session_gap_s:g} s "
+                     "between turns (given)")
+    return SessionCache(
+        observed_decode_workers=seen.current[1], kv_capacity_tokens=kv,
+        observed_running_tokens=seen.decode_kv_usage * kv,
+        decode_cached_fraction=min(seen.decode_cached_fraction, demand.cached_fraction),
+        working_set_tokens=work)

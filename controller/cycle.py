@@ -1947,9 +1947,9 @@ def _num(x: float | None) -> str:
 
 
 def _plain(d: Mapping[str, Any]) -> dict[str, Any]:
-    from controller.learning import _json_safe
+    from controller.learning import json_safe
 
-    out: dict[str, Any] = _json_safe(dict(d))
+    out: dict[str, Any] = json_safe(dict(d))
     return out
 
 

@@ -257,7 +257,7 @@ class CoreLearner:
             policy=result.policy, approved=verdict.approved, reason=verdict.reason,
             predicted_goodput_new=_finite(result.predicted_goodput_candidate),
             predicted_goodput_current=_finite(result.predicted_goodput_current),
-            heldout_error=_json_safe(result.heldout_mape()), details=_json_safe(details),
+            heldout_error=json_safe(result.heldout_mape()), details=json_safe(details),
             reference=(reference, result.model), basis=(result.model, result.grid),
         )
 
@@ -378,14 +378,14 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """NaN and infinities become None (the store keeps strict JSON)."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     if hasattr(value, "item") and callable(value.item):  # numpy scalars
-        return _json_safe(value.item())
+        return json_safe(value.item())
     return value

@@ -59,8 +59,16 @@ class ControllerMetrics:
             ["version"], registry=registry,
         )
         self.build_info.labels(version).set(1)
+        # Registration order is the order of the exposition: keep these calls in this order.
+        self._loop_metrics(registry)
+        self._rollout_metrics(registry)
+        self._learning_metrics(registry)
+        self._operator_metrics(registry)
+        self._capacity_metrics(registry)
+        self._create_children()
 
-        # The control loop.
+    def _loop_metrics(self, registry: CollectorRegistry) -> None:
+        """The control loop: cycles and scheduler jobs."""
         self.cycles = Counter(
             "pdctl_cycles", "Control cycles by result (ok, skipped, failed).",
             ["result"], registry=registry,
@@ -85,7 +93,8 @@ class ControllerMetrics:
             ["job", "reason"], registry=registry,
         )
 
-        # Rollout to routers.
+    def _rollout_metrics(self, registry: CollectorRegistry) -> None:
+        """Rollout to routers: pushes, versions, the canary."""
         self.push_duration = Histogram(
             "pdctl_push_duration_seconds", "Duration of one policy push to one router.",
             ["router"], buckets=PUSH_BUCKETS_S, registry=registry,
@@ -110,7 +119,8 @@ class ControllerMetrics:
             ["state"], registry=registry,
         )
 
-        # Drift and calibration.
+    def _learning_metrics(self, registry: CollectorRegistry) -> None:
+        """Drift, calibration and the guardrail."""
         self.drift_statistic = Gauge(
             "pdctl_drift_statistic", "Latest drift statistic, by detector and feature.",
             ["detector", "feature"], registry=registry,
@@ -133,6 +143,10 @@ class ControllerMetrics:
             "pdctl_guardrail_decisions", "Guardrail verdicts on candidate policies.",
             ["decision"], registry=registry,
         )
+        self._decision_metrics(registry)
+
+    def _decision_metrics(self, registry: CollectorRegistry) -> None:
+        """What the guardrail decided last and the policy versions that came of it."""
         self.last_decision = Gauge(
             "pdctl_last_decision_info",
             "1 for the last guardrail verdict and its reason code (one series at a time).",
@@ -160,7 +174,8 @@ class ControllerMetrics:
             registry=registry,
         )
 
-        # Operator and HA state.
+    def _operator_metrics(self, registry: CollectorRegistry) -> None:
+        """Operator and HA state."""
         self.leader = Gauge(
             "pdctl_leader", "1 while this replica holds the leader lease, else 0.",
             registry=registry,
@@ -175,8 +190,10 @@ class ControllerMetrics:
             registry=registry,
         )
 
-        # Capacity planning. Only the leader exports a recommendation (an autoscaler sums
-        # what the external-metrics query returns): followers clear these series.
+    def _capacity_metrics(self, registry: CollectorRegistry) -> None:
+        """Capacity planning and observation failures. Only the leader exports a
+        recommendation (an autoscaler sums what the external-metrics query returns):
+        followers clear these series."""
         self.recommended_workers = Gauge(
             "pdctl_recommended_workers",
             "Workers of this role the last capacity recommendation asks for (load and SLOs "
@@ -216,6 +233,9 @@ class ControllerMetrics:
             ["kind"], registry=registry,
         )
 
+    def _create_children(self) -> None:
+        """Every bounded label value exists from the first scrape, so ``rate()`` and
+        ``absent()`` see it; the canary reads ``idle``."""
         for result in CYCLE_RESULTS:
             self.cycles.labels(result)
         for job in JOBS:
@@ -230,8 +250,8 @@ class ControllerMetrics:
             self.rollbacks.labels(by)
         for kind in OBSERVE_FAILURE_KINDS:
             self.observe_failures.labels(kind)
-        # increase() over a series that appears at 1 misses that first event: an alert on
-        # repeated drift fired one event late after every restart.
+        # increase() over a series that appears at 1 misses its first event: drift events
+        # exist at 0 so that an alert on repeated drift counts the first one after a restart.
         for detector in DRIFT_DETECTORS:
             self.drift_events.labels(detector)
         self.set_canary_state("idle")

@@ -12,7 +12,7 @@ import (
 	"time"
 )
 
-// Fixed bins of the pdrouter_* metrics, copied from controller/rollout/agent_metrics.py.
+// Fixed bins of the pdrouter_* metrics, copied from controller/policy/bins.py.
 // They do not depend on the policy's axes, so series stay comparable across versions.
 var (
 	FeatureContextEdges = []float64{256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072}
@@ -37,7 +37,7 @@ const (
 )
 
 // EdgeLabel is a bin's label: its inclusive upper edge written compactly ("1024", "0.125"),
-// as edge_label in agent_metrics.py.
+// as edge_label in controller/policy/bins.py.
 func EdgeLabel(e float64) string {
 	if e == math.Trunc(e) && math.Abs(e) < 1e15 {
 		return strconv.FormatInt(int64(e), 10)

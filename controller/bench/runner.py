@@ -223,7 +223,6 @@ def run_bench(
     if unknown:
         raise ValueError(f"unknown policy {', '.join(unknown)}; expected {', '.join(POLICIES)}")
     slo = slo_of(scenario)
-    phases = scenario.phase_bounds()
     wanted = set(policies)
     need_tables = bool(wanted & {BenchPolicy.PPD_STATIC, BenchPolicy.PPD_STATIC_OVERRIDES,
                                  BenchPolicy.ADAPTIVE, BenchPolicy.ORACLE})
@@ -277,29 +276,7 @@ def run_bench(
     candidates: dict[str, RunResult] = {k: runs[k].result for k in STATIC if k in runs}
     oracle: list[OraclePick] | None = None
     if BenchPolicy.ORACLE in wanted:
-        # The controller's own overrides: the oracle bounds what its tables could do.
-        oracle_overrides = calibration_config(settings).overrides
-        for wtft, wtpot in ORACLE_RATIOS:
-            key = ratio_key(wtft, wtpot)
-            tables: list[tuple[float, Policy]] = []
-            for i, (start, end) in enumerate(phases):
-                mine = [w for k in (BenchPolicy.PD, BenchPolicy.LOCAL)
-                        for w in windows_in(windows[k], start, end)]
-                try:
-                    tables.append((start, calibrated_table(
-                        mine, slo, Weights(wtft, wtpot), i + 1,
-                        f"oracle candidate: phase {i} windows, wtft:wtpot {wtft:g}:{wtpot:g}",
-                        overrides=oracle_overrides)))
-                except ValueError as e:  # CalibrationError: too few windows in the phase
-                    notes.append(f"{key}: phase {i} has no table ({e}); previous kept")
-            if not tables:
-                continue
-            if tables[0][0] > 0:
-                tables[0] = (0.0, tables[0][1])
-            res = replay(key, tables[0][1], setup=_phase_switcher(tables))
-            candidates[key] = res
-            runs.setdefault(key, PolicyRun(res, tables=tables, policy_changes=len(tables) - 1,
-                                           adaptation_s=[None] * len(scenario.events)))
+        _oracle_candidates(scenario, windows, settings, replay, runs, candidates, notes)
         oracle = pick_per_phase(candidates)
     # Keep only what was asked for (plus oracle candidates, needed for the oracle's report).
     report_runs = {k: v for k, v in runs.items()
@@ -307,6 +284,37 @@ def run_bench(
     if BenchPolicy.ORACLE not in wanted:
         report_runs = {k: v for k, v in report_runs.items() if not k.startswith("table-")}
     return BenchRun(scenario, report_runs, candidates, oracle, notes)
+
+
+def _oracle_candidates(scenario: Scenario, windows: dict[str, list[Window]], settings: Any,
+                       replay: Callable[..., RunResult], runs: dict[str, PolicyRun],
+                       candidates: dict[str, RunResult], notes: list[str]) -> None:
+    """One run per oracle weight ratio, each phase under a table calibrated on that phase's
+    windows of the forced runs (added to ``candidates`` and ``runs``)."""
+    slo = slo_of(scenario)
+    # The controller's own overrides: the oracle bounds what its tables could do.
+    oracle_overrides = calibration_config(settings).overrides
+    for wtft, wtpot in ORACLE_RATIOS:
+        key = ratio_key(wtft, wtpot)
+        tables: list[tuple[float, Policy]] = []
+        for i, (start, end) in enumerate(scenario.phase_bounds()):
+            mine = [w for k in (BenchPolicy.PD, BenchPolicy.LOCAL)
+                    for w in windows_in(windows[k], start, end)]
+            try:
+                tables.append((start, calibrated_table(
+                    mine, slo, Weights(wtft, wtpot), i + 1,
+                    f"oracle candidate: phase {i} windows, wtft:wtpot {wtft:g}:{wtpot:g}",
+                    overrides=oracle_overrides)))
+            except ValueError as e:  # CalibrationError: too few windows in the phase
+                notes.append(f"{key}: phase {i} has no table ({e}); previous kept")
+        if not tables:
+            continue
+        if tables[0][0] > 0:
+            tables[0] = (0.0, tables[0][1])
+        res = replay(key, tables[0][1], setup=_phase_switcher(tables))
+        candidates[key] = res
+        runs.setdefault(key, PolicyRun(res, tables=tables, policy_changes=len(tables) - 1,
+                                       adaptation_s=[None] * len(scenario.events)))
 
 
 PPD_STATIC_REASON = ("ppd-static: the active calibration's grid under forced "

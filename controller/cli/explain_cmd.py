@@ -168,14 +168,14 @@ def _finite(x: Any) -> Any:
 def explain_doc(learned: Learned, turn: int, context: float, append: float, output: float,
                 qps: float) -> dict[str, Any]:
     """``controller.core.calibrate.explain`` plus the samples behind the cell."""
-    from controller.core.calibrate import _cell_uncertainty, explain
+    from controller.core.calibrate import cell_uncertainty, explain
     from controller.core.features import build_training_set
     from controller.policy import Features
 
     result = learned.result
     features = Features(turn, context, append, output, qps)
     axes = result.policy.table.axes
-    samples, spread, _ = _cell_uncertainty(build_training_set(learned.windows),
+    samples, spread, _ = cell_uncertainty(build_training_set(learned.windows),
                                            result.model, axes)
     doc = explain(result, features, rarer_route_requests=samples)
     if "cell" in doc:

@@ -166,10 +166,23 @@ def plan_active_calibration(
     qps = sorted(float(q) for q in qps_points)
     ctxs = sorted(int(c) for c in contexts)
     full = 2 * len(ctxs) * len(turns) * len(qps)
+    sessions = _shrink(qps, ctxs, len(turns), sessions_per_point, min_sessions_per_point,
+                       max_requests, max_duration_s)
+    phases = tuple(_phase(route, first_version + i, axes, slo, ctxs, turns, qps, sessions)
+                   for i, route in enumerate((Route.PREFILL_NODE, Route.DECODE_LOCAL)))
+    kept = sum(len(p.points) for p in phases)
+    return ActivePlan(phases, full - kept)
+
+
+def _shrink(qps: list[float], ctxs: list[int], n_turns: int, sessions_per_point: int,
+            min_sessions_per_point: int, max_requests: int, max_duration_s: float) -> int:
+    """The sessions per point that fit the bounds; drops points from ``qps`` and ``ctxs`` (in
+    place) when fewer sessions are not enough. Raises ``ValueError`` when one point is too
+    much."""
 
     def cost(sessions: int, qs: Sequence[float], cs: Sequence[int]) -> tuple[int, float]:
-        per_route_requests = 2 * sessions * len(turns) * len(cs) * len(qs)
-        per_route_time = sum(2 * sessions / q for q in qs) * len(turns) * len(cs)
+        per_route_requests = 2 * sessions * n_turns * len(cs) * len(qs)
+        per_route_time = sum(2 * sessions / q for q in qs) * n_turns * len(cs)
         return 2 * per_route_requests, 2 * per_route_time
 
     def fits(sessions: int, qs: Sequence[float], cs: Sequence[int]) -> bool:
@@ -189,21 +202,21 @@ def plan_active_calibration(
             f"even one load point exceeds the bounds ({max_requests} requests, "
             f"{max_duration_s:g} s): raise them or lower min_sessions_per_point"
         )
+    return sessions
 
-    phases = []
-    for i, route in enumerate((Route.PREFILL_NODE, Route.DECODE_LOCAL)):
-        points = []
-        for c in ctxs:
-            for append, out in turns:
-                for q in qps:
-                    point = LoadPoint(c, append, out, q, sessions, 2 * sessions / q, (0, 0, 0))
-                    # The cell turn 2 lands in, from the context it is sent with.
-                    cell = (bin_index(axes.context_tokens, float(point.turn2_context_tokens)),
-                            bin_index(axes.io_ratio, append / out), bin_index(axes.qps, q))
-                    points.append(replace(point, cell=cell))
-        name = "all-prefill-node" if route == Route.PREFILL_NODE else "all-decode-local"
-        phases.append(Phase(route, forced_policy(route, first_version + i, axes, slo,
-                                                 f"active calibration: {name}"),
-                            tuple(points)))
-    kept = sum(len(p.points) for p in phases)
-    return ActivePlan(tuple(phases), full - kept)
+
+def _phase(route: Route, version: int, axes: Axes, slo: Slo, ctxs: Sequence[int],
+           turns: Sequence[tuple[int, int]], qps: Sequence[float], sessions: int) -> Phase:
+    """One forced phase: every (context, turn shape, QPS) point under ``route``."""
+    points = []
+    for c in ctxs:
+        for append, out in turns:
+            for q in qps:
+                point = LoadPoint(c, append, out, q, sessions, 2 * sessions / q, (0, 0, 0))
+                # The cell turn 2 lands in, from the context it is sent with.
+                cell = (bin_index(axes.context_tokens, float(point.turn2_context_tokens)),
+                        bin_index(axes.io_ratio, append / out), bin_index(axes.qps, q))
+                points.append(replace(point, cell=cell))
+    name = "all-prefill-node" if route == Route.PREFILL_NODE else "all-decode-local"
+    return Phase(route, forced_policy(route, version, axes, slo, f"active calibration: {name}"),
+                 tuple(points))

@@ -513,7 +513,7 @@ def policy_routes_on(policy: Policy, grid: TableGrid) -> tuple[Any, FloatArray]:
     return routes, expl
 
 
-def _cell_uncertainty(ts: TrainingSet, model: LatencyModel, axes: Axes
+def cell_uncertainty(ts: TrainingSet, model: LatencyModel, axes: Axes
                       ) -> tuple[FloatArray, FloatArray, NDArray[np.bool_]]:
     """Per table cell (flattened, policy order): rarer-route samples, residual spread, seen."""
     _, n_io, n_qps = axes.shape
@@ -619,132 +619,196 @@ def calibrate(
             f"and {ts.n_rows} outcome rows"
         )
     slo = cfg.slo
-    if heldout_windows is not None:
-        hold = build_training_set(heldout_windows)
-        model = fit_latency_model(ts, slo.ttft_s, slo.tpot_s, seed=cfg.seed,
-                                  residual=cfg.residual_model,
-                                  link_changed_at=cfg.link_changed_at)
-        heldout = heldout_error(model, hold)
-        g_error = goodput_error(model, hold, slo)
-        n_hold = hold.n_windows
-    else:
-        n_hold = max(int(ts.n_windows * cfg.holdout_fraction), 1)
-        cut = ts.n_windows - n_hold
-        early = ts.subset(np.arange(cut))
-        late = ts.subset(np.arange(cut, ts.n_windows))
-        model = fit_latency_model(early, slo.ttft_s, slo.tpot_s, seed=cfg.seed,
-                                  residual=cfg.residual_model,
-                                  link_changed_at=cfg.link_changed_at)
-        heldout = heldout_error(model, late)
-        g_error = goodput_error(model, late, slo)
-        if cfg.refit_on_all:
-            model = fit_latency_model(ts, slo.ttft_s, slo.tpot_s, seed=cfg.seed,
-                                      residual=cfg.residual_model,
-                                      link_changed_at=cfg.link_changed_at)
-
+    fit = _fit_with_holdout(ts, cfg, heldout_windows)
+    model = fit.model
     live_first = current.overrides.first_turn_route if current is not None \
         else cfg.overrides.first_turn_route
     observed = table_grid(ts, cfg.axes, cfg.recent_windows, live_first)
-    n_qps = observed.qps.shape[0]
-    k = observed.context.shape[0]
+    n_qps, k = observed.qps.shape[0], observed.context.shape[0]
+    cur_routes, cur_expl, initial = _current_on(current, observed)
+    pick = _choose_routes(model, ts, observed, initial, live_first, cfg)
+    grid, fp = pick.grid, pick.point
+    ex = _exploration(model, ts, grid, fp, cfg)
+    explore_grid = ex.explore.reshape(k, n_qps).T
+
+    g_candidate, pred = predicted_goodput(model, grid, fp.routes, explore_grid, slo)
+    g_current = None
+    if current is not None:
+        g_current, _ = predicted_goodput(model, observed, cur_routes, cur_expl, slo)
+    verdict = check(g_candidate, g_current, cfg.guardrail_margin, heldout_error=fit.goodput_error,
+                    overload_below=cfg.guardrail_overload_goodput)
+    policy = _candidate_policy(ts, now, current, cfg, reason, pick, ex)
+    changed = None
+    if current is not None and current.table.axes == cfg.axes:
+        changed = sum(a != b for a, b in zip(current.table.routes, policy.table.routes,
+                                             strict=True))
+    share = float(np.dot(grid.qps_weight, (fp.routes * grid.mix[None, :]).sum(axis=1)))
+    return CalibrationResult(
+        policy=policy, verdict=verdict, weights=pick.choice, rounds=fp.rounds,
+        converged=fp.converged, predicted_goodput_candidate=g_candidate,
+        predicted_goodput_current=g_current, heldout=fit.heldout,
+        training_window_range=(float(ts.start.min()), float(ts.end.max())),
+        n_training_windows=ts.n_windows, n_heldout_windows=fit.n_heldout,
+        changed_cells=changed, model=model, grid=grid, predictions=pred, score_terms=fp.terms,
+        details=_details(share, pick, ex, cfg, fit),
+    )
+
+
+def _current_on(current: Policy | None, observed: TableGrid) -> tuple[Any, FloatArray, Any]:
+    """The live policy's routes and exploration on the observed grid (None and zeros without
+    one), and where the fixed point starts: the live routes, else all prefill-node."""
+    n_qps, k = observed.qps.shape[0], observed.context.shape[0]
     if current is not None:
         cur_routes, cur_expl = policy_routes_on(current, observed)
-        initial = cur_routes
-    else:
-        cur_routes, cur_expl = None, np.zeros((n_qps, k))
-        initial = np.zeros((n_qps, k), dtype=bool)
+        return cur_routes, cur_expl, cur_routes
+    return None, np.zeros((n_qps, k)), np.zeros((n_qps, k), dtype=bool)
 
-    def search(grid: TableGrid) -> tuple[WeightChoice, FixedPoint]:
-        results: dict[float, FixedPoint] = {}
 
-        def goodput_of_ratio(ratio: float) -> float:
-            w = Weights(wtft=ratio, wtpot=1.0) if math.isfinite(ratio) else Weights(1.0, 0.0)
-            fp = fixed_point(model, grid, w, slo, initial, 0.0, cfg.max_rounds)
-            results[ratio] = fp
-            return fp.predicted_goodput
+def _details(share: float, pick: _RoutePick, ex: _Exploration, cfg: CalibrationConfig,
+             fit: _HeldoutFit) -> dict[str, Any]:
+    pin = cfg.pinned_route
+    return {"decode_local_share": share,
+            "stable_qps_rows": [int(i) for i in np.flatnonzero(pick.point.stable_rows)],
+            "exploration_mean": float(ex.explore[ex.seen].mean()) if ex.seen.any() else 0.0,
+            "exploration_scale": ex.scale,
+            "first_turn_route": pick.first_route.name,
+            "pinned_route": pin.name if pin is not None else None,
+            "first_turn_goodput": pick.first_turn_goodput,
+            "heldout_goodput_error": fit.goodput_error}
 
-        choice = choose_weights(goodput_of_ratio, cfg.weight_ratios, cfg.pinned_weights)
-        return choice, results[choice.ratio]
 
+@dataclass(frozen=True, slots=True)
+class _HeldoutFit:
+    model: LatencyModel  # the model the policy is built on
+    heldout: dict[str, dict[str, ErrorStats]]  # its error on windows it was not fitted on
+    goodput_error: float | None
+    n_heldout: int
+
+
+def _fit(ts: TrainingSet, cfg: CalibrationConfig) -> LatencyModel:
+    return fit_latency_model(ts, cfg.slo.ttft_s, cfg.slo.tpot_s, seed=cfg.seed,
+                             residual=cfg.residual_model, link_changed_at=cfg.link_changed_at)
+
+
+def _fit_with_holdout(ts: TrainingSet, cfg: CalibrationConfig,
+                      heldout_windows: Sequence[Window] | None) -> _HeldoutFit:
+    """Judge a fit on windows it did not see: ``heldout_windows`` when given, else the last
+    ``holdout_fraction`` of ``ts`` (then, with ``refit_on_all``, the model is refitted on all
+    of ``ts``)."""
+    if heldout_windows is not None:
+        hold = build_training_set(heldout_windows)
+        model = _fit(ts, cfg)
+        return _HeldoutFit(model, heldout_error(model, hold),
+                           goodput_error(model, hold, cfg.slo), hold.n_windows)
+    n_hold = max(int(ts.n_windows * cfg.holdout_fraction), 1)
+    cut = ts.n_windows - n_hold
+    late = ts.subset(np.arange(cut, ts.n_windows))
+    model = _fit(ts.subset(np.arange(cut)), cfg)
+    heldout, g_error = heldout_error(model, late), goodput_error(model, late, cfg.slo)
+    if cfg.refit_on_all:
+        model = _fit(ts, cfg)
+    return _HeldoutFit(model, heldout, g_error, n_hold)
+
+
+@dataclass(frozen=True, slots=True)
+class _RoutePick:
+    first_route: Route  # the turn-1 override the table was built under
+    grid: TableGrid
+    choice: WeightChoice
+    point: FixedPoint
+    first_turn_goodput: dict[str, float]  # route name -> predicted goodput under it
+
+
+def _search(model: LatencyModel, grid: TableGrid, initial: Any,
+            cfg: CalibrationConfig) -> tuple[WeightChoice, FixedPoint]:
+    """The weight ratio whose fixed point predicts the best goodput, and that point."""
+    results: dict[float, FixedPoint] = {}
+
+    def goodput_of_ratio(ratio: float) -> float:
+        w = Weights(wtft=ratio, wtpot=1.0) if math.isfinite(ratio) else Weights(1.0, 0.0)
+        fp = fixed_point(model, grid, w, cfg.slo, initial, 0.0, cfg.max_rounds)
+        results[ratio] = fp
+        return fp.predicted_goodput
+
+    choice = choose_weights(goodput_of_ratio, cfg.weight_ratios, cfg.pinned_weights)
+    return choice, results[choice.ratio]
+
+
+def _choose_routes(model: LatencyModel, ts: TrainingSet, observed: TableGrid, initial: Any,
+                   live_first: Route, cfg: CalibrationConfig) -> _RoutePick:
+    """Routes and weights under the configured turn-1 override, or one pinned route; with
+    ``tune_first_turn``, the other override too when it was measured, kept only if it wins
+    by the guardrail's margin (no margin for the override the data was seen under)."""
     first_route = cfg.overrides.first_turn_route
     grid = observed.with_first_turn(first_route)
     pin = cfg.pinned_route
     if pin is not None:
         # The routes do not depend on the weights: one point, under the pinned weights.
         weights = cfg.pinned_weights or Weights()
-        fp = pinned_point(model, grid, weights, slo, pin)
+        fp = pinned_point(model, grid, weights, cfg.slo, pin)
         choice = choose_weights(lambda _: fp.predicted_goodput, cfg.weight_ratios, weights)
     else:
-        choice, fp = search(grid)
+        choice, fp = _search(model, grid, initial, cfg)
     first_turn_goodput: dict[str, float] = {first_route.name: fp.predicted_goodput}
     other = Route.DECODE_LOCAL if first_route is Route.PREFILL_NODE else Route.PREFILL_NODE
     if pin is None and cfg.tune_first_turn and _first_turn_measured(ts, other):
         alt_grid = observed.with_first_turn(other)
-        alt_choice, alt_fp = search(alt_grid)
+        alt_choice, alt_fp = _search(model, alt_grid, initial, cfg)
         first_turn_goodput[other.name] = alt_fp.predicted_goodput
-        # The override the data was seen under needs no margin; the other one does.
         need = 0.0 if other is live_first else cfg.guardrail_margin
         keep = 0.0 if first_route is live_first else cfg.guardrail_margin
         if alt_fp.predicted_goodput - need > fp.predicted_goodput - keep:
             first_route, grid, choice, fp = other, alt_grid, alt_choice, alt_fp
+    return _RoutePick(first_route, grid, choice, fp, first_turn_goodput)
 
-    # Exploration per cell (policy order: ctx, io, qps; the grid is [qps, ctx*io]).
-    samples, spread, seen = _cell_uncertainty(ts, model, cfg.axes)
+
+@dataclass(frozen=True, slots=True)
+class _Exploration:
+    explore: FloatArray  # per cell, policy order (ctx, io, qps)
+    scale: float  # what the exploration budget scaled the fractions by
+    seen: NDArray[np.bool_]  # cells with measurements
+    scores: FloatArray  # the fixed point's scores, policy order
+
+
+def _exploration(model: LatencyModel, ts: TrainingSet, grid: TableGrid, fp: FixedPoint,
+                 cfg: CalibrationConfig) -> _Exploration:
+    """Exploration per cell (policy order: ctx, io, qps; the grid is [qps, ctx*io]): from the
+    cells' uncertainty, capped by rate, priced against the budget; none under a pin."""
+    samples, spread, seen = cell_uncertainty(ts, model, cfg.axes)
     score_flat = fp.scores.T.reshape(-1)  # [(ctx*io), qps] -> policy order
     explore = exploration_fractions(samples, spread, score_flat, seen, cfg.exploration)
     explore = np.minimum(explore, _rate_capped_share(grid, cfg.exploration_max_rate))
     explore, explore_scale = _price_exploration(
-        model, grid, fp.routes, explore, seen, cfg.exploration.floor, cfg.exploration_budget, slo)
-    if pin is not None:
+        model, grid, fp.routes, explore, seen, cfg.exploration.floor, cfg.exploration_budget,
+        cfg.slo)
+    if cfg.pinned_route is not None:
         explore, explore_scale = np.zeros_like(explore), 0.0
-    routes_flat = fp.routes.T.reshape(-1)
-    explore_grid = explore.reshape(k, n_qps).T
+    return _Exploration(explore, explore_scale, seen, score_flat)
 
-    g_candidate, pred = predicted_goodput(model, grid, fp.routes, explore_grid, slo)
-    g_current = None
-    if current is not None:
-        g_current, _ = predicted_goodput(model, observed, cur_routes, cur_expl, slo)
-    verdict = check(g_candidate, g_current, cfg.guardrail_margin, heldout_error=g_error,
-                    overload_below=cfg.guardrail_overload_goodput)
 
+def _candidate_policy(ts: TrainingSet, now: float, current: Policy | None,
+                      cfg: CalibrationConfig, reason: str, pick: _RoutePick,
+                      ex: _Exploration) -> Policy:
+    """The candidate: the next version after ``current`` (1 without one)."""
+    routes_flat = pick.point.routes.T.reshape(-1)
     table = LookupTable(
         axes=cfg.axes,
         routes=tuple(Route.DECODE_LOCAL if r else Route.PREFILL_NODE for r in routes_flat),
-        scores=tuple(float(np.clip(s, -1e6, 1e6)) for s in score_flat),
-        exploration=tuple(float(e) for e in explore),
+        scores=tuple(float(np.clip(s, -1e6, 1e6)) for s in ex.scores),
+        exploration=tuple(float(e) for e in ex.explore),
     )
-    policy = Policy(
+    return Policy(
         version=(current.version + 1) if current is not None else 1,
         table=table,
-        weights=choice.weights,
-        slo=slo,
-        overrides=replace(cfg.overrides, first_turn_route=first_route),
+        weights=pick.choice.weights,
+        slo=cfg.slo,
+        overrides=replace(cfg.overrides, first_turn_route=pick.first_route),
         default_route=cfg.default_route,
         provenance=Provenance(
             created_at=_to_datetime(now), reason=reason, created_by="pd-controller calibrate",
             trained_from=_to_datetime(float(ts.start.min())),
             trained_to=_to_datetime(float(ts.end.max())),
         ),
-    )
-    changed = None
-    if current is not None and current.table.axes == cfg.axes:
-        changed = sum(a != b for a, b in zip(current.table.routes, table.routes, strict=True))
-    share = float(np.dot(grid.qps_weight, (fp.routes * grid.mix[None, :]).sum(axis=1)))
-    return CalibrationResult(
-        policy=policy, verdict=verdict, weights=choice, rounds=fp.rounds,
-        converged=fp.converged, predicted_goodput_candidate=g_candidate,
-        predicted_goodput_current=g_current, heldout=heldout,
-        training_window_range=(float(ts.start.min()), float(ts.end.max())),
-        n_training_windows=ts.n_windows, n_heldout_windows=n_hold, changed_cells=changed,
-        model=model, grid=grid, predictions=pred, score_terms=fp.terms,
-        details={"decode_local_share": share,
-                 "stable_qps_rows": [int(i) for i in np.flatnonzero(fp.stable_rows)],
-                 "exploration_mean": float(explore[seen].mean()) if seen.any() else 0.0,
-                 "exploration_scale": explore_scale,
-                 "first_turn_route": first_route.name,
-                 "pinned_route": pin.name if pin is not None else None,
-                 "first_turn_goodput": first_turn_goodput,
-                 "heldout_goodput_error": g_error},
     )
 
 
@@ -758,7 +822,7 @@ def explain(result: CalibrationResult, features: Features,
     """What ``pdctl explain`` shows: predictions per route for the features' cell (under the
     load the policy creates), the score, the weights, the decision and its confidence.
 
-    ``rarer_route_requests`` (per cell, policy order; from :func:`_cell_uncertainty`): a
+    ``rarer_route_requests`` (per cell, policy order; from :func:`cell_uncertainty`): a
     cell where one route was never measured is an extrapolation for that route, whatever
     its score."""
     policy = result.policy

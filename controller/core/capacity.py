@@ -505,37 +505,10 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
     """``demand_for(workers)``: the demand a pool of that many prefill workers sees (their
     prefix caches hold some of the sessions' KV); None: ``demand`` at every count."""
     rate = demand.prefill_rate
-    tokens = demand.prefill_node_tokens
-    laws = _prefill_laws(p, demand)
-    by_count: dict[int, tuple[CapacityDemand, tuple[np.ndarray, np.ndarray]]] = {}
-
-    def at_count(workers: int) -> tuple[CapacityDemand, tuple[np.ndarray, np.ndarray]]:
-        if demand_for is None:
-            return demand, laws
-        if workers not in by_count:
-            dem = demand_for(workers)
-            by_count[workers] = (dem, _prefill_laws(p, dem))
-        return by_count[workers]
-    mean_s = float(laws[0].mean())
-    factors, _ = demand.rate_levels()
-    lines = [
-        f"prefill-node requests: {rate:.3g} req/s ({1 - demand.decode_local_share:.0%} of "
-        f"{demand.qps:.3g} req/s), {tokens:.0f} uncached tokens each "
-        f"({demand.cached_fraction:.0%} of prompt tokens cached, decode-local computes "
-        f"{demand.local_append_tokens:.0f} tokens on {demand.decode_local_share:.0%} of requests)",
-        f"service {mean_s * 1e3:.1f} ms/request => at most {1 / mean_s:.3g} req/s per worker "
-        "when saturated",
-    ]
-    if factors.size > 1:
-        lines.append(f"arrival rate varies: windows of {demand.profile_window_s:g} s from "
-                     f"{factors[0]:.2g}x to {factors[-1]:.2g}x the mean, in their observed "
-                     "order; the p99 is over the requests of all of them")
-
-    def p99(x: float, workers: int) -> float:
-        dem, dem_laws = at_count(workers)
-        return prefill_state(p, dem, x, decode_step_s, dem_laws, workers).p99_ttft_s
-
-    zero = p99(0.0, 1)
+    pool = _PrefillPool(p, demand, decode_step_s, demand_for)
+    mean_s = float(pool.laws[0].mean())
+    lines = _prefill_demand_lines(demand, mean_s)
+    zero = pool.p99(0.0, 1)
     # An SLO below the unloaded p99 cannot be met by any count: plan for a p99 close to that
     # floor instead (a tighter SLO never asks for fewer workers than a looser one).
     target = max(slo_ttft_s, UNREACHABLE_SLACK * zero)
@@ -543,29 +516,9 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
         lines.append(f"p99 TTFT is {zero:.3g} s even with no queueing, above the "
                      f"{slo_ttft_s:g} s SLO: no prefill count meets it; sized for a p99 of "
                      f"{target:.3g} s instead")
-    # The pool is one queue (least-pending-work dispatch): its p99 depends on the count, not
-    # only on the load per worker, so the count is searched, from the throughput bound up.
     load = rate * (1.0 + headroom)
-    def saturated_at(workers: int) -> bool:  # the count's mean service beyond the bound
-        return load * float(at_count(workers)[1][0].mean()) > \
-            workers * MAX_PREFILL_UTILISATION * (1 + 1e-9)
-
-    saturated = max(1, math.ceil(load * mean_s / MAX_PREFILL_UTILISATION - 1e-9))
-    if saturated > MAX_WORKERS:  # before simulating a pool that size
-        _beyond_range(rate, saturated)
-    # more workers may hold more session KV (fewer tokens each): a smaller count can be the
-    # throughput bound then
-    while saturated > 1 and not saturated_at(saturated - 1):
-        saturated -= 1
-    while saturated < MAX_WORKERS and saturated_at(saturated):
-        saturated += 1
-    workers = saturated
-    if load > 0:
-        while workers < MAX_WORKERS and p99(load / workers, workers) > target:
-            workers += 1
-    if saturated_at(workers) or (load > 0 and p99(load / workers, workers) > target):
-        _beyond_range(rate, workers)  # the searches stopped at MAX_WORKERS
-    final, final_laws = at_count(workers)
+    saturated, workers = _prefill_count(pool, rate, load, mean_s, target)
+    final, final_laws = pool.at_count(workers)
     if final is not demand:
         mean_s = float(final_laws[0].mean())
         lines.append(f"at {workers} prefill worker(s) their prefix caches hold some of the "
@@ -574,10 +527,10 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
                      f"request, service {mean_s * 1e3:.1f} ms")
     saturation = MAX_PREFILL_UTILISATION / mean_s
     # largest rate per worker this pool carries within the target (the recommendation's
-    # capacity): at least the planned load, which it was found to meet
-    floor = load / workers  # the search found it within the target
+    # capacity): at least the planned load, which the search found within the target
+    floor = load / workers
     # each step simulates the pool: 1/65,000 of saturation is precise enough
-    cap = _largest(lambda x: x <= floor or p99(x, workers) <= target, saturation, 16)
+    cap = _largest(lambda x: x <= floor or pool.p99(x, workers) <= target, saturation, 16)
     if zero > slo_ttft_s:
         binding = "p99 TTFT (unreachable)"
     elif workers == saturated and cap >= saturation * (1 - 1e-9):
@@ -591,25 +544,110 @@ def _plan_prefill(p: ComponentParams, demand: CapacityDemand, slo_ttft_s: float,
                      "queue for the pool, simulated over the rate profile)")
     cap = max(cap, 1e-12)
     at = prefill_state(p, final, rate / workers, decode_step_s, final_laws, workers)
-    lines.append(f"{workers} worker(s): the fewest whose p99 TTFT at {rate:.3g} x "
-                 f"{1 + headroom:g} headroom req/s is within {target:.3g} s; predicted p99 "
-                 f"TTFT {at.p99_ttft_s:.3g} s at {at.utilisation:.0%} busy")
-    if workers > 1:
-        fewer = p99(rate / (workers - 1), workers - 1)
-        lines.append(f"with {workers - 1} at the demand itself ({rate:.3g} req/s): "
-                     f"predicted p99 TTFT {fewer:.3g} s")
-    extrapolated = observed is None or rate / workers > observed.prefill_rate_per_worker * 1.05
-    if observed is None:
-        lines.append("no observed load range: the model is not checked against measurements")
-    elif extrapolated:
-        lines.append(f"extrapolated: {rate / workers:.3g} req/s per worker is beyond the "
-                     f"observed {observed.prefill_rate_per_worker:.3g}")
+    lines += _prefill_outcome_lines(pool, workers, rate, headroom, target, at, observed)
     return RoleRecommendation(
         role="prefill", workers=workers, current_workers=current, per_worker_capacity=cap,
         capacity_unit="req/s", demand=rate,
         utilisation=rate / (workers * cap), binding=binding,
-        predicted_p99_s=at.p99_ttft_s, extrapolated=extrapolated, explanation=tuple(lines),
+        predicted_p99_s=at.p99_ttft_s, extrapolated=_prefill_extrapolated(rate / workers,
+                                                                          observed),
+        explanation=tuple(lines),
     )
+
+
+class _PrefillPool:
+    """A prefill pool's service laws by worker count, memoised: with ``demand_for``, more
+    workers hold more session KV (fewer uncached tokens each)."""
+
+    def __init__(self, p: ComponentParams, demand: CapacityDemand, decode_step_s: float,
+                 demand_for: Callable[[int], CapacityDemand] | None) -> None:
+        self.p, self.demand, self.decode_step_s = p, demand, decode_step_s
+        self.demand_for = demand_for
+        self.laws = _prefill_laws(p, demand)
+        self.by_count: dict[int, tuple[CapacityDemand, tuple[np.ndarray, np.ndarray]]] = {}
+
+    def at_count(self, workers: int) -> tuple[CapacityDemand, tuple[np.ndarray, np.ndarray]]:
+        if self.demand_for is None:
+            return self.demand, self.laws
+        if workers not in self.by_count:
+            dem = self.demand_for(workers)
+            self.by_count[workers] = (dem, _prefill_laws(self.p, dem))
+        return self.by_count[workers]
+
+    def p99(self, x: float, workers: int) -> float:
+        """p99 TTFT at ``x`` req/s per worker with ``workers`` workers."""
+        dem, dem_laws = self.at_count(workers)
+        return prefill_state(self.p, dem, x, self.decode_step_s, dem_laws, workers).p99_ttft_s
+
+    def saturated_at(self, workers: int, load: float) -> bool:
+        """The count's mean service time beyond the throughput bound at ``load``."""
+        return load * float(self.at_count(workers)[1][0].mean()) > \
+            workers * MAX_PREFILL_UTILISATION * (1 + 1e-9)
+
+
+def _prefill_count(pool: _PrefillPool, rate: float, load: float, mean_s: float,
+                   target: float) -> tuple[int, int]:
+    """(the throughput bound's count, the fewest workers whose p99 TTFT meets ``target``).
+
+    The pool is one queue (least-pending-work dispatch): its p99 depends on the count, not
+    only on the load per worker, so the count is searched, from the throughput bound up."""
+    saturated = max(1, math.ceil(load * mean_s / MAX_PREFILL_UTILISATION - 1e-9))
+    if saturated > MAX_WORKERS:  # before simulating a pool that size
+        _beyond_range(rate, saturated)
+    # more workers may hold more session KV (fewer tokens each): a smaller count can be the
+    # throughput bound then
+    while saturated > 1 and not pool.saturated_at(saturated - 1, load):
+        saturated -= 1
+    while saturated < MAX_WORKERS and pool.saturated_at(saturated, load):
+        saturated += 1
+    workers = saturated
+    if load > 0:
+        while workers < MAX_WORKERS and pool.p99(load / workers, workers) > target:
+            workers += 1
+    if pool.saturated_at(workers, load) or (load > 0 and pool.p99(load / workers, workers)
+                                            > target):
+        _beyond_range(rate, workers)  # the searches stopped at MAX_WORKERS
+    return saturated, workers
+
+
+def _prefill_demand_lines(demand: CapacityDemand, mean_s: float) -> list[str]:
+    rate, tokens = demand.prefill_rate, demand.prefill_node_tokens
+    factors, _ = demand.rate_levels()
+    lines = [
+        f"prefill-node requests: {rate:.3g} req/s ({1 - demand.decode_local_share:.0%} of "
+        f"{demand.qps:.3g} req/s), {tokens:.0f} uncached tokens each "
+        f"({demand.cached_fraction:.0%} of prompt tokens cached, decode-local computes "
+        f"{demand.local_append_tokens:.0f} tokens on {demand.decode_local_share:.0%} of requests)",
+        f"service {mean_s * 1e3:.1f} ms/request => at most {1 / mean_s:.3g} req/s per worker "
+        "when saturated",
+    ]
+    if factors.size > 1:
+        lines.append(f"arrival rate varies: windows of {demand.profile_window_s:g} s from "
+                     f"{factors[0]:.2g}x to {factors[-1]:.2g}x the mean, in their observed "
+                     "order; the p99 is over the requests of all of them")
+    return lines
+
+
+def _prefill_outcome_lines(pool: _PrefillPool, workers: int, rate: float, headroom: float,
+                           target: float, at: PrefillState,
+                           observed: ObservedRange | None) -> list[str]:
+    lines = [f"{workers} worker(s): the fewest whose p99 TTFT at {rate:.3g} x "
+             f"{1 + headroom:g} headroom req/s is within {target:.3g} s; predicted p99 "
+             f"TTFT {at.p99_ttft_s:.3g} s at {at.utilisation:.0%} busy"]
+    if workers > 1:
+        fewer = pool.p99(rate / (workers - 1), workers - 1)
+        lines.append(f"with {workers - 1} at the demand itself ({rate:.3g} req/s): "
+                     f"predicted p99 TTFT {fewer:.3g} s")
+    if observed is None:
+        lines.append("no observed load range: the model is not checked against measurements")
+    elif _prefill_extrapolated(rate / workers, observed):
+        lines.append(f"extrapolated: {rate / workers:.3g} req/s per worker is beyond the "
+                     f"observed {observed.prefill_rate_per_worker:.3g}")
+    return lines
+
+
+def _prefill_extrapolated(per_worker: float, observed: ObservedRange | None) -> bool:
+    return observed is None or per_worker > observed.prefill_rate_per_worker * 1.05
 
 
 # ---------------------------------------------------------------------------------------------
@@ -704,7 +742,6 @@ def _plan_decode(p: ComponentParams, demand: CapacityDemand, slo_tpot_s: float,
     u = p.step_per_seq_s + p.step_per_ctx_token_s * ctx
     prefill_ratio = demand.decode_prefill_tokens_per_s / d if d > 0 else 0.0
     hi = 1.0 / (u + p.step_per_prefill_token_s * prefill_ratio)  # the pool's throughput limit
-    peak = demand.peak_factor()
     lines = [
         f"decode: {d:.4g} generated tokens/s ({demand.qps:.3g} req/s x "
         f"{demand.output_tokens:.0f} tokens), {demand.decode_prefill_tokens_per_s:.4g} prefill "
@@ -713,43 +750,8 @@ def _plan_decode(p: ComponentParams, demand: CapacityDemand, slo_tpot_s: float,
         f"{p.step_per_prefill_token_s * 1e6:.1f} us x prefill tokens/s) at "
         f"{ctx:.0f} mean resident context tokens",
     ]
-    # Near the step floor the per-worker load allowed goes to zero and the count to
-    # infinity; below it no count meets the SLO. Either way: plan for a p99 TPOT 10 % above
-    # the floor (as prefill does), so a tighter SLO never asks for fewer workers.
-    target = max(slo_tpot_s, UNREACHABLE_SLACK * p.step_base_s)
-    candidates: list[tuple[float, str]] = []
-    tpot_cap = _largest(lambda x: decode_state(p, demand, x).p99_tpot_s <= target, hi * 0.999)
-    if p.step_base_s > slo_tpot_s:
-        lines.append(f"p99 TPOT: the step floor {p.step_base_s * 1e3:.1f} ms is above the "
-                     f"{slo_tpot_s:g} s SLO: no decode count meets it; sized for a p99 of "
-                     f"{target * 1e3:.2f} ms instead")
-        candidates.append((tpot_cap, "p99 TPOT (unreachable)"))
-    else:
-        if target > slo_tpot_s:
-            lines.append(f"p99 TPOT: the {slo_tpot_s:g} s SLO is within "
-                         f"{UNREACHABLE_SLACK - 1:.0%} of the step floor "
-                         f"{p.step_base_s * 1e3:.2f} ms, met only as the load per worker goes "
-                         f"to zero; sized for a p99 of {target * 1e3:.2f} ms instead")
-        candidates.append((tpot_cap, "p99 TPOT"))
-    if kv_capacity_tokens is not None and kv_capacity_tokens > 0:
-        max_batch_kv = kv_batch_limit(kv_capacity_tokens, demand)
-        if max_batch_kv < 1.0:
-            raise CapacityError(
-                f"a decode worker's KV cache of {kv_capacity_tokens:.0f} tokens cannot hold one "
-                f"sequence of {ctx:.0f} tokens on average (at the p99 of its length): no decode "
-                "count serves this load; check --kv-tokens")
-        kv_cap = _largest(lambda x: _decode_level(p, demand, x * peak)[1] <= max_batch_kv,
-                          hi * 0.999 / peak)
-        candidates.append((kv_cap, "KV cache"))
-        lines.append(f"KV cache: {kv_capacity_tokens:.0f} tokens hold {max_batch_kv:.0f} "
-                     f"sequences of {ctx:.0f} tokens on average at the p99 of their total "
-                     f"(checked at the p99 request's rate, {peak:.2g}x the mean)")
-    else:
-        lines.append("KV cache: not checked (the pool size per decode worker is not known)")
-    if max_num_seqs is not None and max_num_seqs > 0:
-        seq_cap = _largest(lambda x: _decode_level(p, demand, x * peak)[1] <= max_num_seqs,
-                           hi * 0.999 / peak)
-        candidates.append((seq_cap, "max_num_seqs"))
+    candidates = [_decode_tpot_limit(p, demand, slo_tpot_s, hi, lines)]
+    candidates += _decode_memory_limits(p, demand, hi, kv_capacity_tokens, max_num_seqs, lines)
     cap, binding = min(candidates, key=lambda c: c[0])
     if binding == "p99 TPOT" and cap >= hi * 0.998:
         binding = "compute saturation"
@@ -777,6 +779,58 @@ def _plan_decode(p: ComponentParams, demand: CapacityDemand, slo_tpot_s: float,
         capacity_unit="tokens/s", demand=d, utilisation=d / (workers * cap), binding=binding,
         predicted_p99_s=at.p99_tpot_s, extrapolated=extrapolated, explanation=tuple(lines),
     )
+
+
+def _decode_tpot_limit(p: ComponentParams, demand: CapacityDemand, slo_tpot_s: float,
+                       hi: float, lines: list[str]) -> tuple[float, str]:
+    """The largest tokens/s per worker whose p99 TPOT meets the target, and its name.
+
+    Near the step floor the per-worker load allowed goes to zero and the count to infinity;
+    below it no count meets the SLO. Either way the target is a p99 TPOT 10 % above the floor
+    (as prefill does), so a tighter SLO never asks for fewer workers."""
+    target = max(slo_tpot_s, UNREACHABLE_SLACK * p.step_base_s)
+    tpot_cap = _largest(lambda x: decode_state(p, demand, x).p99_tpot_s <= target, hi * 0.999)
+    if p.step_base_s > slo_tpot_s:
+        lines.append(f"p99 TPOT: the step floor {p.step_base_s * 1e3:.1f} ms is above the "
+                     f"{slo_tpot_s:g} s SLO: no decode count meets it; sized for a p99 of "
+                     f"{target * 1e3:.2f} ms instead")
+        return tpot_cap, "p99 TPOT (unreachable)"
+    if target > slo_tpot_s:
+        lines.append(f"p99 TPOT: the {slo_tpot_s:g} s SLO is within "
+                     f"{UNREACHABLE_SLACK - 1:.0%} of the step floor "
+                     f"{p.step_base_s * 1e3:.2f} ms, met only as the load per worker goes "
+                     f"to zero; sized for a p99 of {target * 1e3:.2f} ms instead")
+    return tpot_cap, "p99 TPOT"
+
+
+def _decode_memory_limits(p: ComponentParams, demand: CapacityDemand, hi: float,
+                          kv_capacity_tokens: float | None, max_num_seqs: int | None,
+                          lines: list[str]) -> list[tuple[float, str]]:
+    """The tokens/s per worker the KV cache and ``max_num_seqs`` allow (checked at the p99
+    request's rate), when known."""
+    ctx = demand.input_tokens + demand.output_tokens / 2.0
+    peak = demand.peak_factor()
+    limits: list[tuple[float, str]] = []
+    if kv_capacity_tokens is not None and kv_capacity_tokens > 0:
+        max_batch_kv = kv_batch_limit(kv_capacity_tokens, demand)
+        if max_batch_kv < 1.0:
+            raise CapacityError(
+                f"a decode worker's KV cache of {kv_capacity_tokens:.0f} tokens cannot hold one "
+                f"sequence of {ctx:.0f} tokens on average (at the p99 of its length): no decode "
+                "count serves this load; check --kv-tokens")
+        kv_cap = _largest(lambda x: _decode_level(p, demand, x * peak)[1] <= max_batch_kv,
+                          hi * 0.999 / peak)
+        limits.append((kv_cap, "KV cache"))
+        lines.append(f"KV cache: {kv_capacity_tokens:.0f} tokens hold {max_batch_kv:.0f} "
+                     f"sequences of {ctx:.0f} tokens on average at the p99 of their total "
+                     f"(checked at the p99 request's rate, {peak:.2g}x the mean)")
+    else:
+        lines.append("KV cache: not checked (the pool size per decode worker is not known)")
+    if max_num_seqs is not None and max_num_seqs > 0:
+        seq_cap = _largest(lambda x: _decode_level(p, demand, x * peak)[1] <= max_num_seqs,
+                           hi * 0.999 / peak)
+        limits.append((seq_cap, "max_num_seqs"))
+    return limits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -924,12 +978,7 @@ def plan_capacity(
     point of decode count -> held session KV -> shares -> decode count, at most
     ``MAX_SHAPE_ROUNDS`` rounds), and prefill is planned on the demand at that decode count.
     """
-    for name, v in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
-        if not math.isfinite(v) or v <= 0:
-            raise CapacityError(f"{name}: must be > 0, got {v!r}")
-    if not math.isfinite(headroom) or not 0 <= headroom <= MAX_HEADROOM:
-        raise CapacityError(f"headroom: must be between 0 and {MAX_HEADROOM:g} (a fraction: "
-                            f"0.2 is 20 % spare), got {headroom!r}")
+    _check_plan_inputs(slo_ttft_s, slo_tpot_s, headroom)
     stay_s = demand.output_tokens * slo_tpot_s
 
     def plan_decode(dem: CapacityDemand) -> tuple[CapacityDemand, RoleRecommendation]:
@@ -956,11 +1005,7 @@ def plan_capacity(
         step = params.step_base_s
     demand_for = None
     if session_cache is not None and shaped is not demand:
-        cache, (workers_d, running) = session_cache, shape_at
-
-        def demand_for(prefill_workers: int) -> CapacityDemand:
-            return demand_at_shape(demand, cache, workers_d, running, prefill_workers)[0]
-
+        demand_for = _prefill_demand_for(demand, session_cache, *shape_at)
     prefill = _plan_prefill(params, shaped, slo_ttft_s, headroom,
                             current[0] if current else None, observed, step, demand_for)
     if shape_lines:
@@ -969,6 +1014,25 @@ def plan_capacity(
     return CapacityPlan(prefill=prefill, decode=decode, demand=demand, slo_ttft_s=slo_ttft_s,
                         slo_tpot_s=slo_tpot_s, headroom=headroom,
                         demand_at_shape=shaped if session_cache is not None else None)
+
+
+def _check_plan_inputs(slo_ttft_s: float, slo_tpot_s: float, headroom: float) -> None:
+    for name, v in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
+        if not math.isfinite(v) or v <= 0:
+            raise CapacityError(f"{name}: must be > 0, got {v!r}")
+    if not math.isfinite(headroom) or not 0 <= headroom <= MAX_HEADROOM:
+        raise CapacityError(f"headroom: must be between 0 and {MAX_HEADROOM:g} (a fraction: "
+                            f"0.2 is 20 % spare), got {headroom!r}")
+
+
+def _prefill_demand_for(demand: CapacityDemand, cache: SessionCache, workers_d: int,
+                        running: float) -> Callable[[int], CapacityDemand]:
+    """The demand a pool of that many prefill workers sees, at the planned decode shape."""
+
+    def demand_for(prefill_workers: int) -> CapacityDemand:
+        return demand_at_shape(demand, cache, workers_d, running, prefill_workers)[0]
+
+    return demand_for
 
 
 def _joint_decode_shape(

@@ -19,14 +19,16 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controller.core.window import Histogram, Window, WorkerStats
-from controller.policy.model import DEFAULT_CONTEXT_EDGES, DEFAULT_IO_RATIO_EDGES, Route
+from controller.policy.bins import FEATURE_CONTEXT_EDGES, FEATURE_IO_RATIO_EDGES
+from controller.policy.model import Route
 
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
 
-# Router bins: inclusive upper edges of the default axes, index len(edges) = beyond the last.
-ROUTER_CONTEXT_EDGES: tuple[float, ...] = tuple(float(e) for e in DEFAULT_CONTEXT_EDGES)
-ROUTER_IO_EDGES: tuple[float, ...] = tuple(float(e) for e in DEFAULT_IO_RATIO_EDGES)
+# Router bins: the routers' fixed feature bins (controller.policy.bins), index len(edges) =
+# beyond the last.
+ROUTER_CONTEXT_EDGES: tuple[float, ...] = FEATURE_CONTEXT_EDGES
+ROUTER_IO_EDGES: tuple[float, ...] = FEATURE_IO_RATIO_EDGES
 N_CTX_BINS = len(ROUTER_CONTEXT_EDGES) + 1
 N_IO_BINS = len(ROUTER_IO_EDGES) + 1
 N_ROUTER_CELLS = N_CTX_BINS * N_IO_BINS
@@ -185,49 +187,85 @@ def histogram_mean(h: Histogram | None, representatives: FloatArray | None = Non
 def build_training_set(windows: Sequence[Window]) -> TrainingSet:
     """One pass over ``windows`` (any order; kept as given)."""
     n = len(windows)
-    start = np.empty(n)
-    end = np.empty(n)
-    interval = np.empty(n)
-    n_p = np.zeros(n)
-    n_d = np.zeros(n)
-    qps = np.zeros(n)
-    n_routers = np.zeros(n)
-    out_tokens = np.full(n, np.nan)
-    rate = np.zeros((n, N_ROUTER_CELLS, 2))
-
-    # outcome rows (one per router x route x cell), aggregated over routers below; taken
-    # from the windows' packed columns, never one Python object per row
-    outcome_ints: list[bytes] = []
-    outcome_floats: list[bytes] = []
-    outcomes_per_window = np.zeros(n, dtype=np.int64)
-
-    pf_rows: list[tuple[int, float, float, float]] = []  # (w, prefill_s, tokens, count)
-    pq_rows: list[tuple[int, float, float, float, float]] = []  # (w, queue_s, rho, s, count)
-    kv_rows: list[tuple[int, float, float, float, float]] = []  # (w, t, bytes, busy, count)
-    dec_rows: list[tuple[int, float, float, float, float]] = []  # (w, itl, running, pf_tps, cnt)
-    bytes_per_token: list[float] = []
-
+    cols = _WindowColumns(n)
     for i, win in enumerate(windows):
+        cols.add(i, win)
+    out_tokens = np.where(np.isfinite(cols.out_tokens), cols.out_tokens,
+                          np.nanmedian(cols.out_tokens) if np.isfinite(cols.out_tokens).any()
+                          else DEFAULT_OUTPUT_TOKENS)
+    o = spread_bin_totals(outcome_matrix(b"".join(cols.outcome_ints),
+                                         b"".join(cols.outcome_floats), cols.outcomes_per_window))
+    ow = o[:, 0].astype(np.int64)
+    cells = (np.clip(o[:, 1], 0, N_CTX_BINS - 1) * N_IO_BINS
+             + np.clip(o[:, 2], 0, N_IO_BINS - 1)).astype(np.int64)
+    route_col = o[:, 3].astype(np.int64)
+    rate = np.zeros((n, N_ROUTER_CELLS, 2))
+    np.add.at(rate, (ow, cells, route_col), o[:, 4] / cols.interval[ow])
+    req_w = np.bincount(ow, weights=o[:, 4], minlength=n)
+    met_w = np.bincount(ow, weights=o[:, 5], minlength=n)
+    goodput = np.where(req_w > 0, met_w / np.where(req_w > 0, req_w, 1.0), np.nan)
+    ctx_mean = decode_context_mean(rate, out_tokens)
+    rw, rc, rr, a = _outcome_rows(o, ow, cells, route_col)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ttft = np.where(a[:, 3] > 0, a[:, 2] / np.where(a[:, 3] > 0, a[:, 3], 1.0), np.nan)
+        tpot = np.where(a[:, 5] > 0, a[:, 4] / np.where(a[:, 5] > 0, a[:, 5], 1.0), np.nan)
+    return TrainingSet(
+        start=cols.start, end=cols.end, interval_s=cols.interval, n_prefill=cols.n_p,
+        n_decode=cols.n_d, cluster_qps=cols.qps, n_routers=cols.n_routers,
+        output_tokens=out_tokens, goodput=goodput, rate=rate,
+        row_window=rw.astype(np.int64), row_cell=rc.astype(np.int64),
+        row_route=rr.astype(np.int64), row_requests=a[:, 0], row_met=a[:, 1],
+        row_ttft=ttft, row_ttft_count=a[:, 3], row_tpot=tpot, row_tpot_count=a[:, 5],
+        prefill=_worker_rows(cols.pf_rows, 1), prefill_queue=_worker_rows(cols.pq_rows, 2),
+        kv_transfer=_worker_rows(cols.kv_rows, 2),
+        decode_step=_decode_step_rows(cols.dec_rows, ctx_mean),
+        kv_bytes_per_token=(float(np.median(cols.bytes_per_token)) if cols.bytes_per_token
+                            else None),
+    )
+
+
+class _WindowColumns:
+    """Per-window columns and per-worker component rows, filled one window at a time."""
+
+    def __init__(self, n: int) -> None:
+        self.start = np.empty(n)
+        self.end = np.empty(n)
+        self.interval = np.empty(n)
+        self.n_p = np.zeros(n)
+        self.n_d = np.zeros(n)
+        self.qps = np.zeros(n)
+        self.n_routers = np.zeros(n)
+        self.out_tokens = np.full(n, np.nan)
+        # outcome rows (one per router x route x cell), aggregated over routers later; taken
+        # from the windows' packed columns, never one Python object per row
+        self.outcome_ints: list[bytes] = []
+        self.outcome_floats: list[bytes] = []
+        self.outcomes_per_window = np.zeros(n, dtype=np.int64)
+        self.pf_rows: list[tuple[int, float, float, float]] = []  # (w, prefill_s, tokens, n)
+        self.pq_rows: list[tuple[int, float, float, float, float]] = []  # (w, queue_s, rho, s, n)
+        self.kv_rows: list[tuple[int, float, float, float, float]] = []  # (w, t, bytes, busy, n)
+        self.dec_rows: list[tuple[int, float, float, float, float]] = []  # (w, itl, run, tps, n)
+        self.bytes_per_token: list[float] = []
+
+    def add(self, i: int, win: Window) -> None:
         iv = win.interval_s
-        start[i], end[i], interval[i] = win.start, win.end, iv
+        self.start[i], self.end[i], self.interval[i] = win.start, win.end, iv
         prefill_workers = [w for w in win.workers if w.role == "prefill"]
         decode_workers = [w for w in win.workers if w.role == "decode"]
         roles = win.roles
-        n_p[i] = roles["prefill"].workers if "prefill" in roles else len(prefill_workers)
-        n_d[i] = roles["decode"].workers if "decode" in roles else len(decode_workers)
-
+        self.n_p[i] = roles["prefill"].workers if "prefill" in roles else len(prefill_workers)
+        self.n_d[i] = roles["decode"].workers if "decode" in roles else len(decode_workers)
         packed = win.outcomes.columns
-        outcome_ints.append(packed.ints)
-        outcome_floats.append(packed.floats)
-        outcomes_per_window[i] = packed.n
+        self.outcome_ints.append(packed.ints)
+        self.outcome_floats.append(packed.floats)
+        self.outcomes_per_window[i] = packed.n
         routers = win.workload.qps_by_router
         if routers:
-            qps[i] = math.fsum(routers.values())
-            n_routers[i] = len(routers)
+            self.qps[i] = math.fsum(routers.values())
+            self.n_routers[i] = len(routers)
         else:
-            qps[i] = math.fsum(packed.float_column("requests")) / iv
-            n_routers[i] = 1.0
-
+            self.qps[i] = math.fsum(packed.float_column("requests")) / iv
+            self.n_routers[i] = 1.0
         gen = finished = 0.0
         for w in decode_workers:
             f = _finished(w, iv)
@@ -235,88 +273,77 @@ def build_training_set(windows: Sequence[Window]) -> TrainingSet:
                 gen += w.generation_tokens
                 finished += f
         if finished > 0:
-            out_tokens[i] = gen / finished
+            self.out_tokens[i] = gen / finished
+        p_tokens = self._add_prefill(i, iv, prefill_workers)
+        self._add_transfers(i, iv, win.workers, p_tokens)
+        self._add_decode(i, iv, decode_workers)
 
+    def _add_prefill(self, i: int, iv: float, workers: Sequence[WorkerStats]) -> list[float]:
+        """Prefill time and queueing rows; returns the per-worker computed tokens/request."""
         p_tokens: list[float] = []
-        for w in prefill_workers:
+        for w in workers:
             f = _finished(w, iv)
             local = _local_compute(w)
             s = w.prefill_s
             if s is not None and s.mean is not None and s.count and local is not None and f:
                 tokens = local / f
                 p_tokens.append(tokens)
-                pf_rows.append((i, s.mean, tokens, s.count))
+                self.pf_rows.append((i, s.mean, tokens, s.count))
             q = w.queue_s
             if q is not None and q.mean is not None and q.count and s is not None and s.mean:
                 rho = (w.request_rate or 0.0) * s.mean
-                pq_rows.append((i, q.mean, rho, s.mean, q.count))
-        for w in win.workers:
+                self.pq_rows.append((i, q.mean, rho, s.mean, q.count))
+        return p_tokens
+
+    def _add_transfers(self, i: int, iv: float, workers: Sequence[WorkerStats],
+                       p_tokens: list[float]) -> None:
+        for w in workers:
             t, b = w.kv_transfer_s, w.kv_transfer_bytes
             if t is not None and t.mean is not None and t.count and b is not None and b.mean:
                 busy = t.count * t.mean / iv
-                kv_rows.append((i, t.mean, b.mean, busy, t.count))
+                self.kv_rows.append((i, t.mean, b.mean, busy, t.count))
                 if p_tokens:
-                    bytes_per_token.append(b.mean / max(sum(p_tokens) / len(p_tokens), 1.0))
-        for w in decode_workers:
+                    self.bytes_per_token.append(
+                        b.mean / max(sum(p_tokens) / len(p_tokens), 1.0))
+
+    def _add_decode(self, i: int, iv: float, workers: Sequence[WorkerStats]) -> None:
+        for w in workers:
             itl = w.inter_token_s
             if itl is None or itl.mean is None or not itl.count or w.running is None:
                 continue
             local = _local_compute(w)
             pf_tps = (local or 0.0) / iv
-            dec_rows.append((i, itl.mean, w.running, pf_tps, itl.count))
+            self.dec_rows.append((i, itl.mean, w.running, pf_tps, itl.count))
 
-    out_tokens = np.where(np.isfinite(out_tokens), out_tokens,
-                          np.nanmedian(out_tokens) if np.isfinite(out_tokens).any()
-                          else DEFAULT_OUTPUT_TOKENS)
-    o = spread_bin_totals(
-        outcome_matrix(b"".join(outcome_ints), b"".join(outcome_floats), outcomes_per_window))
-    ow = o[:, 0].astype(np.int64)
-    cells = (np.clip(o[:, 1], 0, N_CTX_BINS - 1) * N_IO_BINS
-             + np.clip(o[:, 2], 0, N_IO_BINS - 1)).astype(np.int64)
-    cols = o[:, 3].astype(np.int64)
-    key = (ow * N_ROUTER_CELLS + cells) * 2 + cols
+
+def _outcome_rows(o: FloatArray, ow: IntArray, cells: IntArray, route_col: IntArray
+                  ) -> tuple[IntArray, IntArray, IntArray, FloatArray]:
+    """Outcome rows summed over routers: window, cell and route of each row, and its six
+    sums (requests, met, TTFT sum and count, TPOT sum and count)."""
+    key = (ow * N_ROUTER_CELLS + cells) * 2 + route_col
     uniq, inverse = np.unique(key, return_inverse=True)
     a: FloatArray = np.column_stack([
         np.bincount(inverse, weights=o[:, j], minlength=uniq.shape[0]).astype(np.float64)
         for j in range(4, 10)
     ]).reshape(-1, 6)
-    rw = uniq // (2 * N_ROUTER_CELLS)
-    rc = (uniq // 2) % N_ROUTER_CELLS
-    rr = uniq % 2
-    np.add.at(rate, (ow, cells, cols), o[:, 4] / interval[ow])
-    req_w = np.bincount(ow, weights=o[:, 4], minlength=n)
-    met_w = np.bincount(ow, weights=o[:, 5], minlength=n)
-    goodput = np.where(req_w > 0, met_w / np.where(req_w > 0, req_w, 1.0), np.nan)
-    ctx_mean = decode_context_mean(rate, out_tokens)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        ttft = np.where(a[:, 3] > 0, a[:, 2] / np.where(a[:, 3] > 0, a[:, 3], 1.0), np.nan)
-        tpot = np.where(a[:, 5] > 0, a[:, 4] / np.where(a[:, 5] > 0, a[:, 5], 1.0), np.nan)
+    return uniq // (2 * N_ROUTER_CELLS), (uniq // 2) % N_ROUTER_CELLS, uniq % 2, a
 
-    def worker_rows(rows: Sequence[tuple[float, ...]], x_of: int) -> WorkerRows:
-        m = np.array(rows, dtype=np.float64).reshape(-1, x_of + 3)
-        return WorkerRows(m[:, 0].astype(np.int64), m[:, 1], m[:, 2:2 + x_of], m[:, -1])
 
-    dec = worker_rows(dec_rows, 2)
-    if dec.window.size:
-        # decode step regressors: running, running * mean context, local prefill tokens/s
-        running = dec.x[:, 0]
-        dec = WorkerRows(dec.window, dec.value,
-                         np.column_stack([running, running * ctx_mean[dec.window], dec.x[:, 1]]),
-                         dec.weight)
-    else:
-        dec = WorkerRows(dec.window, dec.value, np.zeros((0, 3)), dec.weight)
+def _worker_rows(rows: Sequence[tuple[float, ...]], x_of: int) -> WorkerRows:
+    m = np.array(rows, dtype=np.float64).reshape(-1, x_of + 3)
+    return WorkerRows(m[:, 0].astype(np.int64), m[:, 1], m[:, 2:2 + x_of], m[:, -1])
 
-    return TrainingSet(
-        start=start, end=end, interval_s=interval, n_prefill=n_p, n_decode=n_d,
-        cluster_qps=qps, n_routers=n_routers, output_tokens=out_tokens, goodput=goodput,
-        rate=rate,
-        row_window=rw.astype(np.int64), row_cell=rc.astype(np.int64),
-        row_route=rr.astype(np.int64), row_requests=a[:, 0], row_met=a[:, 1],
-        row_ttft=ttft, row_ttft_count=a[:, 3], row_tpot=tpot, row_tpot_count=a[:, 5],
-        prefill=worker_rows(pf_rows, 1), prefill_queue=worker_rows(pq_rows, 2),
-        kv_transfer=worker_rows(kv_rows, 2), decode_step=dec,
-        kv_bytes_per_token=float(np.median(bytes_per_token)) if bytes_per_token else None,
-    )
+
+def _decode_step_rows(dec_rows: Sequence[tuple[float, ...]], ctx_mean: FloatArray
+                      ) -> WorkerRows:
+    """Decode step regressors: running, running * mean context, local prefill tokens/s."""
+    dec = _worker_rows(dec_rows, 2)
+    if not dec.window.size:
+        return WorkerRows(dec.window, dec.value, np.zeros((0, 3)), dec.weight)
+    running = dec.x[:, 0]
+    return WorkerRows(dec.window, dec.value,
+                      np.column_stack([running, running * ctx_mean[dec.window], dec.x[:, 1]]),
+                      dec.weight)
 
 
 def outcome_matrix(ints: bytes, floats: bytes, per_window: IntArray) -> FloatArray:

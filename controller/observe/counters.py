@@ -22,7 +22,7 @@ For each series of a cumulative family (``_total``, ``_bucket``, ``_sum``, ``_co
   restart: that process's family counts nothing this window, noted ``counter_decrease``
   (its value is no count since anything we know).
 
-A process is the target, or one of its ranks (:func:`~controller.observe.catalog.process_of`
+A process is the target, or one of its ranks (:func:`~controller.core.catalog.process_of`
 labels); a target's start time says nothing about one of several ranks, so "the same start
 time" rules out a restart only for a target whose family has one process.
 """
@@ -33,9 +33,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from controller.core.catalog import process_of
+from controller.core.exposition import LabelKey, Snapshot
 from controller.core.window import TargetFailure
-from controller.observe.catalog import process_of
-from controller.observe.exposition import LabelKey, Snapshot
 
 COUNTER_TOLERANCE_ABS = 0.01
 COUNTER_TOLERANCE_REL = 1e-4

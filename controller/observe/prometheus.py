@@ -43,9 +43,7 @@ from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_api_client.prometheus_connect import PrometheusConnect
 from urllib3.util.retry import Retry
 
-from controller.core.window import TargetFailure, Window
-from controller.errors import ControllerError, TerminalError, TransientError
-from controller.observe.catalog import (
+from controller.core.catalog import (
     ENGINES,
     PRIORITY_LABEL,
     REPLICA_RANK_LABELS,
@@ -55,7 +53,9 @@ from controller.observe.catalog import (
     HistogramSpec,
     has_replica_ranks,
 )
-from controller.observe.exposition import LabelKey, Snapshot, base_name
+from controller.core.exposition import LabelKey, Snapshot, base_name
+from controller.core.window import TargetFailure, Window
+from controller.errors import ControllerError, TerminalError, TransientError
 from controller.observe.rediscovery import Rediscovery
 from controller.observe.source import Target
 from controller.observe.window_builder import (
@@ -64,7 +64,7 @@ from controller.observe.window_builder import (
     assemble_window,
     diff_snapshots,
 )
-from controller.rollout.agent_metrics import CONTEXT_BINS, IO_RATIO_BINS
+from controller.policy.bins import CONTEXT_BINS, IO_RATIO_BINS
 
 WindowMode = Literal["increase", "edges"]
 _log = logging.getLogger("pdctl.observe")

@@ -13,10 +13,10 @@ import abc
 from collections.abc import Sequence
 
 from controller.clock import Clock, WallClock
+from controller.core.catalog import wanted_families
+from controller.core.exposition import ExpositionError, Snapshot, parse_exposition
 from controller.core.window import TargetFailure, Window
-from controller.observe.catalog import wanted_families
 from controller.observe.counters import PROCESS_START
-from controller.observe.exposition import ExpositionError, Snapshot, parse_exposition
 from controller.observe.rediscovery import Rediscovery
 from controller.observe.source import Target
 from controller.observe.window_builder import (
@@ -25,7 +25,7 @@ from controller.observe.window_builder import (
     check_histograms,
     diff_snapshots,
 )
-from controller.rollout.agent_metrics import CONTEXT_BINS, IO_RATIO_BINS
+from controller.policy.bins import CONTEXT_BINS, IO_RATIO_BINS
 
 # process_start_time_seconds tells a restart from a counter that fell (observe.counters).
 _WANTED = wanted_families() | {PROCESS_START}

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from controller.core.catalog import HISTOGRAM_KEYS
 from controller.core.window import (
     Histogram,
     Role,
@@ -29,7 +30,6 @@ from controller.core.window import (
     Workload,
 )
 from controller.errors import TransientError
-from controller.observe.catalog import HISTOGRAM_KEYS
 from controller.observe.window_builder import ALL_BINS
 from controller.policy.model import Route
 

@@ -23,17 +23,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from controller.core.window import (
-    Histogram,
-    Role,
-    RouteOutcome,
-    Summary,
-    TargetFailure,
-    Window,
-    WorkerStats,
-    Workload,
-)
-from controller.observe.catalog import (
+from controller.core.catalog import (
     HISTOGRAM_KEYS,
     ROUTER,
     AnySpec,
@@ -46,13 +36,23 @@ from controller.observe.catalog import (
     is_router,
     once_per_scheduler,
 )
-from controller.observe.counters import CounterNotes, family_increases
-from controller.observe.exposition import (
+from controller.core.exposition import (
     ExpositionError,
     LabelKey,
     Snapshot,
     base_name,
 )
+from controller.core.window import (
+    Histogram,
+    Role,
+    RouteOutcome,
+    Summary,
+    TargetFailure,
+    Window,
+    WorkerStats,
+    Workload,
+)
+from controller.observe.counters import CounterNotes, family_increases
 from controller.policy.model import Route
 
 CUMULATIVE_SUFFIXES = ("_total", "_bucket", "_sum", "_count")

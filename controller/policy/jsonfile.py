@@ -180,7 +180,9 @@ class _Reader:
 
 
 def policy_from_dict(d: Any) -> Policy:
-    """Parse and validate; raise :class:`PolicyValidationError` listing every problem."""
+    """Parse and validate; raise :class:`PolicyValidationError` listing every problem.
+
+    Problems are listed in the order the fields are read (the order of the JSON format)."""
     r = _Reader()
     top = r.obj(d, "", _TOP_KEYS)
     if not isinstance(d, dict):
@@ -190,21 +192,7 @@ def policy_from_dict(d: Any) -> Policy:
     if type(sv) is not int or sv != SCHEMA_VERSION:
         r.bad("schema_version", f"unsupported schema_version {sv!r} (this build reads 1)")
     version = r.integer(top, "version", "", None)
-    axes_d = r.obj(top.get("axes", {}), "axes", set(AXIS_NAMES))
-    edges = {}
-    for n in AXIS_NAMES:
-        if n not in axes_d:
-            r.bad(f"axes.{n}", "missing")
-        edges[n] = r.numbers(axes_d.get(n, []), f"axes.{n}")
-    axes = Axes(**edges)
-    routes_raw = top.get("routes")
-    routes: tuple[Route, ...] = ()
-    if not isinstance(routes_raw, list):
-        r.bad("routes", "must be a list of route names")
-    else:
-        routes = tuple(r.route(v, f"routes[{i}]") for i, v in enumerate(routes_raw))
-    scores = r.numbers(top.get("scores"), "scores")
-    exploration = r.numbers(top.get("exploration", [0.0] * len(routes)), "exploration")
+    axes, routes, scores, exploration = _read_table(r, top)
     wd = r.obj(top.get("weights", {}), "weights", {"wtft", "wtpot"})
     sd = r.obj(top.get("slo", {}), "slo", {"ttft_s", "tpot_s"})
     od = r.obj(
@@ -223,21 +211,59 @@ def policy_from_dict(d: Any) -> Policy:
             r.number(wd, "wtft", "weights", 1.0), r.number(wd, "wtpot", "weights", 1.0)
         ),
         slo=Slo(r.number(sd, "ttft_s", "slo", None), r.number(sd, "tpot_s", "slo", None)),
-        overrides=Overrides(
-            r.route(od.get("first_turn_route", "PREFILL_NODE"), "overrides.first_turn_route"),
-            r.integer(od, "bypass_append_tokens", "overrides", 0),
-            r.integer(od, "first_turn_busy_waiting", "overrides", 0),
-            r.integer(od, "later_turn_busy_waiting", "overrides", 0),
-        ),
+        overrides=_read_overrides(r, od),
         default_route=r.route(top.get("default_route", "PREFILL_NODE"), "default_route"),
-        provenance=Provenance(
-            created_at=r.when(pd_, "created_at", "provenance"),
-            reason=r.text(pd_, "reason", "provenance"),
-            created_by=r.text(pd_, "created_by", "provenance"),
-            trained_from=r.when(pd_, "trained_from", "provenance"),
-            trained_to=r.when(pd_, "trained_to", "provenance"),
-        ),
+        provenance=_read_provenance(r, pd_),
     )
+    problems = _all_problems(r, top, policy)
+    if problems:
+        raise PolicyValidationError(problems)
+    return policy
+
+
+def _read_table(
+    r: _Reader, top: dict[str, Any]
+) -> tuple[Axes, tuple[Route, ...], tuple[float, ...], tuple[float, ...]]:
+    """The lookup table's parts: axes, routes, scores, exploration."""
+    axes_d = r.obj(top.get("axes", {}), "axes", set(AXIS_NAMES))
+    edges = {}
+    for n in AXIS_NAMES:
+        if n not in axes_d:
+            r.bad(f"axes.{n}", "missing")
+        edges[n] = r.numbers(axes_d.get(n, []), f"axes.{n}")
+    axes = Axes(**edges)
+    routes_raw = top.get("routes")
+    routes: tuple[Route, ...] = ()
+    if not isinstance(routes_raw, list):
+        r.bad("routes", "must be a list of route names")
+    else:
+        routes = tuple(r.route(v, f"routes[{i}]") for i, v in enumerate(routes_raw))
+    scores = r.numbers(top.get("scores"), "scores")
+    exploration = r.numbers(top.get("exploration", [0.0] * len(routes)), "exploration")
+    return axes, routes, scores, exploration
+
+
+def _read_overrides(r: _Reader, od: dict[str, Any]) -> Overrides:
+    return Overrides(
+        r.route(od.get("first_turn_route", "PREFILL_NODE"), "overrides.first_turn_route"),
+        r.integer(od, "bypass_append_tokens", "overrides", 0),
+        r.integer(od, "first_turn_busy_waiting", "overrides", 0),
+        r.integer(od, "later_turn_busy_waiting", "overrides", 0),
+    )
+
+
+def _read_provenance(r: _Reader, pd_: dict[str, Any]) -> Provenance:
+    return Provenance(
+        created_at=r.when(pd_, "created_at", "provenance"),
+        reason=r.text(pd_, "reason", "provenance"),
+        created_by=r.text(pd_, "created_by", "provenance"),
+        trained_from=r.when(pd_, "trained_from", "provenance"),
+        trained_to=r.when(pd_, "trained_to", "provenance"),
+    )
+
+
+def _all_problems(r: _Reader, top: dict[str, Any], policy: Policy) -> list[Problem]:
+    """What the reader refused, then what validation finds, then a checksum mismatch."""
     # A field the reader already refused (``"version": 5.0``) holds a placeholder: its
     # "must be between 1 and ..., got 0" would be a second, bogus problem.
     refused = {p.path for p in r.problems}
@@ -249,9 +275,7 @@ def policy_from_dict(d: Any) -> Policy:
                 Problem("checksum", f"does not match the content (file {cs!r}, computed "
                         f"{policy.checksum!r}): the file was edited or corrupted")
             )
-    if problems:
-        raise PolicyValidationError(problems)
-    return policy
+    return problems
 
 
 def loads(text: str | bytes) -> Policy:

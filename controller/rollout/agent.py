@@ -59,13 +59,8 @@ from controller.policy import (
     loads,
     validate_policy,
 )
-from controller.rollout.agent_metrics import (
-    CONTEXT_BINS,
-    IO_RATIO_BINS,
-    UNKNOWN_BIN,
-    RouterMetrics,
-    slo_label,
-)
+from controller.policy.bins import CONTEXT_BINS, IO_RATIO_BINS, UNKNOWN_BIN
+from controller.rollout.agent_metrics import RouterMetrics, slo_label
 
 _INF = float("inf")
 # Cells are resolved into Decision objects on first use, not when a policy is applied:

@@ -17,7 +17,6 @@ and belongs to whoever owns the process (the daemon or the embedding router).
 from __future__ import annotations
 
 import itertools
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -25,13 +24,9 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from controller.policy.bins import FEATURE_CONTEXT_EDGES, FEATURE_IO_RATIO_EDGES
 from controller.policy.decide import Reason
-from controller.policy.model import DEFAULT_CONTEXT_EDGES, DEFAULT_IO_RATIO_EDGES, Route
-
-# Feature bins of the request metrics: the default table's edges, frozen here so that a
-# policy with other axes does not change the series a router exports.
-FEATURE_CONTEXT_EDGES: tuple[float, ...] = tuple(float(e) for e in DEFAULT_CONTEXT_EDGES)
-FEATURE_IO_RATIO_EDGES: tuple[float, ...] = tuple(float(e) for e in DEFAULT_IO_RATIO_EDGES)
+from controller.policy.model import Route
 
 # Latency buckets (seconds). They include the default SLOs (TTFT 2 s, TPOT 0.1 s) as edges.
 TTFT_BUCKETS_S: tuple[float, ...] = (
@@ -41,36 +36,7 @@ TPOT_BUCKETS_S: tuple[float, ...] = (
     0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0,
 )
 
-UNKNOWN_BIN = "unknown"
-OVERFLOW_BIN = "+Inf"
 SLO_LABELS = ("met", "ttft_miss", "tpot_miss", "both_miss")
-INF = float("inf")
-
-
-def edge_label(edge: float) -> str:
-    """Compact label of a bin's inclusive upper edge: ``1024``, ``0.125``, ``1e+20``."""
-    e = float(edge)
-    if e.is_integer() and abs(e) < 1e15:
-        return str(int(e))
-    return repr(e)
-
-
-class FeatureBins:
-    """Maps a value to the label of its fixed bin: the bin's upper edge, ``+Inf`` beyond."""
-
-    def __init__(self, edges: tuple[float, ...]) -> None:
-        self.edges = edges
-        self.labels: tuple[str, ...] = (*(edge_label(e) for e in edges), OVERFLOW_BIN)
-
-    def label(self, value: float) -> str:
-        # Inclusive upper edges, like controller.policy.bin_index; beyond the last: +Inf.
-        if not 0.0 <= value < INF:
-            return UNKNOWN_BIN
-        return self.labels[bisect_left(self.edges, value)]
-
-
-CONTEXT_BINS = FeatureBins(FEATURE_CONTEXT_EDGES)
-IO_RATIO_BINS = FeatureBins(FEATURE_IO_RATIO_EDGES)
 
 
 def slo_label(ttft_met: bool, tpot_met: bool) -> str:

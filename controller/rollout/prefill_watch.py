@@ -28,8 +28,8 @@ from collections.abc import Sequence
 import httpx
 
 from controller.clock import Clock
-from controller.observe.catalog import ENGINES, once_per_scheduler
-from controller.observe.exposition import ExpositionError, parse_exposition
+from controller.core.catalog import ENGINES, once_per_scheduler
+from controller.core.exposition import ExpositionError, parse_exposition
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TypeVar
 
 from prometheus_client.core import (
     CollectorRegistry,
@@ -42,6 +43,32 @@ BUCKET_FAMILIES = ("time_to_first_token", "inter_token_latency", "request_latenc
                    "request_num_preemptions")
 
 KV_FETCH_STAGES = ("waiting_to_start", "in_progress", "completed_waiting")
+# The per-request histograms, in exposition order: (family, help, WorkerMetrics attribute).
+REQUEST_HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
+    ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", "h_prompt"),
+    ("vllm:request_generation_tokens", "Number of generation tokens processed.",
+     "h_generation"),
+    ("vllm:request_max_num_generation_tokens", "Maximum number of requested generation tokens.",
+     "h_max_generation"),
+    ("vllm:request_params_max_tokens", "The max_tokens request parameter.", "h_max_tokens"),
+    ("vllm:request_params_n", "The n request parameter.", "h_n"),
+    ("vllm:request_prefill_kv_computed_tokens",
+     "New KV tokens computed during prefill (excluding cached tokens).", "h_kv_computed"),
+    ("vllm:iteration_tokens_total", "Number of tokens per engine_step.", "h_iter"),
+    ("vllm:time_to_first_token_seconds", "Time to first token in seconds.", "h_ttft"),
+    ("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", "h_itl"),
+    ("vllm:request_time_per_output_token_seconds",
+     "Time per output token per request in seconds.", "h_tpot"),
+    ("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", "h_e2e"),
+    ("vllm:request_queue_time_seconds", "Time spent in WAITING phase for request.", "h_queue"),
+    ("vllm:request_inference_time_seconds", "Time spent in RUNNING phase for request.",
+     "h_inference"),
+    ("vllm:request_prefill_time_seconds", "Time spent in PREFILL phase for request.",
+     "h_prefill"),
+    ("vllm:request_decode_time_seconds", "Time spent in DECODE phase for request.", "h_decode"),
+    ("vllm:request_num_preemptions", "Number of preemptions per request.", "h_preempt"),
+)
+_F = TypeVar("_F", GaugeMetricFamily, CounterMetricFamily)
 # vllm/v1/engine/__init__.py (0.34.0) FINISH_REASON_STRINGS: every value is a label of
 # vllm:request_success, created at start-up.
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
@@ -176,132 +203,111 @@ class WorkerMetrics:
         return self.waiting_capacity + self.waiting_deferred
 
     def families(self) -> Iterator[Metric]:
-        names = list(self.labels)
-        vals = list(self.labels.values())
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=names)
-            g.add_metric(vals, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=names)
-            c.add_metric(vals, value)
-            return c
-
-        def hist(name: str, doc: str, h: Hist) -> HistogramMetricFamily:
-            f = HistogramMetricFamily(name, doc, labels=names)
-            f.add_metric(vals, h.cumulative(), h.sum)
-            return f
-
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                    self.running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                    self.waiting)
-        g = GaugeMetricFamily("vllm:num_requests_waiting_by_reason",
-                              "Number of requests waiting, by reason.", labels=[*names, "reason"])
-        g.add_metric([*vals, "capacity"], self.waiting_capacity)
-        g.add_metric([*vals, "deferred"], self.waiting_deferred)
-        yield g
-        if self.kv_role == "kv_consumer":
-            g = GaugeMetricFamily("vllm:num_requests_kv_fetch_by_stage",
-                                  "Waiting requests by async KV-load stage.",
-                                  labels=[*names, "stage"])
-            for stage in KV_FETCH_STAGES:
-                g.add_metric([*vals, stage], self.kv_fetch[stage])
-            yield g
-        g = GaugeMetricFamily("vllm:engine_sleep_state", "Engine sleep state.",
-                              labels=[*names, "sleep_state"])
-        for st, v in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
-            g.add_metric([*vals, st], v)
-        yield g
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    self.kv_usage)
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.",
-                      self.prefix_queries)
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", self.prefix_hits)
-        yield counter("vllm:external_prefix_cache_queries",
-                      "External prefix cache queries, in tokens.", self.external_queries)
-        yield counter("vllm:external_prefix_cache_hits", "External prefix cache hits, in tokens.",
-                      self.external_hits)
-        c = CounterMetricFamily("vllm:prompt_tokens_cached_by_source",
-                                "Cached prompt tokens by source.", labels=[*names, "source"])
-        c.add_metric([*vals, "device"], self.prompt_by_source["local_cache_hit"])
-        c.add_metric([*vals, "p2p"], self.prompt_by_source["external_kv_transfer"])
-        yield c
-        yield counter("vllm:num_preemptions", "Cumulative number of preemptions.",
-                      self.preemptions)
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                      self.prompt_tokens)
-        c = CounterMetricFamily("vllm:prompt_tokens_by_source", "Prompt tokens by source.",
-                                labels=[*names, "source"])
-        for src, v in self.prompt_by_source.items():
-            c.add_metric([*vals, src], v)
-        yield c
-        yield counter("vllm:prompt_tokens_cached", "Cached prompt tokens (local and external).",
-                      self.prompt_by_source["local_cache_hit"]
-                      + self.prompt_by_source["external_kv_transfer"])
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                      self.generation_tokens)
-        c = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                labels=[*names, "finished_reason"])
-        for reason, v in self.success.items():
-            c.add_metric([*vals, reason], v)
-        yield c
-        yield hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                   self.h_prompt)
-        yield hist("vllm:request_generation_tokens", "Number of generation tokens processed.",
-                   self.h_generation)
-        yield hist("vllm:request_max_num_generation_tokens",
-                   "Maximum number of requested generation tokens.", self.h_max_generation)
-        yield hist("vllm:request_params_max_tokens", "The max_tokens request parameter.",
-                   self.h_max_tokens)
-        yield hist("vllm:request_params_n", "The n request parameter.", self.h_n)
-        yield hist("vllm:request_prefill_kv_computed_tokens",
-                   "New KV tokens computed during prefill (excluding cached tokens).",
-                   self.h_kv_computed)
-        yield hist("vllm:iteration_tokens_total", "Number of tokens per engine_step.",
-                   self.h_iter)
-        yield hist("vllm:time_to_first_token_seconds", "Time to first token in seconds.",
-                   self.h_ttft)
-        yield hist("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.",
-                   self.h_itl)
-        yield hist("vllm:request_time_per_output_token_seconds",
-                   "Time per output token per request in seconds.", self.h_tpot)
-        yield hist("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-                   self.h_e2e)
-        yield hist("vllm:request_queue_time_seconds",
-                   "Time spent in WAITING phase for request.", self.h_queue)
-        yield hist("vllm:request_inference_time_seconds",
-                   "Time spent in RUNNING phase for request.", self.h_inference)
-        yield hist("vllm:request_prefill_time_seconds",
-                   "Time spent in PREFILL phase for request.", self.h_prefill)
-        yield hist("vllm:request_decode_time_seconds", "Time spent in DECODE phase for request.",
-                   self.h_decode)
-        yield hist("vllm:request_num_preemptions", "Number of preemptions per request.",
-                   self.h_preempt)
+        """Every family of one worker, in the order vLLM's exposition lists them."""
+        yield from self._state_families()
+        yield from self._token_families()
+        for name, doc, attr in REQUEST_HISTOGRAMS:
+            yield self._hist(name, doc, getattr(self, attr))
+        names = [*sorted(self.cache_info), "engine"]
         g = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                              labels=[*sorted(self.cache_info), "engine"])
+                              labels=names)
         g.add_metric([*(self.cache_info[k] for k in sorted(self.cache_info)),
                       self.labels["engine"]], 1.0)
         yield g
         if self.kv_role is not None:
-            yield hist("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for KV "
-                       "cache.", self.h_xfer)
-            yield hist("vllm:nixl_post_time_seconds", "Histogram of transfer post time for KV "
-                       "cache.", self.h_post)
-            yield hist("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per KV "
-                       "transfer.", self.h_bytes)
-            yield hist("vllm:nixl_num_descriptors", "Histogram of descriptors per KV transfer.",
-                       self.h_desc)
-            yield counter("vllm:nixl_num_failed_transfers", "Failed NIXL KV transfers.",
-                          self.nixl_failed)
-            yield counter("vllm:nixl_num_failed_notifications", "Failed NIXL notifications.", 0)
-            yield counter("vllm:nixl_num_kv_expired_reqs",
-                          "Requests whose KV lease expired before the decoder read it.",
-                          self.nixl_expired)
-            yield counter("vllm:nixl_num_notifications_after_expiry",
-                          "Notifications that arrived after lease expiry.", 0)
+            yield from self._nixl_families()
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=list(self.labels))
+        c.add_metric(list(self.labels.values()), value)
+        return c
+
+    def _hist(self, name: str, doc: str, h: Hist) -> HistogramMetricFamily:
+        f = HistogramMetricFamily(name, doc, labels=list(self.labels))
+        f.add_metric(list(self.labels.values()), h.cumulative(), h.sum)
+        return f
+
+    def _labelled(self, kind: type[_F], name: str, doc: str, label: str,
+                  values: Iterable[tuple[str, float]]) -> _F:
+        """One family with an extra label: one sample per (label value, value)."""
+        f = kind(name, doc, labels=[*self.labels, label])
+        for v, x in values:
+            f.add_metric([*self.labels.values(), v], x)
+        return f
+
+    def _state_families(self) -> Iterator[Metric]:
+        """Scheduler state: running, waiting (by reason and KV-fetch stage), sleep, KV usage."""
+        yield self._gauge("vllm:num_requests_running",
+                          "Number of requests in model execution batches.", self.running)
+        yield self._gauge("vllm:num_requests_waiting",
+                          "Number of requests waiting to be processed.", self.waiting)
+        yield self._labelled(GaugeMetricFamily, "vllm:num_requests_waiting_by_reason",
+                             "Number of requests waiting, by reason.", "reason",
+                             [("capacity", self.waiting_capacity),
+                              ("deferred", self.waiting_deferred)])
+        if self.kv_role == "kv_consumer":
+            yield self._labelled(GaugeMetricFamily, "vllm:num_requests_kv_fetch_by_stage",
+                                 "Waiting requests by async KV-load stage.", "stage",
+                                 [(stage, self.kv_fetch[stage]) for stage in KV_FETCH_STAGES])
+        yield self._labelled(GaugeMetricFamily, "vllm:engine_sleep_state", "Engine sleep state.",
+                             "sleep_state",
+                             [("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)])
+        yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                          self.kv_usage)
+
+    def _token_families(self) -> Iterator[Metric]:
+        """Prefix-cache and token counters, preemptions and finished requests."""
+        by_source = self.prompt_by_source
+        yield self._counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.",
+                            self.prefix_queries)
+        yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.",
+                            self.prefix_hits)
+        yield self._counter("vllm:external_prefix_cache_queries",
+                            "External prefix cache queries, in tokens.", self.external_queries)
+        yield self._counter("vllm:external_prefix_cache_hits",
+                            "External prefix cache hits, in tokens.", self.external_hits)
+        yield self._labelled(CounterMetricFamily, "vllm:prompt_tokens_cached_by_source",
+                             "Cached prompt tokens by source.", "source",
+                             [("device", by_source["local_cache_hit"]),
+                              ("p2p", by_source["external_kv_transfer"])])
+        yield self._counter("vllm:num_preemptions", "Cumulative number of preemptions.",
+                            self.preemptions)
+        yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                            self.prompt_tokens)
+        yield self._labelled(CounterMetricFamily, "vllm:prompt_tokens_by_source",
+                             "Prompt tokens by source.", "source", by_source.items())
+        yield self._counter("vllm:prompt_tokens_cached",
+                            "Cached prompt tokens (local and external).",
+                            by_source["local_cache_hit"] + by_source["external_kv_transfer"])
+        yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                            self.generation_tokens)
+        yield self._labelled(CounterMetricFamily, "vllm:request_success",
+                             "Count of successfully processed requests.", "finished_reason",
+                             self.success.items())
+
+    def _nixl_families(self) -> Iterator[Metric]:
+        """The NIXL connector's KV-transfer metrics (a P/D worker only)."""
+        yield self._hist("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for KV "
+                         "cache.", self.h_xfer)
+        yield self._hist("vllm:nixl_post_time_seconds", "Histogram of transfer post time for KV "
+                         "cache.", self.h_post)
+        yield self._hist("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per KV "
+                         "transfer.", self.h_bytes)
+        yield self._hist("vllm:nixl_num_descriptors", "Histogram of descriptors per KV transfer.",
+                         self.h_desc)
+        yield self._counter("vllm:nixl_num_failed_transfers", "Failed NIXL KV transfers.",
+                            self.nixl_failed)
+        yield self._counter("vllm:nixl_num_failed_notifications", "Failed NIXL notifications.", 0)
+        yield self._counter("vllm:nixl_num_kv_expired_reqs",
+                            "Requests whose KV lease expired before the decoder read it.",
+                            self.nixl_expired)
+        yield self._counter("vllm:nixl_num_notifications_after_expiry",
+                            "Notifications that arrived after lease expiry.", 0)
 
 
 class _Collector:

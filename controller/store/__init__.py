@@ -1,5 +1,6 @@
 """History: SQLAlchemy models and repository functions (SQLite by default, PostgreSQL in
-production); Alembic migrations ship inside this package (``controller/store/migrations``)."""
+production). Alembic migrations: ``migrations/`` in a checkout, ``controller/_migrations``
+in an installed package (see :mod:`controller.store.migrate`)."""
 
 from controller.store.engine import make_engine, normalize_url
 from controller.store.records import (

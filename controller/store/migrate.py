@@ -1,6 +1,8 @@
 """Alembic, driven from the package: works from any working directory and from a wheel.
 
-The migration scripts live in ``controller/store/migrations`` so they ship with the code.
+The migration scripts live in ``migrations/`` at the top of the repository; the wheel carries
+them inside the package as ``controller/_migrations`` (``setup.py``'s ``build_py``), so an
+installed ``pdctl db upgrade`` needs no checkout.
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from sqlalchemy.engine import URL
 
 from controller.store.engine import make_engine, normalize_url
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+
+def migrations_dir() -> Path:
+    """The installed package's copy when there is one, else the checkout's ``migrations/``
+    (an editable install or a source tree)."""
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "_migrations"
+    return installed if installed.is_dir() else package.parent / "migrations"
+
+
+MIGRATIONS_DIR = migrations_dir()
 
 
 def alembic_config(url: str | URL, *, stdout: TextIO | None = None) -> Config:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from controller.observe.catalog import ROUTER, is_router
+from controller.core.catalog import ROUTER, is_router
 from controller.observe.snapshot import snapshot_from_text
 from controller.observe.window_builder import diff_snapshots, router_stats
 from controller.policy import (
@@ -38,9 +38,9 @@ from controller.policy import (
     dumps,
     loads,
 )
+from controller.policy.bins import CONTEXT_BINS, IO_RATIO_BINS
 from controller.policy.checksum import canonical_bytes
 from controller.rollout.agent import RouterAgent
-from controller.rollout.agent_metrics import CONTEXT_BINS, IO_RATIO_BINS
 from tests.conftest import require
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import generate_latest
 
+from controller.core.exposition import parse_exposition
 from controller.core.window import Window
 from controller.observe.counters import decrease_tolerance
-from controller.observe.exposition import parse_exposition
 from controller.observe.scrape import ScrapeSource
 from controller.observe.source import Target
 from controller.observe.window_builder import diff_snapshots

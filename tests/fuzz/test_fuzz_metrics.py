@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from controller.clock import VirtualClock
-from controller.observe.exposition import ExpositionError, parse_exposition
+from controller.core.exposition import ExpositionError, parse_exposition
 from controller.observe.snapshot import FetchError, SnapshotSource
 from controller.observe.source import Target
 from tests.observe.cluster import Cluster

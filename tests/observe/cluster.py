@@ -11,15 +11,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from controller.observe.source import FakeSource, Target
-from controller.policy.model import Route
-from controller.rollout.agent_metrics import (
+from controller.policy.bins import (
     CONTEXT_BINS,
     FEATURE_CONTEXT_EDGES,
     FEATURE_IO_RATIO_EDGES,
     IO_RATIO_BINS,
-    RouterMetrics,
-    slo_label,
 )
+from controller.policy.model import Route
+from controller.rollout.agent_metrics import RouterMetrics, slo_label
 
 # vLLM's bucket edges, restated from reference/worker-metrics.md §2 on purpose rather than
 # imported from controller/sim/vllm_metrics.py: these tests then cross-check the simulator's

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from controller.clock import WallClock
+from controller.core.catalog import HISTOGRAM_KEYS
 from controller.core.window import Window
-from controller.observe.catalog import HISTOGRAM_KEYS
 from controller.observe.discovery import targets_from_prometheus
 from controller.observe.inprocess import InProcessSource
 from controller.observe.prometheus import PrometheusClient, PrometheusSource

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from controller.clock import VirtualClock
+from controller.core.catalog import SGLANG, VLLM, RequestOutcome, detect_engine
+from controller.core.exposition import LabelKey, parse_exposition
 from controller.core.window import Family, Window, WorkerStats
-from controller.observe.catalog import SGLANG, VLLM, RequestOutcome, detect_engine
-from controller.observe.exposition import LabelKey, parse_exposition
 from controller.observe.prometheus import PrometheusSource, build_queries
 from controller.observe.scrape import ScrapeSource
 from controller.observe.source import Target

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from controller.observe.exposition import ExpositionError, parse_exposition
+from controller.core.exposition import ExpositionError, parse_exposition
 
 
 def parse(text: str, keep: set[str] | None = None):  # type: ignore[no-untyped-def]

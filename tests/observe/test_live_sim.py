@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from controller.clock import WallClock
+from controller.core.catalog import HISTOGRAM_KEYS
 from controller.core.window import Window
-from controller.observe.catalog import HISTOGRAM_KEYS
 from controller.observe.prometheus import PrometheusClient, PrometheusSource
 from controller.observe.scrape import ScrapeSource
 from controller.observe.source import Target

@@ -11,9 +11,9 @@ from collections.abc import Iterator, Mapping
 import pytest
 
 from controller.clock import WallClock
+from controller.core.catalog import REPLICA_RANK_LABELS, collapse_replicas
+from controller.core.exposition import parse_exposition
 from controller.core.window import Window, WorkerStats
-from controller.observe.catalog import REPLICA_RANK_LABELS, collapse_replicas
-from controller.observe.exposition import parse_exposition
 from controller.observe.prometheus import PrometheusClient, PrometheusSource, build_queries
 from controller.observe.scrape import ScrapeSource
 from controller.observe.source import Target, TargetRole

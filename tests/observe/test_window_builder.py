@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from controller.observe.catalog import SGLANG, VLLM, detect_engine
-from controller.observe.exposition import parse_exposition
+from controller.core.catalog import SGLANG, VLLM, detect_engine
+from controller.core.exposition import parse_exposition
 from controller.observe.window_builder import (
     ALL_BINS,
     UNKNOWN_BIN,
@@ -197,7 +197,7 @@ def test_a_router_target_without_router_metrics_is_a_failure() -> None:
     answered with zero outcomes: the window silently lacked that router's traffic."""
     from controller.observe.snapshot import snapshot_from_text
     from controller.observe.window_builder import TargetResult, assemble_window
-    from controller.rollout.agent_metrics import CONTEXT_BINS, IO_RATIO_BINS
+    from controller.policy.bins import CONTEXT_BINS, IO_RATIO_BINS
 
     text = '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.5\n'
     delta = diff_snapshots(snapshot_from_text(text, "r:1", 0), snapshot_from_text(text, "r:1", 30))

@@ -10,17 +10,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controller.policy import bin_index
-from controller.policy.model import DEFAULT_CONTEXT_EDGES, DEFAULT_IO_RATIO_EDGES
-from controller.rollout.agent_metrics import (
+from controller.policy.bins import (
     CONTEXT_BINS,
     FEATURE_CONTEXT_EDGES,
     FEATURE_IO_RATIO_EDGES,
     IO_RATIO_BINS,
     FeatureBins,
-    Tally,
     edge_label,
-    slo_label,
 )
+from controller.policy.model import DEFAULT_CONTEXT_EDGES, DEFAULT_IO_RATIO_EDGES
+from controller.rollout.agent_metrics import Tally, slo_label
 
 
 def test_feature_edges_are_the_default_table_edges() -> None:

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Literal, TypeVar
 
+from controller.core.exposition import LabelKey
 from controller.core.window import Family
-from controller.observe.exposition import LabelKey
 
 HISTOGRAM_KEYS = (
     "ttft_s", "inter_token_s", "tpot_s", "queue_s", "prefill_s", "kv_transfer_s",
