@@ -577,6 +577,28 @@ class ObserveConfig(_Section):
     scrape_concurrency: int = Field(32, ge=1, le=10_000, description="Scrapes in flight at once.")
 
 
+# URI schemes libpq takes for PostgreSQL (``postgres://`` is what Heroku, psql and most
+# tools print); SQLAlchemy 1.4+ knows only ``postgresql``. Without a driver the store
+# uses psycopg 3, the one it depends on (SQLAlchemy's default would be psycopg2).
+LIBPQ_SCHEMES = ("postgresql", "postgres")
+PG_DRIVER = "postgresql+psycopg"
+
+
+def libpq_scheme(url: str) -> str:
+    """``url`` with a libpq PostgreSQL scheme made SQLAlchemy's psycopg 3 one:
+    ``postgres://`` and ``postgresql://`` become ``postgresql+psycopg://``,
+    ``postgres+DRIVER://`` becomes ``postgresql+DRIVER://``. The rest of the URL (user,
+    password, host, query) is kept byte for byte; any other URL is returned as it is."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    backend, plus, driver = scheme.partition("+")
+    if backend.lower() not in LIBPQ_SCHEMES:
+        return url
+    return f"{PG_DRIVER if not plus else 'postgresql+' + driver}://{rest}"
+
+
+
 class StoreConfig(_Section):
     """The history database (SQLite embedded default, PostgreSQL in production)."""
 
@@ -607,8 +629,6 @@ class StoreConfig(_Section):
     def _absolute_sqlite_path(cls, v: str) -> str:
         from sqlalchemy.engine import make_url
         from sqlalchemy.exc import ArgumentError
-
-        from controller.store.engine import libpq_scheme
 
         # libpq's schemes (postgres://, postgresql://) name PostgreSQL through psycopg 3.
         v = libpq_scheme(v)

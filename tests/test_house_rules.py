@@ -29,8 +29,8 @@ def test_time_is_read_only_through_clock_py() -> None:
 # These belong to the CLI, which a parallel change of issue 40 reworks.
 PRIVATE_IMPORT_EXCEPTIONS = {
     ("controller.cli.ops_cmd", "_open_store"),
-    ("controller.cli.explain_cmd", "_learned_or_exit"),
-    ("controller.cli.explain_cmd", "_settings_and_store"),
+    ("controller.cli.explain_cmd", "learned_or_exit"),
+    ("controller.cli.explain_cmd", "settings_and_store"),
 }
 
 

@@ -137,14 +137,14 @@ def refit(store: Store, settings: Settings) -> Learned:
     return Learned(record, policy, windows, result)
 
 
-def _settings_and_store(config: Path | None, url: str | None) -> tuple[Settings, Store]:
+def settings_and_store(config: Path | None, url: str | None) -> tuple[Settings, Store]:
     from controller.cli.ops_cmd import open_store
 
     settings = load_settings_or_exit(config)
     return settings, open_store(url, config)
 
 
-def _learned_or_exit(store: Store, settings: Settings) -> Learned:
+def learned_or_exit(store: Store, settings: Settings) -> Learned:
     try:
         return refit(store, settings)
     except NoCalibration as e:
@@ -212,9 +212,9 @@ def explain_command(
     as_json: JsonOption = False, url: UrlOption = None, config: ConfigOption = None,
 ) -> None:
     """Predicted TTFT/TPOT per route, score, weights, decision and confidence for a request."""
-    settings, store = _settings_and_store(config, url)
+    settings, store = settings_and_store(config, url)
     try:
-        learned = _learned_or_exit(store, settings)
+        learned = learned_or_exit(store, settings)
     finally:
         store.close()
     doc = explain_doc(learned, turn, context, append, output, qps)
@@ -326,7 +326,7 @@ def drift_command(
     as_json: JsonOption = False, url: UrlOption = None, config: ConfigOption = None,
 ) -> None:
     """Each drift detector's statistic against its threshold, now and over the last windows."""
-    settings, store = _settings_and_store(config, url)
+    settings, store = settings_and_store(config, url)
     try:
         doc = drift_doc(store, settings, last)
     except NoCalibration as e:

@@ -23,8 +23,8 @@ from controller.cli.explain_cmd import (
     ConfigOption,
     JsonOption,
     UrlOption,
-    _learned_or_exit,
-    _settings_and_store,
+    learned_or_exit,
+    settings_and_store,
 )
 
 if TYPE_CHECKING:
@@ -92,9 +92,9 @@ def export_command(
     if fmt not in ("dynamo", "llm-d"):
         typer.echo(f"error: --format must be dynamo or llm-d, got {fmt!r}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT)
-    settings, store = _settings_and_store(config, url)
+    settings, store = settings_and_store(config, url)
     try:
-        learned = _learned_or_exit(store, settings)
+        learned = learned_or_exit(store, settings)
         policy = _policy_or_exit(store, learned, version)
     finally:
         store.close()

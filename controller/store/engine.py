@@ -8,6 +8,8 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.engine import URL, Connection
 
+from controller.config import LIBPQ_SCHEMES, PG_DRIVER, libpq_scheme
+
 DEFAULT_BUSY_TIMEOUT_MS = 5000
 PG_CONNECT_TIMEOUT_S = 10
 # libpq settings for pooled connections, unless the URL gives its own. A half-open connection
@@ -22,27 +24,6 @@ PG_CONNECT_ARGS: dict[str, int] = {
 }
 # Execution option asking the SQLite begin hook for BEGIN IMMEDIATE (a write transaction).
 WRITE_OPTION = "pdc_write"
-
-
-# URI schemes libpq takes for PostgreSQL (``postgres://`` is what Heroku, psql and most
-# tools print); SQLAlchemy 1.4+ knows only ``postgresql``. Without a driver the store
-# uses psycopg 3, the one it depends on (SQLAlchemy's default would be psycopg2).
-LIBPQ_SCHEMES = ("postgresql", "postgres")
-PG_DRIVER = "postgresql+psycopg"
-
-
-def libpq_scheme(url: str) -> str:
-    """``url`` with a libpq PostgreSQL scheme made SQLAlchemy's psycopg 3 one:
-    ``postgres://`` and ``postgresql://`` become ``postgresql+psycopg://``,
-    ``postgres+DRIVER://`` becomes ``postgresql+DRIVER://``. The rest of the URL (user,
-    password, host, query) is kept byte for byte; any other URL is returned as it is."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    backend, plus, driver = scheme.partition("+")
-    if backend.lower() not in LIBPQ_SCHEMES:
-        return url
-    return f"{PG_DRIVER if not plus else 'postgresql+' + driver}://{rest}"
 
 
 def normalize_url(url: str | URL) -> URL:

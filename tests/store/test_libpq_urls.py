@@ -13,10 +13,9 @@ from typer.testing import CliRunner
 
 from controller.cli import app
 from controller.clock import VirtualClock
-from controller.config import StoreConfig, load_settings
+from controller.config import StoreConfig, libpq_scheme, load_settings
 from controller.leader import leadership_for
 from controller.store import Store, migrate, normalize_url
-from controller.store.engine import libpq_scheme
 from tests.support.postgres import fresh_schema
 
 runner = CliRunner()
