@@ -44,6 +44,7 @@ FAILURE_KINDS = (
     "parse",  # not exposition text (truncated, HTML, garbage)
     "duplicate_series",
     "non_numeric",
+    "invalid_value",  # a value no window can hold (non-finite, negative): the target fails
     "counter_reset",  # reported, the window still uses the post-reset increase
     "counter_decrease",  # fell without a restart: no increase (observe.counters)
     "missing_family",  # a family the window needs is absent

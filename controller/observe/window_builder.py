@@ -49,6 +49,7 @@ from controller.core.window import (
     Summary,
     TargetFailure,
     Window,
+    WindowError,
     WorkerStats,
     Workload,
 )
@@ -514,6 +515,12 @@ class TargetResult:
     failure: TargetFailure | None = None
 
 
+def invalid_value(target: str, error: WindowError) -> TargetFailure:
+    """A target whose values no window can hold (a non-finite or negative count): it fails
+    alone, as an unreachable one would; the other targets' window is unaffected."""
+    return TargetFailure(target=target, kind="invalid_value", message=str(error))
+
+
 def assemble_window(
     start: float,
     end: float,
@@ -540,7 +547,12 @@ def assemble_window(
             continue
         answered.append(r.target)
         if r.role == "router":
-            rs = router_stats(r.delta, ctx_labels, io_labels)
+            try:
+                rs = router_stats(r.delta, ctx_labels, io_labels)
+            except WindowError as e:
+                answered.pop()
+                failures.append(invalid_value(r.target, e))
+                continue
             outcomes.extend(rs.outcomes)
             ctx_parts.append(rs.context_tokens)
             io_parts.append(rs.io_ratio)
@@ -549,7 +561,12 @@ def assemble_window(
             failures.extend(rs.notes)
             continue
         role: Role = "prefill" if r.role == "prefill" else "decode"
-        stats, notes = worker_stats(r.delta, role, interval, engine)
+        try:
+            stats, notes = worker_stats(r.delta, role, interval, engine)
+        except WindowError as e:
+            answered.pop()
+            failures.append(invalid_value(r.target, e))
+            continue
         if stats is not None:
             workers.append(stats)
         failures.extend(notes)

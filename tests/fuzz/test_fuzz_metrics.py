@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
@@ -139,3 +141,24 @@ async def test_html_and_truncated_answers_name_the_target() -> None:
     window = await source.window(clock.now() - 30, clock.now())
     kinds = {f.target: f.kind for f in window.failures}
     assert kinds == {TARGETS[0].name: "parse", TARGETS[1].name: "parse"}
+
+
+@pytest.mark.parametrize("value", ["+Inf", "Inf"])
+async def test_a_counter_no_window_can_hold_fails_its_target_alone(value: str) -> None:
+    """A router whose request counter reads +Inf (seen from the fuzzer): that target fails
+    with ``invalid_value``; the others' window is built as without it."""
+    victim = next(i for i, t in enumerate(SECOND) if "pdrouter_requests_total{" in t)
+    hostile = re.sub(r"(pdrouter_requests_total\{[^}]*\}) \S+", rf"\1 {value}",
+                     SECOND[victim], count=1)
+    clock = VirtualClock(1_800_000_000.0)
+    source = TextSource(TARGETS, clock)
+    source.texts = list(FIRST)
+    await source.window(clock.now() - 30, clock.now())
+    clock.advance(30)
+    source.texts = [hostile if i == victim else t for i, t in enumerate(SECOND)]
+    window = await source.window(clock.now() - 30, clock.now())
+    assert {(f.target, f.kind) for f in window.failures} >= {(TARGETS[victim].name,
+                                                               "invalid_value")}
+    assert TARGETS[victim].name not in window.answered
+    assert {f.target for f in window.failures} == {TARGETS[victim].name}
+    json.dumps(window.to_dict(), allow_nan=False)
