@@ -12,7 +12,7 @@ one step with the decodes. Printed:
 1. per-step stretch: (step with B decodes at a 2,048-token context and one append of q new
    tokens on a cached context of 2,048) / (the same step without it), q 128-2048, B 1-64,
    and the same over a PPD-style 64-token decode (one such step among 63 inter-token gaps);
-2. the rows of reference/latency-model.md §7 recomputed from the built-in profiles;
+2. the published co-batching rows (docs/simulator.md) recomputed from the built-in profiles;
 3. the PPD code's own sensitivity classes (batch 64, context 2,048) beside the simulator;
 4. the per-token prefill cost against DistServe's profiled OPT-13B on A100 (scaled by
    parameter count).
@@ -37,7 +37,7 @@ DECODE_CTX = 2048
 APPEND_CTX = 2048
 PPD_OUTPUT = 64  # the PPD micro-benchmark's decodes generate 64 tokens: 63 gaps
 
-# reference/latency-model.md §7 (copied in docs/simulator.md): baseline 32 decodes at 2,048.
+# the published co-batching figures (copied in docs/simulator.md): baseline 32 decodes at 2,048.
 LM7_ROWS: tuple[tuple[str, int, int, int, float, float], ...] = (
     # label, q new tokens, k cached tokens, (unused), H100 ms, A100 ms
     ("full prefill, 1024 tokens", 1024, 0, 0, 30.3, 85.2),

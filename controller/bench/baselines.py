@@ -1,7 +1,7 @@
 """Static baselines of the evaluation: ``pd``, ``local`` and the Dynamo-style ``threshold``.
 
-``threshold`` follows NVIDIA Dynamo's conditional disaggregation (``reference/peers.md``
-§3): a request runs decode-local when its *uncached* prompt (prompt minus what the session's
+``threshold`` follows NVIDIA Dynamo's conditional disaggregation (``docs/bench.md``,
+"Policies"): a request runs decode-local when its *uncached* prompt (prompt minus what the session's
 decode worker already holds) is under ``max_uncached_tokens`` (2048) **and** under
 ``max_uncached_ratio`` (0.7) of the whole prompt, **or** when the prefill pool is busy: the
 least-busy prefill worker has ``prefill_waiting`` (2) or more requests waiting. The rule

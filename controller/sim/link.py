@@ -1,6 +1,6 @@
 """P -> D KV links: one NIC per prefill worker, FIFO, with setup cost and bandwidth.
 
-``T_xfer(n) = setup + n * kv_bytes_per_token / bandwidth`` (``reference/latency-model.md``
+``T_xfer(n) = setup + n * kv_bytes_per_token / bandwidth`` (``docs/simulator.md``
 section 9). Transfers leaving the same prefill worker share its NIC one after another
 (``kv_link_gbps`` is per NIC, in gigabits per second of effective bandwidth). A bandwidth
 change applies to transfers that start after it.

@@ -1,7 +1,7 @@
 """Worker profiles: the step-time model's coefficients and the KV geometry, as data.
 
 A profile is a JSON file (built-in ones live in ``controller/sim/profiles/``; any path works
-too). The step time follows ``reference/latency-model.md`` section 1::
+too). The step time follows ``docs/simulator.md`` ("Engines")::
 
     T_step = T_fixed + max(F, a + b * N_new) + c_dec * sum(decode ctx)
              + c_pf * sum(q * (k + q / 2)) + T_comm(N_new)

@@ -1,4 +1,4 @@
-"""A simulated worker's series as SGLang 0.5 names them (``reference/worker-metrics.md`` §3).
+"""A simulated worker's series as SGLang 0.5 names them (``docs/engines.md``).
 
 :class:`SglangView` renders the state of a :class:`~controller.sim.vllm_metrics.WorkerMetrics`
 into a registry of its own, so the same traffic can be read through the vLLM and the SGLang

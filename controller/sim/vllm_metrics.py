@@ -3,7 +3,7 @@
 The engine updates plain Python numbers (cheap, and histograms take ``n`` samples at once so
 runs of identical decode steps are recorded in bulk); a custom collector renders them into a
 per-worker ``prometheus_client`` registry, so an in-process reader and an HTTP scrape see the
-same exposition a vLLM API server would produce (see ``reference/worker-metrics.md`` §2).
+same exposition a vLLM API server would produce (see ``docs/engines.md``).
 """
 
 from __future__ import annotations

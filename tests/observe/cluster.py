@@ -1,5 +1,5 @@
 """Synthetic targets for the observe tests: prometheus_client registries with vLLM 0.33's
-exact family names, labels and bucket edges (``reference/worker-metrics.md`` §2) and the
+exact family names, labels and bucket edges (``docs/engines.md``) and the
 router agent's real ``pdrouter_*`` metrics, plus a FakeSource fed the same traffic."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from controller.policy.bins import (
 from controller.policy.model import Route
 from controller.rollout.agent_metrics import RouterMetrics, slo_label
 
-# vLLM's bucket edges, restated from reference/worker-metrics.md §2 on purpose rather than
+# vLLM's bucket edges, restated from docs/engines.md on purpose rather than
 # imported from controller/sim/vllm_metrics.py: these tests then cross-check the simulator's
 # exposition against the reference instead of against itself.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

@@ -1,6 +1,6 @@
 """The decode-local cost in the simulator stays within 20 % of the like-for-like published
 figures (docs/simulator.md, "The decode-local cost"): the co-batching rows of
-reference/latency-model.md §7 (derived from Vidur's profiles) and DistServe's profiled
+the published co-batching figures (derived from Vidur's profiles) and DistServe's profiled
 prefill cost on A100 (OPT-13B, per billion parameters). ``benchmarks/sim_decode_local_cost.py``
 prints the full comparison."""
 

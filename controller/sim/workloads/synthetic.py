@@ -12,7 +12,7 @@ per second, so the overall request rate is ``qps`` once sessions overlap in stea
 class (a client asking for N tokens with ``ignore_eos``), so here the router's
 ``expected_output_tokens`` is exact by construction.
 
-Named classes (``reference/peers.md`` section 2.3, from the PPD paper, arXiv 2603.13358, and
+Named classes (from the PPD paper, arXiv 2603.13358, and
 its ``freelulul/vllm-ppd`` benchmark): ``class`` picks the Turn-2+ shape (input -> output) and
 ``context`` the Turn-1 shape (``small`` 128 -> 128, ``large`` 1024 -> 1024). Giving a class
 and one of the sizes it sets is an error, so a scenario never says two things at once.
