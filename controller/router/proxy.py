@@ -241,7 +241,7 @@ class Router:
         if (problem := body_problem(body, chat=chat)) is not None:
             raise RequestError(400, problem)
         model = body.get("model")
-        if self._names and model not in self._names:
+        if self._names and model is not None and model not in self._names:
             raise RequestError(404, f"The model `{model}` does not exist.", "NotFoundError")
         headers = {"Content-Type": "application/json",
                    REQUEST_ID_HEADER: request.headers.get(REQUEST_ID_HEADER)

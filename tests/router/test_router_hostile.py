@@ -94,3 +94,15 @@ def test_malformed_bodies_are_400s_without_a_traceback(cluster, body: bytes) -> 
     assert metric(r.metrics(), "pdrouter_http_responses_total", code="500") == 0
     assert "Traceback" not in r.log_text()
 
+
+
+def test_a_request_without_model_is_served_as_vllm_does(cluster) -> None:
+    """vLLM serves a request with no (or a null) ``model`` with its served model; another
+    name is a 404."""
+    _p, _d, r = cluster
+    for body in (b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}',
+                 b'{"model":null,"messages":[{"role":"user","content":"hi"}],"max_tokens":2}'):
+        got = post(r, body)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["message"]["content"] == "xx"
+    assert_openai_error(post(r, b'{"model":"other","messages":[]}'), 404)
