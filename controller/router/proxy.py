@@ -228,9 +228,12 @@ class Router:
         if self._auth(request) is not None:
             raise RequestError(401, "invalid or missing API key", "authentication_error")
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self._t.client_body_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(413, "request body too large") from None
+        except TimeoutError:
+            raise RequestError(408, "request body not received in time") from None
         try:
             body = json.loads(raw)
         except ValueError as e:

@@ -5,7 +5,11 @@ that closes its stream at ``[DONE]`` (the ``openai`` client does) is a completed
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -106,3 +110,27 @@ def test_a_request_without_model_is_served_as_vllm_does(cluster) -> None:
         assert got.status_code == 200, got.text
         assert got.json()["choices"][0]["message"]["content"] == "xx"
     assert_openai_error(post(r, b'{"model":"other","messages":[]}'), 404)
+
+
+def test_a_client_that_never_finishes_its_body_gets_a_408_within_the_bound(
+        cluster, tmp_path: Path) -> None:
+    p, d, _r = cluster
+    toml = router_toml([p.url], [d.url], http_port=free_port(), grpc_port=free_port(),
+                       extra="[timeouts]\nclient_body_s = 1.0\n")
+    with router_serve(toml, tmp_path) as r:
+        host, port = r.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: 100\r\n\r\n{")  # 99 bytes short
+            started = time.monotonic()
+            seen = b""
+            while b"\r\n\r\n" not in seen or not seen.rstrip().endswith(b"}"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                seen += chunk
+            waited = time.monotonic() - started
+        assert seen.startswith(b"HTTP/1.1 408"), seen[:200]
+        assert 0.9 <= waited < 5
+        assert json.loads(seen.split(b"\r\n\r\n", 1)[1])["error"]["code"] == 408
+        assert metric(r.metrics(), "pdrouter_http_responses_total", code="408") == 1
