@@ -198,17 +198,23 @@ def nesting_exceeds(doc: Any, limit: int = MAX_NESTING) -> bool:
     return False
 
 
+def _messages_ok(messages: Any) -> bool:
+    return isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
+
+
 def body_problem(body: Any, *, chat: bool) -> str | None:
     """Why a parsed request body cannot be routed (the client's 400), or None.
 
     Checked here: what the router itself reads, with the types vLLM's OpenAI models require
-    (``stream`` a boolean, ``model`` a string). The rest is the engine's to judge."""
+    (``stream`` a boolean, ``model`` a string, every chat message an object with a string
+    ``role``: the chat template renders roles). The rest is the engine's to judge."""
     if not isinstance(body, dict):
         return "request body must be a JSON object"
     if nesting_exceeds(body):
         return f"request body nests deeper than {MAX_NESTING} levels"
-    if chat and not isinstance(body.get("messages"), list):
-        return "'messages' must be a list"
+    if chat and not _messages_ok(body.get("messages")):
+        return "'messages' must be a list of objects, each with a string 'role'"
     if not chat and "prompt" not in body:
         return "'prompt' is required"
     if not isinstance(body.get("stream", False), bool | None):

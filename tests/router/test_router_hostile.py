@@ -15,12 +15,13 @@ import httpx
 import openai
 import pytest
 
-from tests.support.processes import free_port
+from tests.support.processes import REPO, free_port
 from tests.support.router import Engine, RouterProc, engines, metric, router_serve, router_toml
 
 pytestmark = pytest.mark.integration
 
 MODEL = "m"
+SIM_TOKENIZER = REPO / "controller" / "tokenize" / "data" / "sim-tokenizer"
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory
     tmp = tmp_path_factory.mktemp("hostile")
     with engines("p0", "d0") as (p, d):
         toml = router_toml([p.url], [d.url], http_port=free_port(), grpc_port=free_port(),
-                           extra=f'[model]\nnames = ["{MODEL}"]\n')
+                           extra=f'[model]\nnames = ["{MODEL}"]\ntokenizer = "{SIM_TOKENIZER}"\n')
         with router_serve(toml, tmp) as r:
             yield p, d, r
 
@@ -89,7 +90,14 @@ def test_stream_that_is_not_a_boolean_is_a_400_and_no_engine_failure(cluster, va
     b'{"model":{"a":1},"messages":[{"role":"user","content":"hi"}]}',
     b'{"model":"m","messages":' + b"[" * 50_000 + b"]" * 50_000 + b"}",
     b'{"model":"m","messages":[' + b"[" * 900 + b"]" * 900 + b"]}",
-], ids=["model-list", "model-object", "deep-json", "deep-message"])
+    b'{"model":"m","messages":[{"role":"user","content":"a"},{"role":"assistant","content":"b"},'
+    b'{"role":5,"content":"c"}]}',
+    b'{"model":"m","messages":[{"role":"user","content":"a"},{"role":"assistant","content":"b"},'
+    b'{"content":"c"}]}',
+    b'{"model":"m","messages":[{"role":"user","content":"a"},{"role":"assistant","content":"b"},'
+    b'"c"]}',
+], ids=["model-list", "model-object", "deep-json", "deep-message", "role-number",
+        "role-missing", "message-string"])
 def test_malformed_bodies_are_400s_without_a_traceback(cluster, body: bytes) -> None:
     _p, _d, r = cluster
     before = metric(r.metrics(), "pdrouter_http_responses_total", code="400")
