@@ -160,7 +160,7 @@ class InstancesSection(_Section):
 
 
 class TimeoutsSection(_Section):
-    """Bounds on every upstream wait (seconds)."""
+    """Bounds on every wait (seconds): upstream, and a client's body."""
 
     connect_s: float = Field(2.0, gt=0, description="TCP connect to an engine.")
     prefill_s: float = Field(60.0, gt=0, description="The whole prefill leg (P's JSON answer).")
@@ -169,6 +169,8 @@ class TimeoutsSection(_Section):
                                     "streamed events (and for a non-streamed body).")
     non_streamed_s: float = Field(600.0, gt=0, description="D's whole non-streamed answer.")
     health_s: float = Field(1.0, gt=0, description="One health check or metrics poll.")
+    client_body_s: float = Field(30.0, gt=0, description="A client's whole request body, "
+                                 "from its headers on (408 after).")
 
 
 class SessionsSection(_Section):

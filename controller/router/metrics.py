@@ -34,6 +34,15 @@ class DecodeFailure(enum.StrEnum):
     NO_INSTANCE = "no_decode_instance"
 
 
+class Stage(enum.StrEnum):
+    """Where a request is; a hang-up before ``DONE`` is counted under the stage it cut."""
+
+    READ = "read"  # the client's body
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"  # the answer is complete and counted: a hang-up now cuts nothing
+
+
 class RouterHttpMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.tokenizer_loaded = Gauge(
@@ -61,7 +70,8 @@ class RouterHttpMetrics:
             ["reason", "after_prefill"], registry=registry)
         self.client_disconnects = Counter(
             "pdrouter_client_disconnects",
-            "Clients that hung up; the legs in flight were cancelled. stage=read|prefill|decode.",
+            "Clients that hung up before their answer was complete; the legs in flight were "
+            "cancelled. stage=read|prefill|decode.",
             ["stage"], registry=registry)
         self.overhead = Histogram(
             "pdrouter_overhead_seconds",

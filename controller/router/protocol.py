@@ -36,6 +36,10 @@ PREFILL_REMOVED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 SESSION_HEADER = "X-Session-Id"
 REQUEST_ID_HEADER = "X-Request-Id"
+# Deepest JSON nesting a request may have. OpenAI bodies nest about 6 deep (content parts,
+# tool schemas somewhat more); far deeper bodies exhaust the stack of the JSON encoder that
+# writes the legs' bodies.
+MAX_NESTING = 64
 
 
 class KeySource(enum.StrEnum):
@@ -177,6 +181,47 @@ def expected_output(body: Mapping[str, Any], default: float) -> float:
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return float(v)
     return default
+
+
+def nesting_exceeds(doc: Any, limit: int = MAX_NESTING) -> bool:
+    """Whether ``doc`` has containers nested deeper than ``limit`` (walked without
+    recursion, containers only)."""
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+def _messages_ok(messages: Any) -> bool:
+    return isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
+
+
+def body_problem(body: Any, *, chat: bool) -> str | None:
+    """Why a parsed request body cannot be routed (the client's 400), or None.
+
+    Checked here: what the router itself reads, with the types vLLM's OpenAI models require
+    (``stream`` a boolean, ``model`` a string, every chat message an object with a string
+    ``role``: the chat template renders roles). The rest is the engine's to judge."""
+    if not isinstance(body, dict):
+        return "request body must be a JSON object"
+    if nesting_exceeds(body):
+        return f"request body nests deeper than {MAX_NESTING} levels"
+    if chat and not _messages_ok(body.get("messages")):
+        return "'messages' must be a list of objects, each with a string 'role'"
+    if not chat and "prompt" not in body:
+        return "'prompt' is required"
+    if not isinstance(body.get("stream", False), bool | None):
+        return "'stream' must be a boolean"
+    if not isinstance(body.get("model", ""), str | None):
+        return "'model' must be a string"
+    return None
 
 
 def error_doc(status: int, message: str, kind: str, code: str | None = None) -> dict[str, Any]:

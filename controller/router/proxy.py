@@ -16,6 +16,7 @@ measured on the relayed stream. Failure rules (each counted, see ``docs/router.m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -41,9 +42,10 @@ from controller.router.features import (
 )
 from controller.router.instances import Pool
 from controller.router.merge import merge_expositions
-from controller.router.metrics import DecodeFailure, FallbackReason, RouterHttpMetrics
+from controller.router.metrics import DecodeFailure, FallbackReason, RouterHttpMetrics, Stage
 from controller.router.protocol import (
     REQUEST_ID_HEADER,
+    body_problem,
     client_wants_usage,
     decode_body,
     error_doc,
@@ -96,7 +98,7 @@ class Ctx:
     decision: Decision | None = None
     decode_url: str = ""
     policy_version: int = 0
-    stage: str = "prefill"
+    stage: Stage = Stage.PREFILL
     prefilled: bool = False
 
 
@@ -210,7 +212,10 @@ class Router:
         except RequestError as e:
             response = error_response(e.status, str(e), e.kind)
         except asyncio.CancelledError:
-            self.m.client_disconnects.labels(ctx.stage if ctx else "read").inc()
+            if ctx is not None and ctx.stage is Stage.DONE:  # the client had the whole answer
+                self.m.responses.labels(endpoint, "200").inc()
+            else:
+                self.m.client_disconnects.labels(ctx.stage if ctx else Stage.READ).inc()
             raise
         except Exception:  # a bug must still answer in OpenAI's shape, and be counted
             log.exception("router: request failed unexpectedly")
@@ -223,22 +228,23 @@ class Router:
         if self._auth(request) is not None:
             raise RequestError(401, "invalid or missing API key", "authentication_error")
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self._t.client_body_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(413, "request body too large") from None
+        except TimeoutError:
+            raise RequestError(408, "request body not received in time") from None
         try:
             body = json.loads(raw)
         except ValueError as e:
             raise RequestError(400, f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise RequestError(400, "request body must be a JSON object")
+        except RecursionError:
+            raise RequestError(400, "request body nests too deeply") from None
         chat = endpoint == CHAT
-        if chat and not isinstance(body.get("messages"), list):
-            raise RequestError(400, "'messages' must be a list")
-        if not chat and "prompt" not in body:
-            raise RequestError(400, "'prompt' is required")
+        if (problem := body_problem(body, chat=chat)) is not None:
+            raise RequestError(400, problem)
         model = body.get("model")
-        if self._names and model not in self._names:
+        if self._names and model is not None and model not in self._names:
             raise RequestError(404, f"The model `{model}` does not exist.", "NotFoundError")
         headers = {"Content-Type": "application/json",
                    REQUEST_ID_HEADER: request.headers.get(REQUEST_ID_HEADER)
@@ -287,7 +293,7 @@ class Router:
                 return got
             handle = got
         ctx.prefilled = handle is not None
-        ctx.stage = "decode"
+        ctx.stage = Stage.DECODE
         return await self._decode(request, ctx, handle)
 
     # -- the prefill leg --------------------------------------------------------------------
@@ -405,24 +411,23 @@ class Router:
     async def _relay(self, request: web.Request, ctx: Ctx, route: Route,
                      up: aiohttp.ClientResponse, scan: SseScan, first: bytes
                      ) -> tuple[web.StreamResponse, bool]:
-        """Stream D's events to the client; (the response, whether D's stream ended)."""
+        """Stream D's events to the client; (the response, whether D's stream ended).
+
+        The request is counted complete when D's ``[DONE]`` arrives, before it is passed on:
+        clients (the ``openai`` library among them) close the connection at ``[DONE]``
+        without waiting for the end of the HTTP stream."""
         out = web.StreamResponse(status=200, headers={
             **SSE_HEADERS, REQUEST_ID_HEADER: ctx.headers[REQUEST_ID_HEADER],
             ROUTE_HEADER: route.name, DECODE_HEADER: ctx.decode_url,
             POLICY_HEADER: str(ctx.policy_version)})
         await out.prepare(request)
-        loop = asyncio.get_running_loop()
-        between = self._t.between_tokens_s
-        perf = self._perf
         try:
+            if scan.done:
+                self._complete(ctx, route, scan)
             if first:
                 await out.write(first)
-            async with asyncio.timeout(between) as tm:
-                async for data in up.content.iter_any():
-                    block = scan.feed(data, perf())
-                    if block:
-                        await out.write(block)
-                    tm.reschedule(loop.time() + between)
+            if not scan.done:
+                await self._pump(ctx, route, up, scan, out)
         except TimeoutError:
             self._decode_failed(ctx, DecodeFailure.TIMEOUT_BETWEEN_TOKENS)
             await self._stream_error(out, "decode instance stopped sending tokens")
@@ -432,18 +437,50 @@ class Router:
             await self._stream_error(out, "decode instance failed mid-stream")
             return out, False
         except ConnectionResetError:
-            self.m.client_disconnects.labels("decode").inc()
+            if ctx.stage is not Stage.DONE:
+                self.m.client_disconnects.labels(Stage.DECODE).inc()
             return out, False
         if not scan.done:
             self._decode_failed(ctx, DecodeFailure.BROKEN_STREAM)
             await self._stream_error(out, "decode stream ended early")
             return out, False
-        self._finish(ctx, route, scan.first_t, scan.last_t, scan.usage)
-        try:
+        with contextlib.suppress(ConnectionResetError):  # the client had [DONE]
             await out.write_eof()
-        except ConnectionResetError:
-            self.m.client_disconnects.labels("decode").inc()
-        return out, True
+        return out, await self._drain(up)
+
+    async def _pump(self, ctx: Ctx, route: Route, up: aiohttp.ClientResponse, scan: SseScan,
+                    out: web.StreamResponse) -> None:
+        """Relay events until ``[DONE]`` or the end of D's stream, each within the
+        between-tokens bound (``TimeoutError`` when D falls silent)."""
+        loop = asyncio.get_running_loop()
+        between = self._t.between_tokens_s
+        perf = self._perf
+        async with asyncio.timeout(between) as tm:
+            async for data in up.content.iter_any():
+                block = scan.feed(data, perf())
+                if scan.done:
+                    self._complete(ctx, route, scan)
+                if block:
+                    await out.write(block)
+                if scan.done:
+                    return
+                tm.reschedule(loop.time() + between)
+
+    async def _drain(self, up: aiohttp.ClientResponse) -> bool:
+        """Read what D sends after ``[DONE]`` (the end of its stream), within the
+        between-tokens bound; True when its stream ended (its connection can be reused)."""
+        try:
+            async with asyncio.timeout(self._t.between_tokens_s):
+                while await up.content.readany():
+                    pass
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+        return True
+
+    def _complete(self, ctx: Ctx, route: Route, scan: SseScan) -> None:
+        if ctx.stage is not Stage.DONE:
+            ctx.stage = Stage.DONE
+            self._finish(ctx, route, scan.first_t, scan.last_t, scan.usage)
 
     @staticmethod
     async def _stream_error(out: web.StreamResponse, message: str) -> None:

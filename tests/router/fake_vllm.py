@@ -12,7 +12,8 @@ router's tests and ``benchmarks/router_overhead.py`` need, cheaply. Run as a scr
   ``stream_options.include_usage``) or not; prompt tokens are UTF-8 bytes / 4 per text (+4 per
   chat message, +3 per chat prompt), the router's own estimate;
 * ``POST /_fake/behaviour`` changes what it does next (status, no_handle, hang, stall_after,
-  delay_s, health_status, waiting); ``GET /_fake/log`` lists the requests it got (path,
+  delay_s, health_status, waiting, linger_s: seconds between ``[DONE]`` and the stream's
+  end); ``GET /_fake/log`` lists the requests it got (path,
   X-Request-Id, Authorization, body); ``GET /_fake/stats`` counts them.
 """
 
@@ -201,6 +202,8 @@ class Fake:
                     "total_tokens": prompt + n}})
             await out.write(b"data: [DONE]\n\n")
             self._done(prompt, n)
+            if self.behaviour.get("linger_s"):
+                await asyncio.sleep(float(self.behaviour["linger_s"]))
         except ConnectionResetError:
             self.stats["aborted"] += 1
             raise

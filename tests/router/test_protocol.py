@@ -7,9 +7,12 @@ import random
 
 from controller.router.features import CompletionSessions, chat_shape
 from controller.router.protocol import (
+    MAX_NESTING,
     KeySource,
+    body_problem,
     decode_body,
     handle_of,
+    nesting_exceeds,
     pick_decode,
     prefill_body,
     session_key,
@@ -200,3 +203,21 @@ def test_a_completions_turn_that_extends_the_last_prompt_encodes_only_its_additi
     assert s.extension("k", "other " + longer) is None  # not the same conversation
     assert s.extension("k", prompt[:100]) is None  # shorter: a new conversation
     assert s.extension("nobody", longer) is None
+
+
+def test_nesting_bound_counts_containers_only_and_holds_at_its_limit() -> None:
+    def nested(depth: int) -> object:
+        doc: object = "leaf"
+        for i in range(depth):
+            doc = [doc] if i % 2 else {"k": doc}
+        return doc
+
+    assert not nesting_exceeds(nested(MAX_NESTING))
+    assert nesting_exceeds(nested(MAX_NESTING + 1))
+    assert not nesting_exceeds({"a": "x" * 10_000, "b": 5, "c": None})
+    deep = {"model": "m", "messages": [nested(MAX_NESTING)]}
+    assert body_problem(deep, chat=True) == f"request body nests deeper than {MAX_NESTING} levels"
+    ok = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": None}
+    assert body_problem(ok, chat=True) is None
+    assert body_problem({**ok, "stream": "true"}, chat=True) == "'stream' must be a boolean"
+    assert body_problem({**ok, "model": 3}, chat=True) == "'model' must be a string"
