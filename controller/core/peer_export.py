@@ -271,7 +271,8 @@ def render(export: PeerExport, traffic_chars_per_token: float = 4.0,
         return "\n".join(head + body) + "\n"
     config = {"policy": "isl_bounding", "eff_isl_threshold": math.ceil(r.threshold),
               "eff_isl_ratio_threshold": r.ratio}
-    head.append("# eff_isl_threshold 0: every request goes to a prefill node")
+    if config["eff_isl_threshold"] == 0:
+        head.append("# eff_isl_threshold 0: every request goes to a prefill node")
     text = json.dumps(config, separators=(",", ":"))
     body = [f"--router-conditional-disagg --router-conditional-disagg-config '{text}'"]
     return "\n".join(head + body) + "\n"

@@ -175,3 +175,16 @@ def test_fragments_parse_in_the_peers_formats(fitted: tuple[CalibrationResult, T
     config = json.loads(flags[0].split("'")[1])
     assert config == {"policy": "isl_bounding", "eff_isl_threshold": math.ceil(
         dyn.rule.threshold), "eff_isl_ratio_threshold": dyn.rule.ratio}
+
+
+@pytest.mark.parametrize(("threshold", "says_always"), [(110.0, False), (0.0, True)])
+def test_the_dynamo_fragment_says_always_prefill_only_for_a_zero_threshold(
+        fitted: tuple[CalibrationResult, Truth, Mix], threshold: float, says_always: bool
+) -> None:
+    import dataclasses
+
+    result, _, _ = fitted
+    dyn = export_rule(result.model, result.grid, result.policy, SLO, PeerFormat.DYNAMO)
+    dyn = dataclasses.replace(dyn, rule=dataclasses.replace(dyn.rule, threshold=threshold))
+    text = render(dyn)
+    assert ("every request goes to a prefill node" in text) is says_always
