@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import uuid
@@ -187,7 +188,8 @@ class Router:
     def _auth(self, request: web.Request) -> web.Response | None:
         if self._key is None:
             return None
-        if request.headers.get("Authorization", "") != f"Bearer {self._key}":
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, f"Bearer {self._key}".encode()):  # constant time
             return error_response(401, "invalid or missing API key", "authentication_error")
         return None
 

@@ -104,8 +104,10 @@ class ModelCounter:
         if self._template:
             try:
                 return self._overhead(messages) + content
-            except ConfigError:
-                pass
+            except (ConfigError, TypeError, ValueError, KeyError) as e:
+                # A template that refuses these messages (raise_exception, odd roles) is the
+                # engine's to answer; the router estimates its overhead and routes on.
+                log.debug("chat template failed, overhead estimated: %s", e)
         return content + 4 * len(messages) + 3
 
 
