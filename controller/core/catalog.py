@@ -258,7 +258,7 @@ ENGINES: tuple[EngineSpec, ...] = (VLLM, SGLANG)
 
 # SGLang labels a scheduler's series with its parallel ranks. The ranks of one attention
 # group run the same batch, so with --enable-metrics-for-all-schedulers each of them reports
-# the same requests, transfers and queue (seen on a TP 4 prefill node: four copies of every
+# the same requests, transfers and queue (a TP 4 prefill node reports four copies of every
 # KV-transfer histogram). Series that differ only in these labels are one series (the
 # largest counts it once); dp_rank, a scheduler of its own, is summed like vLLM's engine.
 REPLICA_RANK_LABELS: frozenset[str] = frozenset({"tp_rank", "pp_rank", "moe_ep_rank"})

@@ -102,8 +102,8 @@ def _token(config: SecurityConfig) -> str | None:
     if token is not None and not token:
         raise ConfigError("security: the bearer token is empty")
     if token is not None and not all(" " <= c <= "~" for c in token):
-        # gRPC refuses such metadata on every call ("Illegal metadata"), read as the router
-        # being unreachable after all the retries.
+        # gRPC refuses such metadata on every call ("Illegal metadata"), which would look
+        # like an unreachable router after all the retries: refuse it here, by name.
         key = "token" if config.token is not None else f"token_file {config.token_file}"
         raise ConfigError(f"security.{key}: the bearer token must be printable ASCII "
                           "(gRPC metadata): no accents, tabs or newlines inside it")
