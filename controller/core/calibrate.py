@@ -325,8 +325,9 @@ def table_grid(ts: TrainingSet, axes: Axes, recent_windows: int,
 @dataclass(frozen=True, slots=True)
 class ScoreTerms:
     """What a cell's score compares, [qps row, (ctx, io) cell]: each route's predicted TTFT
-    and TPOT with the marginal cost it puts on the other requests added (``pdctl explain``
-    showed the predictions alone, which the score contradicted under load)."""
+    and TPOT with the marginal cost it puts on the other requests added, so that ``pdctl
+    explain`` shows what the score compares (the predictions alone can contradict the score
+    under load)."""
 
     ttft_p: FloatArray
     ttft_l: FloatArray

@@ -235,7 +235,7 @@ def psi(
 def window_qps(window: Window) -> float:
     """Requests per second over the window: the routers' request counts when there are any
     (a count over the whole window is far steadier than the routers' sliding-window gauges,
-    which the simulator showed swinging ±10 % at a constant rate), else the gauges."""
+    which swing by ±10 % at a constant rate in the simulator), else the gauges."""
     total = window.outcomes.total("requests")
     if total > 0:
         return total / window.interval_s
@@ -560,8 +560,8 @@ def drift_onset(state: DetectorState, threshold: float) -> float | None:
     in its history whose statistic was within ``threshold`` (None: the history holds none).
 
     A calibration after a shift should learn from the windows after it only; the windows
-    before describe the old regime (training on them, a recalibration after a QPS step
-    predicted the old load and was refused).
+    before describe the old regime (a model trained on them predicts the old load, and its
+    candidate is refused).
     """
     history = state.history
     for end, stat in reversed(history[:-1]):
