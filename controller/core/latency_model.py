@@ -797,8 +797,8 @@ def fit_latency_model(
     :func:`fit_link_change`."""
     from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
-    # The fits are small and many: one BLAS thread is faster than threads fighting over two
-    # shared cores (measured: X^T X of 20k x 50 went from 66 ms to a few ms).
+    # The fits are small and many: one BLAS thread is faster than threads fighting over a few
+    # shared cores (an X^T X of 20k x 50 takes a few ms alone, tens of ms contended).
     with threadpool_limits(1):
         return _fit_latency_model(ts, slo_ttft, slo_tpot, prior, residual, link_changed_at)
 
