@@ -272,7 +272,7 @@ def _certificate_configuration(
         ) from None
     roots = None
     if ca is not None:
-        _check_ca(ca)  # else gRPC core failed the bind, read as a port in use
+        _check_ca(ca)  # else gRPC core fails the bind, which reads as a port in use
         roots = _read(ca, "tls_ca")
     return grpc.ssl_server_certificate_configuration([pair], root_certificates=roots)
 
