@@ -84,10 +84,9 @@ class CalibrationConfig:
     guardrail_overload_goodput: float = 0.5
     exploration_budget: float = 0.005  # predicted goodput exploration may cost (above floor)
     # Requests per second a cell may send the predicted-worse way, floor included: the model
-    # needs samples, not a share, and a busy cell pays for each explored request the most
-    # (after QPS x2 on ppd-2p2d, 1-2 % of the busiest cell cost ~1 point of measured goodput
-    # where the model predicted 0.2-0.5; benchmarks/core_sim_exploration_cost.py). 0.2/s is
-    # 120 samples per cell in 10 minutes.
+    # needs samples, not a share, and a busy cell pays the most for each explored request,
+    # more than the model predicts (benchmarks/core_sim_exploration_cost.py measures it).
+    # 0.2/s is 120 samples per cell in 10 minutes.
     exploration_max_rate: float = 0.2
     holdout_fraction: float = 0.2  # later windows held out to measure the model's error
     recent_windows: int = 20  # windows that define "the current mix" for predicted goodput
@@ -326,8 +325,9 @@ def table_grid(ts: TrainingSet, axes: Axes, recent_windows: int,
 @dataclass(frozen=True, slots=True)
 class ScoreTerms:
     """What a cell's score compares, [qps row, (ctx, io) cell]: each route's predicted TTFT
-    and TPOT with the marginal cost it puts on the other requests added (``pdctl explain``
-    showed the predictions alone, which the score contradicted under load)."""
+    and TPOT with the marginal cost it puts on the other requests added, so that ``pdctl
+    explain`` shows what the score compares (the predictions alone can contradict the score
+    under load)."""
 
     ttft_p: FloatArray
     ttft_l: FloatArray

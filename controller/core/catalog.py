@@ -117,7 +117,7 @@ class EngineSpec:
     markers: tuple[str, ...] = ()
     # Per key, the specs read when the key's own family is absent, in order of preference.
     alternates: Mapping[str, tuple[AnySpec, ...]] = field(default_factory=dict)
-    # Counters of requests that the ``requests`` counter also counts but that were not
+    # Counters of requests that the ``requests`` counter also counts but that are not
     # served (SGLang counts every finished request, aborted ones too, in num_requests).
     failure_counters: Mapping[RequestOutcome, tuple[str, ...]] = field(default_factory=dict)
 
@@ -184,8 +184,8 @@ VLLM = EngineSpec(
         "kv_transfer_bytes": HistogramSpec("vllm:nixl_bytes_transferred"),
     },
     counters={
-        # Every FinishReason is a label value: "abort" and "error" (0.34.0, not 0.11.2) finished
-        # without being served; stop, length and repetition (0.34) were served.
+        # Every FinishReason is a label value: "abort" and "error" (0.34.0, not 0.11.2) finish
+        # without being served; stop, length and repetition (0.34) are served.
         "requests": CounterSpec(
             "vllm:request_success_total", by="finished_reason",
             outcomes={"abort": RequestOutcome.ABORTED, "error": RequestOutcome.ERRORED},
@@ -258,7 +258,7 @@ ENGINES: tuple[EngineSpec, ...] = (VLLM, SGLANG)
 
 # SGLang labels a scheduler's series with its parallel ranks. The ranks of one attention
 # group run the same batch, so with --enable-metrics-for-all-schedulers each of them reports
-# the same requests, transfers and queue (seen on a TP 4 prefill node: four copies of every
+# the same requests, transfers and queue (a TP 4 prefill node reports four copies of every
 # KV-transfer histogram). Series that differ only in these labels are one series (the
 # largest counts it once); dp_rank, a scheduler of its own, is summed like vLLM's engine.
 REPLICA_RANK_LABELS: frozenset[str] = frozenset({"tp_rank", "pp_rank", "moe_ep_rank"})
@@ -294,8 +294,8 @@ def collapse_replicas(series: Mapping[LabelKey, float]) -> dict[LabelKey, float]
     """Series that differ only in a replica rank label (:data:`REPLICA_RANK_LABELS`) as one
     series without those labels, valued at the largest: each replica reports the same
     scheduler, so summing them would count its requests once per rank. Per-priority series
-    are dropped (their total, ``priority=""``, is kept: summed with it they doubled every
-    count). A family without such labels comes back as it is."""
+    are dropped (their total, ``priority=""``, is kept: summed with it they would double
+    every count). A family without such labels comes back as it is."""
     if any(_a_priority_class(labels) for labels in series):
         series = {labels: v for labels, v in series.items() if not _a_priority_class(labels)}
     if not any(k in REPLICA_RANK_LABELS for labels in series for k, _ in labels):

@@ -52,10 +52,10 @@ KV_RESIDUAL = "KV.transfer"  # the KV link's own residual (the others are per ro
 # A route's latency residual carries queueing noise and an in-sample fit, and a standard
 # deviation from n windows is below half the true one with probability P(chi2(n-1) <
 # (n-1)/4): 22 % from 3 windows, 6 % from 6. Half the spread doubles each window's z, and a
-# stationary stream then climbs the CUSUM to its threshold within a few windows: the demo's
-# references of 3-4 windows fired it before anything changed (8.04 and 8.56, led by
-# PREFILL_NODE.ttft). The KV link's transfer time is bytes over bandwidth, with little noise:
-# 3 windows, so a slower link is still seen right after a first calibration.
+# stationary stream then climbs the CUSUM to its threshold within a few windows, a false
+# alarm. Six windows keep that risk near 6 %. The KV link's transfer time is bytes over
+# bandwidth, with little noise: 3 windows, so a slower link is still seen right after a first
+# calibration.
 ROUTE_REFERENCE_WINDOWS = 6
 KV_REFERENCE_WINDOWS = 3
 RESIDUAL_KEYS = ("PREFILL_NODE.ttft", "PREFILL_NODE.tpot", "DECODE_LOCAL.ttft",
@@ -96,9 +96,9 @@ class DriftConfig:
     # The KV link's residual needs fewer transfers a window than a route's latency needs
     # requests: a transfer's time is bytes over bandwidth, not a heavy-tailed queueing delay.
     # A window with fewer transfers than the reference windows averaged has its spread
-    # widened by sqrt(reference count / count), the spread of a mean. (At 20, windows of
-    # 15-19 transfers after a link slowdown were skipped: detection took 4-8 windows instead
-    # of 2; docs/bench.md, "The KV link's own minimum sample".)
+    # widened by sqrt(reference count / count), the spread of a mean, so a small floor
+    # keeps sparse windows in play without overweighting them (measured in docs/bench.md,
+    # "The KV link's own minimum sample").
     kv_min_samples: float = 5.0
     cusum_allowance: float = 1.0  # k, in standard deviations
     z_clip: float = 5.0  # one window moves a CUSUM by at most z_clip - k
@@ -128,7 +128,7 @@ class DriftReference:
     residual_sd: Mapping[str, float]
     window_range: tuple[float, float]
     # Mean samples a window behind each residual (its spread is that of a mean of so many).
-    # Empty in a reference stored before it was kept.
+    # May be empty (references stored without it): the spread is then used as measured.
     residual_count: Mapping[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -235,7 +235,7 @@ def psi(
 def window_qps(window: Window) -> float:
     """Requests per second over the window: the routers' request counts when there are any
     (a count over the whole window is far steadier than the routers' sliding-window gauges,
-    which the simulator showed swinging ±10 % at a constant rate), else the gauges."""
+    which swing by ±10 % at a constant rate in the simulator), else the gauges."""
     total = window.outcomes.total("requests")
     if total > 0:
         return total / window.interval_s
@@ -409,9 +409,9 @@ def qps_sampling_sd(ref: DriftReference, window: Window) -> float:
     of a Poisson count, at the reference's median rate over this window's length. The
     per-window QPS test never puts its threshold below ``qps_sd_multiple`` of it: the
     reference's robust spread, from a handful of windows, can be far below it (five equal
-    counts give 0), and a window of ~30 requests then crossed the ``log 1.2`` floor on
-    sampling noise alone (its Poisson spread is 0.18 = log 1.2): the demo's 3 s windows fired
-    the workload detector before anything changed. A reference from many windows already
+    counts give 0), and a window of ~30 requests would then cross the ``log 1.2`` floor on
+    sampling noise alone (its Poisson spread is 0.18 = log 1.2), firing the workload detector
+    on short windows before anything changed. A reference from many windows already
     scatters at least this much (its windows are samples too), so there it changes nothing."""
     expected = math.exp(ref.qps_log_median) * window.interval_s
     return 1.0 / math.sqrt(max(expected, 1.0))
@@ -473,9 +473,9 @@ def step_performance(
             stat, lead = max(up, down), key
     # The KV link is measured directly (bytes over bandwidth, not a fit of queueing delays):
     # the cooldown a recalibration starts, which keeps a fresh model's misfit from firing,
-    # does not hold its residual back; the cooldown after the detector's own firing does.
-    # (A link slowdown 90 s after an approval waited out its cooldown, 210 s in all, in bench
-    # scenario 2: docs/bench.md, "The KV link and a recalibration's cooldown".)
+    # does not hold its residual back, so a link slowdown soon after an approval is seen at
+    # once; the cooldown after the detector's own firing does (docs/bench.md, "The KV link
+    # and a recalibration's cooldown").
     fired_long_ago = (state.last_fired_at is None
                       or now >= state.last_fired_at + c.performance.cooldown_s)
     if lead == KV_RESIDUAL and stat > c.performance.threshold and fired_long_ago:
@@ -494,8 +494,8 @@ def goodput_sampling_sd(p: float, n: float) -> float:
     narrower than ``goodput_sd_multiple`` of it, for the same reason as the QPS test's floor
     (``qps_sampling_sd``): a reference of a few windows can agree by chance (all at 1.0: a
     spread of 0), and a 30-request window at 98 % goodput moves by 0.026 from sampling alone,
-    so two windows with a few misses each crossed the 0.05 floor (the demo's pre-shift SLO
-    drift, 1.11). With hundreds of requests a window it is below the floor and changes
+    so two windows with a few misses each would cross the 0.05 floor with nothing changed.
+    With hundreds of requests a window it is below the floor and changes
     nothing."""
     q = min(max(p, 0.0), 1.0)
     return math.sqrt(q * (1.0 - q) / n) if n > 0 else 0.0
@@ -560,8 +560,8 @@ def drift_onset(state: DetectorState, threshold: float) -> float | None:
     in its history whose statistic was within ``threshold`` (None: the history holds none).
 
     A calibration after a shift should learn from the windows after it only; the windows
-    before describe the old regime (training on them, a recalibration after a QPS step
-    predicted the old load and was refused).
+    before describe the old regime (a model trained on them predicts the old load, and its
+    candidate is refused).
     """
     history = state.history
     for end, stat in reversed(history[:-1]):

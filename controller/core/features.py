@@ -447,14 +447,14 @@ def first_turn_share(ts: TrainingSet, route: Route = Route.PREFILL_NODE) -> Floa
 
     Turn 1 has no cached context, so it lands in context bin 0 together with the later turns
     whose decode worker no longer holds their prefix; routers count both alike. Only the
-    later turns follow the table: treating the whole cell as movable made a decode-local
-    choice there look as if it took every first turn off the prefill pool (on the Mooncake
-    bench that overstated all-decode-local's goodput by 0.10). Estimate: the prefill-node
+    later turns follow the table: treating the whole cell as movable would make a
+    decode-local choice there look as if it took every first turn off the prefill pool, and
+    overstate a decode-local table's goodput. Estimate: the prefill-node
     share of the cell's traffic, pooled over the windows in which the cell did go
     decode-local. Exact when the table sent the cell decode-local in those windows; where
     only exploration did, it overstates the share (the cell then looks less movable than it
-    is, which errs towards keeping the load where it was). Selecting windows by their own
-    share was tried: with a few requests per cell and window it picks the noise.
+    is, which errs towards keeping the load where it was). Windows are not selected by their
+    own share: with a few requests per cell and window that would pick the noise.
     """
     col = 1 if route is Route.DECODE_LOCAL else 0
     own = ts.rate[:, :N_IO_BINS, col]

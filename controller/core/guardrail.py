@@ -3,9 +3,8 @@
 The gain needed is an absolute margin, and in an overloaded regime (the current policy
 predicted to meet both SLOs for fewer than ``overload_below`` of its requests) at least the
 model's held-out goodput error too: there the model predicts latency tails it has barely
-seen. After a context ×3 shift on ``ppd-2p2d`` it predicted 0.059 vs 0.028 for a candidate
-that measured 0.066 vs 0.075; its held-out per-window goodput error was 0.054, larger than
-the predicted gain.
+seen, and a predicted gain smaller than its own error is no evidence that the candidate is
+better.
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ Three layers, from physics to data:
    as the extra step a transferred request waits on the decode side).
 3. **Residual correction**: a ridge regression of the log ratio observed / predicted on
    cell effects and load (see :class:`Residual`), kept only when there is enough data and it
-   lowers the error on the last part of the training windows. (A HistGradientBoosting
-   residual was tried first: its evaluation cost, about 20 ms per prediction of a 1,000-cell
-   table, is paid in every round of the fixed point and for every weight ratio, which broke
-   the 5 s calibration budget.)
+   lowers the error on the last part of the training windows. It is linear so that its
+   evaluation stays cheap: it is paid in every round of the fixed point and for every weight
+   ratio, inside the 5 s calibration budget (a tree ensemble costs ~20 ms per prediction of a
+   1,000-cell table, too much for that budget).
 
 Everything is vectorised over ``S`` scenarios (windows, or QPS points) and ``K`` cells.
 """
@@ -392,9 +392,10 @@ def fit_link_change(
     A split counts only when it explains the transfers clearly better than one link
     (``LINK_CHANGE_MIN_F``); otherwise ``p`` is returned with no change.
     The link's shape (setup, contention) is fitted on the transfers before and scaled to
-    those since: a minute of transfers pins one scale, not a fresh fit (with six windows
-    of them a fresh fit was 40 % off; one fit over both links explains a slower link as
-    contention). Every window keeps explaining the rest of the model.
+    those since: a minute of transfers pins one scale, not a fresh fit (a few windows of
+    transfers cannot pin setup, per-byte cost and contention apart, and one fit over both
+    links would explain a slower link as contention). Every window keeps explaining the rest
+    of the model.
     """
     kv = ts.kv_transfer
     starts = ts.start[(ts.start <= at + 1e-6) & (ts.start > ts.start[0])]
@@ -409,8 +410,9 @@ def fit_link_change(
     if best is None:
         return p, None
     change, before, scale, two_links = best
-    # No significance test would always find a "change": a held-out fit on the earlier
-    # windows, which may end before the change, got a spurious split with a scale near 1.
+    # The F test keeps a split only when it is significant: without it every fit finds a
+    # "change" (a held-out fit on windows that end before the change splits at noise, with
+    # a scale near 1).
     one_link, rows = _squared_log_error(kv, p.transfer_s(kv.x[:, 0], kv.x[:, 1]))
     # Rows in the error, less setup, per byte, contention, scale and the change point.
     dof = max(rows - 5, 1)
@@ -589,9 +591,9 @@ def _fit_route_maps(
             x = np.column_stack([f[w[sel], c[sel]] for f in feats])
             y, cnt = y_all[sel], cnt_all[sel]
             # Relative error matters (MAPE, SLO ratios): weight rows by count / scale^2, with
-            # the scale the cell's mean over all windows rather than the row's own value:
-            # 1/y^2 favours the windows that happened to be fast and biased every mean low
-            # (in-sample TTFT half the observed on the Mooncake bench).
+            # the scale the cell's mean over all windows rather than the row's own value,
+            # because 1/y^2 favours the windows that happen to be fast and biases every
+            # mean low.
             scale = _group_mean(c[sel], y, cnt)
             fit = _positive_fit(x, y, cnt / np.maximum(scale, 1e-6) ** 2)
             if fit is None or (not (fit[1] > 0).any() and fit[0] <= 0):
@@ -719,8 +721,8 @@ def _fit_goodput_shift(model: LatencyModel, ts: TrainingSet, slo_ttft: float,
 
     One log-normal spread around a predicted *mean* does not describe the tails: with a
     heavy-tailed prompt mix (Mooncake) the prefill node's TTFT tail under queueing and the
-    long decode-local appends miss the SLO far more often than the mean says, and goodput
-    was overstated by 0.1-0.16 for every table. Routers count requests and SLO hits per
+    long decode-local appends miss the SLO far more often than the mean says, so a mean-only
+    model overstates goodput for every table. Routers count requests and SLO hits per
     (route, context bin, io bin), so the correction is learned per route and cell: first per
     route, then per context bin, then per io bin, each level shrunk towards the one above
     by ``n / (n + 50)`` requests. Load sensitivity still comes from the physics (the shift
@@ -795,8 +797,8 @@ def fit_latency_model(
     :func:`fit_link_change`."""
     from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
-    # The fits are small and many: one BLAS thread is faster than threads fighting over two
-    # shared cores (measured: X^T X of 20k x 50 went from 66 ms to a few ms).
+    # The fits are small and many: one BLAS thread is faster than threads fighting over a few
+    # shared cores (an X^T X of 20k x 50 takes a few ms alone, tens of ms contended).
     with threadpool_limits(1):
         return _fit_latency_model(ts, slo_ttft, slo_tpot, prior, residual, link_changed_at)
 

@@ -1,14 +1,13 @@
 """Finding a source's targets again while it runs.
 
-Targets found once at the start go stale in a cluster that changes: with
-``[prometheus] discover_targets`` new pods were never observed, and a ``dns+NAME:PORT``
-(a Kubernetes headless service) kept the addresses its pods had at the start, so a
-replaced pod was scraped at its old address and an added one never. Both sources ask
-again every ``REDISCOVER_EVERY_S`` of window time (the virtual clock's in a replay). A
-failed or empty answer keeps the targets the source had: a DNS or Prometheus hiccup must
-not empty the fleet, and the window's own scrapes say what is down. A source with no
-targets yet (the daemon started while Prometheus or DNS could not answer) asks every window
-until it finds some.
+Targets found only at the start go stale in a cluster that changes: new pods behind
+``[prometheus] discover_targets`` or a ``dns+NAME:PORT`` (a Kubernetes headless service)
+would never be observed, and a replaced pod would be scraped at its old address. Both
+sources therefore ask again every ``REDISCOVER_EVERY_S`` of window time (the virtual
+clock's in a replay). A failed or empty answer keeps the targets the source had: a DNS or
+Prometheus hiccup must not empty the fleet, and the window's own scrapes say what is down.
+A source with no targets yet (the daemon started while Prometheus or DNS could not answer)
+asks every window until it finds some.
 """
 
 from __future__ import annotations

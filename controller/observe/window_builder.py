@@ -229,7 +229,7 @@ def quantiles(
             if count >= rank and count > prev_count:
                 if le == math.inf:
                     # Clamped to the highest finite edge; with none, nothing is known (as
-                    # Prometheus' NaN): it was 0.
+                    # Prometheus' NaN), never a quantile of 0.
                     value = prev_le if i > 0 else None
                     interpolated = True
                 else:

@@ -64,8 +64,8 @@ from controller.rollout.agent_metrics import RouterMetrics, slo_label
 
 _INF = float("inf")
 # Cells are resolved into Decision objects on first use, not when a policy is applied:
-# resolving all 1000 cells up front cost ~10 ms of CPU per apply, which dominated a push to
-# hundreds of routers; the first request of a cell pays a few microseconds once instead.
+# resolving all 1000 cells up front costs ~10 ms of CPU per apply, which would dominate a
+# push to hundreds of routers; the first request of a cell pays a few microseconds once.
 # An unexpected exception inside decide() is logged at most this often.
 _ERROR_LOG_INTERVAL_S = 60.0
 

@@ -90,8 +90,8 @@ _CHECKSUM = re.compile(r"(?:[0-9a-f]{64})?")
 
 def router_state(router: str, version: int, checksum: str) -> RouterState:
     """A router's answer as a state; a malformed checksum is refused (terminal), naming the
-    router's breach of the contract: it can never equal ours, so the router read as
-    diverged and was pushed to on every pass, never in sync."""
+    router's breach of the contract: it can never equal ours, so the router would read as
+    diverged and be pushed to on every pass, never in sync."""
     if not _CHECKSUM.fullmatch(checksum):
         raise RouterRefusedCall(router, grpc.StatusCode.DATA_LOSS,
                                 f"router answered a malformed checksum {checksum[:80]!r} "
@@ -130,8 +130,8 @@ def client_options(
         ("grpc.max_reconnect_backoff_ms", backoff_ms),
         # gRPC shares subchannels between channels to the same address by default: the fresh
         # channel made after a transient failure would inherit the old one's subchannel, still
-        # in reconnect backoff, and fail fast with its last error (seen as "Connection refused"
-        # right after a router restarted on the same port). Each channel gets its own.
+        # in reconnect backoff, and fail fast with its last error ("Connection refused" right
+        # after a router restarts on the same port). Each channel gets its own.
         ("grpc.use_local_subchannel_pool", 1),
         *channel_options(security),
     ]
@@ -219,8 +219,8 @@ class GrpcRouterTransport:
     ) -> ApplyReply:
         request = self._request(policy, rollback)
         if (size := request.ByteSize()) > self._max_message_bytes:
-            # Terminal: gRPC's own refusal (RESOURCE_EXHAUSTED) was retried and reported as
-            # an unreachable router.
+            # Terminal, refused before the call: gRPC's own RESOURCE_EXHAUSTED would be
+            # retried and reported as an unreachable router.
             raise RouterRefusedCall(router, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     too_large(size, self._max_message_bytes))
         response: policy_pb.ApplyPolicyResponse = await self._call(

@@ -366,7 +366,7 @@ class _Pass:
 
         async def once() -> ApplyReply:
             # Only the last attempt's answer says what the router is: a refusal to persist
-            # remembered from an earlier one hid the outage (or the lost reply) after it.
+            # remembered from an earlier attempt would hide an outage (or a lost reply) after it.
             track.refused_persist = None
             reply = await rec._transport.apply(
                 track.router, policy, self.rollback, rec._deadline_s

@@ -102,8 +102,8 @@ def _token(config: SecurityConfig) -> str | None:
     if token is not None and not token:
         raise ConfigError("security: the bearer token is empty")
     if token is not None and not all(" " <= c <= "~" for c in token):
-        # gRPC refuses such metadata on every call ("Illegal metadata"), read as the router
-        # being unreachable after all the retries.
+        # gRPC refuses such metadata on every call ("Illegal metadata"), which would look
+        # like an unreachable router after all the retries: refuse it here, by name.
         key = "token" if config.token is not None else f"token_file {config.token_file}"
         raise ConfigError(f"security.{key}: the bearer token must be printable ASCII "
                           "(gRPC metadata): no accents, tabs or newlines inside it")
@@ -272,7 +272,7 @@ def _certificate_configuration(
         ) from None
     roots = None
     if ca is not None:
-        _check_ca(ca)  # else gRPC core failed the bind, read as a port in use
+        _check_ca(ca)  # else gRPC core fails the bind, which reads as a port in use
         roots = _read(ca, "tls_ca")
     return grpc.ssl_server_certificate_configuration([pair], root_certificates=roots)
 

@@ -149,9 +149,9 @@ class ScenarioDriver:
 
     def close_out(self) -> None:
         """At the run's horizon: the turns of sessions still open (a turn in flight, or the
-        next one not issued yet) are counted as rejected, ``unfinished``. Without them the
-        workload's request count depended on the policy: one that left more sessions open
-        was scored on fewer requests, and looked better."""
+        next one not issued yet) are counted as rejected, ``unfinished``, so the workload's
+        request count does not depend on the policy: one that leaves more sessions open is
+        not scored on fewer requests."""
         now = self.cluster.loop.now
         for spec, index in self._pending.values():
             for turn in spec.turns[index + 1:]:

@@ -146,8 +146,8 @@ class Tx:
     # -- windows ----------------------------------------------------------------------
 
     def add_window(self, window: Window) -> int:
-        # A Core INSERT on the session's connection (same transaction): 0.4 ms of CPU where
-        # the ORM unit of work took 0.7, on the hot write; no WindowRow object is needed.
+        # A Core INSERT on the session's connection (same transaction): the hot write skips
+        # the ORM unit of work, about half its CPU; no WindowRow object is needed.
         body = dumps_json(window.to_dict(compact=True))
         result = self._s.connection().execute(_INSERT_WINDOW, {
             "start_at": _utc(window.start), "end_at": _utc(window.end),
@@ -399,7 +399,7 @@ class Tx:
         self, acks: Sequence[tuple[str, int, str]], at: datetime | None = None
     ) -> None:
         """:meth:`record_ack` for many ``(router, version, checksum)`` in one statement: a
-        cycle confirms every router it reconciles (512 single upserts took 0.22 s)."""
+        cycle confirms every router it reconciles, one round trip instead of one per router."""
         if not acks:
             return
         when = self._at(at)
@@ -834,7 +834,7 @@ class Store:
             sqlite_synchronous=sqlite_synchronous,
         )
         self._writer = self.engine.execution_options(**{WRITE_OPTION: True})
-        # A read sees one snapshot: PostgreSQL's READ COMMITTED gave each statement its own,
+        # A read sees one snapshot: PostgreSQL's READ COMMITTED gives each statement its own,
         # so two reads in one transaction could see another replica's commit between them.
         # (SQLite's deferred BEGIN takes its snapshot at the first read already.)
         self._reader = (self.engine.execution_options(isolation_level="REPEATABLE READ")
@@ -892,7 +892,7 @@ class Store:
     def upgrade_embedded(self) -> None:
         """The embedded default (SQLite) migrates itself at start; a file that is not a
         database, a directory that does not exist or a database from a newer release is a
-        StoreError naming it (they were alembic and sqlite tracebacks, exit 1)."""
+        StoreError naming it, not an alembic or sqlite traceback."""
         from controller.store import migrate
 
         try:
@@ -1026,12 +1026,12 @@ def _decode_windows(rows: Sequence[tuple[int, str]]) -> list[StoredWindow]:
 
     A calibration reads thousands of windows of dozens of objects each. Left alone, the
     collector walks the new objects every few hundred allocations, again as they age, and
-    the whole heap whenever it grew by a quarter: 0.7-1.0 s of a 3.5 s read of 10,000
-    windows (``benchmarks/core_calibrate.py``). These objects hold no reference cycles
+    the whole heap whenever it grew by a quarter, a large share of the read's time
+    (``benchmarks/core_calibrate.py`` measures it). These objects hold no reference cycles
     (nothing to free), so the collector is paused while they are made. After a large read
     they are moved straight to the oldest generation (``gc.freeze()`` + ``gc.unfreeze()``
     do that in constant time, without a walk), where the next full collection sees them
-    once: under 0.02 s of collector time left, read and what follows included. That also
+    once, so the collector's cost of a read stays small and constant. That also
     promotes whatever young garbage other threads had at that instant, so it is kept to
     large reads (a calibration), not the few windows a control cycle reads; and it is
     skipped when the application keeps objects frozen itself (a pre-fork server), which the

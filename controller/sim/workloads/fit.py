@@ -8,8 +8,9 @@ requests are grouped into sessions whose shape is fitted to the Mooncake convers
   exactly, so the synthesis draws from the very same histogram);
 - **think time** between turns: the percentiles (0th..100th) of the Mooncake gaps between
   consecutive turns (trace time, jitter off, so the fit is deterministic), sampled by inverse
-  CDF, log-linear between neighbouring percentiles (a log-normal fit was tried and rejected:
-  it puts the append ratio's p90 at 1.34 where the data has 0.92);
+  CDF, log-linear between neighbouring percentiles (an empirical table, not a log-normal:
+  a log-normal misplaces the tail, e.g. the append ratio's p90 at 1.34 where the data has
+  0.92);
 - **append size**: the same kind of table for ``new_tokens / turn-1 prompt_tokens`` of
   Mooncake's later turns. A ratio, not a token count, because Mooncake prompts are ten times
   longer than Azure's or ServeGen's: a follow-up is sized relative to the conversation's

@@ -181,7 +181,7 @@ def _load_cached(path: str, mtime_ns: int, size: int) -> LinkedTrace:
     del mtime_ns, size  # part of the cache key only: a changed file is parsed again
     with reading(path, "mooncake trace"), open_text(path) as fh:
         requests = parse_records(iter(fh), path)
-    if not requests:  # an empty file ran a bench of no requests, exit 0
+    if not requests:  # refused: an empty file would run a bench of no requests, exit 0
         raise WorkloadError(f"{path}: no requests")
     return LinkedTrace.from_requests(requests)
 
