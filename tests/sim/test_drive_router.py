@@ -5,7 +5,10 @@ workers' counters equal the driver's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import select
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.processes import PDCTL, REPO, sim_serve
+from tests.support.processes import PDCTL, REPO, free_port, sim_serve
 from tests.support.router import metric, router_serve
 
 pytestmark = pytest.mark.integration
@@ -82,3 +85,45 @@ def test_drive_through_the_real_router_counts_match_and_sessions_stay_on_one_d(
     assert hits > 0  # later turns found their conversation's KV on that D
     assert all(n > 0 for n in served)  # both Ds were used: the check above is not trivial
     assert prefills
+
+
+def free_base() -> int:
+    """A --port-base whose ports for this scenario (router, its gRPC, 1 P, 2 D, the daemon's
+    metrics) were free a moment ago."""
+    for _ in range(50):
+        base = free_port()
+        if base > 31000:
+            continue
+        ports = [base, base + 100, base + 200, base + 300, base + 301, base + 400]
+        try:
+            with contextlib.ExitStack() as stack:
+                for p in ports:
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise AssertionError("no free port base")
+
+
+def test_sim_serve_drive_sends_the_traffic_once_the_router_answers(tmp_path: Path) -> None:
+    scen = tmp_path / "drive.toml"
+    scen.write_text(SCENARIO)
+    base = free_base()
+    with sim_serve(scen, "--workers-only", "--port-base", str(base), "--write-config",
+                   str(tmp_path / "d.toml"), "--drive", f"http://127.0.0.1:{base}") as (
+            addr, proc):
+        with router_serve(Path(addr["configs"]["router"]).read_text(), tmp_path) as router:
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], 90.0)
+            line = proc.stdout.readline() if ready else ""
+            assert line, "pdctl sim serve --drive printed no counts"
+            stats = json.loads(line)["drive"]
+            deadline = time.monotonic() + 10.0
+            while metric(router.metrics(), "pdrouter_requests_total") < stats["ok"] and \
+                    time.monotonic() < deadline:
+                time.sleep(0.1)
+            routed = metric(router.metrics(), "pdrouter_requests_total")
+        assert proc.poll() is None  # the workers keep serving after the traffic
+    assert stats["sent"] == stats["ok"] == routed and stats["sessions"] >= 5
+    assert stats["failed"] == 0 and stats["split_sessions"] == 0
