@@ -102,7 +102,7 @@ async def _serve(scenario: Any, initial: Any, host: str, *, traffic: bool, worke
                                                   workers_only)
         _print_addresses(addresses, as_json)
         if drive is not None:
-            from controller.sim.drive import DriveLimits, TrafficDriver
+            from controller.sim.drive import DriveLimits, TrafficDriver, wait_ready
 
             driver = TrafficDriver(scenario, drive, DriveLimits(scenario.duration_s),
                                    tokenizer=sim.tokenizer)
@@ -189,30 +189,6 @@ def _print_addresses(addresses: dict[str, Any], as_json: bool) -> None:
                    f"grpc {r['grpc']}")
     for kind, p in addresses.get("configs", {}).items():
         typer.echo(f"wrote {kind} config {p}")
-
-
-async def wait_ready(target: str, stop: Any, limit_s: float = 600.0) -> bool:
-    """Poll ``target``'s ``/health`` until it answers 200 (False: stopped or ``limit_s``)."""
-    import asyncio
-    import contextlib
-
-    import httpx
-
-    from controller.clock import WallClock
-
-    clock = WallClock()
-    url = target.rstrip("/").removesuffix("/v1") + "/health"
-    deadline = clock.monotonic() + limit_s
-    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
-        while not stop.is_set() and clock.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if (await http.get(url)).status_code == 200:
-                    return True
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=0.5)
-    typer.echo(f"drive: {url} did not answer 200" + (" (stopped)" if stop.is_set() else
-                                                    f" within {limit_s:.0f}s"), err=True)
-    return False
 
 
 def _print_stats(stats: dict[str, Any], as_json: bool) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import random
 from collections import Counter
 from collections.abc import Iterator
@@ -38,6 +39,8 @@ from controller.sim.run import session_feed
 from controller.sim.scenario import Scenario
 from controller.sim.workloads.base import SessionSpec
 from controller.tokenize import Tokenizer, bundled_tokenizer_dir, fill_message, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Session-Id"
 DECODE_HEADER = "x-pdrouter-decode"  # the D ``pdctl router serve`` sent a request to
@@ -260,3 +263,22 @@ class TrafficDriver:
             for choice in chunk.get("choices") or []:
                 parts.append(str((choice.get("delta") or {}).get("content") or ""))
         return "", FailReason.INCOMPLETE
+
+
+async def wait_ready(target: str, stop: asyncio.Event, limit_s: float = 600.0,
+                     clock: WallClock | None = None) -> bool:
+    """Poll ``target``'s ``/health`` until it answers 200 (False: ``stop`` set, or not
+    within ``limit_s``; logged as a warning)."""
+    clock = clock or WallClock()
+    url = target.rstrip("/").removesuffix("/v1") + "/health"
+    deadline = clock.monotonic() + limit_s
+    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
+        while not stop.is_set() and clock.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get(url)).status_code == 200:
+                    return True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+    why = "stopped" if stop.is_set() else f"not within {limit_s:.0f}s"
+    log.warning("drive: %s did not answer 200 (%s)", url, why)
+    return False
