@@ -4,7 +4,8 @@ The sessions are the ones the in-simulation routers get (:func:`controller.sim.r
 same seed, rate-scale events and workload switches applied). Each session is one
 conversation sent with header ``X-Session-Id``: turn k's request is turn k-1's messages, the
 assistant's answer to it, and a new user message whose length (:func:`fill_message`) makes the
-chat prompt the turn's ``prompt_tokens`` by the tokenizer (the bundled one unless given) —
+chat prompt the turn's ``prompt_tokens`` by the tokenizer (turn 1's opens with
+``[<session>]``, so conversations differ from their first tokens) (the bundled one unless given) —
 never shorter than the history already is. ``max_tokens`` is the turn's ``output_tokens``
 (the simulated engine generates exactly ``max_tokens``, so the cluster sees the workload's
 true output lengths). Requests stream, with ``stream_options.include_usage``.
@@ -198,7 +199,11 @@ class TrafficDriver:
             if self.stats.sent >= self.limits.max_requests:
                 self.stats.stopped_by = self.stats.stopped_by or "request budget"
                 return
-            content = fill_message(self.tokenizer, messages, turn.prompt_tokens)
+            # the session id leads the conversation: without it every conversation would
+            # open with the same tokens, and a prefix cache keyed by them (vLLM's, the
+            # simulated workers') would take one conversation's KV for another's
+            lead = f"[{session}] " if i == 0 else ""
+            content = fill_message(self.tokenizer, messages, turn.prompt_tokens, lead=lead)
             messages.append({"role": "user", "content": content})
             reply = await self._request(http, session, messages, turn.output_tokens, decodes)
             if reply is None:

@@ -107,6 +107,7 @@ async def test_sessions_are_paced_conversations_sized_to_the_workload() -> None:
         msgs = body["messages"]
         assert len(msgs) == 2 * k + 1 and [m["role"] for m in msgs[-2:]][-1] == "user"
         assert TOK.count_chat(msgs) == turn.prompt_tokens
+        assert msgs[0]["content"].startswith(f"[{sid}] the the")  # each its own opening
         assert body["max_tokens"] == turn.output_tokens and body["stream"] is True
         assert body["stream_options"] == {"include_usage": True}
         if k == 0:
