@@ -30,6 +30,7 @@ import logging
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,13 @@ BASELINE_EXPLORATION = 0.2
 # detectors before the shift (docs/demo.md, "Drift before the shift").
 WARMUP_S = 18.0
 SHOWN_STATUSES = ("approved", "rolled_back", "superseded")  # policies that reached routers
+
+
+class DemoRouter(StrEnum):
+    """Who routes the demo's traffic."""
+
+    SIM = "sim"  # the scenario's in-simulation routers (their own traffic, in process)
+    REAL = "real"  # one `pdctl router serve` subprocess, traffic over HTTP (demo_real.py)
 
 
 def demo_settings(addresses: dict[str, Any], store_url: str, ttft_s: float, tpot_s: float,
@@ -370,7 +378,8 @@ def _ms(x: float | None) -> str:
 async def run_demo(*, scenario_path: Path = SCENARIO, timeout_s: float = 170.0,
                    force_after_s: float = 60.0,
                    on_update: Callable[[DemoState], None] | None = None,
-                   clock: Clock | None = None) -> DemoState:
+                   clock: Clock | None = None,
+                   router: DemoRouter = DemoRouter.SIM) -> DemoState:
     """Run the demo to the end (or ``timeout_s``) and return what it saw."""
     from controller.bench.runner import slo_of
     from controller.daemon import Daemon
@@ -391,7 +400,11 @@ async def run_demo(*, scenario_path: Path = SCENARIO, timeout_s: float = 170.0,
                               slo=slo_of(scenario))
     with tempfile.TemporaryDirectory(prefix="pdctl-demo-") as tmp:
         store_url = f"sqlite:///{Path(tmp) / 'history.db'}"
-        sim = LiveSim(scenario, baseline)
+        sim: Any = LiveSim(scenario, baseline)
+        if router is DemoRouter.REAL:
+            from controller.demo_real import RealRouterCluster
+
+            sim = RealRouterCluster(scenario, baseline, Path(tmp))
         t0 = clock.now()
         addresses = await sim.start()
         daemon_task: asyncio.Task[int] | None = None

@@ -97,6 +97,10 @@ def demo(
         "this long after the shift.")] = 60.0,
     scenario: Annotated[Path | None, typer.Option(
         help="Scenario file (default: scenarios/demo.toml).")] = None,
+    router: Annotated[str, typer.Option(
+        "--router", help="sim: the scenario's in-simulation routers (default); real: one "
+        "`pdctl router serve` subprocess in front of the simulated workers, the scenario's "
+        "traffic sent through it over HTTP (docs/demo.md).")] = "sim",
 ) -> None:
     """A live simulated cluster and the daemon: baseline, a scripted shift, drift detection,
     recalibration, guardrail, canary, promotion and recovery on one screen, then a summary."""
@@ -106,8 +110,11 @@ def demo(
     from rich.console import Console
     from rich.live import Live
 
-    from controller.demo import SCENARIO, quiet_daemon_logs, run_demo, summary_lines
+    from controller.demo import SCENARIO, DemoRouter, quiet_daemon_logs, run_demo, summary_lines
 
+    if router not in tuple(DemoRouter):
+        typer.echo(f"error: --router {router}: sim or real", err=True)
+        raise typer.Exit(2)
     quiet_daemon_logs()
     console = Console()
     path = scenario or SCENARIO
@@ -122,7 +129,8 @@ def demo(
                 live.update(_screen(state))
 
             state = asyncio.run(run_demo(scenario_path=path, timeout_s=timeout_s,
-                                         force_after_s=force_after_s, on_update=show))
+                                         force_after_s=force_after_s, on_update=show,
+                                         router=DemoRouter(router)))
     else:
         printed = 0
 
@@ -133,7 +141,8 @@ def demo(
             printed = len(state.events)
 
         state = asyncio.run(run_demo(scenario_path=path, timeout_s=timeout_s,
-                                     force_after_s=force_after_s, on_update=lines))
+                                     force_after_s=force_after_s, on_update=lines,
+                                     router=DemoRouter(router)))
     # The live screen keeps only the latest events, so its summary lists them all again.
     for line in summary_lines(state, events=not streamed):
         typer.echo(line)

@@ -47,6 +47,11 @@ def serve(
     tokenizer: Annotated[Path | None, typer.Option(
         "--tokenizer", help="tokenizer.json (or its directory) the workers count tokens "
         "with. Default: the scenario's [serve] tokenizer, else the bundled one.")] = None,
+    drive: Annotated[str | None, typer.Option(
+        "--drive", metavar="URL", help="Send the scenario's traffic as OpenAI chat requests "
+        "to the router at URL (e.g. the `pdctl router serve` in front of --workers-only), "
+        "once it answers /health; as `pdctl sim drive`, bounded by the scenario's duration.")
+    ] = None,
     host: Annotated[str, typer.Option(help="Loopback address to listen on.")] = "127.0.0.1",
 ) -> None:
     """Run SCENARIO.toml in wall time: per worker an OpenAI endpoint speaking vLLM's P/D
@@ -69,15 +74,17 @@ def serve(
     try:
         asyncio.run(_serve(scenario, initial, host, traffic=not (no_traffic or workers_only),
                            workers_only=workers_only, as_json=as_json,
-                           configs=(write_config, write_router_config)))
+                           configs=(write_config, write_router_config), drive=drive))
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
 
 
 async def _serve(scenario: Any, initial: Any, host: str, *, traffic: bool, workers_only: bool,
-                 as_json: bool, configs: tuple[Path | None, Path | None]) -> None:
-    """Start the cluster, write the configs, print the addresses, serve until a signal."""
+                 as_json: bool, configs: tuple[Path | None, Path | None],
+                 drive: str | None = None) -> None:
+    """Start the cluster, write the configs, print the addresses, serve until a signal
+    (with ``drive``, also the scenario's traffic to that router meanwhile)."""
     import asyncio
     import signal
 
@@ -94,6 +101,13 @@ async def _serve(scenario: Any, initial: Any, host: str, *, traffic: bool, worke
             addresses["configs"] = _write_configs(addresses, sim, configs[0], configs[1],
                                                   workers_only)
         _print_addresses(addresses, as_json)
+        if drive is not None:
+            from controller.sim.drive import DriveLimits, TrafficDriver, wait_ready
+
+            driver = TrafficDriver(scenario, drive, DriveLimits(scenario.duration_s),
+                                   tokenizer=sim.tokenizer)
+            if await wait_ready(drive, stop):
+                _print_stats((await driver.run(stop)).as_dict(), as_json)
         await stop.wait()
     finally:
         await sim.stop()
@@ -175,3 +189,75 @@ def _print_addresses(addresses: dict[str, Any], as_json: bool) -> None:
                    f"grpc {r['grpc']}")
     for kind, p in addresses.get("configs", {}).items():
         typer.echo(f"wrote {kind} config {p}")
+
+
+def _print_stats(stats: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps({"drive": stats}))
+        return
+    reasons = ", ".join(f"{k} {v}" for k, v in stats["failed_by_reason"].items()) or "none"
+    codes = ", ".join(f"{k}: {v}" for k, v in stats["http_statuses"].items())
+    typer.echo(f"drive: {stats['sessions']} sessions, {stats['sent']} requests sent, "
+               f"{stats['ok']} ok, {stats['failed']} failed ({reasons}"
+               + (f"; HTTP {codes}" if codes else "") + ")"
+               + (f"; stopped by {stats['stopped_by']}" if stats["stopped_by"] else ""))
+
+
+@sim_app.command("drive")
+def drive_cmd(
+    scenario_path: Annotated[Path, typer.Argument(metavar="SCENARIO.toml",
+                                                  help="Scenario file (TOML).")],
+    target: Annotated[str, typer.Option(
+        "--target", metavar="URL", help="The router: http://HOST:PORT (or .../v1).")],
+    duration: Annotated[float | None, typer.Option(
+        "--duration", min=0.001, help="Seconds during which sessions start (default: the "
+        "scenario's duration_s).")] = None,
+    max_concurrency: Annotated[int, typer.Option(
+        "--max-concurrency", min=1, help="Requests in flight at most.")] = 64,
+    max_requests: Annotated[int, typer.Option(
+        "--max-requests", min=1, help="Requests sent at most.")] = 100_000,
+    drain: Annotated[float, typer.Option(
+        "--drain", min=0.0, help="Seconds after --duration that later turns may still run; "
+        "then what is in flight is cancelled (counted failed, reason stopped).")] = 60.0,
+    request_timeout: Annotated[float, typer.Option(
+        "--request-timeout", min=0.001, help="Seconds per request.")] = 120.0,
+    tokenizer: Annotated[Path | None, typer.Option(
+        "--tokenizer", help="tokenizer.json (or its directory) prompts are sized with. "
+        "Default: the scenario's [serve] tokenizer, else the bundled one.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the counts as JSON.")] = False,
+) -> None:
+    """Send SCENARIO.toml's sessions as streamed OpenAI chat requests (one conversation per
+    session, header X-Session-Id) to the router at --target, paced to the wall clock; print
+    the counts. Stops cleanly on SIGTERM or Ctrl-C. Exit 1 when a request failed."""
+    import asyncio
+
+    from controller.errors import ConfigError
+
+    try:
+        scenario, _ = _load(scenario_path, "none", None, tokenizer)
+        from controller.sim.drive import DriveLimits
+
+        limits = DriveLimits(duration or scenario.duration_s, max_concurrency, max_requests,
+                             request_timeout, drain)
+    except (ConfigError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    stats = asyncio.run(_drive(scenario, target, limits))
+    _print_stats(stats, as_json)
+    if stats["failed"]:
+        raise typer.Exit(1)
+
+
+async def _drive(scenario: Any, target: str, limits: Any) -> dict[str, Any]:
+    import asyncio
+    import signal
+
+    from controller.sim.drive import TrafficDriver
+    from controller.tokenize import bundled_tokenizer_dir, load_tokenizer
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tok = load_tokenizer(scenario.serve.tokenizer or bundled_tokenizer_dir())
+    return (await TrafficDriver(scenario, target, limits, tokenizer=tok).run(stop)).as_dict()

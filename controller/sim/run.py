@@ -71,7 +71,7 @@ class RunResult:
     cluster: SimCluster = field(repr=False)
 
 
-def _session_feed(scenario: Scenario, rng: random.Random,
+def session_feed(scenario: Scenario, rng: random.Random,
                   workload: Workload | None = None) -> Iterator[tuple[float, SessionSpec]]:
     """(sim start time, session) in start order, with rate-scale events and workload
     switches applied (``controller.sim.workloads.compose``). ``workload``, when given, is
@@ -109,7 +109,7 @@ class ScenarioDriver:
         self.requests: list[SimRequest] = []
         self._rid = itertools.count()
         self._pending: dict[str, tuple[SessionSpec, int]] = {}
-        self._feed = _session_feed(scenario, random.Random(scenario.seed), workload)
+        self._feed = session_feed(scenario, random.Random(scenario.seed), workload)
 
     def next_rid(self) -> int:
         return next(self._rid)

@@ -245,13 +245,14 @@ FILL_WORD = "the"
 
 
 def fill_message(tok: Tokenizer, before: Sequence[Mapping[str, Any]], total: int, *,
-                 role: str = "user", word: str = FILL_WORD) -> str:
-    """Content of one more ``role`` message, ``word`` repeated, that makes the chat's prompt
-    ``total`` tokens by ``tok`` — exactly when one word costs one token (the bundled
-    tokenizer's ``the``), else the nearest count not above ``total`` (one word at least).
-    Used to send prompts of a planned length (the active calibration's load points)."""
+                 role: str = "user", word: str = FILL_WORD, lead: str = "") -> str:
+    """Content of one more ``role`` message, ``lead`` then ``word`` repeated, that makes the
+    chat's prompt ``total`` tokens by ``tok`` — exactly when one word costs one token (the
+    bundled tokenizer's ``the``), else the nearest count not above ``total`` (one word at
+    least). Used to send prompts of a planned length (the active calibration's load points,
+    ``controller.sim.drive``, whose ``lead`` makes each conversation's first tokens its own)."""
     def count(k: int) -> int:
-        return tok.count_chat([*before, {"role": role, "content": " ".join([word] * k)}])
+        return tok.count_chat([*before, {"role": role, "content": lead + " ".join([word] * k)}])
 
     one, two = count(1), count(2)
     per_word = max(1, two - one)
@@ -260,9 +261,9 @@ def fill_message(tok: Tokenizer, before: Sequence[Mapping[str, Any]], total: int
     for _ in range(8):  # the word's cost is near constant: a few corrections at most
         c = count(k)
         if c == total:
-            return " ".join([word] * k)
+            return lead + " ".join([word] * k)
         if c < total:
             best = max(best, k)
         step = (total - c) // per_word if c < total else -(-(total - c) // per_word)
         k = max(1, k + (step or (1 if c < total else -1)))
-    return " ".join([word] * best)
+    return lead + " ".join([word] * best)

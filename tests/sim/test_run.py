@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from controller.bench.report import percentile, summarize
 from controller.policy import Policy, Route
-from controller.sim.run import _session_feed, run_scenario
+from controller.sim.run import run_scenario, session_feed
 from controller.sim.scenario import Scenario, parse_scenario
 
 
@@ -27,7 +27,7 @@ def _scenario(**over: Any) -> Scenario:
 
 
 def _expected_turns(sc: Scenario) -> int:
-    feed = _session_feed(sc, random.Random(sc.seed), None)
+    feed = session_feed(sc, random.Random(sc.seed), None)
     return sum(len(spec.turns) for _, spec in feed)
 
 
