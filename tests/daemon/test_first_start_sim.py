@@ -89,7 +89,8 @@ def _first_start(tmp_path: Path, **controller: Any) -> list[CalibrationRecord]:
 
 
 def _reason(c: CalibrationRecord) -> str:
-    return str((c.details or {}).get("verdict", {}).get("reason", ""))
+    """The calibration's reason as `pdctl status` (calib. line) and history print it."""
+    return str((c.details or {}).get("reason", ""))
 
 
 def test_the_written_configs_first_candidates_are_judged_on_measurements(
