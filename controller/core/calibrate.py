@@ -581,6 +581,36 @@ def _price_exploration(
     return out, lo
 
 
+ROUTE_WORDS = {Route.PREFILL_NODE: "prefill-node", Route.DECODE_LOCAL: "decode-local"}
+
+
+def measured_requests(ts: TrainingSet, route: Route) -> float:
+    """Requests the training windows saw take ``route`` (every cell, every window)."""
+    col = 1 if route is Route.DECODE_LOCAL else 0
+    return float(ts.rate[:, :, col].sum() * float(np.median(ts.interval_s)))
+
+
+def explain_refusal(verdict: GuardrailVerdict, ts: TrainingSet) -> GuardrailVerdict:
+    """A refused verdict whose windows measured (almost) no request on one route says so in
+    words: its predictions for that route are extrapolations, which is why the predicted
+    goodput can be 0 (a model that never saw a decode-local turn predicts its latency from
+    nothing). The numbers stay; an approved verdict is returned unchanged."""
+    if verdict.approved:
+        return verdict
+    thin = [(route, measured_requests(ts, route)) for route in ROUTE_WORDS]
+    thin = [(route, n) for route, n in thin if n < FORCED_MIN_REQUESTS]
+    if not thin:
+        return verdict
+    words = ", ".join(f"{n:.0f} {ROUTE_WORDS[route]} request(s)" for route, n in thin)
+    unseen = any(n < 1.0 for _, n in thin)
+    why = (f"; the training windows saw {words} (fewer than {FORCED_MIN_REQUESTS:.0f}): "
+           + ("predictions for a route nothing took are extrapolations, not measurements"
+              if unseen else "predictions for that route rest on few measurements")
+           + " (exploration measures it: [controller] adopted_exploration > 0, or "
+           "pdctl calibrate-active)")
+    return replace(verdict, reason=verdict.reason + why)
+
+
 def _first_turn_measured(ts: TrainingSet, route: Route) -> bool:
     """Whether the windows show requests without cached context (context bin 0) taking
     ``route``: without them, turn 1 on that route would be an extrapolation."""
@@ -637,6 +667,7 @@ def calibrate(
         g_current, _ = predicted_goodput(model, observed, cur_routes, cur_expl, slo)
     verdict = check(g_candidate, g_current, cfg.guardrail_margin, heldout_error=fit.goodput_error,
                     overload_below=cfg.guardrail_overload_goodput)
+    verdict = explain_refusal(verdict, ts)
     policy = _candidate_policy(ts, now, current, cfg, reason, pick, ex)
     changed = None
     if current is not None and current.table.axes == cfg.axes:

@@ -191,6 +191,9 @@ class PeerExport:
     rule: RuleFit
     table_goodput: float  # the policy's table (overrides and exploration included)
     always_prefill_goodput: float  # the peer's default of always disaggregating
+    # The same table with no exploration: a rule explores nothing, so the difference to
+    # ``table_goodput`` is what the table's exploration costs, not a better routing.
+    table_unexplored_goodput: float
 
     @property
     def given_up(self) -> float:
@@ -205,6 +208,7 @@ class PeerExport:
             "threshold_tokens": r.threshold, "threshold_range": [r.low, _json_num(r.high)],
             "ratio_threshold": r.ratio, "decode_local_share": r.local_share,
             "predicted_goodput": {"rule": r.predicted_goodput, "table": self.table_goodput,
+                                  "table_unexplored": self.table_unexplored_goodput,
                                   "always_prefill": self.always_prefill_goodput,
                                   "given_up": self.given_up},
             "candidates_evaluated": r.evaluated,
@@ -228,8 +232,9 @@ def export_rule(model: LatencyModel, grid: TableGrid, policy: Policy, slo: Slo,
     rule = fit_threshold(cells, evaluate, DYNAMO_RATIOS if form is PeerFormat.DYNAMO else None)
     routes, exploration = policy_routes_on(policy, grid)
     table = evaluated_goodput(model, grid, routes, exploration, slo)
+    unexplored = evaluated_goodput(model, grid, routes, 0.0, slo)
     always = evaluate(np.zeros_like(cells.seen))
-    return PeerExport(form, policy.version, rule, table, always)
+    return PeerExport(form, policy.version, rule, table, always, unexplored)
 
 
 def llmd_non_cached_tokens(threshold: float, traffic_chars_per_token: float,
@@ -255,6 +260,9 @@ def render(export: PeerExport, traffic_chars_per_token: float = 4.0,
         f"# predicted goodput: this rule {r.predicted_goodput:.4f}, the full table "
         f"{export.table_goodput:.4f} (given up: {export.given_up:+.4f}), always a prefill "
         f"node {export.always_prefill_goodput:.4f}",
+        f"# the full table without its exploration {export.table_unexplored_goodput:.4f} "
+        f"(its exploration costs {export.table_unexplored_goodput - export.table_goodput:+.4f}"
+        "; a rule explores nothing)",
         f"# decode-local share of requests under this rule: {r.local_share:.3f}",
     ]
     if export.form is PeerFormat.LLM_D:

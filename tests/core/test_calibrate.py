@@ -353,3 +353,25 @@ def test_a_pinned_route_gives_a_uniform_table_without_exploration(
     assert pinned.policy.overrides == cfg.overrides
     assert pinned.details["pinned_route"] == pin.name
     assert len(set(result.policy.table.routes)) == 2  # unpinned, the same windows give a mix
+
+
+def test_a_refusal_on_windows_that_never_took_a_route_says_so_in_words(truth: Truth) -> None:
+    """Windows under classic P/D with no exploration: nothing measured decode-local. A
+    refused candidate's reason says that its predictions for that route are extrapolations
+    (the words behind a bare 'predicted goodput 0.0000', issue 38); measured windows do not
+    get those words."""
+    from controller.core.calibrate import explain_refusal
+    from controller.core.guardrail import GuardrailVerdict
+    from tests.core.synth import stationary
+
+    refused = GuardrailVerdict(False, 0.0, 0.92, 0.005, False,
+                               "rejected: predicted goodput 0.0000 vs current 0.9200")
+    never = build_training_set(stationary(truth, Mix(), 2.0, 0.0, 12, seed=3, slo=SLO))
+    said = explain_refusal(refused, never).reason
+    assert said.startswith(refused.reason)
+    assert "saw 0 decode-local request(s)" in said and "extrapolations" in said, said
+    assert "prefill-node" not in said, said
+    both = build_training_set(stationary(truth, Mix(), 2.0, 0.5, 12, seed=3, slo=SLO))
+    assert explain_refusal(refused, both) == refused
+    approved = GuardrailVerdict(True, 0.95, 0.92, 0.005, False, "approved: …")
+    assert explain_refusal(approved, never) == approved
