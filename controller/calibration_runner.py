@@ -362,7 +362,8 @@ class ActiveCalibrationRunner:
         with self.store.cycle() as tx:
             version = tx.next_version()
             policy = phase.policy.with_version(version)
-            tx.add_policy(version, policy.checksum, dumps(policy), "approved", reason)
+            tx.add_policy(version, policy.checksum, dumps(policy), "approved", reason,
+                          kind=PolicyKind.FORCED)
             for r in self.routers:
                 tx.set_desired(r, version)
         name = "all-prefill-node" if phase.route == Route.PREFILL_NODE else "all-decode-local"

@@ -1117,7 +1117,8 @@ class Cycle:
                 report.guardrail = reason
             else:
                 status = "approved"
-            tx.add_policy(version, policy.checksum, dumps(policy), status, reason)
+            tx.add_policy(version, policy.checksum, dumps(policy), status, reason,
+                          kind=PolicyKind.OTHER if plan.refit_of is None else PolicyKind.REFIT)
             self._policies[version] = policy
             report.candidate_version, report.candidate_status = version, status
             if status == "approved":
@@ -1204,7 +1205,7 @@ class Cycle:
             provenance=Provenance(created_at=self.clock.utcnow(), reason=reason,
                                   created_by=self.leadership.holder))
         tx.add_policy(version, policy.checksum, dumps(policy), "approved", reason,
-                      seeded_exploration=share)
+                      seeded_exploration=share, kind=PolicyKind.SEEDED)
         self._policies[version] = policy
         for router in self.routers:
             tx.set_desired(router, version)
@@ -1885,7 +1886,7 @@ def record_adoption(tx: Tx, found: RunningPolicy, routers: Sequence[str], who: s
     else:
         where = f"{who} started on an empty store"
     tx.add_policy(policy.version, policy.checksum, dumps(policy), "approved",
-                  f"{ADOPTED_PREFIX}{found.why} when {where}")
+                  f"{ADOPTED_PREFIX}{found.why} when {where}", kind=PolicyKind.ADOPTED)
     for router in routers:
         tx.set_desired(router, policy.version)
     renumbered = "" if policy.version == ran else f" (it ran as v{ran})"

@@ -1,18 +1,19 @@
 """What kind of policy a stored record is, as a :class:`PolicyKind`.
 
-The kind is carried by the reason a policy is stored with (the writers below put these
-prefixes first) and by the ``seeded_exploration`` column; :func:`policy_kind` is the one
-place that reads it back, so the loop and the CLI compare members, never reason prefixes.
-A status change that rewrites the reason (rolled back, superseded, dropped from its bake)
-rewrites what the reason says: the kind is read for stored approved and baking policies,
-whose reason is the one they were stored with.
+The kind is a column of ``policies`` (revision 0007), written with the policy and never
+changed by a status change, so the loop and the CLI compare members, never reason prefixes.
+Writers that know the kind pass it to ``add_policy``; for one that does not,
+:func:`kind_of_reason` derives it from the reason by the rule the migration backfilled the
+policies stored before the column with (the prefixes below, which the writers put first).
 """
 
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
-from controller.store.records import PolicyRecord
+if TYPE_CHECKING:
+    from controller.store.records import PolicyRecord
 
 ADOPTED_PREFIX = "adopted: "  # the routers' own policy, recorded on an empty store
 SEEDED_PREFIX = "exploration "  # a seeded policy's reason: "exploration 0.05 in every cell of v1 …"
@@ -21,7 +22,8 @@ FORCED_PREFIX = "active calibration: forced "  # an active calibration's forced 
 
 
 class PolicyKind(enum.StrEnum):
-    """Where a stored policy came from, as far as the loop and the CLI act on it."""
+    """Where a stored policy came from, as far as the loop and the CLI act on it. The
+    values are what the ``policies.kind`` column holds."""
 
     ADOPTED = "adopted"  # what every router already ran, recorded on an empty store
     SEEDED = "seeded"  # an adopted policy with exploration turned on in every cell
@@ -30,16 +32,22 @@ class PolicyKind(enum.StrEnum):
     OTHER = "other"  # a calibration's candidate, a re-issued table, one stored by hand
 
 
-_BY_PREFIX = ((ADOPTED_PREFIX, PolicyKind.ADOPTED), (REFIT_PREFIX, PolicyKind.REFIT),
-              (FORCED_PREFIX, PolicyKind.FORCED))
+# Also the backfill of migrations/versions/0007 (as SQL there: a migration is frozen).
+BY_PREFIX = ((ADOPTED_PREFIX, PolicyKind.ADOPTED), (REFIT_PREFIX, PolicyKind.REFIT),
+             (FORCED_PREFIX, PolicyKind.FORCED))
+
+
+def kind_of_reason(reason: str, seeded_exploration: float | None = None) -> PolicyKind:
+    """The kind a policy stored with ``reason`` has: seeded when the controller turned
+    exploration on in it, else the kind its reason's prefix names, else ``OTHER``."""
+    if seeded_exploration is not None:
+        return PolicyKind.SEEDED
+    for prefix, kind in BY_PREFIX:
+        if reason.startswith(prefix):
+            return kind
+    return PolicyKind.OTHER
 
 
 def policy_kind(record: PolicyRecord) -> PolicyKind:
-    """The kind of ``record``: seeded when the controller turned exploration on in it,
-    else the kind its stored reason names, else :attr:`PolicyKind.OTHER`."""
-    if record.seeded_exploration is not None:
-        return PolicyKind.SEEDED
-    for prefix, kind in _BY_PREFIX:
-        if record.reason.startswith(prefix):
-            return kind
-    return PolicyKind.OTHER
+    """The stored kind of ``record``."""
+    return record.kind

@@ -1,23 +1,15 @@
-"""policy_kind: the one reader of a stored policy's kind, on the reasons its writers store."""
+"""Policy kinds: the fallback rule on the reasons the writers store, the stored column, and
+the typed triggers' printed forms."""
 
 from __future__ import annotations
-
-from datetime import UTC, datetime
 
 import pytest
 
 from controller.calibration_runner import FALLBACK_REASON, PHASE_REASON
 from controller.core.trigger import Cause, Trigger
 from controller.policy import Route
-from controller.store import PolicyKind, PolicyRecord, policy_kind
-from controller.store.kinds import ADOPTED_PREFIX, REFIT_PREFIX
-
-T = datetime(2026, 1, 1, tzinfo=UTC)
-
-
-def _record(reason: str, seeded: float | None = None) -> PolicyRecord:
-    return PolicyRecord(version=3, checksum="c", body_json="{}", status="approved",
-                        reason=reason, created_at=T, updated_at=T, seeded_exploration=seeded)
+from controller.store import PolicyKind, Store, policy_kind
+from controller.store.kinds import ADOPTED_PREFIX, REFIT_PREFIX, kind_of_reason
 
 
 @pytest.mark.parametrize(("reason", "seeded", "kind"), [
@@ -32,9 +24,19 @@ def _record(reason: str, seeded: float | None = None) -> PolicyRecord:
     (str(Cause(Trigger.OPERATOR, f"{REFIT_PREFIX} in the operator's words")), None,
      PolicyKind.OTHER),  # a prefix inside another reason names no kind
 ])
-def test_policy_kind_from_what_the_writers_store(reason: str, seeded: float | None,
-                                                 kind: PolicyKind) -> None:
-    assert policy_kind(_record(reason, seeded)) is kind
+def test_the_kind_a_reason_names(reason: str, seeded: float | None, kind: PolicyKind) -> None:
+    assert kind_of_reason(reason, seeded) is kind
+
+
+def test_the_stored_kind_is_the_writers_and_outlives_a_rewritten_reason(store: Store) -> None:
+    store.add_policy(1, "aa" * 32, "{}", "approved", "drift")
+    store.add_policy(2, "bb" * 32, "{}", "candidate", "held as a candidate, not rolled out",
+                     kind=PolicyKind.REFIT)
+    store.add_policy(3, "cc" * 32, "{}", "approved", PHASE_REASON[Route.PREFILL_NODE])
+    assert [policy_kind(p) for p in store.policies()] == [
+        PolicyKind.OTHER, PolicyKind.REFIT, PolicyKind.FORCED]
+    store.set_policy_status(3, "superseded", "the run is over: not a rollback target")
+    assert policy_kind(store.policy(3)) is PolicyKind.FORCED  # type: ignore[arg-type]
 
 
 def test_kinds_and_triggers_print_as_their_stored_strings() -> None:
