@@ -47,6 +47,7 @@ import httpx
 
 from controller.clock import Clock
 from controller.core.active import ActivePlan, LoadPoint, Phase, schedule
+from controller.core.trigger import Trigger
 from controller.core.window import Window
 from controller.cycle import FALLBACK_PREFILL, operator_state, read_rollout, record_adoption
 from controller.leader import LeaseLeadership
@@ -59,7 +60,8 @@ from controller.learning import (
 from controller.observe.source import MetricsSource
 from controller.policy import Policy, Route, dumps, loads
 from controller.rollout.reconciler import Reconciler, RouterStatus
-from controller.store import Lease, OperatorRequest, Store
+from controller.store import Lease, OperatorRequest, PolicyKind, Store, policy_kind
+from controller.store.kinds import FORCED_PREFIX
 from controller.tokenize import Tokenizer, bundled_tokenizer_dir, fill_message, load_tokenizer
 
 if TYPE_CHECKING:
@@ -67,7 +69,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdctl.calibrate_active")
 
-FORCED_PREFIX = "active calibration: forced "
 PHASE_REASON = {Route.PREFILL_NODE: f"{FORCED_PREFIX}prefill",
                 Route.DECODE_LOCAL: f"{FORCED_PREFIX}decode-local"}
 FALLBACK_REASON = ("active calibration: classic P/D, the routers ran no policy before "
@@ -251,7 +252,7 @@ class ActiveCalibrationRunner:
         with self.store.cycle() as tx:
             desired = set(tx.desired_versions().values())
             for p in tx.policies(status="approved"):
-                if p.reason.startswith(FORCED_PREFIX) and p.version not in desired:
+                if policy_kind(p) is PolicyKind.FORCED and p.version not in desired:
                     tx.set_policy_status(p.version, "superseded",
                                          f"{p.reason} (the run is over: not a rollback target)")
 
@@ -330,7 +331,7 @@ class ActiveCalibrationRunner:
             raise ActiveCalibrationError(
                 f"not every router answered, nothing was pushed: {'; '.join(found.unanswered)}")
         if rec is not None:
-            return None if rec.reason.startswith(FORCED_PREFIX) else loads(rec.body_json)
+            return None if policy_kind(rec) is PolicyKind.FORCED else loads(rec.body_json)
         # No configured router has a desired version: an empty store, or routers that
         # replaced every earlier one (a redeploy under new addresses). What they run is
         # adopted as the daemon adopts it, else a failed run would leave them on classic P/D
@@ -347,7 +348,7 @@ class ActiveCalibrationRunner:
             stored = tx.policy(policy.version)
         log.info("%s", said)
         # A stored forced version they still run (an interrupted run's) is nothing to keep.
-        forced = stored is not None and stored.reason.startswith(FORCED_PREFIX)
+        forced = stored is not None and policy_kind(stored) is PolicyKind.FORCED
         return None if forced else policy
 
     # -- one phase ----------------------------------------------------------------------
@@ -361,7 +362,8 @@ class ActiveCalibrationRunner:
         with self.store.cycle() as tx:
             version = tx.next_version()
             policy = phase.policy.with_version(version)
-            tx.add_policy(version, policy.checksum, dumps(policy), "approved", reason)
+            tx.add_policy(version, policy.checksum, dumps(policy), "approved", reason,
+                          kind=PolicyKind.FORCED)
             for r in self.routers:
                 tx.set_desired(r, version)
         name = "all-prefill-node" if phase.route == Route.PREFILL_NODE else "all-decode-local"
@@ -545,7 +547,7 @@ class ActiveCalibrationRunner:
             report.calibration_id = tx.add_calibration(
                 [i for i, _ in windows], outcome.heldout_error, outcome.predicted_goodput_new,
                 outcome.predicted_goodput_current, version,
-                {**outcome.details, "trigger": "active", "dry_run": False,
+                {**outcome.details, "trigger": Trigger.ACTIVE, "dry_run": False,
                  "approved": outcome.approved, "reason": outcome.reason,
                  "forced_versions": [p.version for p in report.phases]},
             )

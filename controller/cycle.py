@@ -63,6 +63,7 @@ from controller.core.drift import (
     step_scaling,
     worker_counts,
 )
+from controller.core.trigger import Cause, Trigger
 from controller.core.window import Window
 from controller.errors import TransientError
 from controller.learning import (
@@ -88,18 +89,22 @@ from controller.store import (
     StoreError,
     Tx,
 )
+from controller.store.kinds import (
+    ADOPTED_PREFIX,
+    REFIT_PREFIX,
+    SEEDED_PREFIX,
+    PolicyKind,
+    policy_kind,
+)
 from controller.store.types import dumps_json
 
 T = TypeVar("T")
 log = logging.getLogger("pdctl.cycle")
 
 FALLBACK_PREFILL = "fallback-prefill"
-REFIT_PREFIX = "canary refit of v"  # a refit's policy reason starts so (never refitted)
 SUPERSEDED = "superseded by its canary refit"  # a superseded canary's reason starts so
 ABANDONED_PREFIX = "dropped from its bake by "  # a canary an operator action took off
 UNPROMOTED = "rolled back after promotion"  # a promotion the watch undid: reason starts so
-ADOPTED_PREFIX = "adopted: "  # the routers' own policy, recorded on an empty store
-SEEDED_PREFIX = "exploration "  # a seeded policy's reason: "exploration 0.05 in every cell of v1 …"
 DRY_RUN_PREFIX = "dry run: would "  # a dry run's outcome starts so (never "approved")
 MAX_REQUESTS_PER_CYCLE = 16
 MAX_RELEASES = 2  # a request given back after its cycle failed, at most this often
@@ -305,7 +310,7 @@ class CycleReport:
     leader: bool = True
     window_id: int | None = None
     drift: list[str] = field(default_factory=list)
-    trigger: str | None = None
+    trigger: Trigger | None = None
     calibration_id: int | None = None
     candidate_version: int | None = None
     candidate_status: str | None = None  # as stored: approved, rejected, candidate, advisory
@@ -353,7 +358,8 @@ class _Plan:
     findings: list[DriftFinding] = field(default_factory=list)
     calibration: CalibrationOutcome | None = None
     calibration_windows: list[int] = field(default_factory=list)
-    trigger: str | None = None
+    trigger: Trigger | None = None
+    refits: Trigger | None = None  # a CANARY calibration: the trigger behind the canary
     recalibrate_request: OperatorRequest | None = None
     calibration_error: str | None = None
     too_few_windows: bool = False  # calibration_error is a lack of data, not a failed fit
@@ -705,13 +711,14 @@ class Cycle:
                 self._pending_measured |= any(f.measured for f in plan.findings)
         recal = next((r for r in claimed if r.kind == "recalibrate"), None)
         plan.trigger = self._trigger(plan, rollout, ops, recal, now)
-        if plan.trigger == "canary":
+        if plan.trigger is Trigger.CANARY:
             # Refit on the bake's windows (the candidate's own traffic on its routers) and
             # judge the refit against the candidate, not the fleet's policy.
             assert rollout.canary_version is not None
             plan.refit_of = rollout.canary_version
             with self.store.read() as tx:
                 current = self._policy(tx, rollout.canary_version)
+                plan.refits = _calibration_trigger(tx, rollout.canary_version)
         if plan.trigger is not None:
             if not complete and recal is None:
                 report.reason = _join(report.reason, f"calibration ({plan.trigger}) deferred: "
@@ -770,17 +777,17 @@ class Cycle:
         return claimed
 
     def _trigger(self, plan: _Plan, rollout: Rollout, ops: OperatorState,
-                 recal: OperatorRequest | None, now: float) -> str | None:
+                 recal: OperatorRequest | None, now: float) -> Trigger | None:
         """Why to calibrate now, or None."""
         if recal is not None:
-            return "operator"
+            return Trigger.OPERATOR
         if rollout.canary_version is not None:
             # Routers run a mix of two policies while a canary bakes: its drift says nothing
             # about the fleet's policy. The judge decides instead.
             self._pending_drift = self._pending_measured = False
             if self.config.canary_refit and not ops.holding \
                     and self._refit_due(rollout, plan.window):
-                return "canary"
+                return Trigger.CANARY
             return None
         if ops.holding:
             return None
@@ -799,17 +806,17 @@ class Cycle:
         if self._pending_recommendation is not None:
             # An applied recommendation changes latencies on purpose: recalibrate for the
             # new shape as the scaling it is, not as the drift it also causes.
-            return "scaling"
+            return Trigger.SCALING
         if self._pending_drift:
-            return "drift"
+            return Trigger.DRIFT
         if self._pending_scaling is not None and not self._scaling_damped(now):
-            return "scaling"
+            return Trigger.SCALING
         if self._link_retry_at is not None and now >= self._link_retry_at:
             log.info("calibrating again for the KV link's drift, on the windows since it")
-            return "drift"  # nothing calibrated since: the learner's drift is the link's
+            return Trigger.DRIFT  # nothing calibrated since: the learner's drift is the link's
         due = self.next_due()
         if due is not None and now >= due:
-            return "schedule"
+            return Trigger.SCHEDULE
         return None
 
     def _damp_flap(self, events: Sequence[Any]) -> None:
@@ -858,7 +865,7 @@ class Cycle:
             return False
         with self.store.read() as tx:
             record = tx.policy(rollout.canary_version)
-            if record is None or record.reason.startswith(REFIT_PREFIX):
+            if record is None or policy_kind(record) is PolicyKind.REFIT:
                 return False
             return self.judge_canary(tx, rollout, record, window).action == "promote"
 
@@ -880,7 +887,7 @@ class Cycle:
             latest = tx.policies(limit=1, status="approved")
             undone = tx.policies(limit=1, status="rolled_back")
         # Adopting what the routers already ran changed nothing on them.
-        changes = [p.created_at for p in latest if not p.reason.startswith(ADOPTED_PREFIX)]
+        changes = [p.created_at for p in latest if policy_kind(p) is not PolicyKind.ADOPTED]
         # A promotion the watch rolled back changed every router too.
         changes += [p.updated_at for p in undone if p.promoted_at is not None]
         if not changes:
@@ -892,7 +899,7 @@ class Cycle:
 
     async def _calibrate(self, plan: _Plan, current: Policy | None, now: float,
                          recal: OperatorRequest | None, report: CycleReport) -> None:
-        trigger = plan.trigger or "schedule"
+        trigger = plan.trigger or Trigger.SCHEDULE
         for_link = False  # a drift led by the KV link
         with self.store.read() as tx:
             stored = tx.windows(limit=self.config.training_windows)
@@ -914,34 +921,35 @@ class Cycle:
             plan.too_few_windows = True
             return
         self.metrics.recalibration(trigger)
-        if trigger == "scaling":
+        if trigger is Trigger.SCALING:
             plan.scaling = self._pending_scaling
             plan.scaling_recommendation = self._pending_recommendation
             self._scaling_recal_at = {**self._scaling_recal_at,
                                       **dict.fromkeys(self._pending_scaling_roles, now)}
-        if trigger == "canary":
-            # The candidate's own reason: the learner trains the refit on the same regime's
-            # windows (since the drift or the scaling it answered), the bake's included.
-            # Causes pending for the fleet's policy stay pending.
+        if trigger is Trigger.CANARY:
+            # The candidate's own reason and regime: the learner trains the refit on the
+            # same regime's windows (since the drift or the scaling it answered), the bake's
+            # included. Causes pending for the fleet's policy stay pending.
             assert current is not None
-            reason = f"{current.provenance.reason or 'schedule'} " \
-                     f"({REFIT_PREFIX}{plan.refit_of})"
+            cause = Cause(trigger, refits=plan.refits,
+                          text=f"{current.provenance.reason or Trigger.SCHEDULE} "
+                               f"({REFIT_PREFIX}{plan.refit_of})")
         else:
-            for_link = trigger == "drift" and self._pending_measured
+            for_link = trigger is Trigger.DRIFT and self._pending_measured
             self._pending_scaling = None  # this calibration sees the new capacity and mix
             self._pending_recommendation = None
             self._pending_scaling_roles = frozenset()
             self._calibrated_counts = dict(self._scaling.known) or None
             self._pending_drift = self._pending_measured = False
             if recal is not None and recal.reason:
-                reason = f"{trigger}: {recal.reason}"
+                cause = Cause(trigger, recal.reason)
             elif plan.scaling is not None:  # the policy's provenance says which shape
-                reason = f"{trigger}: {plan.scaling}"
+                cause = Cause(trigger, plan.scaling)
             else:
-                reason = trigger
+                cause = Cause(trigger)
 
         def fit() -> CalibrationOutcome:
-            return self.learner.calibrate(windows, current, now, reason, force)
+            return self.learner.calibrate(windows, current, now, cause, force)
 
         t0 = self.clock.monotonic()
         try:
@@ -1109,7 +1117,8 @@ class Cycle:
                 report.guardrail = reason
             else:
                 status = "approved"
-            tx.add_policy(version, policy.checksum, dumps(policy), status, reason)
+            tx.add_policy(version, policy.checksum, dumps(policy), status, reason,
+                          kind=PolicyKind.OTHER if plan.refit_of is None else PolicyKind.REFIT)
             self._policies[version] = policy
             report.candidate_version, report.candidate_status = version, status
             if status == "approved":
@@ -1196,7 +1205,7 @@ class Cycle:
             provenance=Provenance(created_at=self.clock.utcnow(), reason=reason,
                                   created_by=self.leadership.holder))
         tx.add_policy(version, policy.checksum, dumps(policy), "approved", reason,
-                      seeded_exploration=share)
+                      seeded_exploration=share, kind=PolicyKind.SEEDED)
         self._policies[version] = policy
         for router in self.routers:
             tx.set_desired(router, version)
@@ -1877,7 +1886,7 @@ def record_adoption(tx: Tx, found: RunningPolicy, routers: Sequence[str], who: s
     else:
         where = f"{who} started on an empty store"
     tx.add_policy(policy.version, policy.checksum, dumps(policy), "approved",
-                  f"{ADOPTED_PREFIX}{found.why} when {where}")
+                  f"{ADOPTED_PREFIX}{found.why} when {where}", kind=PolicyKind.ADOPTED)
     for router in routers:
         tx.set_desired(router, policy.version)
     renumbered = "" if policy.version == ran else f" (it ran as v{ran})"
@@ -1904,6 +1913,19 @@ def _pooled(windows: Sequence[Window]) -> tuple[float, float, float]:
     n = sum(o.requests for w in windows for o in w.outcomes)
     seconds = sum(w.end - w.start for w in windows)
     return met, n, n / seconds if seconds > 0 else 0.0
+
+
+def _calibration_trigger(tx: Tx, version: int) -> Trigger | None:
+    """The trigger of the calibration that produced policy ``version``, as stored in its
+    details; None for a policy no calibration produced (adopted, seeded, set by hand) or a
+    value no :class:`Trigger` names."""
+    record = tx.calibration_for(version)
+    details = record.details if record is not None else None
+    stored = details.get("trigger") if isinstance(details, Mapping) else None
+    try:
+        return Trigger(stored) if isinstance(stored, str) else None
+    except ValueError:
+        return None
 
 
 def _why_incomplete(window: Window | None) -> str:
@@ -1958,7 +1980,8 @@ def _report_fields(r: CycleReport) -> dict[str, Any]:
 
 
 __all__ = [
-    "DRY_RUN_PREFIX", "FALLBACK_PREFILL", "AlwaysLeader", "CanaryVerdict", "CapacityPlanner",
+    "ADOPTED_PREFIX", "DRY_RUN_PREFIX", "FALLBACK_PREFILL", "REFIT_PREFIX", "SEEDED_PREFIX",
+    "AlwaysLeader", "CanaryVerdict", "CapacityPlanner",
     "Cycle", "CycleConfig", "CycleReport", "Leadership", "OperatorState", "Rollout",
     "canary_subset", "dry_run_verdict", "operator_state", "read_rollout", "run_inline",
     "two_proportion_z", "watch_critical",

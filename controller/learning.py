@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from controller.core.trigger import Cause, Trigger
 from controller.core.window import Window
 from controller.policy import LookupTable, Policy
 
@@ -87,9 +88,13 @@ class Learner(Protocol):
         windows: Sequence[Window],
         current: Policy | None,
         now: float,
-        reason: str,
+        reason: Cause | str,
         force: bool = False,
-    ) -> CalibrationOutcome: ...
+    ) -> CalibrationOutcome:
+        """Fit and judge a candidate. ``reason`` is the typed :class:`Cause` of a
+        triggered calibration, or free text (an active calibration, ``pdctl recalibrate
+        --local``) that no regime follows."""
+        ...
 
     def adopt(self, state: LearnerState, outcome: CalibrationOutcome, now: float) -> LearnerState:
         """What drift is measured against after ``outcome`` (called for every calibration,
@@ -223,7 +228,7 @@ class CoreLearner:
         windows: Sequence[Window],
         current: Policy | None,
         now: float,
-        reason: str,
+        reason: Cause | str,
         force: bool = False,
     ) -> CalibrationOutcome:
         from controller.core import drift
@@ -235,7 +240,7 @@ class CoreLearner:
         if refinement:
             config = replace(config, guardrail_margin=self._refinement_margin)
         try:
-            result = calibrate(windows, now, current, config, reason=reason)
+            result = calibrate(windows, now, current, config, reason=str(reason))
         except CalibrationError as e:
             raise LearnerError(str(e)) from None
         verdict = result.verdict
@@ -261,7 +266,7 @@ class CoreLearner:
             reference=(reference, result.model), basis=(result.model, result.grid),
         )
 
-    def is_refinement(self, reason: str) -> bool:
+    def is_refinement(self, reason: Cause | str) -> bool:
         """Whether a calibration for ``reason`` now refines the running policy on the
         traffic it was learned on: a drift of the performance detector alone, not led by the
         KV link, with no workload or SLO drift since the last approval. It then needs
@@ -269,10 +274,10 @@ class CoreLearner:
         stationary phase had predicted gains of +0.006 to +0.016; refusing the two below 0.01
         moved those runs by +0.0009 and -0.0018 (docs/bench.md, "A refinement needs a larger
         gain")."""
-        return (reason == "drift" and self._fired == {"performance"}
+        return (reason == Cause(Trigger.DRIFT) and self._fired == {"performance"}
                 and not self._shift_since_approval)
 
-    def _regime(self, windows: Sequence[Window], reason: str
+    def _regime(self, windows: Sequence[Window], reason: Cause | str
                 ) -> tuple[Sequence[Window], Any, bool]:
         """The windows and settings a calibration for ``reason`` should use, and whether
         they are the windows since a change alone (its verdict is then about the new regime).
@@ -284,10 +289,11 @@ class CoreLearner:
         Every window can be from since the change (a drift older than the training set):
         the verdict is about the new regime then too.
         """
+        regime = reason.regime if isinstance(reason, Cause) else None
         start: float | None = None
-        if reason.startswith("drift"):
+        if regime is Trigger.DRIFT:
             start = self._drift_onset
-        elif reason.startswith("scaling"):
+        elif regime is Trigger.SCALING:
             start = shape_change(windows)
         if start is None:
             return windows, self._config, False
@@ -299,7 +305,7 @@ class CoreLearner:
         # The mix and load of a window or two are noise (a bursty trace swings 2x between
         # windows): the current mix takes at least MIN_MIX_WINDOWS, the newest first.
         config = replace(self._config, recent_windows=max(len(post), MIN_MIX_WINDOWS))
-        if reason.startswith("drift") and self._link_changed_at is not None:
+        if regime is Trigger.DRIFT and self._link_changed_at is not None:
             # The link is measured directly: a minute of transfers fits it, and every window
             # still explains the rest of the model.
             config = replace(config, link_changed_at=self._link_changed_at)

@@ -21,13 +21,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controller import __version__
 from controller.core.drift import KINDS as DRIFT_DETECTORS
+from controller.core.trigger import Trigger
 from controller.core.window import FAILURE_KINDS
 
 CYCLE_RESULTS = ("ok", "skipped", "failed")
 JOBS = ("observe", "assess", "calibrate", "reconcile")
 JOB_SKIP_REASONS = ("overlap", "missed")
 PUSH_RESULTS = ("ok", "failed", "conflict", "rejected")
-RECALIBRATION_TRIGGERS = ("drift", "schedule", "scaling", "operator", "canary")
+# The daemon's triggers (an active calibration is pdctl's, not the daemon's).
+RECALIBRATION_TRIGGERS = tuple(t.value for t in Trigger if t is not Trigger.ACTIVE)
 GUARDRAIL_DECISIONS = ("approved", "rejected")
 GOODPUT_POLICIES = ("current", "candidate")
 CANARY_STATES = ("idle", "baking", "promoted", "rolled_back")
@@ -318,7 +320,7 @@ class ControllerMetrics:
     def drift_event(self, detector: str) -> None:
         self.drift_events.labels(_check("detector", detector, DRIFT_DETECTORS)).inc()
 
-    def recalibration(self, trigger: str) -> None:
+    def recalibration(self, trigger: Trigger) -> None:
         self.recalibrations.labels(_check("trigger", trigger, RECALIBRATION_TRIGGERS)).inc()
 
     def guardrail_decision(self, decision: str, reason: str, now: float) -> None:

@@ -374,14 +374,14 @@ def status_doc(store: Store, calibrate_every_s: float | None,
                                           "candidate": c.predicted_goodput_new}}
         if calibrate_every_s is not None:
             next_due = c.created_at + timedelta(seconds=calibrate_every_s)
-    from controller.calibration_runner import FORCED_PREFIX
+    from controller.store import PolicyKind, policy_kind
 
     return {
         "now": now,
         "leader": leader,
         "fleet_version": rollout.fleet_version,
         # A forced calibrate-active policy as the fleet's: a run that was killed left it.
-        "fleet_forced": fleet is not None and fleet.reason.startswith(FORCED_PREFIX),
+        "fleet_forced": fleet is not None and policy_kind(fleet) is PolicyKind.FORCED,
         "canary": None if rollout.canary_version is None else {
             "version": rollout.canary_version, "routers": list(rollout.canary_routers)},
         "watch": watch,

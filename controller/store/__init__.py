@@ -3,6 +3,7 @@ production). Alembic migrations: ``migrations/`` in a checkout, ``controller/_mi
 in an installed package (see :mod:`controller.store.migrate`)."""
 
 from controller.store.engine import make_engine, normalize_url
+from controller.store.kinds import PolicyKind, policy_kind
 from controller.store.records import (
     CalibrationRecord,
     DriftEventRecord,
@@ -26,7 +27,7 @@ from controller.store.repository import (
 
 __all__ = [
     "LEADER", "POLICY_TRANSITIONS", "CalibrationRecord", "DriftEventRecord", "Lease",
-    "OperatorRequest", "PolicyRecord", "PushRecord", "RecommendationRecord", "RouterRecord",
-    "Store", "StoreError", "StoreGone", "StoreUnavailable", "StoredWindow", "Tx", "make_engine",
-    "normalize_url",
+    "OperatorRequest", "PolicyKind", "PolicyRecord", "PushRecord", "RecommendationRecord",
+    "RouterRecord", "Store", "StoreError", "StoreGone", "StoreUnavailable", "StoredWindow", "Tx",
+    "make_engine", "normalize_url", "policy_kind",
 ]

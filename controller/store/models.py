@@ -85,6 +85,8 @@ class PolicyRow(Base):
     # The exploration share the controller turned on in an adopted policy that explored
     # nowhere (its provenance, typed: 0006); NULL for every other policy.
     seeded_exploration: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Where the policy came from, a controller.store.kinds.PolicyKind value (0007).
+    kind: Mapped[str] = mapped_column(String(16), server_default="other")
 
 
 class CalibrationRow(Base):

@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from controller.core.window import Window
+from controller.store.kinds import PolicyKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,7 @@ class PolicyRecord:
     # The exploration share the controller turned on in every cell of an adopted policy
     # that explored nowhere ([controller] adopted_exploration); None for every other policy.
     seeded_exploration: float | None = None
+    kind: PolicyKind = PolicyKind.OTHER  # where it came from (policies.kind, 0007)
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,7 @@ from controller.clock import Clock, WallClock
 from controller.core.window import Window
 from controller.errors import TerminalError, TransientError
 from controller.store.engine import WRITE_OPTION, make_engine, normalize_url
+from controller.store.kinds import PolicyKind, kind_of_reason
 from controller.store.models import (
     POLICY_STATUSES,
     REQUEST_KINDS,
@@ -293,7 +294,10 @@ class Tx:
         at: datetime | None = None,
         reissue_of: int | None = None,
         seeded_exploration: float | None = None,
+        kind: PolicyKind | None = None,
     ) -> PolicyRecord:
+        """Store a policy. ``kind`` None: the kind its reason names
+        (:func:`~controller.store.kinds.kind_of_reason`)."""
         if status not in POLICY_STATUSES:
             raise StoreError(f"unknown policy status {status!r}; expected one of {POLICY_STATUSES}")
         if version < 1:
@@ -305,6 +309,7 @@ class Tx:
             version=version, checksum=checksum, body=body_json, status=status, reason=reason,
             created_at=when, updated_at=when, reissue_of=reissue_of,
             seeded_exploration=seeded_exploration,
+            kind=(kind if kind is not None else kind_of_reason(reason, seeded_exploration)).value,
         )
         self._s.add(row)
         self._s.flush()
@@ -1060,6 +1065,7 @@ def _policy(r: PolicyRow) -> PolicyRecord:
         promoted_at=r.promoted_at, reissue_of=None if r.reissue_of is None else int(r.reissue_of),
         seeded_exploration=(None if r.seeded_exploration is None
                             else float(r.seeded_exploration)),
+        kind=PolicyKind(r.kind),
     )
 
 

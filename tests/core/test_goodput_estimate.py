@@ -13,6 +13,7 @@ from controller.core.calibrate import CalibrationConfig, table_grid
 from controller.core.drift import DetectorState, drift_onset
 from controller.core.features import N_IO_BINS, build_training_set, first_turn_share
 from controller.core.latency_model import fit_latency_model, training_scenario
+from controller.core.trigger import Cause, Trigger
 from controller.core.window import RouteOutcome, Window, WorkerStats
 from controller.learning import shape_change
 from controller.policy.model import Route, Slo
@@ -121,16 +122,16 @@ def test_a_scaling_calibration_learns_from_the_windows_after_the_change() -> Non
 
     learner = CoreLearner(load_settings())
     long_after = [_shaped(30.0 * i, 2 if i < 5 else 1, 6) for i in range(5 + MIN_REGIME_WINDOWS)]
-    windows, config, regime_only = learner._regime(long_after, "scaling")
+    windows, config, regime_only = learner._regime(long_after, Cause(Trigger.SCALING))
     assert regime_only
     assert [w.start for w in windows] == [w.start for w in long_after[5:]]
     assert config.recent_windows == MIN_REGIME_WINDOWS
     # Too few windows since the change: train on all, take the mix from the newest ones.
     just_after = long_after[:7]
-    windows, config, regime_only = learner._regime(just_after, "scaling")
+    windows, config, regime_only = learner._regime(just_after, Cause(Trigger.SCALING))
     assert len(windows) == 7 and config.recent_windows == MIN_MIX_WINDOWS and not regime_only
     # A scheduled calibration is not about a change: everything, default mix.
-    windows, config, regime_only = learner._regime(long_after, "schedule")
+    windows, config, regime_only = learner._regime(long_after, Cause(Trigger.SCHEDULE))
     assert len(windows) == len(long_after) and config.recent_windows == 20 and not regime_only
 
 
@@ -143,10 +144,11 @@ def test_a_drift_older_than_every_window_makes_them_all_the_new_regime() -> None
     learner = CoreLearner(load_settings())
     windows = [_shaped(300.0 + 30.0 * i, 2, 6) for i in range(MIN_REGIME_WINDOWS)]
     learner._drift_onset = 120.0
-    trained, config, regime_only = learner._regime(windows, "drift: workload")
+    DRIFT = Cause(Trigger.DRIFT, "workload")
+    trained, config, regime_only = learner._regime(windows, DRIFT)
     assert regime_only and len(trained) == len(windows)
     assert config.recent_windows == 20  # the default mix: every window is the new regime
-    _, _, thin = learner._regime(windows[:-1], "drift: workload")
+    _, _, thin = learner._regime(windows[:-1], DRIFT)
     assert not thin, "fewer than MIN_REGIME_WINDOWS are too few to judge a regime on"
     learner._drift_onset = None
-    assert not learner._regime(windows, "drift: workload")[2], "no onset known: not a regime"
+    assert not learner._regime(windows, DRIFT)[2], "no onset known: not a regime"

@@ -17,6 +17,7 @@ from controller.core.drift import (
 )
 from controller.core.features import build_training_set
 from controller.core.latency_model import LatencyModel, fit_latency_model, fit_link_change
+from controller.core.trigger import Cause, Trigger
 from controller.core.window import Window
 from controller.learning import CoreLearner, LearnerState
 from controller.policy.model import Slo
@@ -125,7 +126,8 @@ def test_the_learner_calibrates_a_link_drift_with_the_change_located() -> None:
             break
     assert fired is not None and fired.start <= stream[31].start
     windows = [w for w in stream if w.end <= fired.end]
-    outcome = learner.calibrate(windows, base.policy, fired.end, "drift: performance")
+    outcome = learner.calibrate(windows, base.policy, fired.end,
+                               Cause(Trigger.DRIFT, "performance"))
     kv = outcome.details["model"]["components"]["kv_transfer"]
     assert kv["changed_at"] == stream[30].start
     assert kv["bandwidth_Bps"] == pytest.approx(SLOW.link_bw, rel=0.3)

@@ -10,8 +10,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from controller.clock import VirtualClock
+from controller.core.trigger import Cause, Trigger
 from controller.core.window import RouteOutcome, TargetFailure, Window, WorkerStats, Workload
-from controller.cycle import REFIT_PREFIX, CapacityPlanner, Cycle, CycleConfig, CycleReport
+from controller.cycle import CapacityPlanner, Cycle, CycleConfig, CycleReport
 from controller.learning import CalibrationOutcome, DriftFinding, LearnerState, renews_reference
 from controller.metrics import ControllerMetrics
 from controller.observe.source import Target
@@ -123,20 +124,22 @@ class ScriptedLearner:
                                     measured=measured)]
 
     def calibrate(self, windows: Sequence[Window], current: Policy | None, now: float,
-                  reason: str, force: bool = False) -> CalibrationOutcome:
+                  reason: Cause | str, force: bool = False) -> CalibrationOutcome:
         from controller.learning import LearnerError
 
+        refit = isinstance(reason, Cause) and reason.trigger is Trigger.CANARY
+        text = str(reason)
         if self.fail:
             raise LearnerError("scripted fit failure")
         self.calibrations += 1
         self.trained_on.append(len(windows))
-        self.reasons.append(reason)
+        self.reasons.append(text)
         self.judged_against.append(current.version if current else None)
         version = (current.version + 1) if current else 1
         # Like the real learner, the candidate's provenance keeps the reason it was fitted for.
         policy = Policy.uniform(version, self.route, exploration=self.exploration,
-                                provenance=Provenance(reason=reason))
-        approve = self.approve_refit if REFIT_PREFIX in reason else self.approve
+                                provenance=Provenance(reason=text))
+        approve = self.approve_refit if refit else self.approve
         ok = approve or force
         # Like the real learner, the details keep the unforced verdict.
         return CalibrationOutcome(policy, ok, "approved: scripted" if ok else "rejected: scripted",

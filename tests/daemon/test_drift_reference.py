@@ -11,6 +11,7 @@ from typing import Any
 
 from controller.config import load_settings
 from controller.core.drift import reference_from_windows
+from controller.core.trigger import Cause, Trigger
 from controller.core.window import Window
 from controller.learning import CalibrationOutcome, CoreLearner, LearnerState
 from controller.policy import Policy, Route, Slo
@@ -159,23 +160,25 @@ def test_a_performance_drift_on_the_traffic_of_the_last_approval_needs_the_refin
     assert first.approved and not first.details["refinement"]
     state = learner.adopt(LearnerState(), first, before[-1].end)
     state = _performance_drift(learner, state, slower)
-    assert learner.is_refinement("drift")
-    assert not learner.is_refinement("drift (refit of v2)")  # a canary's refit: no change
-    assert not learner.is_refinement("schedule")
+    assert learner.is_refinement(Cause(Trigger.DRIFT))
+    assert not learner.is_refinement("drift")  # free text names no trigger
+    refit = Cause(Trigger.CANARY, refits=Trigger.DRIFT, text="drift (canary refit of v2)")
+    assert not learner.is_refinement(refit)  # a canary's refit: no change
+    assert not learner.is_refinement(Cause(Trigger.SCHEDULE))
     now = slower[-1].end
-    outcome = learner.calibrate(before + slower, first.policy, now, "drift")
+    outcome = learner.calibrate(before + slower, first.policy, now, Cause(Trigger.DRIFT))
     assert outcome.details["refinement"]
     assert outcome.details["verdict"]["margin"] == 0.03
     # After a rollback the learner does not know what the restored policy was learned on.
     rolled_back = replace(learner.restore(first.details), model=state.model)
     _performance_drift(learner, rolled_back, slower)
-    assert not learner.is_refinement("drift")
+    assert not learner.is_refinement(Cause(Trigger.DRIFT))
     # The same drift by a learner that has approved nothing since it started (a restart).
     fresh = CoreLearner(settings)
     fresh_state = replace(fresh.restore(first.details), model=state.model)
     _performance_drift(fresh, fresh_state, slower)
-    assert not fresh.is_refinement("drift")
-    assert fresh.calibrate(before + slower, first.policy, now, "drift") \
+    assert not fresh.is_refinement(Cause(Trigger.DRIFT))
+    assert fresh.calibrate(before + slower, first.policy, now, Cause(Trigger.DRIFT)) \
         .details["verdict"]["margin"] == settings.controller.guardrail_margin
 
 
@@ -192,8 +195,8 @@ def test_a_workload_drift_since_the_last_approval_ends_refinement() -> None:
     state = learner.adopt(LearnerState(), first, before[-1].end)
     state, fired = _fired(learner, state, busier)
     assert fired
-    kept = learner.calibrate(before + busier, first.policy, busier[-1].end, "drift")
+    kept = learner.calibrate(before + busier, first.policy, busier[-1].end, Cause(Trigger.DRIFT))
     assert not kept.approved and not kept.details["refinement"]
     state = learner.adopt(state, kept, busier[-1].end)
     _performance_drift(learner, state, slower)
-    assert not learner.is_refinement("drift"), "a refusal is not an approval"
+    assert not learner.is_refinement(Cause(Trigger.DRIFT)), "a refusal is not an approval"
