@@ -1086,6 +1086,10 @@ class Cycle:
         if ops.exploration_off:  # read after this cycle's requests: one may have turned it off
             outcome = plan.calibration = replace(outcome,
                                                  policy=without_exploration(outcome.policy))
+        seeded: float | None = None
+        if not ops.exploration_off and not self.config.advisory:
+            outcome, seeded = self._seed_first_policy(outcome)
+            plan.calibration = outcome
         decision = "approved" if outcome.approved else "rejected"
         self.metrics.guardrail_decision(decision, "forced" if "forced" in outcome.reason
                                         else decision, self.clock.now())
@@ -1118,7 +1122,8 @@ class Cycle:
             else:
                 status = "approved"
             tx.add_policy(version, policy.checksum, dumps(policy), status, reason,
-                          kind=PolicyKind.OTHER if plan.refit_of is None else PolicyKind.REFIT)
+                          kind=PolicyKind.OTHER if plan.refit_of is None else PolicyKind.REFIT,
+                          seeded_exploration=seeded)
             self._policies[version] = policy
             report.candidate_version, report.candidate_status = version, status
             if status == "approved":
@@ -1211,6 +1216,24 @@ class Cycle:
             tx.set_desired(router, version)
         self.metrics.policy_changed(version)
         return f"v{version}: v{adopted.version} with exploration {share:g} to every router"
+
+    def _seed_first_policy(self, outcome: CalibrationOutcome
+                           ) -> tuple[CalibrationOutcome, float | None]:
+        """A first policy (no current one: the routers ran none to adopt) that explores
+        nowhere gets ``adopted_exploration`` in every cell, as an adopted one does: trained
+        on windows where one route ran alone, it would keep the other route unmeasured for
+        ever and every later candidate would be an extrapolation the guardrail refuses.
+        The outcome unchanged and None otherwise; else the seeded outcome and its share."""
+        share = self.config.adopted_exploration
+        p = outcome.policy
+        if (share <= 0 or not outcome.approved or outcome.predicted_goodput_current is not None
+                or any(p.table.exploration)):
+            return outcome, None
+        t = p.table
+        table = LookupTable(t.axes, t.routes, t.scores, (share,) * len(t.exploration))
+        reason = (f"{outcome.reason}; exploration {share:g} in every cell ([controller] "
+                  "adopted_exploration): the first policy explored nowhere")
+        return replace(outcome, policy=replace(p, table=table), reason=reason), share
 
     def _everywhere(self, tx: Tx, policy: Policy, reason: str) -> None:
         """Store ``policy`` as approved and make it every router's desired version at once
