@@ -56,6 +56,28 @@ async def wait_or_gone(aw: Awaitable[T], gone: Awaitable[None]) -> T:
     raise ClientGone
 
 
+async def relay_generated(queue: asyncio.Queue[tuple[int, bool]], sse: SseWriter | None,
+                          gone: Awaitable[None], fail_status: int,
+                          failure: Callable[[], str]) -> int | None:
+    """Relay a simulated request's progress (``(tokens generated, done)`` from ``queue``; a
+    negative count: it failed) to the SSE stream, if any, until done. The tokens generated,
+    or None when it failed: the stream then ends with an error event, and a non-streamed
+    answer raises ``HttpError(fail_status, failure())``."""
+    sent = 0
+    while True:
+        generated, done = await wait_or_gone(queue.get(), gone)
+        if generated < 0:
+            if sse is None:
+                raise HttpError(fail_status, failure())
+            await sse.error(failure())
+            return None
+        if sse is not None and generated > sent:
+            await sse.tokens(sent, generated)
+        sent = max(sent, generated)
+        if done:
+            return sent
+
+
 async def respond(writer: asyncio.StreamWriter, status: int, content_type: str,
                   body: bytes) -> None:
     head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'OK')}\r\nContent-Type: {content_type}\r\n"

@@ -51,9 +51,9 @@ from controller.sim.http import (
     HttpError,
     HttpServer,
     SseWriter,
+    relay_generated,
     respond,
     respond_json,
-    wait_or_gone,
 )
 from controller.sim.protocol import Hub, ProtocolConfig, WorkerApi
 from controller.sim.router import SimRouter
@@ -343,19 +343,10 @@ class LiveSim:
         sse = SseWriter(writer, chat, rid, created, model) if stream else None
         if sse is not None:
             await sse.start()
-        sent = 0
-        while True:
-            generated, done = await wait_or_gone(queue.get(), gone)
-            if generated < 0:
-                if sse is None:
-                    raise HttpError(400, f"request rejected: {sim_req.reject_reason}")
-                await sse.error(f"request rejected: {sim_req.reject_reason}")
-                return
-            if sse is not None and generated > sent:
-                await sse.tokens(sent, generated)
-            sent = max(sent, generated)
-            if done:
-                break
+        sent = await relay_generated(queue, sse, gone, 400,
+                                     lambda: f"request rejected: {sim_req.reject_reason}")
+        if sent is None:
+            return
         usage = {"prompt_tokens": prompt, "completion_tokens": sent,
                  "total_tokens": prompt + sent}
         if sse is not None:

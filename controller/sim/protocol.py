@@ -53,9 +53,9 @@ from controller.sim.http import (
     ClientGone,
     HttpError,
     SseWriter,
+    relay_generated,
     respond,
     respond_json,
-    wait_or_gone,
 )
 from controller.tokenize import Tokenizer, TokenizerError
 
@@ -360,19 +360,10 @@ class WorkerApi:
         sse = SseWriter(writer, call.chat, rid, created, call.model) if call.stream else None
         if sse is not None:
             await sse.start()
-        generated = 0
-        while True:
-            n, done = await wait_or_gone(queue.get(), gone)
-            if n < 0:
-                if sse is None:
-                    raise HttpError(503, f"request failed: {req.reject_reason}")
-                await sse.error(f"request failed: {req.reject_reason}")
-                return
-            if sse is not None and n > generated:
-                await sse.tokens(generated, n)
-            generated = max(generated, n)
-            if done:
-                break
+        generated = await relay_generated(queue, sse, gone, 503,
+                                          lambda: f"request failed: {req.reject_reason}")
+        if generated is None:
+            return
         finish = "stop" if kind == "prefill" and call.eos_first else "length"
         ktp = self._handle(call, req) if kind == "prefill" else None
         usage = {"prompt_tokens": len(call.ids), "completion_tokens": generated,
