@@ -56,6 +56,22 @@ async def wait_or_gone(aw: Awaitable[T], gone: Awaitable[None]) -> T:
     raise ClientGone
 
 
+def openai_body(body: bytes, served_model: str) -> dict[str, Any]:
+    """An OpenAI request body as vLLM takes it: a JSON object (400 otherwise) whose ``model``,
+    when given, is the served one (404 in vLLM's words otherwise)."""
+    try:
+        doc = json.loads(body or b"")
+    except ValueError:
+        raise HttpError(400, "the request body is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise HttpError(400, "the request body must be a JSON object")
+    model = doc.get("model")
+    if model is not None and model != served_model:
+        raise HttpError(404, f"The model `{model}` does not exist.", "NotFoundError",
+                        param="model")
+    return doc
+
+
 async def relay_generated(queue: asyncio.Queue[tuple[int, bool]], sse: SseWriter | None,
                           gone: Awaitable[None], fail_status: int,
                           failure: Callable[[], str]) -> int | None:

@@ -51,6 +51,7 @@ from controller.sim.http import (
     HttpError,
     HttpServer,
     SseWriter,
+    openai_body,
     relay_generated,
     respond,
     respond_json,
@@ -271,15 +272,7 @@ class LiveSim:
 
     def _parse(self, chat: bool, body: bytes) -> tuple[dict[str, Any], int, str, int]:
         """(request, prompt tokens, opening text for the session key, max_tokens)."""
-        try:
-            doc = json.loads(body or b"")
-        except ValueError:
-            raise HttpError(400, "the request body is not valid JSON") from None
-        if not isinstance(doc, dict):
-            raise HttpError(400, "the request body must be a JSON object")
-        model = doc.get("model")
-        if model is not None and model != self.protocol.model:
-            raise HttpError(404, f"The model `{model}` does not exist.", param="model")
+        doc = openai_body(body, self.protocol.model)
         if chat:
             messages = doc.get("messages")
             if not isinstance(messages, list) or not messages or not all(

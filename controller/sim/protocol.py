@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from controller.sim.http import (
     ClientGone,
     HttpError,
     SseWriter,
+    openai_body,
     relay_generated,
     respond,
     respond_json,
@@ -235,16 +235,7 @@ class WorkerApi:
 
     # ------------------------------------------------------------ parsing
     def parse(self, chat: bool, headers: dict[str, str], body: bytes) -> _Call:
-        try:
-            doc = json.loads(body or b"")
-        except ValueError:
-            raise HttpError(400, "the request body is not valid JSON") from None
-        if not isinstance(doc, dict):
-            raise HttpError(400, "the request body must be a JSON object")
-        model = doc.get("model")
-        if model is not None and model != self.config.model:
-            raise HttpError(404, f"The model `{model}` does not exist.", "NotFoundError",
-                            param="model")
+        doc = openai_body(body, self.config.model)
         ids = self._prompt_ids(chat, doc)
         max_tokens = doc.get("max_completion_tokens", doc.get("max_tokens"))
         if max_tokens is None:
@@ -264,7 +255,7 @@ class WorkerApi:
         request_id = headers.get("x-request-id") or f"sim{self.next_rid()}"
         return _Call(chat, ids, max_tokens, doc.get("stream") is True,
                      isinstance(opts, dict) and opts.get("include_usage") is True,
-                     str(model or self.config.model), request_id, ktp,
+                     str(doc.get("model") or self.config.model), request_id, ktp,
                      doc.get("sim_first_token_eos") is True or self._eos_draw(request_id))
 
     def _eos_draw(self, request_id: str) -> bool:
