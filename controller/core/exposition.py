@@ -53,20 +53,11 @@ def base_name(sample: str) -> str:
     return sample
 
 
-def parse_exposition(
-    text: str,
-    *,
-    target: str,
-    taken_at: float,
-    keep: Container[str] | None = None,
-) -> Snapshot:
-    """Parse ``text``; keep samples whose name or family is in ``keep`` (all if ``None``)."""
-    # No exposition line starts with "<"; an HTML page (login proxy, error page) does.
-    if text.lstrip()[:1] == "<":
-        raise ExpositionError("parse", "the answer is an HTML page, not exposition text")
-    if text and not text.endswith("\n"):
-        last = text.rsplit("\n", 1)[-1]
-        raise ExpositionError("parse", f"truncated exposition: last line {last[:80]!r} is cut off")
+def parse_exposition(text: str, *, target: str, taken_at: float,
+                     keep: Container[str] | None = None) -> Snapshot:
+    """Parse ``text``; keep samples whose name or family is in ``keep`` (all if ``None``).
+    The scrape's hot path: helpers run once per text, TYPE line, new name or label set."""
+    _check_whole(text)
     samples: dict[str, dict[LabelKey, float]] = {}
     families: set[str] = set()
     decided: dict[str, str | None] = {}  # sample name -> its family if kept, else None
@@ -78,13 +69,7 @@ def parse_exposition(
             continue
         if line[0] == "#":
             if line.startswith("# TYPE "):
-                parts = line.split(None, 3)
-                if len(parts) >= 3:
-                    families.add(parts[2])
-                    skip_prefix = None
-                    if keep is not None and parts[2] not in keep and not _keeps_any(
-                            keep, parts[2]):
-                        skip_prefix = parts[2]
+                skip_prefix = _type_line(line, keep, families, skip_prefix)
             continue
         if skip_prefix is not None and line.startswith(skip_prefix):
             continue
@@ -102,20 +87,12 @@ def parse_exposition(
         if name in decided:
             family = decided[name]
         else:
-            name = name.strip()
-            family = base_name(name)
-            if keep is not None and name not in keep and family not in keep:
-                family = None
-            elif not _NAME.match(name):
-                raise ExpositionError("parse", f"line {lineno}: bad metric name {name[:80]!r}")
-            decided[name] = family
+            name, family = _decide(name, keep, decided, lineno)
         if family is None:
             continue
         fields = rest.split()
         if not 1 <= len(fields) <= 2 or (rest and not rest[0].isspace()):
-            raise ExpositionError(
-                "parse", f"line {lineno}: expected 'name{{labels}} value [timestamp]'"
-            )
+            raise _shape_error(lineno)
         value = _number(fields[0], lineno)
         if len(fields) == 2 and not fields[1].lstrip("-").isdigit():
             raise ExpositionError("non_numeric", f"line {lineno}: bad timestamp {fields[1]!r}")
@@ -123,10 +100,7 @@ def parse_exposition(
             body = line[brace + 1 : close]
             labels = _LABEL_CACHE.get(body)
             if labels is None:
-                labels = _labels(body, lineno)
-                if len(_LABEL_CACHE) > _LABEL_CACHE_MAX:
-                    _LABEL_CACHE.clear()
-                _LABEL_CACHE[body] = labels
+                labels = _cache_labels(body, lineno)
         else:
             labels = ()
         by_labels = samples.get(name)
@@ -134,13 +108,66 @@ def parse_exposition(
             by_labels = samples[name] = {}
             families.add(family)
         if labels in by_labels:
-            shown = ",".join(f'{k}="{v}"' for k, v in labels)
-            raise ExpositionError(
-                "duplicate_series", f"line {lineno}: series {name}{{{shown}}} appears twice"
-            )
+            raise _duplicate_error(name, labels, lineno)
         by_labels[labels] = value
     return Snapshot(target=target, taken_at=taken_at, samples=samples,
                     families=frozenset(families))
+
+
+def _check_whole(text: str) -> None:
+    """Refuse an HTML page and a text cut off mid-line before reading any sample."""
+    # No exposition line starts with "<"; an HTML page (login proxy, error page) does.
+    if text.lstrip()[:1] == "<":
+        raise ExpositionError("parse", "the answer is an HTML page, not exposition text")
+    if text and not text.endswith("\n"):
+        last = text.rsplit("\n", 1)[-1]
+        raise ExpositionError("parse", f"truncated exposition: last line {last[:80]!r} is cut off")
+
+
+def _type_line(line: str, keep: Container[str] | None, families: set[str],
+               skip_prefix: str | None) -> str | None:
+    """Record a ``# TYPE`` line's family; the prefix of the samples to skip after it (the
+    family is not kept), None when they are read, ``skip_prefix`` unchanged when the line
+    names no family."""
+    parts = line.split(None, 3)
+    if len(parts) < 3:
+        return skip_prefix
+    families.add(parts[2])
+    if keep is not None and parts[2] not in keep and not _keeps_any(keep, parts[2]):
+        return parts[2]
+    return None
+
+
+def _decide(name: str, keep: Container[str] | None, decided: dict[str, str | None],
+            lineno: int) -> tuple[str, str | None]:
+    """A sample name seen for the first time: its stripped form and its family when kept
+    (None when ``keep`` leaves it out), remembered in ``decided``."""
+    name = name.strip()
+    family: str | None = base_name(name)
+    if keep is not None and name not in keep and family not in keep:
+        family = None
+    elif not _NAME.match(name):
+        raise ExpositionError("parse", f"line {lineno}: bad metric name {name[:80]!r}")
+    decided[name] = family
+    return name, family
+
+
+def _cache_labels(body: str, lineno: int) -> LabelKey:
+    labels = _labels(body, lineno)
+    if len(_LABEL_CACHE) > _LABEL_CACHE_MAX:
+        _LABEL_CACHE.clear()
+    _LABEL_CACHE[body] = labels
+    return labels
+
+
+def _shape_error(lineno: int) -> ExpositionError:
+    return ExpositionError("parse", f"line {lineno}: expected 'name{{labels}} value [timestamp]'")
+
+
+def _duplicate_error(name: str, labels: LabelKey, lineno: int) -> ExpositionError:
+    shown = ",".join(f'{k}="{v}"' for k, v in labels)
+    return ExpositionError(
+        "duplicate_series", f"line {lineno}: series {name}{{{shown}}} appears twice")
 
 
 def _keeps_any(keep: Container[str], family: str) -> bool:

@@ -411,50 +411,7 @@ def router_stats(
     to rows with ``io_bin = ALL_BINS`` and zero requests, so summing any column over rows
     stays correct.
     """
-    notes = list(delta.notes)
-    if not is_router(delta.families):
-        # A router target that is not one (a worker's port, the wrong port): answered with
-        # no traffic, it hid that router's requests from the window and the canary judge.
-        notes.append(TargetFailure(
-            target=delta.target, kind="missing_family",
-            message="no pdrouter_* families found (is this the router's metrics address?)",
-        ))
-    if not delta.has_baseline:
-        # Said as for a worker: a canary judge must not count this window's (absent)
-        # requests as a bake window of its routers.
-        notes.append(TargetFailure(
-            target=delta.target, kind="no_baseline",
-            message="first snapshot of this router: counters need a previous one",
-        ))
-    cells: dict[tuple[Route, int, int], list[float]] = {}
-
-    def cell(route_label: str | None, labels: Mapping[str, str]) -> list[float] | None:
-        try:
-            route = Route[route_label or ""]
-        except KeyError:
-            return None
-        key = (route, bin_index(labels.get("ctx_bin"), ctx_labels),
-               bin_index(labels.get("io_bin"), io_labels))
-        return cells.setdefault(key, [0.0] * 6)
-
-    if delta.has_baseline:
-        for labels, v in delta.increases.get(ROUTER.requests, {}).items():
-            d = dict(labels)
-            row = cell(d.get("route"), d)
-            if row is None:
-                continue
-            row[0] += v
-            if d.get("slo") == ROUTER.met_label:
-                row[1] += v
-        for offset, family in ((2, ROUTER.ttft), (4, ROUTER.tpot)):
-            sums = delta.increases.get(family + "_sum", {})
-            for labels, count in delta.increases.get(family + "_count", {}).items():
-                d = dict(labels)
-                row = cell(d.get("route"), d)
-                if row is None:
-                    continue
-                row[offset] += sums.get(labels, 0.0)
-                row[offset + 1] += count
+    cells = _router_cells(delta, ctx_labels, io_labels) if delta.has_baseline else {}
     outcomes = [
         RouteOutcome(router=delta.target, route=route, ctx_bin=c, io_bin=i, requests=r[0],
                      met=r[1], ttft_sum=r[2], ttft_count=r[3], tpot_sum=r[4], tpot_count=r[5])
@@ -467,8 +424,64 @@ def router_stats(
         context_tokens=_buckets(delta, ROUTER.context_tokens),
         io_ratio=_buckets(delta, ROUTER.io_ratio),
         qps=math.fsum(qps_series.values()) if qps_series else None,
-        notes=notes,
+        notes=_router_notes(delta),
     )
+
+
+def _router_notes(delta: TargetDelta) -> list[TargetFailure]:
+    """The delta's notes, plus why this router's window counts no requests: not a router's
+    metrics, or no baseline yet."""
+    notes = list(delta.notes)
+    if not is_router(delta.families):
+        # A router target that is not one (a worker's port, the wrong port) answers with no
+        # traffic: flagged, so the window and the canary judge do not read it as idle.
+        notes.append(TargetFailure(
+            target=delta.target, kind="missing_family",
+            message="no pdrouter_* families found (is this the router's metrics address?)",
+        ))
+    if not delta.has_baseline:
+        # Flagged as for a worker: a canary judge must not count this window's (absent)
+        # requests as a bake window of its routers.
+        notes.append(TargetFailure(
+            target=delta.target, kind="no_baseline",
+            message="first snapshot of this router: counters need a previous one",
+        ))
+    return notes
+
+
+def _router_cells(delta: TargetDelta, ctx_labels: Sequence[str], io_labels: Sequence[str]
+                  ) -> dict[tuple[Route, int, int], list[float]]:
+    """(route, ctx bin, io bin) -> [requests, met, ttft sum, ttft count, tpot sum, tpot
+    count] from the counters' increases; series with an unknown route are left out."""
+    cells: dict[tuple[Route, int, int], list[float]] = {}
+
+    def cell(route_label: str | None, labels: Mapping[str, str]) -> list[float] | None:
+        try:
+            route = Route[route_label or ""]
+        except KeyError:
+            return None
+        key = (route, bin_index(labels.get("ctx_bin"), ctx_labels),
+               bin_index(labels.get("io_bin"), io_labels))
+        return cells.setdefault(key, [0.0] * 6)
+
+    for labels, v in delta.increases.get(ROUTER.requests, {}).items():
+        d = dict(labels)
+        row = cell(d.get("route"), d)
+        if row is None:
+            continue
+        row[0] += v
+        if d.get("slo") == ROUTER.met_label:
+            row[1] += v
+    for offset, family in ((2, ROUTER.ttft), (4, ROUTER.tpot)):
+        sums = delta.increases.get(family + "_sum", {})
+        for labels, count in delta.increases.get(family + "_count", {}).items():
+            d = dict(labels)
+            row = cell(d.get("route"), d)
+            if row is None:
+                continue
+            row[offset] += sums.get(labels, 0.0)
+            row[offset + 1] += count
+    return cells
 
 
 def _buckets(delta: TargetDelta, family: str) -> list[tuple[float, float]] | None:
