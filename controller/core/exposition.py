@@ -15,6 +15,8 @@ import re
 from collections.abc import Container
 from dataclasses import dataclass, field
 
+from controller.core.window import FailureKind
+
 LabelKey = tuple[tuple[str, str], ...]  # sorted (name, value) pairs
 
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
@@ -25,9 +27,10 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
 class ExpositionError(ValueError):
-    """The target's answer is not valid exposition text; ``kind`` is a TargetFailure kind."""
+    """The target's answer is not valid exposition text; ``kind`` is the window's failure
+    kind for that target."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: FailureKind, message: str) -> None:
         super().__init__(message)
         self.kind = kind
 
@@ -78,7 +81,7 @@ def parse_exposition(text: str, *, target: str, taken_at: float,
             name = line[:brace]
             close = line.rfind("}")
             if close < brace:
-                raise ExpositionError("parse", f"line {lineno}: unclosed label set")
+                raise ExpositionError(FailureKind.PARSE, f"line {lineno}: unclosed label set")
             rest = line[close + 1 :]
         else:
             name, _, rest = line.partition(" ")
@@ -95,7 +98,8 @@ def parse_exposition(text: str, *, target: str, taken_at: float,
             raise _shape_error(lineno)
         value = _number(fields[0], lineno)
         if len(fields) == 2 and not fields[1].lstrip("-").isdigit():
-            raise ExpositionError("non_numeric", f"line {lineno}: bad timestamp {fields[1]!r}")
+            raise ExpositionError(FailureKind.NON_NUMERIC,
+                                  f"line {lineno}: bad timestamp {fields[1]!r}")
         if brace >= 0:
             body = line[brace + 1 : close]
             labels = _LABEL_CACHE.get(body)
@@ -118,10 +122,11 @@ def _check_whole(text: str) -> None:
     """Refuse an HTML page and a text cut off mid-line before reading any sample."""
     # No exposition line starts with "<"; an HTML page (login proxy, error page) does.
     if text.lstrip()[:1] == "<":
-        raise ExpositionError("parse", "the answer is an HTML page, not exposition text")
+        raise ExpositionError(FailureKind.PARSE, "the answer is an HTML page, not exposition text")
     if text and not text.endswith("\n"):
         last = text.rsplit("\n", 1)[-1]
-        raise ExpositionError("parse", f"truncated exposition: last line {last[:80]!r} is cut off")
+        raise ExpositionError(FailureKind.PARSE,
+                              f"truncated exposition: last line {last[:80]!r} is cut off")
 
 
 def _type_line(line: str, keep: Container[str] | None, families: set[str],
@@ -147,7 +152,7 @@ def _decide(name: str, keep: Container[str] | None, decided: dict[str, str | Non
     if keep is not None and name not in keep and family not in keep:
         family = None
     elif not _NAME.match(name):
-        raise ExpositionError("parse", f"line {lineno}: bad metric name {name[:80]!r}")
+        raise ExpositionError(FailureKind.PARSE, f"line {lineno}: bad metric name {name[:80]!r}")
     decided[name] = family
     return name, family
 
@@ -161,13 +166,14 @@ def _cache_labels(body: str, lineno: int) -> LabelKey:
 
 
 def _shape_error(lineno: int) -> ExpositionError:
-    return ExpositionError("parse", f"line {lineno}: expected 'name{{labels}} value [timestamp]'")
+    return ExpositionError(FailureKind.PARSE,
+                           f"line {lineno}: expected 'name{{labels}} value [timestamp]'")
 
 
 def _duplicate_error(name: str, labels: LabelKey, lineno: int) -> ExpositionError:
     shown = ",".join(f'{k}="{v}"' for k, v in labels)
     return ExpositionError(
-        "duplicate_series", f"line {lineno}: series {name}{{{shown}}} appears twice")
+        FailureKind.DUPLICATE_SERIES, f"line {lineno}: series {name}{{{shown}}} appears twice")
 
 
 def _keeps_any(keep: Container[str], family: str) -> bool:
@@ -188,10 +194,11 @@ def _number(text: str, lineno: int) -> float:
             raise ValueError(text)
     except ValueError:
         raise ExpositionError(
-            "non_numeric", f"line {lineno}: sample value {text[:40]!r} is not a number"
+            FailureKind.NON_NUMERIC, f"line {lineno}: sample value {text[:40]!r} is not a number"
         ) from None
     if math.isinf(value) and text.lstrip("+-").lower() not in ("inf",):
-        raise ExpositionError("non_numeric", f"line {lineno}: value {text!r} is not a number")
+        raise ExpositionError(FailureKind.NON_NUMERIC,
+                              f"line {lineno}: value {text!r} is not a number")
     return value
 
 
@@ -202,7 +209,8 @@ def _labels(body: str, lineno: int) -> LabelKey:
     while pos < end:
         m = _LABEL.match(body, pos)
         if m is None:
-            raise ExpositionError("parse", f"line {lineno}: malformed labels {body[:80]!r}")
+            raise ExpositionError(FailureKind.PARSE,
+                                  f"line {lineno}: malformed labels {body[:80]!r}")
         value = m.group(2)
         if "\\" in value:
             value = _ESCAPE_RE.sub(lambda e: _ESCAPES[e.group(0)], value)
@@ -211,8 +219,9 @@ def _labels(body: str, lineno: int) -> LabelKey:
         if pos >= end:
             break
         if body[pos - 1] != ",":
-            raise ExpositionError("parse", f"line {lineno}: labels not separated by commas")
+            raise ExpositionError(FailureKind.PARSE,
+                                  f"line {lineno}: labels not separated by commas")
     pairs.sort()
     if any(a[0] == b[0] for a, b in itertools.pairwise(pairs)):
-        raise ExpositionError("parse", f"line {lineno}: a label name repeats")
+        raise ExpositionError(FailureKind.PARSE, f"line {lineno}: a label name repeats")
     return tuple(pairs)
