@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from controller.cli import app
 from tests.daemon.fakes import Rig, make_rig
+from tests.support.cli_store import upgraded_store
 
 runner = CliRunner()
 
@@ -190,10 +191,8 @@ def test_status_names_a_forced_policy_a_killed_calibrate_active_left_running(
     from controller.calibration_runner import PHASE_REASON
     from controller.cli.ops_cmd import _print_status, status_doc
     from controller.policy import Policy, Route, dumps
-    from controller.store import Store
 
-    store = Store(f"sqlite:///{tmp_path / 'h.db'}")
-    store.upgrade()
+    store = upgraded_store(f"sqlite:///{tmp_path / 'h.db'}")
     try:
         for version, reason in ((1, "adopted: every router runs v1"),
                                 (2, PHASE_REASON[Route.DECODE_LOCAL])):
@@ -234,10 +233,8 @@ def test_status_reads_the_rollout_of_the_configured_routers_and_a_held_candidate
     A recalibration held by an operator is a stored candidate, not "approved"."""
     from controller.cli.ops_cmd import _print_status, status_doc
     from controller.policy import Policy, Route, dumps
-    from controller.store import Store
 
-    store = Store(f"sqlite:///{tmp_path / 'h.db'}")
-    store.upgrade()
+    store = upgraded_store(f"sqlite:///{tmp_path / 'h.db'}")
     try:
         with store.cycle() as tx:
             for version, status in ((1, "approved"), (2, "approved"), (3, "candidate")):
