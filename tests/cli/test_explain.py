@@ -16,7 +16,13 @@ from controller.config import load_settings
 from controller.learning import CoreLearner
 from controller.policy import Features, Route, decide, dumps, loads
 from tests.core.synth import Mix, Truth, stationary, training_windows
-from tests.support.cli_store import ROUTER, open_store, record_calibration, write_config
+from tests.support.cli_store import (
+    ROUTER,
+    invoke_json,
+    open_store,
+    record_calibration,
+    write_config,
+)
 
 runner = CliRunner()
 
@@ -30,10 +36,7 @@ def _calibrated(config: Path) -> int:
 
 
 def _drift_json(config: Path, last: int) -> dict[str, Any]:
-    r = runner.invoke(app, ["drift", "--json", "--last", str(last), "--config", str(config)])
-    assert r.exit_code == 0, r.output
-    doc: dict[str, Any] = json.loads(r.output)
-    return doc
+    return invoke_json("drift", "--json", "--last", str(last), "--config", str(config))
 
 
 def test_no_calibration_is_a_clear_error(tmp_path: Path) -> None:

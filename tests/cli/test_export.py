@@ -17,16 +17,13 @@ from controller.config import ExportConfig, load_settings
 from controller.exporter import ApprovalExporter, fragment
 from controller.learning import CoreLearner, calibration_config
 from tests.core.synth import Mix, Truth, training_windows
-from tests.support.cli_store import open_store, record_calibration, write_config
+from tests.support.cli_store import invoke_json, open_store, record_calibration, write_config
 
 runner = CliRunner()
 
 
 def export_json(config: Path, *args: str) -> dict[str, Any]:
-    r = runner.invoke(app, ["export", *args, "--json", "--config", str(config)])
-    assert r.exit_code == 0, r.output
-    doc: dict[str, Any] = json.loads(r.output)
-    return doc
+    return invoke_json("export", *args, "--json", "--config", str(config))
 
 
 def test_bad_input_and_an_empty_store_exit_2(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from controller.cli import app
 from tests.daemon.fakes import Rig, make_rig
@@ -21,6 +21,22 @@ runner = CliRunner()
 
 def _url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'history.db'}"
+
+
+def _invoke_with_a_cycle(rig: Rig, args: list[str]) -> Result:
+    """Run ``pdctl ARGS`` while the daemon's next cycle runs half a second later in another
+    thread (what a --wait command waits for)."""
+
+    def daemon_cycle_later() -> None:
+        time.sleep(0.5)
+        asyncio.run(rig.step())
+
+    worker = threading.Thread(target=daemon_cycle_later)
+    worker.start()
+    try:
+        return runner.invoke(app, args)
+    finally:
+        worker.join(30)
 
 
 async def _bootstrap(rig: Rig) -> None:
@@ -67,17 +83,8 @@ async def test_wait_returns_the_daemon_outcome_or_times_out(tmp_path: Path) -> N
     assert "request #" in timed_out.stderr and "still pending" in timed_out.stderr
     await rig.step()  # the daemon picks up the pin
 
-    def daemon_cycle_later() -> None:
-        time.sleep(0.5)
-        asyncio.run(rig.step())
-
-    worker = threading.Thread(target=daemon_cycle_later)
-    worker.start()
-    try:
-        refused = runner.invoke(app, ["pin", "99", "--url", _url(tmp_path), "--wait",
-                                      "--timeout", "30", "--json"])
-    finally:
-        worker.join(30)
+    refused = _invoke_with_a_cycle(rig, ["pin", "99", "--url", _url(tmp_path), "--wait",
+                                         "--timeout", "30", "--json"])
     assert refused.exit_code == 1, refused.output
     doc = json.loads(refused.output)
     assert doc["status"] == "failed" and "no such version" in doc["outcome"]
@@ -267,18 +274,8 @@ async def test_a_dry_run_says_what_it_would_do_and_never_done_approved(tmp_path:
 
     def run(approve: bool) -> str:
         rig.learner.approve = approve
-
-        def daemon_cycle_later() -> None:
-            time.sleep(0.5)
-            asyncio.run(rig.step())
-
-        worker = threading.Thread(target=daemon_cycle_later)
-        worker.start()
-        try:
-            result = runner.invoke(app, ["recalibrate", "--dry-run", "--wait", "--timeout",
-                                         "30", "--url", _url(tmp_path)])
-        finally:
-            worker.join(30)
+        result = _invoke_with_a_cycle(rig, ["recalibrate", "--dry-run", "--wait", "--timeout",
+                                            "30", "--url", _url(tmp_path)])
         assert result.exit_code == 0, result.output
         return result.output
 

@@ -4,9 +4,14 @@ it (synthetic windows from a known cluster, tests/core/synth.py)."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
+from typer.testing import CliRunner
+
+from controller.cli import app
 from controller.config import load_settings
 from controller.learning import CalibrationOutcome, CoreLearner
 from controller.policy import dumps
@@ -64,3 +69,11 @@ def record_calibration(config: Path) -> tuple[int, CalibrationOutcome]:
     finally:
         store.close()
     return version, outcome
+
+
+def invoke_json(*args: str) -> dict[str, Any]:
+    """``pdctl ARGS`` in this process; it must exit 0 and print one JSON document."""
+    r = CliRunner().invoke(app, list(args))
+    assert r.exit_code == 0, r.output
+    doc: dict[str, Any] = json.loads(r.output)
+    return doc
