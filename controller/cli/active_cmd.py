@@ -1,5 +1,5 @@
-"""``pdctl calibrate-active``: the cold-start active calibration (``recalibrate --active
---local`` of issue 5), run in this process against the configured store, routers and
+"""``pdctl calibrate-active``: the cold-start active calibration (also ``recalibrate --active
+--local``), run in this process against the configured store, routers and
 metrics source, with load sent through OpenAI-compatible endpoints (``--openai``).
 
 Exit codes: 0 first table recorded (approved or refused: see the output), 1 the run could
@@ -42,7 +42,7 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
 
 
 def _token_counts(text: str, what: str) -> tuple[int, ...]:
-    """Positive whole numbers: a context class of 1.5 tokens was truncated to 1 unsaid."""
+    """Positive whole numbers: a fractional token count is refused, not truncated unsaid."""
     values = _floats(text, what)
     fractional = [x for x in values if not x.is_integer()]
     if fractional:

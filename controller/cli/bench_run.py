@@ -1,4 +1,4 @@
-"""``pdctl bench run``: the closed-loop evaluation (issue 7) of a scenario in virtual time."""
+"""``pdctl bench run``: the closed-loop evaluation of a scenario in virtual time."""
 
 from __future__ import annotations
 
