@@ -523,7 +523,11 @@ def _print_status(doc: dict[str, Any]) -> None:
     console.print(f"[bold]drift[/]    {drift['kind']} {drift['statistic']:.3g} > "
                   f"{drift['threshold']:.3g} at {_t(drift['at'])}" if drift
                   else "[bold]drift[/]    none recorded")
-    cal = doc["last_calibration"]
+    _print_calibration(console, doc["last_calibration"])
+    _print_operator_and_observed(console, doc)
+
+
+def _print_calibration(console: Any, cal: dict[str, Any] | None) -> None:
     if cal:
         verdict = ("held as a candidate" if cal.get("policy_status") == "candidate" else
                    "approved" if cal["approved"] else "not approved")
@@ -533,6 +537,9 @@ def _print_status(doc: dict[str, Any]) -> None:
                       f"{verdict} {what} — {cal['reason']}")
     else:
         console.print("[bold]calib.[/]   none yet")
+
+
+def _print_operator_and_observed(console: Any, doc: dict[str, Any]) -> None:
     ops = doc["operator"]
     flags = [name for name, on in (("PAUSED", ops["paused"]), ("FALLBACK", ops["fallback"]),
                                    ("exploration off", ops["exploration_off"])) if on]
