@@ -23,6 +23,7 @@ from controller.policy import (
     loads,
     locate,
 )
+from tests.support.cli_store import upgraded_store
 
 runner = CliRunner()
 AXES = Axes(context_tokens=(1000.0, 8000.0, 64000.0), io_ratio=(0.5, 4.0), qps=(2.0, 16.0))
@@ -246,17 +247,13 @@ def test_new_refuses_bad_arguments(args: list[str], message: str) -> None:
 
 def _stored(tmp_path: Path) -> str:
     """A store holding v4 (approved, every router's) and v5 (a rejected candidate)."""
-    from controller.store import Store
-
     url = f"sqlite:///{tmp_path / 'history.db'}"
-    with Store(url) as store:
-        store.upgrade()
-        with store.cycle() as tx:
-            for v, status in ((4, "approved"), (5, "rejected")):
-                p = mixed_policy(v)
-                tx.add_policy(v, p.checksum, dumps(p), status, f"v{v} for the test")
-            for router in ("r0", "r1"):
-                tx.set_desired(router, 4)
+    with upgraded_store(url) as store, store.cycle() as tx:
+        for v, status in ((4, "approved"), (5, "rejected")):
+            p = mixed_policy(v)
+            tx.add_policy(v, p.checksum, dumps(p), status, f"v{v} for the test")
+        for router in ("r0", "r1"):
+            tx.set_desired(router, 4)
     return url
 
 
@@ -294,11 +291,8 @@ def test_show_from_the_store_refuses_what_it_cannot_show(
 
 
 def test_show_desired_on_a_store_with_no_desired_version_exits_2(tmp_path: Path) -> None:
-    from controller.store import Store
-
     url = f"sqlite:///{tmp_path / 'empty.db'}"
-    with Store(url) as store:
-        store.upgrade()
+    upgraded_store(url).close()
     result = runner.invoke(app, ["table", "show", "--desired", "--url", url])
     assert result.exit_code == 2 and "no router has a desired version" in result.stderr
     missing = runner.invoke(app, ["table", "show", "--desired", "--url",
