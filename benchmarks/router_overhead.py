@@ -4,7 +4,7 @@ Run from the repository root (Linux; ``taskset`` pins the processes):
 
     .venv/bin/python benchmarks/router_overhead.py [--router-cpu 0 --other-cpus 1]
         [--rate 200] [--paced 2000] [--ceiling-s 20] [--concurrency 64]
-        [--rss-requests 0] [--processes 1] [--tokenizer DIR]
+        [--rss-requests 0] [--processes 1] [--event-loop auto] [--tokenizer DIR]
 
 Engines: ``tests/router/fake_vllm.py`` (one P, one D; no token delay), so the router's own
 cost is what is measured. The router is pinned to ``--router-cpu``; the engines and this
@@ -13,10 +13,11 @@ tokenizer's count; ``--tokenizer`` is also the router's), 128 streamed output to
 
 Phases, each printed as one JSON line:
 
-1. ``paced``: ``--paced`` requests at ``--rate`` req/s (open loop), direct and through the
-   router, decode-local (a policy that sends every turn to D: the router's cost alone) and
-   prefill-node (direct = the client runs both legs itself). Added TTFT p50/p99 = the
-   difference of the percentiles; added time per streamed token likewise.
+1. ``paced`` (skipped with ``--paced 0``): ``--paced`` requests at ``--rate`` req/s (open
+   loop), direct and through the router, decode-local (a policy that sends every turn to D:
+   the router's cost alone) and prefill-node (direct = the client runs both legs itself).
+   Added TTFT p50/p99 = the difference of the percentiles; added time per streamed token
+   likewise.
 2. ``ceiling``: ``--concurrency`` closed-loop clients for ``--ceiling-s`` through the router:
    req/s, streamed tokens/s, router CPU seconds per request (from /proc).
 3. ``rss`` (``--rss-requests N`` > 10,000): the router's RSS at request 10,000 and at N.
@@ -48,6 +49,7 @@ if str(REPO) not in sys.path:
 import aiohttp  # noqa: E402
 
 from controller.policy import Overrides, Policy, Route, dumps  # noqa: E402
+from controller.router.loop import EventLoop  # noqa: E402
 from controller.tokenize import bundled_tokenizer_dir, load_tokenizer  # noqa: E402
 from tests.support.processes import PDCTL, free_port  # noqa: E402
 
@@ -270,6 +272,7 @@ def start_router(args: argparse.Namespace, tmp: Path, p: str, d: str,
     cfg = tmp / f"router-{time.monotonic_ns()}.toml"
     cfg.write_text(
         f'[http]\nlisten = "127.0.0.1:{port}"\nprocesses = {args.processes}\n'
+        f'event_loop = "{args.event_loop}"\n'
         f'[grpc]\nlisten = "127.0.0.1:{free_port()}"\n{extra}'
         f'[model]\ntokenizer = "{args.tokenizer}"\n'
         f'[instances]\nprefill = ["{p}"]\ndecode = ["{d}"]\n')
@@ -304,27 +307,35 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
             for e in (p, d):
                 async with s.post(e + "/_fake/behaviour", json={"log": False}) as r:
                     r.raise_for_status()
-        for route, policy in (("DECODE_LOCAL", local), ("PREFILL_NODE", None)):
+        routes = [("DECODE_LOCAL", local), ("PREFILL_NODE", None)]
+        for route, policy in routes[:2 if args.paced else 1]:  # --paced 0: the ceiling only
             router, url = start_router(args, tmp, p, d, policy)
             try:
                 await wait_http(url + "/health")
-                await paced(url, body, args.rate, min(200, args.paced))  # warm-up
-                prefill = p if route == "PREFILL_NODE" else None
-                direct = await paced(d, body, args.rate, args.paced, prefill)
-                before = await overhead(url)
-                routed = await paced(url, body, args.rate, args.paced)
-                after = await overhead(url)
-                own_ms = (after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1000
-                print(json.dumps(summary("paced", direct, routed, {
-                    "route": route, "rate": args.rate, "processes": args.processes,
-                    "router_own_ms_mean": round(own_ms, 3)})), flush=True)
+                await paced(url, body, args.rate, 200)  # warm-up
+                if args.paced:
+                    await paced_phase(args, url, body, route, p if route == "PREFILL_NODE"
+                                      else None, d)
                 if route == "DECODE_LOCAL":
                     await ceiling_and_rss(args, router, url, body)
             finally:
                 stop(router)
     finally:
-        for e in engines:
-            e.kill()
+        for engine in engines:
+            engine.kill()
+
+
+async def paced_phase(args: argparse.Namespace, url: str, body: Bodies, route: str,
+                      prefill: str | None, d: str) -> None:
+    """``--paced`` requests straight to the engines, then as many through the router."""
+    direct = await paced(d, body, args.rate, args.paced, prefill)
+    before = await overhead(url)
+    routed = await paced(url, body, args.rate, args.paced)
+    after = await overhead(url)
+    own_ms = (after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1000
+    print(json.dumps(summary("paced", direct, routed, {
+        "route": route, "rate": args.rate, "processes": args.processes,
+        "event_loop": args.event_loop, "router_own_ms_mean": round(own_ms, 3)})), flush=True)
 
 
 async def ceiling_and_rss(args: argparse.Namespace, router: subprocess.Popen[bytes],
@@ -334,7 +345,8 @@ async def ceiling_and_rss(args: argparse.Namespace, router: subprocess.Popen[byt
     stats, done, elapsed = await closed_loop(url, body, args.concurrency, args.ceiling_s)
     used = cpu_s(pids) - c0
     print(json.dumps({
-        "phase": "ceiling", "processes": args.processes, "concurrency": args.concurrency,
+        "phase": "ceiling", "processes": args.processes, "event_loop": args.event_loop,
+        "concurrency": args.concurrency,
         "seconds": round(elapsed, 1), "requests": done, "errors": stats.errors,
         "req_per_s": round(len(stats.ttft) / elapsed, 1),
         "tokens_per_s": round(stats.tokens / elapsed),
@@ -360,6 +372,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--rss-requests", type=int, default=0)
     ap.add_argument("--processes", type=int, default=1)
+    ap.add_argument("--event-loop", choices=[e.value for e in EventLoop], default="auto",
+                    help="the router's [http] event_loop")
     ap.add_argument("--tokenizer", type=Path, default=bundled_tokenizer_dir())
     ap.add_argument("--later-turn", action="store_true",
                     help="second turns whose 2,048-token history the router never counted "
