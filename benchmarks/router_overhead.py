@@ -4,7 +4,7 @@ Run from the repository root (Linux; ``taskset`` pins the processes):
 
     .venv/bin/python benchmarks/router_overhead.py [--router-cpu 0 --other-cpus 1]
         [--rate 200] [--paced 2000] [--ceiling-s 20] [--concurrency 64]
-        [--rss-requests 0] [--processes 1] [--event-loop auto] [--tokenizer DIR]
+        [--rss-requests 0] [--processes 1] [--tokenizer DIR]
 
 Engines: ``tests/router/fake_vllm.py`` (one P, one D; no token delay), so the router's own
 cost is what is measured. The router is pinned to ``--router-cpu``; the engines and this
@@ -49,7 +49,6 @@ if str(REPO) not in sys.path:
 import aiohttp  # noqa: E402
 
 from controller.policy import Overrides, Policy, Route, dumps  # noqa: E402
-from controller.router.loop import EventLoop  # noqa: E402
 from controller.tokenize import bundled_tokenizer_dir, load_tokenizer  # noqa: E402
 from tests.support.processes import PDCTL, free_port  # noqa: E402
 
@@ -272,7 +271,6 @@ def start_router(args: argparse.Namespace, tmp: Path, p: str, d: str,
     cfg = tmp / f"router-{time.monotonic_ns()}.toml"
     cfg.write_text(
         f'[http]\nlisten = "127.0.0.1:{port}"\nprocesses = {args.processes}\n'
-        f'event_loop = "{args.event_loop}"\n'
         f'[grpc]\nlisten = "127.0.0.1:{free_port()}"\n{extra}'
         f'[model]\ntokenizer = "{args.tokenizer}"\n'
         f'[instances]\nprefill = ["{p}"]\ndecode = ["{d}"]\n')
@@ -335,7 +333,7 @@ async def paced_phase(args: argparse.Namespace, url: str, body: Bodies, route: s
     own_ms = (after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1000
     print(json.dumps(summary("paced", direct, routed, {
         "route": route, "rate": args.rate, "processes": args.processes,
-        "event_loop": args.event_loop, "router_own_ms_mean": round(own_ms, 3)})), flush=True)
+        "router_own_ms_mean": round(own_ms, 3)})), flush=True)
 
 
 async def ceiling_and_rss(args: argparse.Namespace, router: subprocess.Popen[bytes],
@@ -345,8 +343,7 @@ async def ceiling_and_rss(args: argparse.Namespace, router: subprocess.Popen[byt
     stats, done, elapsed = await closed_loop(url, body, args.concurrency, args.ceiling_s)
     used = cpu_s(pids) - c0
     print(json.dumps({
-        "phase": "ceiling", "processes": args.processes, "event_loop": args.event_loop,
-        "concurrency": args.concurrency,
+        "phase": "ceiling", "processes": args.processes, "concurrency": args.concurrency,
         "seconds": round(elapsed, 1), "requests": done, "errors": stats.errors,
         "req_per_s": round(len(stats.ttft) / elapsed, 1),
         "tokens_per_s": round(stats.tokens / elapsed),
@@ -372,8 +369,6 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--rss-requests", type=int, default=0)
     ap.add_argument("--processes", type=int, default=1)
-    ap.add_argument("--event-loop", choices=[e.value for e in EventLoop], default="auto",
-                    help="the router's [http] event_loop")
     ap.add_argument("--tokenizer", type=Path, default=bundled_tokenizer_dir())
     ap.add_argument("--later-turn", action="store_true",
                     help="second turns whose 2,048-token history the router never counted "

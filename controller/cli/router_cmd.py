@@ -49,14 +49,15 @@ def check(config: ConfigOpt) -> None:
 def serve(config: ConfigOpt) -> None:
     """Serve the OpenAI API, route each request (prefill node or decode-local) with the
     running policy, and take policy pushes on the gRPC port."""
+    import asyncio
+
     from controller.errors import ConfigError
-    from controller.router.loop import run
     from controller.router.multiproc import run_router_processes
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     cfg = _load(config)
     try:
-        run(run_router_processes(cfg, echo=typer.echo), cfg.http.event_loop)
+        asyncio.run(run_router_processes(cfg, echo=typer.echo))
     except ConfigError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None

@@ -26,7 +26,6 @@ from pydantic import (
 
 from controller.config import DNS_PREFIX, SecurityConfig, check_host_port
 from controller.errors import ConfigError
-from controller.router.loop import EventLoop
 
 
 class _Section(BaseModel):
@@ -68,10 +67,6 @@ class HttpSection(_Section):
     )
     max_body_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).",
-    )
-    event_loop: EventLoop = Field(
-        EventLoop.AUTO, description="auto: uvloop when installed, else asyncio's loop; "
-        "uvloop: required (start fails without it); asyncio: never uvloop.",
     )
 
     @field_validator("listen", "metrics_listen")

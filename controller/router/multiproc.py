@@ -35,7 +35,6 @@ from controller.rollout.security import split_host_port
 from controller.rollout.server import RouterServer
 from controller.router.config import RouterConfig
 from controller.router.instances import Pool, Role
-from controller.router.loop import loop_name, run
 from controller.router.merge import merge_expositions
 from controller.router.proxy import Router
 from controller.router.serve import ProcessSpec, Started, initial_policy, make_agent, serve_router
@@ -70,8 +69,7 @@ async def run_router_processes(cfg: RouterConfig, *, echo: Callable[[str], None]
     if cfg.http.processes == 1:
         def started(s: Started) -> None:
             echo(f"router listening on {s.http} (OpenAI API), policy gRPC on {s.grpc}; "
-                 f"tokenizer: {s.tokenizer}; policy: v{s.policy_version}; "
-                 f"event loop: {loop_name(cfg.http.event_loop)}")
+                 f"tokenizer: {s.tokenizer}; policy: v{s.policy_version}")
 
         await serve_router(cfg, stop, on_started=started)
     else:
@@ -127,7 +125,7 @@ def _worker_main(cfg: RouterConfig, index: int, conn: Connection,
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [process {index}] %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops it (Ctrl-C hits all)
-    run(_worker(cfg, index, conn, loads(policy) if policy else None), cfg.http.event_loop)
+    asyncio.run(_worker(cfg, index, conn, loads(policy) if policy else None))
 
 
 async def _worker(cfg: RouterConfig, index: int, conn: Connection,
@@ -215,8 +213,7 @@ async def _parent(cfg: RouterConfig, stop: asyncio.Event, echo: Callable[[str], 
         snap = agent.snapshot
         echo(f"router listening on http://{cfg.http.listen} (OpenAI API), policy gRPC on "
              f"{server.address}; processes: {','.join(str(p.pid) for p in procs)}; "
-             f"policy: v{snap.version if snap else 0}; "
-             f"event loop: {loop_name(cfg.http.event_loop)}")
+             f"policy: v{snap.version if snap else 0}")
         while not stop.is_set():
             dead = [p for p in procs if p.exitcode is not None]
             if dead:

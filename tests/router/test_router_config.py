@@ -92,33 +92,3 @@ def test_docs_name_every_router_config_key() -> None:
         elif f"`{name}`" not in table:
             missing.append(name)
     assert not missing, f"docs/router.md does not list: {missing}"
-
-
-def test_the_event_loop_is_uvloop_when_installed_unless_asyncio_is_asked(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import asyncio
-
-    from controller.router import loop
-    from controller.router.loop import EventLoop, loop_factory, loop_name, run
-
-    cfg = parse_router_config({"instances": {"decode": ["http://127.0.0.1:8001"]}})
-    assert cfg.http.event_loop is EventLoop.AUTO
-    with pytest.raises(ConfigError, match=r"http\.event_loop"):
-        parse_router_config({"instances": {"decode": ["http://h:1"]},
-                             "http": {"event_loop": "tokio"}})
-
-    async def running() -> str:
-        return type(asyncio.get_running_loop()).__module__
-
-    assert run(running(), EventLoop.UVLOOP).startswith("uvloop")  # a pinned dependency
-    assert run(running(), EventLoop.AUTO).startswith("uvloop")
-    assert run(running(), EventLoop.ASYNCIO).startswith("asyncio")
-    assert loop_factory(EventLoop.ASYNCIO) is None and loop_name(EventLoop.AUTO) == "uvloop"
-
-    def missing(name: str) -> object:
-        raise ImportError(name)
-
-    monkeypatch.setattr(loop.importlib, "import_module", missing)
-    assert loop_factory(EventLoop.AUTO) is None and loop_name(EventLoop.AUTO) == "asyncio"
-    with pytest.raises(ConfigError, match="uvloop is not installed"):
-        loop_factory(EventLoop.UVLOOP)
