@@ -47,9 +47,10 @@ import httpx
 
 from controller.clock import Clock
 from controller.core.active import ActivePlan, LoadPoint, Phase, schedule
+from controller.core.rollout import FALLBACK_PREFILL, operator_state
 from controller.core.trigger import Trigger
 from controller.core.window import Window
-from controller.cycle import FALLBACK_PREFILL, operator_state, read_rollout, record_adoption
+from controller.cycle import read_rollout, record_adoption
 from controller.leader import LeaseLeadership
 from controller.learning import (
     CalibrationOutcome,

@@ -51,7 +51,6 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from statistics import NormalDist
 from typing import Any, Protocol, TypeVar
 
 from controller.clock import Clock
@@ -62,6 +61,28 @@ from controller.core.drift import (
     feature_statistics,
     step_scaling,
     worker_counts,
+)
+from controller.core.rollout import (
+    FALLBACK_PREFILL,
+    NOT_A_VERSION,
+    WATCH_OVER,
+    CanaryVerdict,
+    JudgeParams,
+    OperatorState,
+    Rollout,
+    TriggerChoice,
+    TriggerInputs,
+    TriggerNote,
+    VersionInfo,
+    WatchVerdict,
+    canary_subset,
+    choose_trigger,
+    judge_canary,
+    judge_watch,
+    operator_state,
+    rollout_of,
+    scaling_damped,
+    version_arg,
 )
 from controller.core.trigger import Cause, Trigger
 from controller.core.window import Window
@@ -79,7 +100,6 @@ from controller.learning import (
 from controller.metrics import ControllerMetrics
 from controller.observe.source import MetricsSource
 from controller.policy import LookupTable, Policy, Provenance, Route, dumps, loads
-from controller.policy.validation import MAX_VERSION
 from controller.rollout.reconciler import Reconciler, RouterStatus, RunningPolicy
 from controller.store import (
     CalibrationRecord,
@@ -101,7 +121,6 @@ from controller.store.types import dumps_json
 T = TypeVar("T")
 log = logging.getLogger("pdctl.cycle")
 
-FALLBACK_PREFILL = "fallback-prefill"
 SUPERSEDED = "superseded by its canary refit"  # a superseded canary's reason starts so
 ABANDONED_PREFIX = "dropped from its bake by "  # a canary an operator action took off
 UNPROMOTED = "rolled back after promotion"  # a promotion the watch undid: reason starts so
@@ -146,7 +165,17 @@ class CycleConfig:
     def watch_s(self) -> float | None:
         """How long a promotion is watched at most (None: no watch): its windows and one
         interval more, so failed observes do not stretch it."""
-        return (self.watch_windows + 1) * self.interval_s if self.watch_windows else None
+        return self.judge.watch_s
+
+    @property
+    def judge(self) -> JudgeParams:
+        """The settings the canary judge and the post-promotion watch read."""
+        return JudgeParams(
+            interval_s=self.interval_s, bake_windows=self.bake_windows,
+            bake_min_requests=self.bake_min_requests, max_bake_windows=self.max_bake_windows,
+            promote_margin=self.promote_margin, promote_alpha=self.promote_alpha,
+            watch_windows=self.watch_windows, watch_drop=self.watch_drop,
+            watch_load_rise=self.watch_load_rise)
 
     @classmethod
     def from_settings(cls, settings: Any, advisory: bool | None = None) -> CycleConfig:
@@ -209,96 +238,9 @@ class AlwaysLeader:
         return True
 
 
-@dataclass(frozen=True, slots=True)
-class OperatorState:
-    """What operators asked for, folded from the finished requests in order."""
-
-    paused: bool = False
-    pinned: int | None = None
-    fallback: bool = False
-    exploration_off: bool = False
-
-    @property
-    def holding(self) -> bool:
-        """No automatic approvals while paused, pinned or in fallback."""
-        return self.paused or self.pinned is not None or self.fallback
-
-
 def _without_exploration_key(policy: Policy) -> str:
     """What decides a route once exploration is set aside (version aside too)."""
     return without_exploration(policy).with_version(1).checksum
-
-
-_NOT_A_VERSION = f"not a policy version (1 to {MAX_VERSION})"
-
-
-def _version_arg(value: Any) -> int | None:
-    """A request's version, or None when it cannot name a policy (stored by hand or by an
-    older pdctl: looked up, 2**64 raised and failed the whole cycle's write, every time the
-    request was claimed again)."""
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        return None  # 2.7 named no version (it pinned v2); inf and NaN none either
-    try:
-        v = int(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return v if 1 <= v <= MAX_VERSION else None
-
-
-def operator_state(requests: Sequence[OperatorRequest]) -> OperatorState:
-    """Fold finished (``done``) operator requests, oldest first, into the current state."""
-    state = OperatorState()
-    for r in sorted(requests, key=lambda x: x.id):
-        if r.status != "done":
-            continue
-        args = r.args or {}
-        what = args.get("what", "approvals")
-        if r.kind == "pause":
-            if what == "pin":
-                state = replace(state, pinned=int(args["version"]), fallback=False)
-            elif what == "exploration":
-                state = replace(state, exploration_off=True)
-            else:
-                state = replace(state, paused=True)
-        elif r.kind == "resume":
-            if what == "pin":
-                state = replace(state, pinned=None, fallback=False)
-            elif what == "exploration":
-                state = replace(state, exploration_off=False)
-            else:
-                state = replace(state, paused=False)
-        elif r.kind == "rollback" and args.get("to") == FALLBACK_PREFILL:
-            state = replace(state, fallback=True, pinned=None)
-    return state
-
-
-@dataclass(frozen=True, slots=True)
-class Rollout:
-    """The rollout state read from the desired versions."""
-
-    fleet_version: int | None  # what the non-canary routers run (None: no policy yet)
-    canary_version: int | None  # set while a canary bakes
-    canary_routers: tuple[str, ...] = ()
-    control_routers: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class CanaryVerdict:
-    action: str  # "wait" | "promote" | "roll_back"
-    reason: str
-    canary_goodput: float | None = None
-    control_goodput: float | None = None
-    canary_requests: float = 0.0
-    control_requests: float = 0.0
-    z: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class WatchVerdict:
-    """The post-promotion watch: the fleet's goodput since a promotion against the bake's."""
-
-    action: str  # "watch" | "keep" (the watch's last window) | "roll_back" | "over"
-    reason: str  # with the numbers: goodput and requests since the promotion and over the bake
 
 
 @dataclass
@@ -384,68 +326,15 @@ def reference_calibration(tx: Tx, version: int) -> CalibrationRecord | None:
 
 def read_rollout(tx: Tx, routers: Sequence[str] | None = None) -> Rollout:
     """Fleet and canary versions from the desired versions (of ``routers``, default all):
-    a canary is the newest approved version desired by some routers only."""
+    :func:`controller.core.rollout.rollout_of` on the stored versions they name."""
     desired = {r: v for r, v in tx.desired_versions().items()
                if routers is None or r in routers}
-    if not desired:
-        return Rollout(None, None)
-    versions = sorted(set(desired.values()))
-    if len(versions) == 1:
-        return Rollout(versions[0], None)
-    # Tables in the order they were made: a fleet table re-issued mid-bake (above a router
-    # that was ahead) takes a number above the canary's, and was read as the canary.
-    records = {v: tx.policy(v) for v in versions}
-
-    def made(v: int) -> tuple[int, int]:
-        rec = records[v]
-        return (rec.reissue_of if rec is not None and rec.reissue_of is not None else v), v
-
-    canary = max(versions, key=made)
-    rec = records[canary]
-    counts: dict[int, int] = {}
-    for v in desired.values():
-        counts[v] = counts.get(v, 0) + 1
-    fleet = max((v for v in versions if v != canary), key=lambda v: (counts[v], v))
-    if rec is None or rec.status != "approved":
-        return Rollout(fleet, None)
-    return Rollout(
-        fleet, canary,
-        tuple(sorted(r for r, v in desired.items() if v == canary)),
-        tuple(sorted(r for r, v in desired.items() if v != canary)),
-    )
-
-
-def two_proportion_z(met_a: float, n_a: float, met_b: float, n_b: float, margin: float
-                     ) -> float | None:
-    """z of ``p_a - p_b + margin`` (unpooled): very negative = ``a`` is worse than ``b`` by
-    more than ``margin``. None without requests on both sides."""
-    if n_a <= 0 or n_b <= 0:
-        return None
-    pa, pb = met_a / n_a, met_b / n_b
-    diff = pa - pb + margin
-    se = math.sqrt(pa * (1 - pa) / n_a + pb * (1 - pb) / n_b)
-    if se == 0.0:
-        return math.copysign(math.inf, diff) if diff != 0 else 0.0
-    return diff / se
-
-
-def watch_critical(alpha: float, looks: int) -> float:
-    """The z each of a watch's ``looks`` must fall below (negative). The watch tests the
-    windows since a promotion again at each of them, so at ``alpha`` per look it would roll
-    back a policy at the allowed drop more often than ``alpha``; Bonferroni's
-    ``alpha / looks`` bounds the whole watch's false-rollback rate by ``alpha`` whatever the
-    looks' correlation (``benchmarks/watch_false_rollbacks.py`` measures both)."""
-    return NormalDist().inv_cdf(alpha / max(1, looks))
-
-
-def canary_subset(routers: Sequence[str], fraction: float, version: int) -> tuple[str, ...]:
-    """``ceil(fraction * n)`` routers (at least one, at most n - 1), rotated by version so
-    successive canaries land on different routers."""
-    ordered = sorted(routers)
-    n = len(ordered)
-    k = max(1, min(math.ceil(fraction * n), n - 1))
-    start = version % n
-    return tuple(sorted(ordered[(start + i) % n] for i in range(k)))
+    records: dict[int, VersionInfo | None] = {}
+    if len(set(desired.values())) > 1:
+        for v in sorted(set(desired.values())):
+            rec = tx.policy(v)
+            records[v] = None if rec is None else VersionInfo(rec.status, rec.reissue_of)
+    return rollout_of(desired, records)
 
 
 class _RecentPolicies(OrderedDict[int, Policy]):
@@ -778,46 +667,43 @@ class Cycle:
 
     def _trigger(self, plan: _Plan, rollout: Rollout, ops: OperatorState,
                  recal: OperatorRequest | None, now: float) -> Trigger | None:
-        """Why to calibrate now, or None."""
-        if recal is not None:
-            return Trigger.OPERATOR
-        if rollout.canary_version is not None:
-            # Routers run a mix of two policies while a canary bakes: its drift says nothing
-            # about the fleet's policy. The judge decides instead.
+        """Why to calibrate now, or None: :func:`controller.core.rollout.choose_trigger` on
+        what this cycle gathered (the store is read only for what the choice can use)."""
+        baking = rollout.canary_version is not None
+        free = recal is None and not baking and not ops.holding
+        choice = choose_trigger(TriggerInputs(
+            now=now, operator_recalibrate=recal is not None, canary_baking=baking,
+            canary_refit=self.config.canary_refit,
+            refit_due=(recal is None and baking and self.config.canary_refit
+                       and not ops.holding and self._refit_due(rollout, plan.window)),
+            holding=ops.holding, pending_drift=self._pending_drift,
+            pending_measured=self._pending_measured,
+            pending_scaling=self._pending_scaling is not None,
+            pending_recommendation=self._pending_recommendation is not None,
+            scaling_damped=self._scaling_damped(now),
+            drift_fired=any(f.fired for f in plan.findings),
+            since_last_change=self._since_last_change(now) if free else math.inf,
+            min_policy_interval_s=self.config.min_policy_interval_s,
+            fit_failed_at=self._fit_failed_at,
+            fit_retry_s=FIT_RETRY_INTERVALS * self.config.interval_s,
+            link_retry_at=self._link_retry_at,
+            next_due=self.next_due() if free else None))
+        self._note_trigger(choice)
+        return choice.trigger
+
+    def _note_trigger(self, choice: TriggerChoice) -> None:
+        if choice.clear_pending_drift:
             self._pending_drift = self._pending_measured = False
-            if self.config.canary_refit and not ops.holding \
-                    and self._refit_due(rollout, plan.window):
-                return Trigger.CANARY
-            return None
-        if ops.holding:
-            return None
-        # A drift led by a directly measured change of the cluster (the KV link) is
-        # calibrated for at once: the rate limit holds back the model's second thoughts,
-        # not a slower link (docs/bench.md, "A slower link is not rate-limited").
-        measured = self._pending_drift and self._pending_measured
-        if not measured and self._since_last_change(now) < self.config.min_policy_interval_s:
-            if any(f.fired for f in plan.findings):
+        for note in choice.notes:
+            if note is TriggerNote.RATE_LIMITED_DRIFT:
                 log.info("drift fired but the policy changed less than %.0f s ago",
                          self.config.min_policy_interval_s)
-            return None
-        if self._fit_failed_at is not None \
-                and now - self._fit_failed_at < FIT_RETRY_INTERVALS * self.config.interval_s:
-            return None  # a failed fit is not retried every cycle (operators can force one)
-        if self._pending_recommendation is not None:
-            # An applied recommendation changes latencies on purpose: recalibrate for the
-            # new shape as the scaling it is, not as the drift it also causes.
-            return Trigger.SCALING
-        if self._pending_drift:
-            return Trigger.DRIFT
-        if self._pending_scaling is not None and not self._scaling_damped(now):
-            return Trigger.SCALING
-        if self._link_retry_at is not None and now >= self._link_retry_at:
-            log.info("calibrating again for the KV link's drift, on the windows since it")
-            return Trigger.DRIFT  # nothing calibrated since: the learner's drift is the link's
-        due = self.next_due()
-        if due is not None and now >= due:
-            return Trigger.SCHEDULE
-        return None
+            elif note is TriggerNote.SCALING_HELD:
+                log.info("scaling cause held back: a scaling recalibration for %s ran less "
+                         "than %.0f s ago", ", ".join(sorted(self._pending_scaling_roles)),
+                         self.scaling_damping_s())
+            elif note is TriggerNote.LINK_RETRY:
+                log.info("calibrating again for the KV link's drift, on the windows since it")
 
     def _damp_flap(self, events: Sequence[Any]) -> None:
         """Scaling events name the roles of the pending scaling cause. A flap that brought
@@ -843,18 +729,12 @@ class Cycle:
     def _scaling_damped(self, now: float) -> bool:
         """Whether every role of the pending scaling cause had a scaling recalibration less
         than :meth:`scaling_damping_s` ago (approved or not: a rejected candidate counts).
-        The cause stays pending and is calibrated for once one role is free. A clock
-        stepped back lifts the damping (as it lifts the change limit)."""
-        if self._pending_recommendation is not None:
-            return False  # an operator-intended change, not a flap
-        bound = self.scaling_damping_s()
-        for role in self._pending_scaling_roles or {""}:
-            at = self._scaling_recal_at.get(role)
-            if at is None or not 0 <= now - at < bound:
-                return False
-        log.info("scaling cause held back: a scaling recalibration for %s ran less than "
-                 "%.0f s ago", ", ".join(sorted(self._pending_scaling_roles)), bound)
-        return True
+        The cause stays pending and is calibrated for once one role is free; an applied
+        recommendation (an operator-intended change, not a flap) is never damped."""
+        if self._pending_scaling is None or self._pending_recommendation is not None:
+            return False
+        return scaling_damped(self._pending_scaling_roles, self._scaling_recal_at, now,
+                              self.scaling_damping_s())
 
     def _refit_due(self, rollout: Rollout, window: Window | None) -> bool:
         """Whether to refit the baking canary now: it is not itself a refit, and the judge,
@@ -1403,44 +1283,13 @@ class Cycle:
 
     def judge_canary(self, tx: Tx, rollout: Rollout, record: PolicyRecord,
                      unstored: Window | None = None) -> CanaryVerdict:
-        """Compare canary and control routers' goodput over the windows since approval
-        (``unstored``: this cycle's window, before it is stored).
-
-        Canary and control share the workers, so this compares routing, not load."""
-        cfg = self.config
-        canary_names = {self.outcome_names[r] for r in rollout.canary_routers}
-        control_names = {self.outcome_names[r] for r in rollout.control_routers}
-        # A window in which a canary or control router's metrics failed (unreachable, or
-        # the first read after a restart, which only sets the counters' baseline) saw none
-        # of its requests: it is no bake window. Counted, a restart's empty first window
-        # promoted a canary on one real window of its two.
-        windows = _seen_by(self._bake_windows(tx, record, unstored),
-                           canary_names | control_names)
-        met_c = n_c = met_k = n_k = 0.0
-        for w in windows:
-            for o in w.outcomes:
-                if o.router in canary_names:
-                    met_c += o.met
-                    n_c += o.requests
-                elif o.router in control_names:
-                    met_k += o.met
-                    n_k += o.requests
-        pc = met_c / n_c if n_c else None
-        pk = met_k / n_k if n_k else None
-        z = two_proportion_z(met_c, n_c, met_k, n_k, cfg.promote_margin)
-        numbers = (f"canary goodput {_pct(pc)} of {n_c:.0f} requests vs control {_pct(pk)} "
-                   f"of {n_k:.0f} over {len(windows)} window(s), margin {cfg.promote_margin:g}")
-        enough = n_c >= cfg.bake_min_requests and n_k >= cfg.bake_min_requests
-        if len(windows) < cfg.bake_windows or not enough:
-            if len(windows) >= cfg.max_bake_windows:
-                return CanaryVerdict("roll_back", f"not enough traffic to judge: {numbers}",
-                                     pc, pk, n_c, n_k, z)
-            return CanaryVerdict("wait", f"baking: {numbers}", pc, pk, n_c, n_k, z)
-        critical = NormalDist().inv_cdf(cfg.promote_alpha)  # negative
-        if z is not None and z < critical:
-            return CanaryVerdict("roll_back", f"canary worse than control: {numbers}, "
-                                 f"z {z:.2f} < {critical:.2f}", pc, pk, n_c, n_k, z)
-        return CanaryVerdict("promote", f"promoted: {numbers}, z {_num(z)}", pc, pk, n_c, n_k, z)
+        """The pure judge (:func:`controller.core.rollout.judge_canary`) on the windows
+        since ``record``'s approval (``unstored``: this cycle's window, before it is
+        stored)."""
+        return judge_canary(self._bake_windows(tx, record, unstored),
+                            {self.outcome_names[r] for r in rollout.canary_routers},
+                            {self.outcome_names[r] for r in rollout.control_routers},
+                            self.config.judge)
 
     def _watch_promotion(self, tx: Tx, version: int, ops: OperatorState,
                          report: CycleReport) -> bool:
@@ -1497,48 +1346,15 @@ class Cycle:
         return ""
 
     def judge_promotion(self, tx: Tx, record: PolicyRecord) -> WatchVerdict:
-        """The fleet's goodput over the windows since ``record``'s promotion (at most
-        ``watch_windows``) against all routers' over its bake. Rolled back when below by more
-        than ``watch_drop`` (one-sided, ``promote_alpha`` over the whole watch: each look at
-        ``promote_alpha / watch_windows``) while the request rate rose by at most
-        ``watch_load_rise``: a load that rose explains a fall without the policy.
-        Over after ``watch_windows`` windows, or one interval more of time (windows lost to
-        failed observes do not stretch it): a policy running for days is not re-read."""
+        """The pure watch (:func:`controller.core.rollout.judge_watch`) on the windows since
+        ``record``'s approval; over once ``watch_s`` passed since its promotion (no read)."""
         cfg = self.config
         assert record.promoted_at is not None and cfg.watch_s is not None
-        promoted = record.promoted_at.timestamp()
-        if self.clock.now() - promoted > cfg.watch_s:
-            return WatchVerdict("over", "watch over")
-        half = 0.5 * cfg.interval_s
-        # A window no router answered in is no look: a restart's first read (no requests
-        # seen) took one of the watch's looks and diluted its request rate. One router's
-        # failure leaves the others' requests, pooled as before (in a large fleet some
-        # router often fails a scrape: the watch would see no window at all).
-        names = {self.outcome_names[r] for r in self.routers}
-        windows = [w for w in self._bake_windows(tx, record)
-                   if not names <= {f.target for f in w.failures}]
-        bake = [w for w in windows if w.end < promoted + half]
-        watch = [w for w in windows if w.end >= promoted + half]
-        if len(watch) > cfg.watch_windows:
-            return WatchVerdict("over", "watch over")
-        met_w, n_w, rate_w = _pooled(watch)
-        met_b, n_b, rate_b = _pooled(bake)
-        pw = met_w / n_w if n_w else None
-        pb = met_b / n_b if n_b else None
-        z = two_proportion_z(met_w, n_w, met_b, n_b, cfg.watch_drop)
-        numbers = (f"fleet goodput {_pct(pw)} of {n_w:.0f} requests over {len(watch)} "
-                   f"window(s) since the promotion vs {_pct(pb)} of {n_b:.0f} over the bake's "
-                   f"{len(bake)}, drop allowed {cfg.watch_drop:g}")
-        done = len(watch) == cfg.watch_windows
-        critical = watch_critical(cfg.promote_alpha, cfg.watch_windows)
-        worse = z is not None and z < critical and n_w >= cfg.bake_min_requests
-        rise = rate_w / rate_b - 1 if rate_b > 0 else math.inf
-        if worse and rise <= cfg.watch_load_rise:
-            return WatchVerdict("roll_back", f"{numbers}, z {z:.2f} < {critical:.2f}")
-        if worse:
-            numbers += f"; the request rate rose {rise:.0%}: not the policy's doing"
-        return WatchVerdict("keep" if done else "watch",
-                            f"{'kept after' if done else 'watching'} the promotion: {numbers}")
+        now, promoted = self.clock.now(), record.promoted_at.timestamp()
+        if now - promoted > cfg.watch_s:
+            return WATCH_OVER
+        return judge_watch(now, promoted, self._bake_windows(tx, record),
+                           {self.outcome_names[r] for r in self.routers}, cfg.judge)
 
     def _bake_windows(self, tx: Tx, record: PolicyRecord, unstored: Window | None = None
                       ) -> list[Window]:
@@ -1560,9 +1376,9 @@ class Cycle:
         what = args.get("what", "approvals")
         if r.kind == "pause":
             if what == "pin":
-                version = _version_arg(args.get("version"))
+                version = version_arg(args.get("version"))
                 if version is None:
-                    return f"cannot pin {args.get('version')!r}: {_NOT_A_VERSION}", False
+                    return f"cannot pin {args.get('version')!r}: {NOT_A_VERSION}", False
                 rec = tx.policy(version)
                 if rec is None or rec.status != "approved":
                     return (f"cannot pin v{version}: "
@@ -1603,9 +1419,9 @@ class Cycle:
             self.metrics.set_canary_state("rolled_back")
 
     def _rollback(self, tx: Tx, version: Any) -> tuple[str, bool]:
-        asked = None if version is None else _version_arg(version)
+        asked = None if version is None else version_arg(version)
         if version is not None and asked is None:
-            return f"cannot roll back to {version!r}: {_NOT_A_VERSION}", False
+            return f"cannot roll back to {version!r}: {NOT_A_VERSION}", False
         rollout = self._rollout(tx)
         newest = rollout.canary_version or rollout.fleet_version
         ops = operator_state(tx.requests(status="done"))
@@ -1924,20 +1740,6 @@ def dry_run_verdict(approved: bool, reason: str) -> str:
            f"(guardrail: {reason})"
 
 
-def _seen_by(windows: Sequence[Window], routers: set[str]) -> list[Window]:
-    """The windows in which none of ``routers`` (outcome names) failed: unreachable, or a
-    snapshot source's first read, which only sets the counters' baseline."""
-    return [w for w in windows if not routers & {f.target for f in w.failures}]
-
-
-def _pooled(windows: Sequence[Window]) -> tuple[float, float, float]:
-    """Requests that met the SLO, requests, and requests per second over ``windows``."""
-    met = sum(o.met for w in windows for o in w.outcomes)
-    n = sum(o.requests for w in windows for o in w.outcomes)
-    seconds = sum(w.end - w.start for w in windows)
-    return met, n, n / seconds if seconds > 0 else 0.0
-
-
 def _calibration_trigger(tx: Tx, version: int) -> Trigger | None:
     """The trigger of the calibration that produced policy ``version``, as stored in its
     details; None for a policy no calibration produced (adopted, seeded, set by hand) or a
@@ -1983,14 +1785,6 @@ def _join(a: str, b: str) -> str:
     return f"{a}; {b}" if a else b
 
 
-def _pct(p: float | None) -> str:
-    return "n/a" if p is None else f"{p:.4f}"
-
-
-def _num(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
-
-
 def _plain(d: Mapping[str, Any]) -> dict[str, Any]:
     from controller.learning import json_safe
 
@@ -2003,9 +1797,7 @@ def _report_fields(r: CycleReport) -> dict[str, Any]:
 
 
 __all__ = [
-    "ADOPTED_PREFIX", "DRY_RUN_PREFIX", "FALLBACK_PREFILL", "REFIT_PREFIX", "SEEDED_PREFIX",
-    "AlwaysLeader", "CanaryVerdict", "CapacityPlanner",
-    "Cycle", "CycleConfig", "CycleReport", "Leadership", "OperatorState", "Rollout",
-    "canary_subset", "dry_run_verdict", "operator_state", "read_rollout", "run_inline",
-    "two_proportion_z", "watch_critical",
+    "ADOPTED_PREFIX", "DRY_RUN_PREFIX", "REFIT_PREFIX", "SEEDED_PREFIX",
+    "AlwaysLeader", "CapacityPlanner", "Cycle", "CycleConfig", "CycleReport", "Leadership",
+    "dry_run_verdict", "read_rollout", "run_inline",
 ]

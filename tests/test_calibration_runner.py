@@ -27,7 +27,7 @@ from controller.calibration_runner import (
 )
 from controller.cli import app
 from controller.clock import WallClock
-from controller.cycle import FALLBACK_PREFILL
+from controller.core.rollout import FALLBACK_PREFILL
 from controller.leader import LeaseLeadership
 from controller.policy import Policy, Route, dumps, loads
 from controller.store import Store

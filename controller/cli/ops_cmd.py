@@ -307,7 +307,8 @@ def status_doc(store: Store, calibrate_every_s: float | None,
     down, or no leader)."""
     from datetime import timedelta
 
-    from controller.cycle import operator_state, read_rollout
+    from controller.core.rollout import operator_state
+    from controller.cycle import read_rollout
 
     now = store.clock.utcnow()
     with store.read() as tx:

@@ -14,14 +14,16 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller.cycle import (
-    ADOPTED_PREFIX,
-    UNPROMOTED,
-    CycleReport,
+from controller.core.rollout import (
     canary_subset,
     operator_state,
     two_proportion_z,
     watch_critical,
+)
+from controller.cycle import (
+    ADOPTED_PREFIX,
+    UNPROMOTED,
+    CycleReport,
 )
 from controller.policy import Policy, Route, dumps, loads
 from controller.rollout.agent import RouterAgent
@@ -833,12 +835,12 @@ async def test_a_request_naming_no_possible_version_fails_alone(
 
 
 def test_a_version_argument_names_an_integral_version_or_none() -> None:
-    from controller.cycle import _version_arg
+    from controller.core.rollout import version_arg
 
-    assert [_version_arg(v) for v in (3, "3", 3.0, 2**63 - 1)] == [3, 3, 3, 2**63 - 1]
+    assert [version_arg(v) for v in (3, "3", 3.0, 2**63 - 1)] == [3, 3, 3, 2**63 - 1]
     # JSON's 1e400 loads as inf (int() raised OverflowError and failed the cycle's write)
     for bad in (math.inf, -math.inf, math.nan, 2.7, True, None, "v3", 0, 2**63):
-        assert _version_arg(bad) is None, bad
+        assert version_arg(bad) is None, bad
 
 
 async def test_a_decision_whose_commit_failed_is_counted_once_when_it_is_retried(
