@@ -134,18 +134,18 @@ def calibrate_active(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from controller.calibration_runner import (
-        ActiveCalibrationError,
-        ActiveCalibrationRunner,
-        RunnerLimits,
-    )
     from controller.cli.ops_cmd import open_store
     from controller.clock import WallClock
     from controller.config import load_settings
     from controller.core.active import plan_active_calibration
     from controller.errors import ConfigError, ControllerError
-    from controller.leader import default_holder, leadership_for
-    from controller.learning import CoreLearner
+    from controller.loop.calibration_runner import (
+        ActiveCalibrationError,
+        ActiveCalibrationRunner,
+        RunnerLimits,
+    )
+    from controller.loop.leader import default_holder, leadership_for
+    from controller.loop.learning import CoreLearner
     from controller.observe.factory import source_from_settings
     from controller.policy import Axes, Slo
     from controller.rollout.client import GrpcRouterTransport

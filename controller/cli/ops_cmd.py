@@ -127,7 +127,7 @@ def request_line(r: Any) -> str:
     """A request and its outcome in one line. A done dry run reads as what it would have
     done ("dry run: would approve …"), never "done — approved": it approved nothing (an
     outcome recorded by a daemon that wrote the guardrail's bare verdict is worded so too)."""
-    from controller.cycle import DRY_RUN_PREFIX, dry_run_verdict
+    from controller.loop.cycle import DRY_RUN_PREFIX, dry_run_verdict
 
     head = f"request #{r.id} {r.kind} {json.dumps(r.args)} by {r.who}"
     if r.kind == "recalibrate" and (r.args or {}).get("dry_run") and r.status == "done" \
@@ -263,8 +263,8 @@ def recalibrate(
 
 def _recalibrate_local(url: str | None, config: Path | None, as_json: bool, force: bool
                        ) -> None:
-    from controller.cycle import read_rollout
-    from controller.learning import CoreLearner, LearnerError
+    from controller.loop.cycle import read_rollout
+    from controller.loop.learning import CoreLearner, LearnerError
     from controller.policy import loads
 
     settings = load_settings_or_exit(config)
@@ -308,7 +308,7 @@ def status_doc(store: Store, calibrate_every_s: float | None,
     from datetime import timedelta
 
     from controller.core.rollout import operator_state
-    from controller.cycle import read_rollout
+    from controller.loop.cycle import read_rollout
 
     now = store.clock.utcnow()
     with store.read() as tx:
@@ -507,8 +507,8 @@ def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOpt
     scheduled calibration, and when the newest window ended (STALE past
     [controller] stalled_after_s: nothing has been observed since)."""
     from controller.config import load_settings
-    from controller.cycle import CycleConfig
     from controller.errors import ConfigError
+    from controller.loop.cycle import CycleConfig
 
     try:
         settings = load_settings(config)

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from controller.cli import app
 from controller.config import ExportConfig, load_settings
 from controller.exporter import ApprovalExporter, fragment
-from controller.learning import CalibrationOutcome, CoreLearner, calibration_config
+from controller.loop.learning import CalibrationOutcome, CoreLearner, calibration_config
 from controller.policy import dumps
 from controller.store import Store
 from tests.core.synth import Mix, Truth, training_windows

@@ -22,9 +22,9 @@ from typer.testing import CliRunner
 from controller.bench.runner import slo_of
 from controller.cli import app
 from controller.config import load_settings
-from controller.cycle import ADOPTED_PREFIX, Cycle, CycleConfig, run_inline
-from controller.learning import CoreLearner
-from controller.metrics import ControllerMetrics
+from controller.loop.cycle import ADOPTED_PREFIX, Cycle, CycleConfig, run_inline
+from controller.loop.learning import CoreLearner
+from controller.loop.metrics import ControllerMetrics
 from controller.observe.inprocess import InProcessSource, sim_cluster_provider
 from controller.policy import Policy, Route, loads
 from controller.rollout.reconciler import FakeRouterTransport, Reconciler

@@ -11,10 +11,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from controller.config import load_settings
-from controller.cycle import ADOPTED_PREFIX, Cycle, CycleConfig, run_inline
 from controller.daemon import SettingsPlanner
-from controller.learning import CoreLearner
-from controller.metrics import ControllerMetrics
+from controller.loop.cycle import ADOPTED_PREFIX, Cycle, CycleConfig, run_inline
+from controller.loop.learning import CoreLearner
+from controller.loop.metrics import ControllerMetrics
 from controller.observe.inprocess import InProcessSource, sim_cluster_provider
 from controller.policy import Policy, Route
 from controller.rollout.reconciler import FakeRouterTransport, Reconciler

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from controller.cycle import _RecentPolicies
 from controller.heap import _malloc_trim, release_free_heap, resident_mb
+from controller.loop.cycle import _RecentPolicies
 from controller.policy import Policy, Route
 from tests.support.processes import REPO
 

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from controller.cycle import ADOPTED_PREFIX
-from controller.leader import replica_name
+from controller.loop.cycle import ADOPTED_PREFIX
+from controller.loop.leader import replica_name
 from controller.observe.source import Target
 from controller.store import Store
 from tests.conftest import require

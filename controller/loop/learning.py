@@ -1,6 +1,6 @@
 """The one seam between the control cycle and the learning core.
 
-:class:`Learner` is what :class:`controller.cycle.Cycle` calls: ``assess`` runs the drift
+:class:`Learner` is what :class:`controller.loop.cycle.Cycle` calls: ``assess`` runs the drift
 detectors on a new window, ``calibrate`` fits and judges a candidate policy, ``adopt``
 makes an approved calibration the new drift reference, ``restore`` rebuilds that reference
 after a restart or a rollback. :class:`CoreLearner` delegates to :mod:`controller.core`;

@@ -87,7 +87,7 @@ from controller.core.rollout import (
 from controller.core.trigger import Cause, Trigger
 from controller.core.window import Window
 from controller.errors import TransientError
-from controller.learning import (
+from controller.loop.learning import (
     MIN_REGIME_WINDOWS,
     CalibrationOutcome,
     DriftFinding,
@@ -97,7 +97,7 @@ from controller.learning import (
     renews_reference,
     without_exploration,
 )
-from controller.metrics import ControllerMetrics
+from controller.loop.metrics import ControllerMetrics
 from controller.observe.source import MetricsSource
 from controller.policy import LookupTable, Policy, Provenance, Route, dumps, loads
 from controller.rollout.reconciler import Reconciler, RouterStatus, RunningPolicy
@@ -200,7 +200,7 @@ class CycleConfig:
 
 class CapacityPlanner(Protocol):
     """Recent complete windows (oldest first) -> a capacity plan. The daemon's is
-    :func:`controller.capacity_planner.plan_from_windows` on the configured SLOs."""
+    :func:`controller.loop.capacity.plan_from_windows` on the configured SLOs."""
 
     def plan(self, windows: Sequence[Window]) -> CapacityPlan: ...
 
@@ -1786,7 +1786,7 @@ def _join(a: str, b: str) -> str:
 
 
 def _plain(d: Mapping[str, Any]) -> dict[str, Any]:
-    from controller.learning import json_safe
+    from controller.loop.learning import json_safe
 
     out: dict[str, Any] = json_safe(dict(d))
     return out

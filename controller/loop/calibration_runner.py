@@ -50,9 +50,9 @@ from controller.core.active import ActivePlan, LoadPoint, Phase, schedule
 from controller.core.rollout import FALLBACK_PREFILL, operator_state
 from controller.core.trigger import Trigger
 from controller.core.window import Window
-from controller.cycle import read_rollout, record_adoption
-from controller.leader import LeaseLeadership
-from controller.learning import (
+from controller.loop.cycle import read_rollout, record_adoption
+from controller.loop.leader import LeaseLeadership
+from controller.loop.learning import (
     CalibrationOutcome,
     Learner,
     LearnerError,
