@@ -97,6 +97,18 @@ from controller.loop.learning import (
     renews_reference,
     without_exploration,
 )
+from controller.loop.metric_events import (
+    CanaryState,
+    DriftFired,
+    DriftStatistic,
+    GuardrailDecided,
+    MetricEvents,
+    NoCanary,
+    OperatorGauges,
+    PolicyChanged,
+    PredictedGoodput,
+    RolledBack,
+)
 from controller.loop.metrics import ControllerMetrics
 from controller.observe.source import MetricsSource
 from controller.policy import LookupTable, Policy, Provenance, Route, dumps, loads
@@ -405,7 +417,8 @@ class Cycle:
         self._scaling = ScalingState()
         # Given each approved calibration's policy and basis ([export], controller/exporter.py).
         self.on_approval: Callable[[Policy, Any], None] | None = None
-        # Approvals of the write in progress, handed to on_approval once it committed.
+        # Metric events and approvals of the write in progress, used once it committed.
+        self._events = MetricEvents()
         self._approved_in_write: list[tuple[Policy, CalibrationOutcome]] = []
         # Causes not yet recalibrated for (a deferred or rate-limited cycle keeps them).
         self._pending_scaling: str | None = None
@@ -854,15 +867,17 @@ class Cycle:
 
     def _write(self, plan: _Plan, claimed: list[OperatorRequest], rollout: Rollout,
                ops: OperatorState, report: CycleReport) -> None:
+        """Write the decision in one transaction; once it committed, emit the metric events
+        it decided, export a new capacity recommendation, and hand approvals to
+        ``on_approval``. A write that fails does none of these."""
         now_dt = self.clock.utcnow()
-        metrics, after_commit = self.metrics, _AfterCommit(self.metrics)
-        self.metrics = after_commit  # type: ignore[assignment]  # the same update methods
-        self._approved_in_write = []  # a failed write's approvals were never stored
-        try:
-            self._write_decision(plan, claimed, rollout, ops, report, now_dt)
-        finally:
-            self.metrics = metrics
-        after_commit.apply()
+        self._events = MetricEvents()
+        self._approved_in_write = []
+        self._write_decision(plan, claimed, rollout, ops, report, now_dt)
+        events, self._events = self._events, MetricEvents()
+        events.emit(self.metrics)
+        if plan.capacity is not None:  # exported once stored, never before
+            self._export_recommendation(plan.capacity.to_dict(), self.clock.now())
         approved, self._approved_in_write = self._approved_in_write, []
         for policy, outcome in approved:
             self._export_approved(policy, outcome)
@@ -928,23 +943,21 @@ class Cycle:
                 self._fit_failed_at = self.clock.now()
         elif plan.calibration is not None:
             self._fit_failed_at = None
-        if plan.capacity is not None:  # exported once stored, never before
-            self._export_recommendation(plan.capacity.to_dict(), self.clock.now())
 
     def _record_drift(self, tx: Tx, findings: list[DriftFinding], window_ids: list[int],
                       report: CycleReport) -> None:
         for f in findings:
             if not math.isnan(f.statistic):
-                self.metrics.set_drift(f.kind, "all", f.statistic, f.threshold)
+                self._events.append(DriftStatistic(f.kind, "all", f.statistic, f.threshold))
                 # Which feature drives it (the dashboard's drift panel draws each).
                 for feature, value in feature_statistics(f.kind, f.details).items():
                     if math.isfinite(value):
-                        self.metrics.set_drift(f.kind, feature, value, f.threshold)
+                        self._events.append(DriftStatistic(f.kind, feature, value, f.threshold))
             if f.fired:
                 tx.add_drift_event(f.kind, f.statistic, f.threshold, window_ids,
                                    {"reason": f.reason, **_plain(f.details),
                                     "measured": f.measured})
-                self.metrics.drift_event(f.kind)
+                self._events.append(DriftFired(f.kind))
                 report.drift.append(f.kind)
 
     def _record_calibration(self, tx: Tx, plan: _Plan, rollout: Rollout, ops: OperatorState,
@@ -971,11 +984,11 @@ class Cycle:
             outcome, seeded = self._seed_first_policy(outcome)
             plan.calibration = outcome
         decision = "approved" if outcome.approved else "rejected"
-        self.metrics.guardrail_decision(decision, "forced" if "forced" in outcome.reason
-                                        else decision, self.clock.now())
+        self._events.append(GuardrailDecided(
+            decision, "forced" if "forced" in outcome.reason else decision, self.clock.now()))
         if outcome.predicted_goodput_current is not None:
-            self.metrics.set_predicted_goodput(outcome.predicted_goodput_current,
-                                               outcome.predicted_goodput_new)
+            self._events.append(PredictedGoodput(outcome.predicted_goodput_current,
+                                                 outcome.predicted_goodput_new))
         report.guardrail = outcome.reason
         if not_stored == "dry run":  # an operator's dry run: what it would have done
             report.guardrail = dry_run_verdict(outcome.approved, outcome.reason)
@@ -1051,7 +1064,7 @@ class Cycle:
         policy, said, added = record_adoption(tx, found, self.routers, "the controller")
         if added:
             self._policies[policy.version] = policy
-            self.metrics.policy_changed(policy.version)
+            self._events.append(PolicyChanged(policy.version))
         report.reason = _join(report.reason, said)
         seeded = self._seed_exploration(tx, policy)
         if seeded is not None:
@@ -1094,7 +1107,7 @@ class Cycle:
         self._policies[version] = policy
         for router in self.routers:
             tx.set_desired(router, version)
-        self.metrics.policy_changed(version)
+        self._events.append(PolicyChanged(version))
         return f"v{version}: v{adopted.version} with exploration {share:g} to every router"
 
     def _seed_first_policy(self, outcome: CalibrationOutcome
@@ -1122,27 +1135,27 @@ class Cycle:
         self._policies[policy.version] = policy
         for router in self.routers:
             tx.set_desired(router, policy.version)
-        self.metrics.policy_changed(policy.version)
+        self._events.append(PolicyChanged(policy.version))
 
     def _approve(self, tx: Tx, version: int, rollout: Rollout, report: CycleReport) -> None:
         """Make an approved version desired: a canary share first when there is a fleet
         version to compare with, else every router at once."""
         report.approved_version = version
-        self.metrics.policy_changed(version)
+        self._events.append(PolicyChanged(version))
         if rollout.fleet_version is None or len(self.routers) < 2:
             for r in self.routers:
                 tx.set_desired(r, version)
             report.canary = ("no previous policy: every router at once"
                              if rollout.fleet_version is None
                              else "one router: no control group, promoted at once")
-            self.metrics.set_canary_state("promoted")
+            self._events.append(CanaryState("promoted"))
             return
         canary = canary_subset(self.routers, self.config.canary_fraction, version)
         for r in canary:
             tx.set_desired(r, version)
         # After a superseded canary the report says so first.
         report.canary = _join(report.canary or "", f"baking v{version} on {', '.join(canary)}")
-        self.metrics.set_canary_state("baking")
+        self._events.append(CanaryState("baking"))
 
     # -- capacity -------------------------------------------------------------------------
 
@@ -1271,14 +1284,14 @@ class Cycle:
             for r in self.routers:
                 tx.set_desired(r, rollout.canary_version)
             tx.mark_promoted(rollout.canary_version, self.clock.utcnow())
-            self.metrics.set_canary_state("promoted")
+            self._events.append(CanaryState("promoted"))
         elif verdict.action == "roll_back":
             tx.set_policy_status(rollout.canary_version, "rolled_back",
                                  f"canary rolled back: {verdict.reason}")
             if rollout.fleet_version is not None:
                 for r in rollout.canary_routers:
                     tx.set_desired(r, rollout.fleet_version)
-            self.metrics.rolled_back("canary", rollout.fleet_version)
+            self._events.append(RolledBack("canary", rollout.fleet_version))
         return verdict.action
 
     def judge_canary(self, tx: Tx, rollout: Rollout, record: PolicyRecord,
@@ -1317,7 +1330,7 @@ class Cycle:
         tx.set_policy_status(version, "rolled_back", f"{UNPROMOTED}: {verdict.reason}")
         runs = self._desire_back(tx, target, ops)
         report.canary = f"v{version}: {UNPROMOTED} to v{target}{runs}: {verdict.reason}"
-        self.metrics.rolled_back("watch", target)
+        self._events.append(RolledBack("watch", target))
         return True
 
     def _rollback_target(self, tx: Tx, newest: int | None, ops: OperatorState) -> int | None:
@@ -1416,7 +1429,7 @@ class Cycle:
         if after.canary_version is None and after.fleet_version != baking \
                 and record is not None and record.status == "approved":
             tx.set_policy_status(baking, "rolled_back", f"{ABANDONED_PREFIX}{why}")
-            self.metrics.set_canary_state("rolled_back")
+            self._events.append(CanaryState("rolled_back"))
 
     def _rollback(self, tx: Tx, version: Any) -> tuple[str, bool]:
         asked = None if version is None else version_arg(version)
@@ -1444,7 +1457,7 @@ class Cycle:
                 if p.version > target:
                     tx.set_policy_status(p.version, "rolled_back", "operator rollback")
         runs = self._desire_back(tx, target, ops)
-        self.metrics.rolled_back("operator", target)
+        self._events.append(RolledBack("operator", target))
         return f"rolled back to v{target}{runs}", True
 
     def _fallback(self, tx: Tx, r: OperatorRequest) -> str:
@@ -1560,15 +1573,15 @@ class Cycle:
         after a failover)."""
         ops = operator_state(tx.requests(status="done"))
         rollout = self._rollout(tx)
-        self.metrics.set_paused(ops.paused)
-        self.metrics.set_pinned(ops.pinned is not None or ops.fallback)  # a fallback holds too
-        self.metrics.set_desired_version(rollout.fleet_version)
+        # A fallback holds the rollout too: it reads pinned.
+        self._events.append(OperatorGauges(ops.paused, ops.pinned is not None or ops.fallback,
+                                           rollout.fleet_version))
         # Baking after a restart mid-bake (it read idle); a canary gone without a verdict
         # of its own no longer reads baking.
         if rollout.canary_version is not None:
-            self.metrics.set_canary_state("baking")
+            self._events.append(CanaryState("baking"))
         else:
-            self.metrics.no_canary()
+            self._events.append(NoCanary())
 
     # -- reconcile (every replica) --------------------------------------------------------
 
@@ -1662,32 +1675,6 @@ class NothingAnswered(TransientError):
 
 class _LostLeadership(Exception):
     pass
-
-
-class _AfterCommit:
-    """Stands in for the metrics object during a write transaction: updates are queued and
-    applied once it committed. Counted inside it, a decision whose commit failed (a
-    failover, SQLite's lock) stayed counted and its retry next cycle counted it again:
-    alerts on approvals and drift events fired for ones the store never recorded."""
-
-    def __init__(self, metrics: ControllerMetrics) -> None:
-        self._metrics = metrics
-        self._queued: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
-
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        update = getattr(self._metrics, name)
-        if not callable(update):
-            # A read inside the write would see the state before this write's queued
-            # updates (and, wrapped as a call, compared as a function: never equal).
-            raise AttributeError(f"metrics.{name} is not an update: not readable while writing")
-
-        def queue(*args: Any, **kwargs: Any) -> None:
-            self._queued.append((update, args, kwargs))
-        return queue
-
-    def apply(self) -> None:
-        for update, args, kwargs in self._queued:
-            update(*args, **kwargs)
 
 
 def _push_result(s: RouterStatus) -> str:
