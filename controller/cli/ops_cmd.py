@@ -263,8 +263,8 @@ def recalibrate(
 
 def _recalibrate_local(url: str | None, config: Path | None, as_json: bool, force: bool
                        ) -> None:
-    from controller.loop.cycle import read_rollout
     from controller.loop.learning import CoreLearner, LearnerError
+    from controller.loop.policies import read_rollout
     from controller.policy import loads
 
     settings = load_settings_or_exit(config)
@@ -308,7 +308,7 @@ def status_doc(store: Store, calibrate_every_s: float | None,
     from datetime import timedelta
 
     from controller.core.rollout import operator_state
-    from controller.loop.cycle import read_rollout
+    from controller.loop.policies import read_rollout
 
     now = store.clock.utcnow()
     with store.read() as tx:

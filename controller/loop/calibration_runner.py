@@ -50,7 +50,6 @@ from controller.core.active import ActivePlan, LoadPoint, Phase, schedule
 from controller.core.rollout import FALLBACK_PREFILL, operator_state
 from controller.core.trigger import Trigger
 from controller.core.window import Window
-from controller.loop.cycle import read_rollout, record_adoption
 from controller.loop.leader import LeaseLeadership
 from controller.loop.learning import (
     CalibrationOutcome,
@@ -58,6 +57,7 @@ from controller.loop.learning import (
     LearnerError,
     without_exploration,
 )
+from controller.loop.policies import read_rollout, record_adoption
 from controller.observe.source import MetricsSource
 from controller.policy import Policy, Route, dumps, loads
 from controller.rollout.reconciler import Reconciler, RouterStatus

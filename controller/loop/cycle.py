@@ -47,46 +47,41 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 from controller.clock import Clock
-from controller.core.capacity import CapacityPlan
 from controller.core.drift import (
-    ScalingEvent,
     ScalingState,
     feature_statistics,
     step_scaling,
     worker_counts,
 )
 from controller.core.rollout import (
-    FALLBACK_PREFILL,
-    NOT_A_VERSION,
-    WATCH_OVER,
-    CanaryVerdict,
+    CanaryAction,
     JudgeParams,
     OperatorState,
     Rollout,
     TriggerChoice,
     TriggerInputs,
     TriggerNote,
-    VersionInfo,
-    WatchVerdict,
     canary_subset,
     choose_trigger,
-    judge_canary,
-    judge_watch,
     operator_state,
-    rollout_of,
     scaling_damped,
-    version_arg,
 )
 from controller.core.trigger import Cause, Trigger
 from controller.core.window import Window
 from controller.errors import TransientError
+from controller.loop.canary import Canary
+from controller.loop.export import (
+    CapacityDraft,
+    CapacityExport,
+    CapacityPlanner,
+    CapacitySettings,
+)
 from controller.loop.learning import (
     MIN_REGIME_WINDOWS,
     CalibrationOutcome,
@@ -107,18 +102,17 @@ from controller.loop.metric_events import (
     OperatorGauges,
     PolicyChanged,
     PredictedGoodput,
-    RolledBack,
 )
 from controller.loop.metrics import ControllerMetrics
+from controller.loop.operator import OperatorRequests
+from controller.loop.policies import PolicyBook, record_adoption, reference_calibration
+from controller.loop.report import CycleReport, join, report_fields
 from controller.observe.source import MetricsSource
-from controller.policy import LookupTable, Policy, Provenance, Route, dumps, loads
+from controller.policy import LookupTable, Policy, Provenance, dumps
 from controller.rollout.reconciler import Reconciler, RouterStatus, RunningPolicy
 from controller.store import (
-    CalibrationRecord,
     OperatorRequest,
-    PolicyRecord,
     Store,
-    StoreError,
     Tx,
 )
 from controller.store.kinds import (
@@ -128,24 +122,17 @@ from controller.store.kinds import (
     PolicyKind,
     policy_kind,
 )
-from controller.store.types import dumps_json
 
 T = TypeVar("T")
 log = logging.getLogger("pdctl.cycle")
 
-SUPERSEDED = "superseded by its canary refit"  # a superseded canary's reason starts so
-ABANDONED_PREFIX = "dropped from its bake by "  # a canary an operator action took off
-UNPROMOTED = "rolled back after promotion"  # a promotion the watch undid: reason starts so
 DRY_RUN_PREFIX = "dry run: would "  # a dry run's outcome starts so (never "approved")
-MAX_REQUESTS_PER_CYCLE = 16
 MAX_RELEASES = 2  # a request given back after its cycle failed, at most this often
 FIT_RETRY_INTERVALS = 10  # control intervals between automatic retries of a failed fit
 SETTLED_FAILURES = 2  # windows a target must have failed in a row to count as gone
 # Flap damping: one scaling recalibration per role per max(min_policy_interval_s, this many
 # control intervals) at most (Cycle.scaling_damping_s).
 SCALING_DAMPING_WINDOWS = 10
-RECENT_RECOMMENDATIONS = 5  # a scaling event is matched against this many of the newest
-STALE_RECOMMENDATION_INTERVALS = 3  # older than this many capacity intervals: not re-exported
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,13 +197,6 @@ class CycleConfig:
         )
 
 
-class CapacityPlanner(Protocol):
-    """Recent complete windows (oldest first) -> a capacity plan. The daemon's is
-    :func:`controller.loop.capacity.plan_from_windows` on the configured SLOs."""
-
-    def plan(self, windows: Sequence[Window]) -> CapacityPlan: ...
-
-
 class Leadership(Protocol):
     """Who may calibrate and approve. ``ensure`` takes or renews leadership and says whether
     this replica leads; ``fence`` re-checks it inside the cycle's write transaction."""
@@ -250,59 +230,6 @@ class AlwaysLeader:
         return True
 
 
-def _without_exploration_key(policy: Policy) -> str:
-    """What decides a route once exploration is set aside (version aside too)."""
-    return without_exploration(policy).with_version(1).checksum
-
-
-@dataclass
-class CycleReport:
-    """What one cycle did (also logged and kept as :attr:`Cycle.last_report`)."""
-
-    result: str = "ok"  # ok | skipped | failed
-    reason: str = ""
-    leader: bool = True
-    window_id: int | None = None
-    drift: list[str] = field(default_factory=list)
-    trigger: Trigger | None = None
-    calibration_id: int | None = None
-    candidate_version: int | None = None
-    candidate_status: str | None = None  # as stored: approved, rejected, candidate, advisory
-    not_stored: str = "dry run"  # why a calibration stored no policy (candidate_version None)
-    approved_version: int | None = None
-    guardrail: str | None = None
-    canary: str | None = None
-    requests: list[str] = field(default_factory=list)
-    pushes: int = 0
-    acked: dict[str, int | None] = field(default_factory=dict)
-    recommendation_id: int | None = None
-    capacity: str | None = None  # the recommendation in words, or why there is none
-
-    def summary(self) -> str:
-        """The cycle in one line, for a text log (the JSON log has every field too): its
-        result, then only what happened in it. A quiet cycle is just its result."""
-        parts = [] if self.leader else ["follower"]
-        if self.reason:
-            parts.append(self.reason)
-        if self.drift:
-            parts.append("drift: " + ", ".join(self.drift))
-        if self.trigger is not None and self.guardrail is not None:
-            # The guardrail's reason starts with its verdict; the version's stored status
-            # is the cycle's (advisory, and a held rollout, keep an approval back).
-            stored = f"not stored ({self.not_stored})" if self.candidate_version is None \
-                else f"v{self.candidate_version} {self.candidate_status}"
-            parts.append(f"recalibration ({self.trigger}): {stored}, guardrail {self.guardrail}")
-        parts += self.requests
-        if self.canary:
-            parts.append(f"canary {self.canary}")
-        if self.pushes:
-            acked = ", ".join(f"{r} v{v}" for r, v in sorted(self.acked.items())
-                              if v is not None)
-            parts.append(f"{self.pushes} push(es); acked: {acked or 'none'}")
-        if self.recommendation_id is not None and self.capacity:
-            parts.append(f"capacity: {self.capacity}")
-        return ": ".join([self.result, "; ".join(parts)]) if parts else self.result
-
 
 @dataclass
 class _Plan:
@@ -319,51 +246,13 @@ class _Plan:
     too_few_windows: bool = False  # calibration_error is a lack of data, not a failed fit
     scaling: str | None = None  # the scaling event a "scaling" calibration answers
     scaling_recommendation: int | None = None  # ...and the recommendation it applied
-    capacity: CapacityPlan | None = None
-    capacity_windows: list[int] = field(default_factory=list)  # stored ids it was planned on
-    capacity_with_window: bool = False  # ...plus this cycle's window
+    capacity: CapacityDraft | None = None
     applied_recommendation: int | None = None  # the scaling just confirmed reached it
     refit_of: int | None = None  # a "canary" calibration: the baking version it refits
     adopted: RunningPolicy | None = None  # what every router ran, adopted on an empty store
-    canary_verdict: str | None = None  # the judge's action this cycle
+    canary_verdict: CanaryAction | None = None  # the judge's action this cycle
     link_retry_at: float | None = None  # a refused link calibration: calibrate again then
 
-
-def reference_calibration(tx: Tx, version: int) -> CalibrationRecord | None:
-    """The calibration whose drift reference ``version`` runs against: the newest that
-    renewed it (its own, or a later one refused on the traffic since a change alone, which
-    records ``reference_for``), else its own (stored before ``reference_for``)."""
-    return tx.newest_renewal(version) or tx.calibration_for(version)
-
-
-def read_rollout(tx: Tx, routers: Sequence[str] | None = None) -> Rollout:
-    """Fleet and canary versions from the desired versions (of ``routers``, default all):
-    :func:`controller.core.rollout.rollout_of` on the stored versions they name."""
-    desired = {r: v for r, v in tx.desired_versions().items()
-               if routers is None or r in routers}
-    records: dict[int, VersionInfo | None] = {}
-    if len(set(desired.values())) > 1:
-        for v in sorted(set(desired.values())):
-            rec = tx.policy(v)
-            records[v] = None if rec is None else VersionInfo(rec.status, rec.reissue_of)
-    return rollout_of(desired, records)
-
-
-class _RecentPolicies(OrderedDict[int, Policy]):
-    """The policies the cycle decoded or built lately, by version. Bounded: a long-running
-    daemon makes a candidate per calibration (one an hour in the soak), each with its whole
-    table. The oldest go first; any version evicted is read back from the store (and cached
-    again) when needed."""
-
-    def __init__(self, capacity: int = 32) -> None:
-        super().__init__()
-        self.capacity = capacity
-
-    def __setitem__(self, version: int, policy: Policy) -> None:
-        super().__setitem__(version, policy)
-        self.move_to_end(version)
-        while len(self) > self.capacity:
-            self.popitem(last=False)
 
 
 async def _to_thread(fn: Callable[[], T]) -> T:
@@ -400,7 +289,8 @@ class Cycle:
         self.learner = learner
         self.reconciler = reconciler
         self.metrics = metrics
-        self.routers = tuple(sorted(routers))
+        self.book = PolicyBook(routers)
+        self.routers = self.book.routers
         self.config = config or CycleConfig()
         self.leadership: Leadership = leadership or AlwaysLeader()
         # Router id (what the reconciler dials) -> its name in windows' route outcomes.
@@ -412,7 +302,6 @@ class Cycle:
         self._last_end: float | None = None  # while leading without a break
         self._leading = False
         self._led_term: int | None = None  # the leadership term this replica last led in
-        self._policies = _RecentPolicies()
         self._fit_failed_at: float | None = None  # automatic fits back off after a failure
         self._scaling = ScalingState()
         # Given each approved calibration's policy and basis ([export], controller/exporter.py).
@@ -433,9 +322,13 @@ class Cycle:
         # A link calibration refused before it could train on the new link's windows alone
         # is tried once more then (epoch s): the newest stored calibration's link_retry_at.
         self._link_retry_at: float | None = None
-        self.planner = planner
-        self._plan_failed_at: float | None = None
-        self._exported_recommendation = False
+        self.capacity = CapacityExport(
+            planner, metrics, CapacitySettings(self.config.interval_s,
+                                               self.config.capacity_interval_s,
+                                               self.config.capacity_min_windows),
+            self._run_blocking)
+        self.operator = OperatorRequests(self.book, clock)
+        self.canary = Canary(self.book, clock, self.config.judge, self.outcome_names)
         self._exported_versions = False  # pdctl_router_*_version set by this replica
         self._failing: dict[str, int] = {}  # target -> windows failed in a row
         self.last_report: CycleReport | None = None
@@ -443,6 +336,11 @@ class Cycle:
         self.last_ended_at: float | None = None  # ... of the last cycle, any result (liveness)
         self._claimed: list[OperatorRequest] = []  # claimed by this cycle's decision
         self._released: dict[int, int] = {}  # request id -> times given back after a failure
+
+    @property
+    def planner(self) -> CapacityPlanner | None:
+        """The capacity planner (None: no recommendations)."""
+        return self.capacity.planner
 
     # -- the whole cycle ------------------------------------------------------------------
 
@@ -470,9 +368,8 @@ class Cycle:
                 with self.store.read() as tx:  # a failure retries it next cycle
                     self._restore_pending(tx)
             self._leading, self._led_term = report.leader, term
-            if not report.leader and self._exported_recommendation:
-                self.metrics.clear_recommendation()  # only the leader feeds autoscalers
-                self._exported_recommendation = False
+            if not report.leader:
+                self.capacity.withdraw()  # only the leader feeds autoscalers
             if not report.leader and self.reconcile_only is None and self._exported_versions:
                 self.metrics.clear_router_versions()  # only the leader reconciles them
                 self._exported_versions = False
@@ -505,7 +402,7 @@ class Cycle:
             self.last_completed_at = self.last_ended_at
         self.last_report = report
         log.log(logging.WARNING if report.result == "failed" else logging.INFO, "cycle %s",
-                report.summary(), extra={"cycle": _report_fields(report)})
+                report.summary(), extra={"cycle": report_fields(report)})
         return report
 
     # -- deciding (leader only) -----------------------------------------------------------
@@ -531,7 +428,7 @@ class Cycle:
         not wait five minutes for a store hiccup."""
         for name, value in memory.items():
             setattr(self, name, value)
-        self._policies.clear()  # the store is the truth: read again
+        self.book.cache.clear()  # the store is the truth: read again
         claimed, self._claimed = self._claimed, []
         mine = [r.id for r in claimed if self._released.get(r.id, 0) < MAX_RELEASES]
         if not mine:
@@ -571,11 +468,12 @@ class Cycle:
             report.reason = f"observe failed: {type(e).__name__}: {e}"
             log.warning("%s", report.reason)
         self._last_end = end
-        claimed = self._claim_requests(report)
+        claimed = self._claimed = self.operator.claim(
+            self.store, self.leadership.holder, self.config.request_stale_after_s)
         with self.store.read() as tx:
-            rollout = self._rollout(tx)
+            rollout = self.book.rollout(tx)
             ops = operator_state(tx.requests(status="done"))
-            current = self._current_policy(tx, rollout)
+            current = self.book.current(tx, rollout)
             self._restore_learner(tx, rollout)
             # No configured router has a desired version: an empty store, or routers that
             # replaced every earlier one (new addresses, a redeploy) on a store with history.
@@ -589,7 +487,7 @@ class Cycle:
             if found.policy is not None:
                 plan.adopted = found
             elif found.why:
-                report.reason = _join(report.reason, f"no running policy adopted: {found.why}")
+                report.reason = join(report.reason, f"no running policy adopted: {found.why}")
             current = found.policy
         window = plan.window
         if window is not None:
@@ -597,7 +495,7 @@ class Cycle:
             self._scaling, events = step_scaling(self._scaling, window, SETTLED_FAILURES)
             if events:
                 self._pending_scaling = "; ".join(e.reason for e in events)
-                plan.applied_recommendation = self._recommendation_reached(events)
+                plan.applied_recommendation = self.capacity.reached(self.store, events)
                 if plan.applied_recommendation is not None:
                     self._pending_recommendation = plan.applied_recommendation
                     self._pending_scaling += \
@@ -619,16 +517,19 @@ class Cycle:
             assert rollout.canary_version is not None
             plan.refit_of = rollout.canary_version
             with self.store.read() as tx:
-                current = self._policy(tx, rollout.canary_version)
+                current = self.book.policy(tx, rollout.canary_version)
                 plan.refits = _calibration_trigger(tx, rollout.canary_version)
         if plan.trigger is not None:
             if not complete and recal is None:
-                report.reason = _join(report.reason, f"calibration ({plan.trigger}) deferred: "
+                report.reason = join(report.reason, f"calibration ({plan.trigger}) deferred: "
                                       f"{_why_incomplete(window)}")
                 plan.trigger = None
             else:
                 await self._calibrate(plan, current, now, recal, report)
-        await self._recommend(plan, now, report)
+        plan.capacity, plan_failed = await self.capacity.recommend(self.store, plan.window, now,
+                                                                   self.usable)
+        if plan_failed is not None:
+            report.capacity = plan_failed
         self._write(plan, claimed, rollout, ops, report)
 
     def _window_start(self, end: float) -> float:
@@ -661,22 +562,6 @@ class Cycle:
         gone = {t for t, n in self._failing.items() if n >= SETTLED_FAILURES}
         return all(f.target in gone for f in window.failures)
 
-    def _claim_requests(self, report: CycleReport) -> list[OperatorRequest]:
-        claimed: list[OperatorRequest] = []
-        holder = self.leadership.holder
-        with self.store.cycle() as tx:
-            # Requests a previous leader claimed before our term began died with it (its
-            # writes are fenced out): claimed again now, not after request_stale_after_s.
-            lease = tx.lease()
-            since = lease.acquired_at if lease is not None and lease.holder == holder else None
-            for _ in range(MAX_REQUESTS_PER_CYCLE):
-                r = tx.claim_next_request(holder, stale_after_s=self.config.request_stale_after_s,
-                                          reclaim_before=since)
-                if r is None:
-                    break
-                claimed.append(r)
-        self._claimed = claimed
-        return claimed
 
     def _trigger(self, plan: _Plan, rollout: Rollout, ops: OperatorState,
                  recal: OperatorRequest | None, now: float) -> Trigger | None:
@@ -687,8 +572,8 @@ class Cycle:
         choice = choose_trigger(TriggerInputs(
             now=now, operator_recalibrate=recal is not None, canary_baking=baking,
             canary_refit=self.config.canary_refit,
-            refit_due=(recal is None and baking and self.config.canary_refit
-                       and not ops.holding and self._refit_due(rollout, plan.window)),
+            refit_due=(recal is None and baking and self.config.canary_refit and not ops.holding
+                       and self.canary.refit_due(self.store, rollout, plan.window)),
             holding=ops.holding, pending_drift=self._pending_drift,
             pending_measured=self._pending_measured,
             pending_scaling=self._pending_scaling is not None,
@@ -749,18 +634,6 @@ class Cycle:
         return scaling_damped(self._pending_scaling_roles, self._scaling_recal_at, now,
                               self.scaling_damping_s())
 
-    def _refit_due(self, rollout: Rollout, window: Window | None) -> bool:
-        """Whether to refit the baking canary now: it is not itself a refit, and the judge,
-        with this cycle's window (stored with the verdict), will promote it. A canary that
-        waits for traffic or is rolled back is not refitted: its refit would be discarded."""
-        assert rollout.canary_version is not None
-        if window is None:
-            return False
-        with self.store.read() as tx:
-            record = tx.policy(rollout.canary_version)
-            if record is None or policy_kind(record) is PolicyKind.REFIT:
-                return False
-            return self.judge_canary(tx, rollout, record, window).action == "promote"
 
     def next_due(self) -> float | None:
         """When the next scheduled calibration is due (epoch s), from the store."""
@@ -877,7 +750,7 @@ class Cycle:
         events, self._events = self._events, MetricEvents()
         events.emit(self.metrics)
         if plan.capacity is not None:  # exported once stored, never before
-            self._export_recommendation(plan.capacity.to_dict(), self.clock.now())
+            self.capacity.export(plan.capacity.capacity.to_dict(), self.clock.now())
         approved, self._approved_in_write = self._approved_in_write, []
         for policy, outcome in approved:
             self._export_approved(policy, outcome)
@@ -893,20 +766,24 @@ class Cycle:
             if plan.window is not None:
                 report.window_id = tx.add_window(plan.window)
                 window_ids = [report.window_id]
-            if plan.adopted is not None and self._rollout(tx).fleet_version is None:
+            if plan.adopted is not None and self.book.rollout(tx).fleet_version is None:
                 self._record_adoption(tx, plan.adopted, report)
             self._record_drift(tx, plan.findings, window_ids, report)
-            self._record_recommendation(tx, plan, report)
+            rid, said = self.capacity.record(tx, plan.applied_recommendation, plan.capacity,
+                                             report.window_id)
+            if rid is not None:
+                report.recommendation_id, report.capacity = rid, said
             for r in claimed:
                 if r.kind != "recalibrate":
-                    baking = self._rollout(tx).canary_version
-                    outcome, ok = self._apply_request(tx, r, report)
+                    baking = self.book.rollout(tx).canary_version
+                    outcome, ok = self.operator.apply(tx, r, report, self._events)
                     tx.finish_request(r.id, outcome, ok=ok)
                     self._released.pop(r.id, None)
                     report.requests.append(f"{r.kind}#{r.id}: {outcome}")
-                    self._drop_abandoned_canary(tx, baking, f"{r.kind}#{r.id}: {outcome}")
+                    self.operator.drop_abandoned_canary(tx, baking, f"{r.kind}#{r.id}: {outcome}",
+                                                        self._events)
             # Operator actions above may have changed the rollout; read it again.
-            rollout = self._rollout(tx)
+            rollout = self.book.rollout(tx)
             ops = operator_state(tx.requests(status="done"))
             if rollout.canary_version is not None and plan.window is not None and ops.paused:
                 # A verdict is a push (a promotion or a rollback): it waits for resume, and
@@ -916,11 +793,12 @@ class Cycle:
                                  "(no pushes)")
             elif rollout.canary_version is not None and plan.window is not None:
                 refit = plan.calibration if plan.refit_of == rollout.canary_version else None
-                plan.canary_verdict = self._judge_canary(tx, rollout, report, refit)
-                rollout = self._rollout(tx)
+                plan.canary_verdict = self.canary.apply_verdict(tx, rollout, report,
+                                                                 self._events, refit)
+                rollout = self.book.rollout(tx)
             elif rollout.fleet_version is not None and plan.window is not None \
-                    and self._watch_promotion(tx, rollout.fleet_version, ops, report):
-                rollout = self._rollout(tx)
+                    and self.canary.watch(tx, rollout.fleet_version, ops, report, self._events):
+                rollout = self.book.rollout(tx)
             if plan.trigger is not None:
                 report.trigger = plan.trigger
                 self._record_calibration(tx, plan, rollout, ops, report)
@@ -935,10 +813,10 @@ class Cycle:
             self._assign_new_routers(tx, now_dt)
             self._set_state_metrics(tx)
         if plan.too_few_windows:
-            report.reason = _join(report.reason, f"calibration ({plan.trigger}) deferred: "
+            report.reason = join(report.reason, f"calibration ({plan.trigger}) deferred: "
                                   f"{plan.calibration_error}")
         elif plan.calibration_error is not None:
-            report.reason = _join(report.reason, f"calibration skipped: {plan.calibration_error}")
+            report.reason = join(report.reason, f"calibration skipped: {plan.calibration_error}")
             if plan.refit_of is None:  # a failed refit leaves the candidate to the judge
                 self._fit_failed_at = self.clock.now()
         elif plan.calibration is not None:
@@ -1017,7 +895,7 @@ class Cycle:
             tx.add_policy(version, policy.checksum, dumps(policy), status, reason,
                           kind=PolicyKind.OTHER if plan.refit_of is None else PolicyKind.REFIT,
                           seeded_exploration=seeded)
-            self._policies[version] = policy
+            self.book.cache[version] = policy
             report.candidate_version, report.candidate_status = version, status
             if status == "approved":
                 self._approve(tx, version, rollout, report)
@@ -1063,12 +941,12 @@ class Cycle:
     def _record_adoption(self, tx: Tx, found: RunningPolicy, report: CycleReport) -> None:
         policy, said, added = record_adoption(tx, found, self.routers, "the controller")
         if added:
-            self._policies[policy.version] = policy
+            self.book.cache[policy.version] = policy
             self._events.append(PolicyChanged(policy.version))
-        report.reason = _join(report.reason, said)
+        report.reason = join(report.reason, said)
         seeded = self._seed_exploration(tx, policy)
         if seeded is not None:
-            report.reason = _join(report.reason, seeded)
+            report.reason = join(report.reason, seeded)
 
     def _seed_exploration(self, tx: Tx, adopted: Policy) -> str | None:
         """The adopted policy with ``adopted_exploration`` in every cell, approved and
@@ -1104,7 +982,7 @@ class Cycle:
                                   created_by=self.leadership.holder))
         tx.add_policy(version, policy.checksum, dumps(policy), "approved", reason,
                       seeded_exploration=share, kind=PolicyKind.SEEDED)
-        self._policies[version] = policy
+        self.book.cache[version] = policy
         for router in self.routers:
             tx.set_desired(router, version)
         self._events.append(PolicyChanged(version))
@@ -1128,14 +1006,6 @@ class Cycle:
                   "adopted_exploration): the first policy explored nowhere")
         return replace(outcome, policy=replace(p, table=table), reason=reason), share
 
-    def _everywhere(self, tx: Tx, policy: Policy, reason: str) -> None:
-        """Store ``policy`` as approved and make it every router's desired version at once
-        (no canary: an adoption, an operator's fallback or exploration off)."""
-        tx.add_policy(policy.version, policy.checksum, dumps(policy), "approved", reason)
-        self._policies[policy.version] = policy
-        for router in self.routers:
-            tx.set_desired(router, policy.version)
-        self._events.append(PolicyChanged(policy.version))
 
     def _approve(self, tx: Tx, version: int, rollout: Rollout, report: CycleReport) -> None:
         """Make an approved version desired: a canary share first when there is a fleet
@@ -1154,354 +1024,20 @@ class Cycle:
         for r in canary:
             tx.set_desired(r, version)
         # After a superseded canary the report says so first.
-        report.canary = _join(report.canary or "", f"baking v{version} on {', '.join(canary)}")
+        report.canary = join(report.canary or "", f"baking v{version} on {', '.join(canary)}")
         self._events.append(CanaryState("baking"))
 
     # -- capacity -------------------------------------------------------------------------
 
-    async def _recommend(self, plan: _Plan, now: float, report: CycleReport) -> None:
-        """Compute a capacity plan when one is due; a failure is logged and counted."""
-        cfg = self.config
-        if self.planner is None:
-            return
-        with self.store.read() as tx:
-            last = tx.recommendations(limit=1)
-            if last:
-                self._refresh_export(last[-1].body, last[-1].created_at.timestamp(), now)
-            if last and 0 <= now - last[-1].created_at.timestamp() < cfg.capacity_interval_s:
-                return
-            if self._plan_failed_at is not None \
-                    and 0 <= now - self._plan_failed_at < cfg.capacity_interval_s:
-                return  # a failing plan is retried once per interval, not every cycle
-            # The load of the last interval: windows that started within it (after downtime,
-            # older ones would describe a load that may be gone).
-            since = datetime.fromtimestamp(now - cfg.capacity_interval_s, tz=UTC)
-            covering = max(cfg.capacity_min_windows,
-                           math.ceil(cfg.capacity_interval_s / cfg.interval_s))
-            stored = [s for s in tx.windows(since=since, limit=covering)
-                      if self.usable(s.window)]
-        windows = [s.window for s in stored]
-        with_window = plan.window is not None and self.usable(plan.window)
-        if with_window:
-            assert plan.window is not None
-            windows.append(plan.window)
-        if len(windows) < cfg.capacity_min_windows:
-            return
-        planner = self.planner
-        try:
-            capacity: CapacityPlan = await self._run_blocking(lambda: planner.plan(windows))
-            _check_storable(capacity)
-        except Exception as e:  # planning is advisory: it never fails the cycle
-            log.warning("capacity plan failed: %s: %s", type(e).__name__, e)
-            self.metrics.capacity_plan_failed()
-            self._plan_failed_at = now
-            report.capacity = f"plan failed: {type(e).__name__}: {e}"
-            return
-        self._plan_failed_at = None
-        plan.capacity = capacity
-        plan.capacity_windows = [s.id for s in stored]
-        plan.capacity_with_window = with_window
-
-    def _record_recommendation(self, tx: Tx, plan: _Plan, report: CycleReport) -> None:
-        if plan.applied_recommendation is not None:
-            tx.mark_recommendation_applied(plan.applied_recommendation)
-        capacity = plan.capacity
-        if capacity is None:
-            return
-        ids = list(plan.capacity_windows)
-        if plan.capacity_with_window and report.window_id is not None:
-            ids.append(report.window_id)
-        p, d = capacity.prefill, capacity.decode
-        report.recommendation_id = tx.add_recommendation(
-            window_ids=ids, workers=(p.workers, d.workers),
-            current=(p.current_workers, d.current_workers), binding=(p.binding, d.binding),
-            utilisation=(p.utilisation, d.utilisation), body=capacity.to_dict(),
-        )
-        report.capacity = (f"prefill {p.workers} ({p.binding}), decode {d.workers} "
-                           f"({d.binding})")
-
-    def _recommendation_reached(self, events: Sequence[ScalingEvent]) -> int | None:
-        """The newest recent recommendation whose counts every confirmed scaling event
-        reached, for a role it asked to change; None if the change was not recommended."""
-        with self.store.read() as tx:
-            recent = tx.recommendations(limit=RECENT_RECOMMENDATIONS)
-        for rec in reversed(recent):
-            asked = {"prefill": rec.current_prefill, "decode": rec.current_decode}
-            if all(e.after == rec.workers(e.role) and asked[e.role] != e.after
-                   for e in events):
-                return rec.id
-        return None
-
-    def _refresh_export(self, body: Mapping[str, Any], at: float, now: float) -> None:
-        """Export the newest stored recommendation while it is fresh: after a restart or a
-        change of leader (an autoscaler is not left without a value until the next plan),
-        and withdraw it once no plan has succeeded for a few intervals (an autoscaler then
-        holds its count instead of following a load that may be gone)."""
-        stale = now - at >= STALE_RECOMMENDATION_INTERVALS * self.config.capacity_interval_s
-        if stale and self._exported_recommendation:
-            log.warning("capacity recommendation withdrawn: none for %.0f s", now - at)
-            self.metrics.clear_recommendation()
-            self._exported_recommendation = False
-        if stale or self._exported_recommendation:
-            return
-        try:
-            self._export_recommendation(body, at)
-        except (KeyError, TypeError, ValueError) as e:
-            log.warning("stored recommendation not exported: %s: %s", type(e).__name__, e)
-
-    def _export_recommendation(self, body: Mapping[str, Any], at: float) -> None:
-        """``body`` is ``CapacityPlan.to_dict()`` (a new plan or a stored one)."""
-        for role in ("prefill", "decode"):
-            r = body[role]
-            util = r.get("utilisation")
-            self.metrics.set_recommendation(
-                role, int(r["workers"]), math.nan if util is None else float(util),
-                r.get("current_workers"), bool(r.get("extrapolated")),
-            )
-        self.metrics.recommended(at)
-        self._exported_recommendation = True
 
     # -- canary ---------------------------------------------------------------------------
 
-    def _judge_canary(self, tx: Tx, rollout: Rollout, report: CycleReport,
-                      refit: CalibrationOutcome | None = None) -> str:
-        assert rollout.canary_version is not None
-        record = tx.policy(rollout.canary_version)
-        assert record is not None
-        verdict = self.judge_canary(tx, rollout, record)
-        report.canary = f"v{rollout.canary_version}: {verdict.reason}"
-        if verdict.action == "promote" and refit is not None and refit.approved \
-                and rollout.fleet_version is not None:
-            # Refitted on the candidate's own traffic, the model prefers another table: that
-            # table bakes instead, and the fleet changes once, not twice.
-            tx.set_policy_status(rollout.canary_version, "superseded",
-                                 f"{SUPERSEDED}: {verdict.reason}")
-            for r in rollout.canary_routers:
-                tx.set_desired(r, rollout.fleet_version)
-            report.canary = f"v{rollout.canary_version}: superseded by its refit"
-            return "superseded"
-        if verdict.action == "promote":
-            for r in self.routers:
-                tx.set_desired(r, rollout.canary_version)
-            tx.mark_promoted(rollout.canary_version, self.clock.utcnow())
-            self._events.append(CanaryState("promoted"))
-        elif verdict.action == "roll_back":
-            tx.set_policy_status(rollout.canary_version, "rolled_back",
-                                 f"canary rolled back: {verdict.reason}")
-            if rollout.fleet_version is not None:
-                for r in rollout.canary_routers:
-                    tx.set_desired(r, rollout.fleet_version)
-            self._events.append(RolledBack("canary", rollout.fleet_version))
-        return verdict.action
-
-    def judge_canary(self, tx: Tx, rollout: Rollout, record: PolicyRecord,
-                     unstored: Window | None = None) -> CanaryVerdict:
-        """The pure judge (:func:`controller.core.rollout.judge_canary`) on the windows
-        since ``record``'s approval (``unstored``: this cycle's window, before it is
-        stored)."""
-        return judge_canary(self._bake_windows(tx, record, unstored),
-                            {self.outcome_names[r] for r in rollout.canary_routers},
-                            {self.outcome_names[r] for r in rollout.control_routers},
-                            self.config.judge)
-
-    def _watch_promotion(self, tx: Tx, version: int, ops: OperatorState,
-                         report: CycleReport) -> bool:
-        """Roll a promotion back when the fleet's goodput since falls well below the bake's;
-        True when it did. A canary shares the workers with the control routers, so a route
-        fine for its share of the traffic can overload a pool once every router sends it
-        there: the judge could not see that, the fleet's goodput after the promotion does.
-        Never while an operator holds the rollout (paused, pinned, in fallback): they chose
-        what runs."""
-        record = tx.policy(version)
-        if record is None or record.promoted_at is None or self.config.watch_s is None:
-            return False
-        verdict = self.judge_promotion(tx, record)
-        if verdict.action == "roll_back" and ops.holding:
-            report.canary = f"v{version}: {verdict.reason}; not rolled back: the operator holds"
-            return False
-        if verdict.action != "roll_back":
-            if verdict.action != "over":
-                report.canary = f"v{version}: {verdict.reason}"
-            return False
-        target = self._rollback_target(tx, version, ops)
-        if target is None:
-            report.canary = f"v{version}: {verdict.reason}; nothing older to roll back to"
-            return False
-        tx.set_policy_status(version, "rolled_back", f"{UNPROMOTED}: {verdict.reason}")
-        runs = self._desire_back(tx, target, ops)
-        report.canary = f"v{version}: {UNPROMOTED} to v{target}{runs}: {verdict.reason}"
-        self._events.append(RolledBack("watch", target))
-        return True
-
-    def _rollback_target(self, tx: Tx, newest: int | None, ops: OperatorState) -> int | None:
-        """The newest approved version below ``newest``. While exploration is off, one that
-        differs from ``newest`` only in exploration is passed over: it would be re-issued
-        without exploration, the same table again (e.g. the one `exploration off` copied)."""
-        approved = sorted((p.version for p in tx.policies(status="approved")), reverse=True)
-        below = [v for v in approved if newest is None or v < newest]
-        if newest is None or not ops.exploration_off:
-            return below[0] if below else None
-        quiet = _without_exploration_key(self._policy(tx, newest))
-        return next((v for v in below
-                     if _without_exploration_key(self._policy(tx, v)) != quiet), None)
-
-    def _desire_back(self, tx: Tx, target: int, ops: OperatorState) -> str:
-        """Every router to ``target``; while exploration is off, a target that explores is
-        re-issued without it (as ``exploration off`` does). What runs, for the outcome."""
-        policy = self._policy(tx, target)
-        if ops.exploration_off and any(policy.table.exploration):
-            version = self._everywhere_without_exploration(
-                tx, policy, f"v{target} without exploration (rolled back while exploration "
-                "is off)")
-            return f", re-issued without exploration as v{version}"
-        for router in self.routers:
-            tx.set_desired(router, target)
-        return ""
-
-    def judge_promotion(self, tx: Tx, record: PolicyRecord) -> WatchVerdict:
-        """The pure watch (:func:`controller.core.rollout.judge_watch`) on the windows since
-        ``record``'s approval; over once ``watch_s`` passed since its promotion (no read)."""
-        cfg = self.config
-        assert record.promoted_at is not None and cfg.watch_s is not None
-        now, promoted = self.clock.now(), record.promoted_at.timestamp()
-        if now - promoted > cfg.watch_s:
-            return WATCH_OVER
-        return judge_watch(now, promoted, self._bake_windows(tx, record),
-                           {self.outcome_names[r] for r in self.routers}, cfg.judge)
-
-    def _bake_windows(self, tx: Tx, record: PolicyRecord, unstored: Window | None = None
-                      ) -> list[Window]:
-        """Stored windows (and ``unstored``) that ended at least half an interval after
-        ``record``'s approval: the one the approval happened in saw the old policy
-        everywhere."""
-        approved_at = record.created_at.timestamp()
-        since = record.created_at - timedelta(seconds=self.config.interval_s)
-        windows = [w.window for w in tx.windows(since=since)]
-        if unstored is not None:
-            windows.append(unstored)
-        return [w for w in windows if w.end >= approved_at + 0.5 * self.config.interval_s]
 
     # -- operator requests ----------------------------------------------------------------
 
-    def _apply_request(self, tx: Tx, r: OperatorRequest, report: CycleReport
-                       ) -> tuple[str, bool]:
-        args = r.args or {}
-        what = args.get("what", "approvals")
-        if r.kind == "pause":
-            if what == "pin":
-                version = version_arg(args.get("version"))
-                if version is None:
-                    return f"cannot pin {args.get('version')!r}: {NOT_A_VERSION}", False
-                rec = tx.policy(version)
-                if rec is None or rec.status != "approved":
-                    return (f"cannot pin v{version}: "
-                            f"{'no such version' if rec is None else rec.status}"), False
-                for router in self.routers:
-                    tx.set_desired(router, version)
-                return f"pinned v{version} on every router", True
-            if what == "exploration":
-                return self._exploration_off(tx, report), True
-            return "paused: no approvals and no pushes until resume", True
-        if r.kind == "resume":
-            # Done either way (the state is what was asked), but say when nothing changed.
-            ops = operator_state(tx.requests(status="done"))
-            if what == "pin":
-                held = ops.pinned is not None or ops.fallback
-                return ("unpinned" if held else "nothing was pinned (no change)"), True
-            if what == "exploration":
-                return ("exploration back on" if ops.exploration_off
-                        else "exploration was on (no change)"), True
-            return ("resumed" if ops.paused else "was not paused (no change)"), True
-        if r.kind == "rollback":
-            if args.get("to") == FALLBACK_PREFILL:
-                return self._fallback(tx, r), True
-            return self._rollback(tx, args.get("version"))
-        return f"unknown request kind {r.kind}", False
-
-    def _drop_abandoned_canary(self, tx: Tx, baking: int | None, why: str) -> None:
-        """A canary that an operator action took off its routers (a pin of another version,
-        a fallback, exploration off) without promoting it is rolled back: left approved, a
-        later rollback or a watch went back to it though it had never run on the fleet."""
-        if baking is None:
-            return
-        after = self._rollout(tx)
-        record = tx.policy(baking)
-        if after.canary_version is None and after.fleet_version != baking \
-                and record is not None and record.status == "approved":
-            tx.set_policy_status(baking, "rolled_back", f"{ABANDONED_PREFIX}{why}")
-            self._events.append(CanaryState("rolled_back"))
-
-    def _rollback(self, tx: Tx, version: Any) -> tuple[str, bool]:
-        asked = None if version is None else version_arg(version)
-        if version is not None and asked is None:
-            return f"cannot roll back to {version!r}: {NOT_A_VERSION}", False
-        rollout = self._rollout(tx)
-        newest = rollout.canary_version or rollout.fleet_version
-        ops = operator_state(tx.requests(status="done"))
-        if asked is not None and rollout.canary_version is None \
-                and rollout.fleet_version == asked:
-            return f"v{rollout.fleet_version} already runs on every router (no change)", True
-        if asked is None:
-            found = self._rollback_target(tx, newest, ops)
-            if found is None:
-                return "nothing to roll back to", False
-            target = found
-        else:
-            target = asked
-            rec = tx.policy(target)
-            if rec is None or rec.status != "approved":
-                return (f"cannot roll back to v{target}: "
-                        f"{'no such version' if rec is None else rec.status}"), False
-        if newest is not None and newest > target:
-            for p in tx.policies(status="approved"):
-                if p.version > target:
-                    tx.set_policy_status(p.version, "rolled_back", "operator rollback")
-        runs = self._desire_back(tx, target, ops)
-        self._events.append(RolledBack("operator", target))
-        return f"rolled back to v{target}{runs}", True
-
-    def _fallback(self, tx: Tx, r: OperatorRequest) -> str:
-        version = tx.next_version()
-        policy = Policy.uniform(version, Route.PREFILL_NODE, provenance=Provenance(
-            created_at=self.clock.utcnow(), reason=f"operator fallback ({r.who})",
-            created_by="pdctl fallback prefill"))
-        self._everywhere(tx, policy, f"fallback prefill by {r.who}: {r.reason}")
-        return f"fallback: every router to all-prefill-node v{version} (held until unpin)"
-
-    def _exploration_off(self, tx: Tx, report: CycleReport) -> str:
-        rollout = self._rollout(tx)
-        if rollout.fleet_version is None:
-            return "exploration off (no policy yet)"
-        current = self._policy(tx, rollout.fleet_version)
-        if not any(current.table.exploration):
-            return f"exploration off (v{rollout.fleet_version} explores nothing)"
-        version = self._everywhere_without_exploration(
-            tx, current, f"v{rollout.fleet_version} without exploration (operator)")
-        report.approved_version = version
-        return f"exploration off: every router to v{version}"
-
-    def _everywhere_without_exploration(self, tx: Tx, policy: Policy, reason: str) -> int:
-        """``policy``'s table with no exploration, as a new version on every router."""
-        version = tx.next_version()
-        self._everywhere(tx, without_exploration(policy).with_version(version), reason)
-        return version
 
     # -- reading the store ----------------------------------------------------------------
 
-    def _rollout(self, tx: Tx) -> Rollout:
-        return read_rollout(tx, self.routers)
-
-    def _current_policy(self, tx: Tx, rollout: Rollout) -> Policy | None:
-        return None if rollout.fleet_version is None else self._policy(tx, rollout.fleet_version)
-
-    def _policy(self, tx: Tx, version: int) -> Policy:
-        cached = self._policies.get(version)
-        if cached is None:
-            rec = tx.policy(version)
-            if rec is None:
-                raise LookupError(f"desired policy v{version} is not stored")
-            cached = self._policies[version] = loads(rec.body_json)
-        return cached
 
     def _restore_learner(self, tx: Tx, rollout: Rollout) -> None:
         """After a restart (or a rollback), the drift reference of the fleet's policy: the
@@ -1559,7 +1095,7 @@ class Cycle:
 
     def _assign_new_routers(self, tx: Tx, now: datetime) -> None:
         """A configured router without a desired version joins the fleet's version."""
-        rollout = self._rollout(tx)
+        rollout = self.book.rollout(tx)
         if rollout.fleet_version is None:
             return
         desired = tx.desired_versions()
@@ -1572,7 +1108,7 @@ class Cycle:
         events, the desired version read a canary's, missed a pin or a re-issue, and was 0
         after a failover)."""
         ops = operator_state(tx.requests(status="done"))
-        rollout = self._rollout(tx)
+        rollout = self.book.rollout(tx)
         # A fallback holds the rollout too: it reads pinned.
         self._events.append(OperatorGauges(ops.paused, ops.pinned is not None or ops.fallback,
                                            rollout.fleet_version))
@@ -1593,7 +1129,7 @@ class Cycle:
             desired_versions = tx.desired_versions()
             mine = self.reconcile_only if self.reconcile_only is not None else self.routers
             if ops.paused:
-                report.reason = _join(report.reason, "paused: no pushes")
+                report.reason = join(report.reason, "paused: no pushes")
                 # Still what the store says: a router held behind by the pause shows it.
                 acked = {r.router_id: r.acked_version for r in tx.routers()}
                 for r in mine:
@@ -1601,7 +1137,7 @@ class Cycle:
                                                      acked.get(r) or 0)
                 self._exported_versions = True
                 return
-            desired = {r: self._policy(tx, v) for r, v in desired_versions.items() if r in mine}
+            desired = {r: self.book.policy(tx, v) for r, v in desired_versions.items() if r in mine}
             # A router at a version we stored and moved back from (a rollback, a pin, a
             # rolled-back canary) gets a rollback push; a router ahead at a version we never
             # stored (a restored backup) gets the desired policy re-issued above it.
@@ -1642,13 +1178,13 @@ class Cycle:
                 if s.reissued_as is not None:
                     old = desired_versions[router]
                     if old not in reissued and tx.policy(s.reissued_as) is None:
-                        policy = self._policy(tx, old).with_version(s.reissued_as)
+                        policy = self.book.policy(tx, old).with_version(s.reissued_as)
                         rec = tx.policy(old)
                         tx.add_policy(s.reissued_as, policy.checksum, dumps(policy), "approved",
                                       f"v{old} re-issued above a router that was ahead",
                                       reissue_of=(rec.reissue_of if rec and rec.reissue_of
                                                   else old))
-                        self._policies[s.reissued_as] = policy
+                        self.book.cache[s.reissued_as] = policy
                     reissued[old] = s.reissued_as
                     tx.set_desired(router, s.reissued_as, at=at)
                 if s.ok and s.acked_version is not None and s.acked_checksum is not None:
@@ -1686,37 +1222,6 @@ def _push_result(s: RouterStatus) -> str:
         return "rejected"
     return "failed"
 
-
-def record_adoption(tx: Tx, found: RunningPolicy, routers: Sequence[str], who: str
-                    ) -> tuple[Policy, str, bool]:
-    """Record the one policy every router runs (``found.policy``) as the fleet's, desired
-    for every router, when no configured router has a desired version: an empty store, or
-    routers that replaced every earlier one (``who`` started then). The policy as stored,
-    what was done, and whether a version was added (False: a stored one desired again)."""
-    policy = found.policy
-    assert policy is not None
-    ran = policy.version
-    stored = tx.policy(policy.version)
-    if stored is not None and stored.checksum == policy.checksum:
-        # The routers run a stored version (their rows were under other names): it is
-        # desired again as it is, no push.
-        for router in routers:
-            tx.set_desired(router, policy.version)
-        return policy, f"the routers run stored v{policy.version}: desired again", False
-    if tx.policies(limit=1):
-        where = f"{who} found no configured router with a desired version"
-        if stored is not None or policy.version < tx.next_version():
-            # Its number is taken or behind the store's: stored under the next one (the
-            # routers get the same table under it, one push each).
-            policy = policy.with_version(tx.next_version())
-    else:
-        where = f"{who} started on an empty store"
-    tx.add_policy(policy.version, policy.checksum, dumps(policy), "approved",
-                  f"{ADOPTED_PREFIX}{found.why} when {where}", kind=PolicyKind.ADOPTED)
-    for router in routers:
-        tx.set_desired(router, policy.version)
-    renumbered = "" if policy.version == ran else f" (it ran as v{ran})"
-    return policy, f"adopted the routers' policy as v{policy.version}{renumbered}", True
 
 
 def dry_run_verdict(approved: bool, reason: str) -> str:
@@ -1760,17 +1265,6 @@ def _scaling_details(plan: _Plan) -> dict[str, Any]:
     return details
 
 
-def _check_storable(capacity: CapacityPlan) -> None:
-    """Refuse a plan the store would refuse, before it can fail the cycle's transaction."""
-    for r in (capacity.prefill, capacity.decode):
-        if r.workers < 1 or not math.isfinite(r.utilisation):
-            raise StoreError(f"{r.role}: {r.workers} workers at utilisation {r.utilisation}")
-    dumps_json(capacity.to_dict())
-
-
-def _join(a: str, b: str) -> str:
-    return f"{a}; {b}" if a else b
-
 
 def _plain(d: Mapping[str, Any]) -> dict[str, Any]:
     from controller.loop.learning import json_safe
@@ -1779,12 +1273,8 @@ def _plain(d: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _report_fields(r: CycleReport) -> dict[str, Any]:
-    return {k: v for k, v in r.__dict__.items() if v not in (None, [], {}, "")}
-
 
 __all__ = [
     "ADOPTED_PREFIX", "DRY_RUN_PREFIX", "REFIT_PREFIX", "SEEDED_PREFIX",
-    "AlwaysLeader", "CapacityPlanner", "Cycle", "CycleConfig", "CycleReport", "Leadership",
-    "dry_run_verdict", "read_rollout", "run_inline",
+    "AlwaysLeader", "Cycle", "CycleConfig", "Leadership", "dry_run_verdict", "run_inline",
 ]

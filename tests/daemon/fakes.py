@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry
 from controller.clock import VirtualClock
 from controller.core.trigger import Cause, Trigger
 from controller.core.window import RouteOutcome, TargetFailure, Window, WorkerStats, Workload
-from controller.loop.cycle import CapacityPlanner, Cycle, CycleConfig, CycleReport
+from controller.loop.cycle import Cycle, CycleConfig
+from controller.loop.export import CapacityPlanner
 from controller.loop.learning import (
     CalibrationOutcome,
     DriftFinding,
@@ -20,6 +21,7 @@ from controller.loop.learning import (
     renews_reference,
 )
 from controller.loop.metrics import ControllerMetrics
+from controller.loop.report import CycleReport
 from controller.observe.source import Target
 from controller.policy import Policy, Provenance, Route
 from controller.rollout.agent import RouterAgent

@@ -20,11 +20,11 @@ from controller.core.rollout import (
     two_proportion_z,
     watch_critical,
 )
+from controller.loop.canary import UNPROMOTED
 from controller.loop.cycle import (
     ADOPTED_PREFIX,
-    UNPROMOTED,
-    CycleReport,
 )
+from controller.loop.report import CycleReport
 from controller.policy import Policy, Route, dumps, loads
 from controller.rollout.agent import RouterAgent
 from tests.daemon.fakes import Rig, make_rig
@@ -1643,7 +1643,7 @@ async def test_a_fleet_version_re_issued_mid_bake_is_not_taken_for_the_canary(
     table re-issued above it, under a number above the canary's: read as the newest
     approved version, the old fleet table was baked as the candidate, and the candidate
     judged as the fleet."""
-    from controller.loop.cycle import read_rollout
+    from controller.loop.policies import read_rollout
 
     rig = make_rig(tmp_path)
     await _canary_v2(rig, {1: 0.90, 2: 0.96})

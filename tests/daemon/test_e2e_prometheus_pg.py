@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from controller.loop.cycle import SUPERSEDED
+from controller.loop.canary import SUPERSEDED
 from controller.observe.source import Target
 from controller.policy import Policy, Route, Slo, dumps
 from controller.store import Store
