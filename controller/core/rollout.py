@@ -198,6 +198,31 @@ def canary_subset(routers: Sequence[str], fraction: float, version: int) -> tupl
     return tuple(sorted(ordered[(start + i) % n] for i in range(k)))
 
 
+class GuardrailVerdict(enum.StrEnum):
+    """The guardrail's decision as counted (``pdctl_guardrail_decisions_total``)."""
+
+    APPROVED = "approved"
+    REJECTED = "rejected"
+    FORCED = "forced"  # approved by an operator's force despite the guardrail
+
+
+def candidate_status(approved: bool, advisory: bool, ops: OperatorState,
+                     canary_version: int | None) -> tuple[PolicyStatus, str | None]:
+    """The status a calibration's candidate is stored with, and why it is held (None: not
+    held). Advisory mode stores every candidate as advisory; an approved one is held as a
+    candidate while an operator holds the rollout or a canary bakes."""
+    if advisory:
+        return PolicyStatus.ADVISORY, None
+    if not approved:
+        return PolicyStatus.REJECTED, None
+    if ops.holding or canary_version is not None:
+        held = ("paused" if ops.paused else "in fallback" if ops.fallback
+                else f"v{ops.pinned} is pinned" if ops.pinned is not None
+                else f"v{canary_version} is baking")
+        return PolicyStatus.CANDIDATE, held
+    return PolicyStatus.APPROVED, None
+
+
 # -- statistics ---------------------------------------------------------------------------
 
 
@@ -488,11 +513,36 @@ def scaling_damped(roles: Collection[str], recal_at: Mapping[str, float], now: f
 
 
 __all__ = [
-    "FALLBACK_PREFILL", "NOT_A_VERSION", "POLICY_TRANSITIONS", "WATCH_OVER", "CanaryAction",
-    "CanaryVerdict", "FinishedRequest", "JudgeParams", "OperatorState", "PolicyStatus",
-    "Rollout", "TriggerChoice", "TriggerInputs", "TriggerNote", "VersionInfo", "WatchAction",
-    "WatchVerdict", "canary_subset", "choose_trigger", "judge_canary", "judge_watch",
-    "may_transition", "operator_state", "pooled", "rollout_of", "scaling_damped", "seen_by",
+    "FALLBACK_PREFILL",
+    "NOT_A_VERSION",
+    "POLICY_TRANSITIONS",
+    "WATCH_OVER",
+    "CanaryAction",
+    "CanaryVerdict",
+    "FinishedRequest",
+    "GuardrailVerdict",
+    "JudgeParams",
+    "OperatorState",
+    "PolicyStatus",
+    "Rollout",
+    "TriggerChoice",
+    "TriggerInputs",
+    "TriggerNote",
+    "VersionInfo",
+    "WatchAction",
+    "WatchVerdict",
+    "canary_subset",
+    "candidate_status",
+    "choose_trigger",
+    "judge_canary",
+    "judge_watch",
+    "may_transition",
+    "operator_state",
+    "pooled",
+    "rollout_of",
+    "scaling_damped",
+    "seen_by",
     "two_proportion_z",
-    "version_arg", "watch_critical",
+    "version_arg",
+    "watch_critical",
 ]

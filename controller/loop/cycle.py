@@ -61,13 +61,16 @@ from controller.core.drift import (
 )
 from controller.core.rollout import (
     CanaryAction,
+    GuardrailVerdict,
     JudgeParams,
     OperatorState,
+    PolicyStatus,
     Rollout,
     TriggerChoice,
     TriggerInputs,
     TriggerNote,
     canary_subset,
+    candidate_status,
     choose_trigger,
     operator_state,
     scaling_damped,
@@ -297,18 +300,36 @@ class Cycle:
         self.outcome_names = {r: (outcome_names or {}).get(r, r) for r in self.routers}
         self.reconcile_only = tuple(reconcile_only) if reconcile_only is not None else None
         self._run_blocking = run_blocking or _to_thread
-        self._state = LearnerState()
-        self._state_for: int | None = None  # the policy version the learner state belongs to
+        self._init_decision_memory()
         self._last_end: float | None = None  # while leading without a break
         self._leading = False
         self._led_term: int | None = None  # the leadership term this replica last led in
-        self._fit_failed_at: float | None = None  # automatic fits back off after a failure
-        self._scaling = ScalingState()
         # Given each approved calibration's policy and basis ([export], controller/exporter.py).
         self.on_approval: Callable[[Policy, Any], None] | None = None
         # Metric events and approvals of the write in progress, used once it committed.
         self._events = MetricEvents()
         self._approved_in_write: list[tuple[Policy, CalibrationOutcome]] = []
+        self.capacity = CapacityExport(
+            planner, metrics, CapacitySettings(self.config.interval_s,
+                                               self.config.capacity_interval_s,
+                                               self.config.capacity_min_windows),
+            self._run_blocking)
+        self.operator = OperatorRequests(self.book, clock)
+        self.canary = Canary(self.book, clock, self.config.judge, self.outcome_names)
+        self._exported_versions = False  # pdctl_router_*_version set by this replica
+        self.last_report: CycleReport | None = None
+        self.last_completed_at: float | None = None  # clock.now() of the last ok cycle
+        self.last_ended_at: float | None = None  # ... of the last cycle, any result (liveness)
+        self._claimed: list[OperatorRequest] = []  # claimed by this cycle's decision
+        self._released: dict[int, int] = {}  # request id -> times given back after a failure
+
+    def _init_decision_memory(self) -> None:
+        """What decisions remember between cycles (:attr:`_DECISION_MEMORY`: each value is
+        replaced, never changed in place, so a failed decision can put it back)."""
+        self._state = LearnerState()
+        self._state_for: int | None = None  # the policy version the learner state belongs to
+        self._fit_failed_at: float | None = None  # automatic fits back off after a failure
+        self._scaling = ScalingState()
         # Causes not yet recalibrated for (a deferred or rate-limited cycle keeps them).
         self._pending_scaling: str | None = None
         self._pending_recommendation: int | None = None  # the scaling reached this one
@@ -322,20 +343,7 @@ class Cycle:
         # A link calibration refused before it could train on the new link's windows alone
         # is tried once more then (epoch s): the newest stored calibration's link_retry_at.
         self._link_retry_at: float | None = None
-        self.capacity = CapacityExport(
-            planner, metrics, CapacitySettings(self.config.interval_s,
-                                               self.config.capacity_interval_s,
-                                               self.config.capacity_min_windows),
-            self._run_blocking)
-        self.operator = OperatorRequests(self.book, clock)
-        self.canary = Canary(self.book, clock, self.config.judge, self.outcome_names)
-        self._exported_versions = False  # pdctl_router_*_version set by this replica
         self._failing: dict[str, int] = {}  # target -> windows failed in a row
-        self.last_report: CycleReport | None = None
-        self.last_completed_at: float | None = None  # clock.now() of the last ok cycle
-        self.last_ended_at: float | None = None  # ... of the last cycle, any result (liveness)
-        self._claimed: list[OperatorRequest] = []  # claimed by this cycle's decision
-        self._released: dict[int, int] = {}  # request id -> times given back after a failure
 
     @property
     def planner(self) -> CapacityPlanner | None:
@@ -443,31 +451,12 @@ class Cycle:
             self._released[request_id] = self._released.get(request_id, 0) + 1
 
     async def _decide(self, report: CycleReport) -> None:
+        """Gather (the window, the store), decide (trigger, calibration, capacity) and write
+        the decision in one transaction."""
         now = self.clock.now()
-        end = now
-        start = self._window_start(end)
         plan = _Plan()
-        t0 = self.clock.monotonic()
-        try:
-            plan.window = await self.source.window(start, end)
-            self.metrics.observe_job("observe", self.clock.monotonic() - t0)
-            for failure in plan.window.failures:  # why, on /metrics (the log only said so)
-                self.metrics.observe_failed(failure.kind)
-            if plan.window.failures and not plan.window.answered:
-                # Nothing answered (the cluster, or our path to it, is down): not a scaling
-                # event to plan for, and not a successful cycle (PdControllerStalled and
-                # /healthz say so). Reconciling and operator requests go on.
-                failed = sorted({f.target for f in plan.window.failures})
-                plan.window = None
-                raise NothingAnswered(f"no target answered ({len(failed)} failed: "
-                                    f"{', '.join(failed[:3])}{', ...' if len(failed) > 3 else ''})")
-        except Exception as e:
-            if not isinstance(e, NothingAnswered):  # the source itself failed
-                self.metrics.observe_failed("source")
-            report.result = "skipped"
-            report.reason = f"observe failed: {type(e).__name__}: {e}"
-            log.warning("%s", report.reason)
-        self._last_end = end
+        plan.window = await self._observe(self._window_start(now), now, report)
+        self._last_end = now
         claimed = self._claimed = self.operator.claim(
             self.store, self.leadership.holder, self.config.request_stale_after_s)
         with self.store.read() as tx:
@@ -479,36 +468,8 @@ class Cycle:
             # replaced every earlier one (new addresses, a redeploy) on a store with history.
             empty = rollout.fleet_version is None
         if empty and self.reconcile_only is None:
-            # The policy every router already runs becomes the fleet's (written with this
-            # cycle): the first table is then judged against it and canaried, not approved
-            # unchecked to every router (docs/operations.md, "First start"). Sidecar
-            # replicas reach their own router only.
-            found = await self.reconciler.running_policy(self.routers)
-            if found.policy is not None:
-                plan.adopted = found
-            elif found.why:
-                report.reason = join(report.reason, f"no running policy adopted: {found.why}")
-            current = found.policy
-        window = plan.window
-        if window is not None:
-            self._track_failures(window)
-            self._scaling, events = step_scaling(self._scaling, window, SETTLED_FAILURES)
-            if events:
-                self._pending_scaling = "; ".join(e.reason for e in events)
-                plan.applied_recommendation = self.capacity.reached(self.store, events)
-                if plan.applied_recommendation is not None:
-                    self._pending_recommendation = plan.applied_recommendation
-                    self._pending_scaling += \
-                        f" (recommendation #{plan.applied_recommendation} applied)"
-            self._damp_flap(events)
-        complete = window is not None and self.usable(window)
-        if window is not None:
-            t0 = self.clock.monotonic()
-            self._state, plan.findings = self.learner.assess(self._state, window, window.end)
-            self.metrics.observe_job("assess", self.clock.monotonic() - t0)
-            if any(f.fired for f in plan.findings):
-                self._pending_drift = True
-                self._pending_measured |= any(f.measured for f in plan.findings)
+            current = await self._adopt_running(plan, report)
+        self._assess(plan)
         recal = next((r for r in claimed if r.kind == "recalibrate"), None)
         plan.trigger = self._trigger(plan, rollout, ops, recal, now)
         if plan.trigger is Trigger.CANARY:
@@ -520,9 +481,10 @@ class Cycle:
                 current = self.book.policy(tx, rollout.canary_version)
                 plan.refits = _calibration_trigger(tx, rollout.canary_version)
         if plan.trigger is not None:
+            complete = plan.window is not None and self.usable(plan.window)
             if not complete and recal is None:
                 report.reason = join(report.reason, f"calibration ({plan.trigger}) deferred: "
-                                      f"{_why_incomplete(window)}")
+                                     f"{_why_incomplete(plan.window)}")
                 plan.trigger = None
             else:
                 await self._calibrate(plan, current, now, recal, report)
@@ -531,6 +493,66 @@ class Cycle:
         if plan_failed is not None:
             report.capacity = plan_failed
         self._write(plan, claimed, rollout, ops, report)
+
+    async def _observe(self, start: float, end: float, report: CycleReport) -> Window | None:
+        """The window ``[start, end)``, or None (the cycle is then "skipped"): the source
+        failed, or no target answered (the cluster, or the path to it, is down: not a
+        scaling event to plan for, and not a successful cycle, as PdControllerStalled and
+        /healthz say). Reconciling and operator requests go on either way."""
+        t0 = self.clock.monotonic()
+        try:
+            window = await self.source.window(start, end)
+            self.metrics.observe_job("observe", self.clock.monotonic() - t0)
+            for failure in window.failures:  # why, on /metrics
+                self.metrics.observe_failed(failure.kind)
+            if window.failures and not window.answered:
+                failed = sorted({f.target for f in window.failures})
+                raise NothingAnswered(f"no target answered ({len(failed)} failed: "
+                                      f"{', '.join(failed[:3])}"
+                                      f"{', ...' if len(failed) > 3 else ''})")
+        except Exception as e:
+            if not isinstance(e, NothingAnswered):  # the source itself failed
+                self.metrics.observe_failed("source")
+            report.result = "skipped"
+            report.reason = f"observe failed: {type(e).__name__}: {e}"
+            log.warning("%s", report.reason)
+            return None
+        return window
+
+    async def _adopt_running(self, plan: _Plan, report: CycleReport) -> Policy | None:
+        """The policy every router already runs, adopted as the fleet's in this cycle's
+        write: the first table is then judged against it and canaried, not approved
+        unchecked to every router (docs/operations.md, "First start"). Sidecar replicas
+        reach their own router only, so they adopt nothing."""
+        found = await self.reconciler.running_policy(self.routers)
+        if found.policy is not None:
+            plan.adopted = found
+        elif found.why:
+            report.reason = join(report.reason, f"no running policy adopted: {found.why}")
+        return found.policy
+
+    def _assess(self, plan: _Plan) -> None:
+        """Track failed targets and scaling events, and run the drift detectors on this
+        cycle's window; the causes found stay pending until a calibration answers them."""
+        window = plan.window
+        if window is None:
+            return
+        self._track_failures(window)
+        self._scaling, events = step_scaling(self._scaling, window, SETTLED_FAILURES)
+        if events:
+            self._pending_scaling = "; ".join(e.reason for e in events)
+            plan.applied_recommendation = self.capacity.reached(self.store, events)
+            if plan.applied_recommendation is not None:
+                self._pending_recommendation = plan.applied_recommendation
+                self._pending_scaling += \
+                    f" (recommendation #{plan.applied_recommendation} applied)"
+        self._damp_flap(events)
+        t0 = self.clock.monotonic()
+        self._state, plan.findings = self.learner.assess(self._state, window, window.end)
+        self.metrics.observe_job("assess", self.clock.monotonic() - t0)
+        if any(f.fired for f in plan.findings):
+            self._pending_drift = True
+            self._pending_measured |= any(f.measured for f in plan.findings)
 
     def _window_start(self, end: float) -> float:
         """Windows tile time: continue from the last one, ours while leading without a
@@ -666,7 +688,6 @@ class Cycle:
     async def _calibrate(self, plan: _Plan, current: Policy | None, now: float,
                          recal: OperatorRequest | None, report: CycleReport) -> None:
         trigger = plan.trigger or Trigger.SCHEDULE
-        for_link = False  # a drift led by the KV link
         with self.store.read() as tx:
             stored = tx.windows(limit=self.config.training_windows)
         usable = [s for s in stored if self.usable(s.window)]
@@ -687,32 +708,8 @@ class Cycle:
             plan.too_few_windows = True
             return
         self.metrics.recalibration(trigger)
-        if trigger is Trigger.SCALING:
-            plan.scaling = self._pending_scaling
-            plan.scaling_recommendation = self._pending_recommendation
-            self._scaling_recal_at = {**self._scaling_recal_at,
-                                      **dict.fromkeys(self._pending_scaling_roles, now)}
-        if trigger is Trigger.CANARY:
-            # The candidate's own reason and regime: the learner trains the refit on the
-            # same regime's windows (since the drift or the scaling it answered), the bake's
-            # included. Causes pending for the fleet's policy stay pending.
-            assert current is not None
-            cause = Cause(trigger, refits=plan.refits,
-                          text=f"{current.provenance.reason or Trigger.SCHEDULE} "
-                               f"({REFIT_PREFIX}{plan.refit_of})")
-        else:
-            for_link = trigger is Trigger.DRIFT and self._pending_measured
-            self._pending_scaling = None  # this calibration sees the new capacity and mix
-            self._pending_recommendation = None
-            self._pending_scaling_roles = frozenset()
-            self._calibrated_counts = dict(self._scaling.known) or None
-            self._pending_drift = self._pending_measured = False
-            if recal is not None and recal.reason:
-                cause = Cause(trigger, recal.reason)
-            elif plan.scaling is not None:  # the policy's provenance says which shape
-                cause = Cause(trigger, plan.scaling)
-            else:
-                cause = Cause(trigger)
+        for_link = trigger is Trigger.DRIFT and self._pending_measured  # led by the KV link
+        cause = self._take_cause(plan, trigger, current, recal, now)
 
         def fit() -> CalibrationOutcome:
             return self.learner.calibrate(windows, current, now, cause, force)
@@ -736,6 +733,33 @@ class Cycle:
             # rate-limited").
             plan.link_retry_at = now + MIN_REGIME_WINDOWS * self.config.interval_s
 
+    def _take_cause(self, plan: _Plan, trigger: Trigger, current: Policy | None,
+                    recal: OperatorRequest | None, now: float) -> Cause:
+        """The cause this calibration answers. A canary refit keeps the candidate's own
+        reason and regime (the learner trains it on the same regime's windows, the bake's
+        included) and leaves the causes pending for the fleet's policy; any other
+        calibration sees the new capacity and mix, so it takes every pending cause."""
+        if trigger is Trigger.SCALING:
+            plan.scaling = self._pending_scaling
+            plan.scaling_recommendation = self._pending_recommendation
+            self._scaling_recal_at = {**self._scaling_recal_at,
+                                      **dict.fromkeys(self._pending_scaling_roles, now)}
+        if trigger is Trigger.CANARY:
+            assert current is not None
+            return Cause(trigger, refits=plan.refits,
+                         text=f"{current.provenance.reason or Trigger.SCHEDULE} "
+                              f"({REFIT_PREFIX}{plan.refit_of})")
+        self._pending_scaling = None
+        self._pending_recommendation = None
+        self._pending_scaling_roles = frozenset()
+        self._calibrated_counts = dict(self._scaling.known) or None
+        self._pending_drift = self._pending_measured = False
+        if recal is not None and recal.reason:
+            return Cause(trigger, recal.reason)
+        if plan.scaling is not None:  # the policy's provenance says which shape
+            return Cause(trigger, plan.scaling)
+        return Cause(trigger)
+
     # -- the one write transaction --------------------------------------------------------
 
     def _write(self, plan: _Plan, claimed: list[OperatorRequest], rollout: Rollout,
@@ -757,6 +781,9 @@ class Cycle:
 
     def _write_decision(self, plan: _Plan, claimed: list[OperatorRequest], rollout: Rollout,
                         ops: OperatorState, report: CycleReport, now_dt: datetime) -> None:
+        """The cycle's one write transaction, fenced by leadership: the window, an adoption,
+        drift events, the capacity recommendation, operator requests, the canary's verdict
+        or the watch's, the calibration and its candidate, new routers, state gauges."""
         with self.store.cycle() as tx:
             if not self.leadership.fence(tx):
                 report.result, report.reason = "skipped", "lost leadership before writing"
@@ -773,51 +800,74 @@ class Cycle:
                                              report.window_id)
             if rid is not None:
                 report.recommendation_id, report.capacity = rid, said
-            for r in claimed:
-                if r.kind != "recalibrate":
-                    baking = self.book.rollout(tx).canary_version
-                    outcome, ok = self.operator.apply(tx, r, report, self._events)
-                    tx.finish_request(r.id, outcome, ok=ok)
-                    self._released.pop(r.id, None)
-                    report.requests.append(f"{r.kind}#{r.id}: {outcome}")
-                    self.operator.drop_abandoned_canary(tx, baking, f"{r.kind}#{r.id}: {outcome}",
-                                                        self._events)
-            # Operator actions above may have changed the rollout; read it again.
-            rollout = self.book.rollout(tx)
-            ops = operator_state(tx.requests(status="done"))
-            if rollout.canary_version is not None and plan.window is not None and ops.paused:
-                # A verdict is a push (a promotion or a rollback): it waits for resume, and
-                # the windows baked meanwhile count then. Promoted while paused, the watch
-                # judged a fleet that had not received the policy.
-                report.canary = (f"v{rollout.canary_version}: baking; not judged while paused "
-                                 "(no pushes)")
-            elif rollout.canary_version is not None and plan.window is not None:
-                refit = plan.calibration if plan.refit_of == rollout.canary_version else None
-                plan.canary_verdict = self.canary.apply_verdict(tx, rollout, report,
-                                                                 self._events, refit)
-                rollout = self.book.rollout(tx)
-            elif rollout.fleet_version is not None and plan.window is not None \
-                    and self.canary.watch(tx, rollout.fleet_version, ops, report, self._events):
-                rollout = self.book.rollout(tx)
+            self._apply_requests(tx, claimed, report)
+            rollout, ops = self._judge_rollout(tx, plan, report)
             if plan.trigger is not None:
                 report.trigger = plan.trigger
                 self._record_calibration(tx, plan, rollout, ops, report)
-            for r in claimed:
-                if r.kind == "recalibrate":
-                    ok = plan.calibration is not None
-                    outcome = report.guardrail or plan.calibration_error or "nothing to do"
-                    if plan.calibration is None and plan.calibration_error is None:
-                        outcome = report.reason or "not run"
-                    tx.finish_request(r.id, outcome, ok=ok)
-                    report.requests.append(f"recalibrate#{r.id}: {outcome}")
+            self._finish_recalibrations(tx, claimed, plan, report)
             self._assign_new_routers(tx, now_dt)
             self._set_state_metrics(tx)
+        self._note_calibration(plan, report)
+
+    def _apply_requests(self, tx: Tx, claimed: Sequence[OperatorRequest],
+                        report: CycleReport) -> None:
+        """Carry out and finish the claimed requests other than ``recalibrate``."""
+        for r in claimed:
+            if r.kind == "recalibrate":
+                continue
+            baking = self.book.rollout(tx).canary_version
+            outcome, ok = self.operator.apply(tx, r, report, self._events)
+            tx.finish_request(r.id, outcome, ok=ok)
+            self._released.pop(r.id, None)
+            report.requests.append(f"{r.kind}#{r.id}: {outcome}")
+            self.operator.drop_abandoned_canary(tx, baking, f"{r.kind}#{r.id}: {outcome}",
+                                                self._events)
+
+    def _judge_rollout(self, tx: Tx, plan: _Plan, report: CycleReport
+                       ) -> tuple[Rollout, OperatorState]:
+        """Judge the baking canary, or watch the fleet's promotion, with this cycle's window;
+        the rollout and operator state as the write leaves them (operator requests just
+        applied may have changed both). While paused a canary is not judged: a verdict is a
+        push, so it waits for resume, and the windows baked meanwhile count then."""
+        rollout = self.book.rollout(tx)
+        ops = operator_state(tx.requests(status="done"))
+        if rollout.canary_version is not None and plan.window is not None and ops.paused:
+            report.canary = (f"v{rollout.canary_version}: baking; not judged while paused "
+                             "(no pushes)")
+        elif rollout.canary_version is not None and plan.window is not None:
+            refit = plan.calibration if plan.refit_of == rollout.canary_version else None
+            plan.canary_verdict = self.canary.apply_verdict(tx, rollout, report,
+                                                             self._events, refit)
+            rollout = self.book.rollout(tx)
+        elif rollout.fleet_version is not None and plan.window is not None \
+                and self.canary.watch(tx, rollout.fleet_version, ops, report, self._events):
+            rollout = self.book.rollout(tx)
+        return rollout, ops
+
+    @staticmethod
+    def _finish_recalibrations(tx: Tx, claimed: Sequence[OperatorRequest], plan: _Plan,
+                               report: CycleReport) -> None:
+        """Finish the claimed ``recalibrate`` requests with the calibration's outcome."""
+        for r in claimed:
+            if r.kind != "recalibrate":
+                continue
+            ok = plan.calibration is not None
+            outcome = report.guardrail or plan.calibration_error or "nothing to do"
+            if plan.calibration is None and plan.calibration_error is None:
+                outcome = report.reason or "not run"
+            tx.finish_request(r.id, outcome, ok=ok)
+            report.requests.append(f"recalibrate#{r.id}: {outcome}")
+
+    def _note_calibration(self, plan: _Plan, report: CycleReport) -> None:
+        """After the commit: why no calibration ran, and the failed-fit back-off (a failed
+        refit sets none: the candidate is left to the judge)."""
         if plan.too_few_windows:
             report.reason = join(report.reason, f"calibration ({plan.trigger}) deferred: "
-                                  f"{plan.calibration_error}")
+                                 f"{plan.calibration_error}")
         elif plan.calibration_error is not None:
             report.reason = join(report.reason, f"calibration skipped: {plan.calibration_error}")
-            if plan.refit_of is None:  # a failed refit leaves the candidate to the judge
+            if plan.refit_of is None:
                 self._fit_failed_at = self.clock.now()
         elif plan.calibration is not None:
             self._fit_failed_at = None
@@ -840,6 +890,8 @@ class Cycle:
 
     def _record_calibration(self, tx: Tx, plan: _Plan, rollout: Rollout, ops: OperatorState,
                             report: CycleReport) -> None:
+        """Store this cycle's calibration and, unless it is a dry run, its candidate; adopt
+        the learner's new drift reference."""
         outcome = plan.calibration
         if outcome is None:
             return
@@ -847,69 +899,26 @@ class Cycle:
         dry_run = bool(plan.recalibrate_request is not None
                        and (plan.recalibrate_request.args or {}).get("dry_run"))
         not_stored = "dry run" if dry_run else None
-        if plan.refit_of is not None and plan.canary_verdict not in ("promote", "superseded"):
+        if plan.refit_of is not None and plan.canary_verdict not in (CanaryAction.PROMOTE,
+                                                                     CanaryAction.SUPERSEDED):
             # The judge was asked before the refit; only an operator action in this cycle
             # (a rollback, a pin, a pause) changes its answer. The refit is then only recorded.
             dry_run = True
             not_stored = (f"the refit of v{plan.refit_of}, which an operator action in this "
                           "cycle kept from its promotion")
             report.not_stored = not_stored
-        if ops.exploration_off:  # read after this cycle's requests: one may have turned it off
-            outcome = plan.calibration = replace(outcome,
-                                                 policy=without_exploration(outcome.policy))
-        seeded: float | None = None
-        if not ops.exploration_off and not self.config.advisory:
-            outcome, seeded = self._seed_first_policy(outcome)
-            plan.calibration = outcome
-        decision = "approved" if outcome.approved else "rejected"
-        self._events.append(GuardrailDecided(
-            decision, "forced" if "forced" in outcome.reason else decision, self.clock.now()))
-        if outcome.predicted_goodput_current is not None:
-            self._events.append(PredictedGoodput(outcome.predicted_goodput_current,
-                                                 outcome.predicted_goodput_new))
-        report.guardrail = outcome.reason
-        if not_stored == "dry run":  # an operator's dry run: what it would have done
-            report.guardrail = dry_run_verdict(outcome.approved, outcome.reason)
+        outcome, seeded = self._final_outcome(plan, outcome, ops, report, not_stored)
         version: int | None = None
         reference_for: int | None = None
         if not dry_run:
-            version = tx.next_version()
-            policy = outcome.policy.with_version(version)
-            reason = outcome.reason
-            if plan.refit_of is not None:
-                reason = f"{REFIT_PREFIX}{plan.refit_of}: {reason}"
-            if self.config.advisory:
-                status = "advisory"
-            elif not outcome.approved:
-                status = "rejected"
-            elif ops.holding or rollout.canary_version is not None:
-                status = "candidate"  # an operator asked for it; the rollout is held
-                held = ("paused" if ops.paused else "in fallback" if ops.fallback
-                        else f"v{ops.pinned} is pinned" if ops.pinned is not None
-                        else f"v{rollout.canary_version} is baking")
-                reason = (f"held as a candidate, not rolled out ({held}); the guardrail's "
-                          f"verdict: {outcome.reason}")
-                report.guardrail = reason
-            else:
-                status = "approved"
-            tx.add_policy(version, policy.checksum, dumps(policy), status, reason,
-                          kind=PolicyKind.OTHER if plan.refit_of is None else PolicyKind.REFIT,
-                          seeded_exploration=seeded)
-            self.book.cache[version] = policy
-            report.candidate_version, report.candidate_status = version, status
-            if status == "approved":
-                self._approve(tx, version, rollout, report)
-                self._state_for = version
-                self._approved_in_write.append((policy, outcome))
+            version = self._store_candidate(tx, plan, outcome, seeded, rollout, ops, report)
         # A refused refit leaves drift measured as it was: it was trained on windows where
-        # two policies ran, and the candidate it refitted keeps running. (Adopting its model
-        # for the performance detector moved later detections and cost goodput in 15 replays:
-        # docs/bench.md, "The canary refit".)
+        # two policies ran, and the candidate it refitted keeps running.
         if not dry_run and (plan.refit_of is None or outcome.approved):
             # The learner decides what drift is measured against now: a refused candidate
             # trained across a shift does not hide it (see Learner.adopt), so that shift
             # fires again after the detector's cooldown and is calibrated for on its own
-            # windows. (This replaced a one-off retry of a refused drift calibration.)
+            # windows.
             self._state = self.learner.adopt(self._state, outcome, self.clock.now())
             if renews_reference(outcome) and self._state_for is not None:
                 # What a restart or a rollback to this version restores (_restore_learner).
@@ -926,6 +935,59 @@ class Cycle:
              **_scaling_details(plan)},
         )
         self._link_retry_at = plan.link_retry_at  # any stored calibration replaces it
+
+    def _final_outcome(self, plan: _Plan, outcome: CalibrationOutcome, ops: OperatorState,
+                       report: CycleReport, not_stored: str | None
+                       ) -> tuple[CalibrationOutcome, float | None]:
+        """The outcome as stored: without exploration while an operator turned it off (read
+        after this cycle's requests), or a first policy seeded with exploration; its
+        guardrail metric events and verdict for the report. Also the seeded share."""
+        if ops.exploration_off:
+            outcome = plan.calibration = replace(outcome,
+                                                 policy=without_exploration(outcome.policy))
+        seeded: float | None = None
+        if not ops.exploration_off and not self.config.advisory:
+            outcome, seeded = self._seed_first_policy(outcome)
+            plan.calibration = outcome
+        decision = GuardrailVerdict.APPROVED if outcome.approved else GuardrailVerdict.REJECTED
+        self._events.append(GuardrailDecided(
+            decision, GuardrailVerdict.FORCED if "forced" in outcome.reason else decision,
+            self.clock.now()))
+        if outcome.predicted_goodput_current is not None:
+            self._events.append(PredictedGoodput(outcome.predicted_goodput_current,
+                                                 outcome.predicted_goodput_new))
+        report.guardrail = outcome.reason
+        if not_stored == "dry run":  # an operator's dry run: what it would have done
+            report.guardrail = dry_run_verdict(outcome.approved, outcome.reason)
+        return outcome, seeded
+
+    def _store_candidate(self, tx: Tx, plan: _Plan, outcome: CalibrationOutcome,
+                         seeded: float | None, rollout: Rollout, ops: OperatorState,
+                         report: CycleReport) -> int:
+        """Number and store the calibration's candidate policy (the one place a calibration
+        takes a version), with the status :func:`candidate_status` gives it; an approved
+        one becomes desired. Its version."""
+        version = tx.next_version()
+        policy = outcome.policy.with_version(version)
+        reason = outcome.reason
+        if plan.refit_of is not None:
+            reason = f"{REFIT_PREFIX}{plan.refit_of}: {reason}"
+        status, held = candidate_status(outcome.approved, self.config.advisory, ops,
+                                        rollout.canary_version)
+        if held is not None:
+            reason = (f"held as a candidate, not rolled out ({held}); the guardrail's "
+                      f"verdict: {outcome.reason}")
+            report.guardrail = reason
+        tx.add_policy(version, policy.checksum, dumps(policy), status, reason,
+                      kind=PolicyKind.OTHER if plan.refit_of is None else PolicyKind.REFIT,
+                      seeded_exploration=seeded)
+        self.book.cache[version] = policy
+        report.candidate_version, report.candidate_status = version, status
+        if status is PolicyStatus.APPROVED:
+            self._approve(tx, version, rollout, report)
+            self._state_for = version
+            self._approved_in_write.append((policy, outcome))
+        return version
 
     def _export_approved(self, policy: Policy, outcome: CalibrationOutcome) -> None:
         """Hand an approved policy and its calibration's basis to ``on_approval`` after the

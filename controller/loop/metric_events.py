@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from controller.core.rollout import GuardrailVerdict
 from controller.loop.metrics import ControllerMetrics
 
 
@@ -39,8 +40,8 @@ class DriftFired:
 
 @dataclass(frozen=True, slots=True)
 class GuardrailDecided:
-    decision: str
-    reason: str
+    decision: GuardrailVerdict  # approved | rejected
+    reason: GuardrailVerdict  # the decision, or forced
     at: float
 
     def emit(self, metrics: ControllerMetrics) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.core.rollout import PolicyStatus
 from controller.core.trigger import Trigger
 
 
@@ -21,7 +22,7 @@ class CycleReport:
     trigger: Trigger | None = None
     calibration_id: int | None = None
     candidate_version: int | None = None
-    candidate_status: str | None = None  # as stored: approved, rejected, candidate, advisory
+    candidate_status: PolicyStatus | None = None  # as stored
     not_stored: str = "dry run"  # why a calibration stored no policy (candidate_version None)
     approved_version: int | None = None
     guardrail: str | None = None
