@@ -127,7 +127,7 @@ def request_line(r: Any) -> str:
     """A request and its outcome in one line. A done dry run reads as what it would have
     done ("dry run: would approve …"), never "done — approved": it approved nothing (an
     outcome recorded by a daemon that wrote the guardrail's bare verdict is worded so too)."""
-    from controller.loop.cycle import DRY_RUN_PREFIX, dry_run_verdict
+    from controller.loop.write import DRY_RUN_PREFIX, dry_run_verdict
 
     head = f"request #{r.id} {r.kind} {json.dumps(r.args)} by {r.who}"
     if r.kind == "recalibrate" and (r.args or {}).get("dry_run") and r.status == "done" \

@@ -48,29 +48,22 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from datetime import datetime
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from controller.clock import Clock
 from controller.core.drift import (
     ScalingState,
-    feature_statistics,
     step_scaling,
     worker_counts,
 )
 from controller.core.rollout import (
-    CanaryAction,
-    GuardrailVerdict,
     JudgeParams,
     OperatorState,
-    PolicyStatus,
     Rollout,
     TriggerChoice,
     TriggerInputs,
     TriggerNote,
-    canary_subset,
-    candidate_status,
     choose_trigger,
     operator_state,
     scaling_damped,
@@ -80,7 +73,6 @@ from controller.core.window import Window
 from controller.errors import TransientError
 from controller.loop.canary import Canary
 from controller.loop.export import (
-    CapacityDraft,
     CapacityExport,
     CapacityPlanner,
     CapacitySettings,
@@ -88,40 +80,25 @@ from controller.loop.export import (
 from controller.loop.learning import (
     MIN_REGIME_WINDOWS,
     CalibrationOutcome,
-    DriftFinding,
     Learner,
     LearnerError,
     LearnerState,
-    renews_reference,
-    without_exploration,
-)
-from controller.loop.metric_events import (
-    CanaryState,
-    DriftFired,
-    DriftStatistic,
-    GuardrailDecided,
-    MetricEvents,
-    NoCanary,
-    OperatorGauges,
-    PolicyChanged,
-    PredictedGoodput,
 )
 from controller.loop.metrics import ControllerMetrics
 from controller.loop.operator import OperatorRequests
-from controller.loop.policies import PolicyBook, record_adoption, reference_calibration
+from controller.loop.policies import PolicyBook, reference_calibration
 from controller.loop.report import CycleReport, join, report_fields
+from controller.loop.write import DecisionWriter, LearnerMemo, LostLeadership, Plan
 from controller.observe.source import MetricsSource
-from controller.policy import LookupTable, Policy, Provenance, dumps
-from controller.rollout.reconciler import Reconciler, RouterStatus, RunningPolicy
+from controller.policy import Policy, dumps
+from controller.rollout.reconciler import Reconciler, RouterStatus
 from controller.store import (
     OperatorRequest,
     Store,
     Tx,
 )
 from controller.store.kinds import (
-    ADOPTED_PREFIX,
     REFIT_PREFIX,
-    SEEDED_PREFIX,
     PolicyKind,
     policy_kind,
 )
@@ -234,29 +211,6 @@ class AlwaysLeader:
 
 
 
-@dataclass
-class _Plan:
-    """Decisions computed before the write transaction."""
-
-    window: Window | None = None
-    findings: list[DriftFinding] = field(default_factory=list)
-    calibration: CalibrationOutcome | None = None
-    calibration_windows: list[int] = field(default_factory=list)
-    trigger: Trigger | None = None
-    refits: Trigger | None = None  # a CANARY calibration: the trigger behind the canary
-    recalibrate_request: OperatorRequest | None = None
-    calibration_error: str | None = None
-    too_few_windows: bool = False  # calibration_error is a lack of data, not a failed fit
-    scaling: str | None = None  # the scaling event a "scaling" calibration answers
-    scaling_recommendation: int | None = None  # ...and the recommendation it applied
-    capacity: CapacityDraft | None = None
-    applied_recommendation: int | None = None  # the scaling just confirmed reached it
-    refit_of: int | None = None  # a "canary" calibration: the baking version it refits
-    adopted: RunningPolicy | None = None  # what every router ran, adopted on an empty store
-    canary_verdict: CanaryAction | None = None  # the judge's action this cycle
-    link_retry_at: float | None = None  # a refused link calibration: calibrate again then
-
-
 
 async def _to_thread(fn: Callable[[], T]) -> T:
     return await asyncio.to_thread(fn)
@@ -306,9 +260,6 @@ class Cycle:
         self._led_term: int | None = None  # the leadership term this replica last led in
         # Given each approved calibration's policy and basis ([export], controller/exporter.py).
         self.on_approval: Callable[[Policy, Any], None] | None = None
-        # Metric events and approvals of the write in progress, used once it committed.
-        self._events = MetricEvents()
-        self._approved_in_write: list[tuple[Policy, CalibrationOutcome]] = []
         self.capacity = CapacityExport(
             planner, metrics, CapacitySettings(self.config.interval_s,
                                                self.config.capacity_interval_s,
@@ -316,6 +267,9 @@ class Cycle:
             self._run_blocking)
         self.operator = OperatorRequests(self.book, clock)
         self.canary = Canary(self.book, clock, self.config.judge, self.outcome_names)
+        self.writer = DecisionWriter(store=store, clock=clock, config=self.config,
+                                     book=self.book, learner=learner, operator=self.operator,
+                                     canary=self.canary, capacity=self.capacity)
         self._exported_versions = False  # pdctl_router_*_version set by this replica
         self.last_report: CycleReport | None = None
         self.last_completed_at: float | None = None  # clock.now() of the last ok cycle
@@ -393,7 +347,7 @@ class Cycle:
             # reconciles its own router.
             if report.result != "failed" and (report.leader or self.reconcile_only is not None):
                 await self._reconcile(report)
-        except _LostLeadership:
+        except LostLeadership:
             # Leading again later starts afresh (baselines, pending causes from the store):
             # another replica may have stored windows and acted meanwhile.
             self._leading = False
@@ -454,7 +408,7 @@ class Cycle:
         """Gather (the window, the store), decide (trigger, calibration, capacity) and write
         the decision in one transaction."""
         now = self.clock.now()
-        plan = _Plan()
+        plan = Plan()
         plan.window = await self._observe(self._window_start(now), now, report)
         self._last_end = now
         claimed = self._claimed = self.operator.claim(
@@ -519,7 +473,7 @@ class Cycle:
             return None
         return window
 
-    async def _adopt_running(self, plan: _Plan, report: CycleReport) -> Policy | None:
+    async def _adopt_running(self, plan: Plan, report: CycleReport) -> Policy | None:
         """The policy every router already runs, adopted as the fleet's in this cycle's
         write: the first table is then judged against it and canaried, not approved
         unchecked to every router (docs/operations.md, "First start"). Sidecar replicas
@@ -531,7 +485,7 @@ class Cycle:
             report.reason = join(report.reason, f"no running policy adopted: {found.why}")
         return found.policy
 
-    def _assess(self, plan: _Plan) -> None:
+    def _assess(self, plan: Plan) -> None:
         """Track failed targets and scaling events, and run the drift detectors on this
         cycle's window; the causes found stay pending until a calibration answers them."""
         window = plan.window
@@ -585,7 +539,7 @@ class Cycle:
         return all(f.target in gone for f in window.failures)
 
 
-    def _trigger(self, plan: _Plan, rollout: Rollout, ops: OperatorState,
+    def _trigger(self, plan: Plan, rollout: Rollout, ops: OperatorState,
                  recal: OperatorRequest | None, now: float) -> Trigger | None:
         """Why to calibrate now, or None: :func:`controller.core.rollout.choose_trigger` on
         what this cycle gathered (the store is read only for what the choice can use)."""
@@ -685,7 +639,7 @@ class Cycle:
         # catches up could block recalibration for hours, so the rate limit does not apply.
         return elapsed if elapsed >= 0 else math.inf
 
-    async def _calibrate(self, plan: _Plan, current: Policy | None, now: float,
+    async def _calibrate(self, plan: Plan, current: Policy | None, now: float,
                          recal: OperatorRequest | None, report: CycleReport) -> None:
         trigger = plan.trigger or Trigger.SCHEDULE
         with self.store.read() as tx:
@@ -733,7 +687,7 @@ class Cycle:
             # rate-limited").
             plan.link_retry_at = now + MIN_REGIME_WINDOWS * self.config.interval_s
 
-    def _take_cause(self, plan: _Plan, trigger: Trigger, current: Policy | None,
+    def _take_cause(self, plan: Plan, trigger: Trigger, current: Policy | None,
                     recal: OperatorRequest | None, now: float) -> Cause:
         """The cause this calibration answers. A canary refit keeps the candidate's own
         reason and regime (the learner trains it on the same regime's windows, the bake's
@@ -762,104 +716,26 @@ class Cycle:
 
     # -- the one write transaction --------------------------------------------------------
 
-    def _write(self, plan: _Plan, claimed: list[OperatorRequest], rollout: Rollout,
+    def _write(self, plan: Plan, claimed: list[OperatorRequest], rollout: Rollout,
                ops: OperatorState, report: CycleReport) -> None:
-        """Write the decision in one transaction; once it committed, emit the metric events
-        it decided, export a new capacity recommendation, and hand approvals to
-        ``on_approval``. A write that fails does none of these."""
-        now_dt = self.clock.utcnow()
-        self._events = MetricEvents()
-        self._approved_in_write = []
-        self._write_decision(plan, claimed, rollout, ops, report, now_dt)
-        events, self._events = self._events, MetricEvents()
-        events.emit(self.metrics)
+        """Write the decision in one transaction (:class:`DecisionWriter`); once it
+        committed, keep the learner's memory it leaves, emit the metric events it decided,
+        export a new capacity recommendation, and hand approvals to ``on_approval``. A write
+        that fails does none of these."""
+        written = self.writer.write(
+            plan, claimed, report, LearnerMemo(self._state, self._state_for, self._link_retry_at),
+            self.leadership, self._released)
+        memo = written.memo
+        self._state, self._state_for, self._link_retry_at = (memo.state, memo.state_for,
+                                                              memo.link_retry_at)
+        self._note_calibration(plan, report)
+        written.events.emit(self.metrics)
         if plan.capacity is not None:  # exported once stored, never before
             self.capacity.export(plan.capacity.capacity.to_dict(), self.clock.now())
-        approved, self._approved_in_write = self._approved_in_write, []
-        for policy, outcome in approved:
+        for policy, outcome in written.approved:
             self._export_approved(policy, outcome)
 
-    def _write_decision(self, plan: _Plan, claimed: list[OperatorRequest], rollout: Rollout,
-                        ops: OperatorState, report: CycleReport, now_dt: datetime) -> None:
-        """The cycle's one write transaction, fenced by leadership: the window, an adoption,
-        drift events, the capacity recommendation, operator requests, the canary's verdict
-        or the watch's, the calibration and its candidate, new routers, state gauges."""
-        with self.store.cycle() as tx:
-            if not self.leadership.fence(tx):
-                report.result, report.reason = "skipped", "lost leadership before writing"
-                report.leader = False
-                raise _LostLeadership()
-            window_ids: list[int] = []
-            if plan.window is not None:
-                report.window_id = tx.add_window(plan.window)
-                window_ids = [report.window_id]
-            if plan.adopted is not None and self.book.rollout(tx).fleet_version is None:
-                self._record_adoption(tx, plan.adopted, report)
-            self._record_drift(tx, plan.findings, window_ids, report)
-            rid, said = self.capacity.record(tx, plan.applied_recommendation, plan.capacity,
-                                             report.window_id)
-            if rid is not None:
-                report.recommendation_id, report.capacity = rid, said
-            self._apply_requests(tx, claimed, report)
-            rollout, ops = self._judge_rollout(tx, plan, report)
-            if plan.trigger is not None:
-                report.trigger = plan.trigger
-                self._record_calibration(tx, plan, rollout, ops, report)
-            self._finish_recalibrations(tx, claimed, plan, report)
-            self._assign_new_routers(tx, now_dt)
-            self._set_state_metrics(tx)
-        self._note_calibration(plan, report)
-
-    def _apply_requests(self, tx: Tx, claimed: Sequence[OperatorRequest],
-                        report: CycleReport) -> None:
-        """Carry out and finish the claimed requests other than ``recalibrate``."""
-        for r in claimed:
-            if r.kind == "recalibrate":
-                continue
-            baking = self.book.rollout(tx).canary_version
-            outcome, ok = self.operator.apply(tx, r, report, self._events)
-            tx.finish_request(r.id, outcome, ok=ok)
-            self._released.pop(r.id, None)
-            report.requests.append(f"{r.kind}#{r.id}: {outcome}")
-            self.operator.drop_abandoned_canary(tx, baking, f"{r.kind}#{r.id}: {outcome}",
-                                                self._events)
-
-    def _judge_rollout(self, tx: Tx, plan: _Plan, report: CycleReport
-                       ) -> tuple[Rollout, OperatorState]:
-        """Judge the baking canary, or watch the fleet's promotion, with this cycle's window;
-        the rollout and operator state as the write leaves them (operator requests just
-        applied may have changed both). While paused a canary is not judged: a verdict is a
-        push, so it waits for resume, and the windows baked meanwhile count then."""
-        rollout = self.book.rollout(tx)
-        ops = operator_state(tx.requests(status="done"))
-        if rollout.canary_version is not None and plan.window is not None and ops.paused:
-            report.canary = (f"v{rollout.canary_version}: baking; not judged while paused "
-                             "(no pushes)")
-        elif rollout.canary_version is not None and plan.window is not None:
-            refit = plan.calibration if plan.refit_of == rollout.canary_version else None
-            plan.canary_verdict = self.canary.apply_verdict(tx, rollout, report,
-                                                             self._events, refit)
-            rollout = self.book.rollout(tx)
-        elif rollout.fleet_version is not None and plan.window is not None \
-                and self.canary.watch(tx, rollout.fleet_version, ops, report, self._events):
-            rollout = self.book.rollout(tx)
-        return rollout, ops
-
-    @staticmethod
-    def _finish_recalibrations(tx: Tx, claimed: Sequence[OperatorRequest], plan: _Plan,
-                               report: CycleReport) -> None:
-        """Finish the claimed ``recalibrate`` requests with the calibration's outcome."""
-        for r in claimed:
-            if r.kind != "recalibrate":
-                continue
-            ok = plan.calibration is not None
-            outcome = report.guardrail or plan.calibration_error or "nothing to do"
-            if plan.calibration is None and plan.calibration_error is None:
-                outcome = report.reason or "not run"
-            tx.finish_request(r.id, outcome, ok=ok)
-            report.requests.append(f"recalibrate#{r.id}: {outcome}")
-
-    def _note_calibration(self, plan: _Plan, report: CycleReport) -> None:
+    def _note_calibration(self, plan: Plan, report: CycleReport) -> None:
         """After the commit: why no calibration ran, and the failed-fit back-off (a failed
         refit sets none: the candidate is left to the judge)."""
         if plan.too_few_windows:
@@ -872,122 +748,6 @@ class Cycle:
         elif plan.calibration is not None:
             self._fit_failed_at = None
 
-    def _record_drift(self, tx: Tx, findings: list[DriftFinding], window_ids: list[int],
-                      report: CycleReport) -> None:
-        for f in findings:
-            if not math.isnan(f.statistic):
-                self._events.append(DriftStatistic(f.kind, "all", f.statistic, f.threshold))
-                # Which feature drives it (the dashboard's drift panel draws each).
-                for feature, value in feature_statistics(f.kind, f.details).items():
-                    if math.isfinite(value):
-                        self._events.append(DriftStatistic(f.kind, feature, value, f.threshold))
-            if f.fired:
-                tx.add_drift_event(f.kind, f.statistic, f.threshold, window_ids,
-                                   {"reason": f.reason, **_plain(f.details),
-                                    "measured": f.measured})
-                self._events.append(DriftFired(f.kind))
-                report.drift.append(f.kind)
-
-    def _record_calibration(self, tx: Tx, plan: _Plan, rollout: Rollout, ops: OperatorState,
-                            report: CycleReport) -> None:
-        """Store this cycle's calibration and, unless it is a dry run, its candidate; adopt
-        the learner's new drift reference."""
-        outcome = plan.calibration
-        if outcome is None:
-            return
-        ids = list(plan.calibration_windows) + ([report.window_id] if report.window_id else [])
-        dry_run = bool(plan.recalibrate_request is not None
-                       and (plan.recalibrate_request.args or {}).get("dry_run"))
-        not_stored = "dry run" if dry_run else None
-        if plan.refit_of is not None and plan.canary_verdict not in (CanaryAction.PROMOTE,
-                                                                     CanaryAction.SUPERSEDED):
-            # The judge was asked before the refit; only an operator action in this cycle
-            # (a rollback, a pin, a pause) changes its answer. The refit is then only recorded.
-            dry_run = True
-            not_stored = (f"the refit of v{plan.refit_of}, which an operator action in this "
-                          "cycle kept from its promotion")
-            report.not_stored = not_stored
-        outcome, seeded = self._final_outcome(plan, outcome, ops, report, not_stored)
-        version: int | None = None
-        reference_for: int | None = None
-        if not dry_run:
-            version = self._store_candidate(tx, plan, outcome, seeded, rollout, ops, report)
-        # A refused refit leaves drift measured as it was: it was trained on windows where
-        # two policies ran, and the candidate it refitted keeps running.
-        if not dry_run and (plan.refit_of is None or outcome.approved):
-            # The learner decides what drift is measured against now: a refused candidate
-            # trained across a shift does not hide it (see Learner.adopt), so that shift
-            # fires again after the detector's cooldown and is calibrated for on its own
-            # windows.
-            self._state = self.learner.adopt(self._state, outcome, self.clock.now())
-            if renews_reference(outcome) and self._state_for is not None:
-                # What a restart or a rollback to this version restores (_restore_learner).
-                reference_for = self._state_for
-        report.calibration_id = tx.add_calibration(
-            ids, outcome.heldout_error, outcome.predicted_goodput_new,
-            outcome.predicted_goodput_current, version,
-            # The cycle's own keys last: the learner's details carry the unforced verdict.
-            {**_plain(outcome.details), "trigger": plan.trigger, "dry_run": dry_run,
-             "not_stored": not_stored,
-             "approved": outcome.approved, "reason": outcome.reason,
-             "refit_of": plan.refit_of, "reference_for": reference_for,
-             "link_retry_at": plan.link_retry_at,
-             **_scaling_details(plan)},
-        )
-        self._link_retry_at = plan.link_retry_at  # any stored calibration replaces it
-
-    def _final_outcome(self, plan: _Plan, outcome: CalibrationOutcome, ops: OperatorState,
-                       report: CycleReport, not_stored: str | None
-                       ) -> tuple[CalibrationOutcome, float | None]:
-        """The outcome as stored: without exploration while an operator turned it off (read
-        after this cycle's requests), or a first policy seeded with exploration; its
-        guardrail metric events and verdict for the report. Also the seeded share."""
-        if ops.exploration_off:
-            outcome = plan.calibration = replace(outcome,
-                                                 policy=without_exploration(outcome.policy))
-        seeded: float | None = None
-        if not ops.exploration_off and not self.config.advisory:
-            outcome, seeded = self._seed_first_policy(outcome)
-            plan.calibration = outcome
-        decision = GuardrailVerdict.APPROVED if outcome.approved else GuardrailVerdict.REJECTED
-        self._events.append(GuardrailDecided(
-            decision, GuardrailVerdict.FORCED if "forced" in outcome.reason else decision,
-            self.clock.now()))
-        if outcome.predicted_goodput_current is not None:
-            self._events.append(PredictedGoodput(outcome.predicted_goodput_current,
-                                                 outcome.predicted_goodput_new))
-        report.guardrail = outcome.reason
-        if not_stored == "dry run":  # an operator's dry run: what it would have done
-            report.guardrail = dry_run_verdict(outcome.approved, outcome.reason)
-        return outcome, seeded
-
-    def _store_candidate(self, tx: Tx, plan: _Plan, outcome: CalibrationOutcome,
-                         seeded: float | None, rollout: Rollout, ops: OperatorState,
-                         report: CycleReport) -> int:
-        """Number and store the calibration's candidate policy (the one place a calibration
-        takes a version), with the status :func:`candidate_status` gives it; an approved
-        one becomes desired. Its version."""
-        version = tx.next_version()
-        policy = outcome.policy.with_version(version)
-        reason = outcome.reason
-        if plan.refit_of is not None:
-            reason = f"{REFIT_PREFIX}{plan.refit_of}: {reason}"
-        status, held = candidate_status(outcome.approved, self.config.advisory, ops,
-                                        rollout.canary_version)
-        if held is not None:
-            reason = (f"held as a candidate, not rolled out ({held}); the guardrail's "
-                      f"verdict: {outcome.reason}")
-            report.guardrail = reason
-        tx.add_policy(version, policy.checksum, dumps(policy), status, reason,
-                      kind=PolicyKind.OTHER if plan.refit_of is None else PolicyKind.REFIT,
-                      seeded_exploration=seeded)
-        self.book.cache[version] = policy
-        report.candidate_version, report.candidate_status = version, status
-        if status is PolicyStatus.APPROVED:
-            self._approve(tx, version, rollout, report)
-            self._state_for = version
-            self._approved_in_write.append((policy, outcome))
-        return version
 
     def _export_approved(self, policy: Policy, outcome: CalibrationOutcome) -> None:
         """Hand an approved policy and its calibration's basis to ``on_approval`` after the
@@ -1000,94 +760,6 @@ class Cycle:
         except Exception as e:
             log.error("on_approval failed for v%s: %s", policy.version, e)
 
-    def _record_adoption(self, tx: Tx, found: RunningPolicy, report: CycleReport) -> None:
-        policy, said, added = record_adoption(tx, found, self.routers, "the controller")
-        if added:
-            self.book.cache[policy.version] = policy
-            self._events.append(PolicyChanged(policy.version))
-        report.reason = join(report.reason, said)
-        seeded = self._seed_exploration(tx, policy)
-        if seeded is not None:
-            report.reason = join(report.reason, seeded)
-
-    def _seed_exploration(self, tx: Tx, adopted: Policy) -> str | None:
-        """The adopted policy with ``adopted_exploration`` in every cell, approved and
-        desired by every router (the daemon's first push), when the adopted one explores
-        nowhere: otherwise the learner never measures the route the routers do not take,
-        and every candidate is an extrapolation the guardrail refuses (predicted goodput
-        0.0000 against the routers' own). Not in advisory mode (nothing is pushed), nor while
-        an operator holds the rollout or turned exploration off. What was done, or None.
-
-        The seeded table counts as a change for ``min_policy_interval_s``: the first
-        calibration waits for the measurements it makes."""
-        share = self.config.adopted_exploration
-        if any(adopted.table.exploration):
-            return None
-        if share <= 0:  # said once, at adoption: the refusals that follow are not silent
-            return (f"v{adopted.version} explores nowhere and [controller] adopted_exploration "
-                    "is 0 (or [ppd] pins a route): the learner cannot measure the route the "
-                    "routers never take (`pdctl calibrate-active` measures both)")
-        if self.config.advisory:
-            return None
-        ops = operator_state(tx.requests(status="done"))
-        if ops.holding or ops.exploration_off:
-            return None
-        version = tx.next_version()
-        reason = (f"{SEEDED_PREFIX}{share:g} in every cell of v{adopted.version}, the routers' "
-                  "own policy, which explores nowhere ([controller] adopted_exploration): the "
-                  "learner measures the route the routers never take")
-        t = adopted.table
-        policy = replace(
-            adopted, version=version,
-            table=LookupTable(t.axes, t.routes, t.scores, (share,) * len(t.exploration)),
-            provenance=Provenance(created_at=self.clock.utcnow(), reason=reason,
-                                  created_by=self.leadership.holder))
-        tx.add_policy(version, policy.checksum, dumps(policy), "approved", reason,
-                      seeded_exploration=share, kind=PolicyKind.SEEDED)
-        self.book.cache[version] = policy
-        for router in self.routers:
-            tx.set_desired(router, version)
-        self._events.append(PolicyChanged(version))
-        return f"v{version}: v{adopted.version} with exploration {share:g} to every router"
-
-    def _seed_first_policy(self, outcome: CalibrationOutcome
-                           ) -> tuple[CalibrationOutcome, float | None]:
-        """A first policy (no current one: the routers ran none to adopt) that explores
-        nowhere gets ``adopted_exploration`` in every cell, as an adopted one does: trained
-        on windows where one route ran alone, it would keep the other route unmeasured for
-        ever and every later candidate would be an extrapolation the guardrail refuses.
-        The outcome unchanged and None otherwise; else the seeded outcome and its share."""
-        share = self.config.adopted_exploration
-        p = outcome.policy
-        if (share <= 0 or not outcome.approved or outcome.predicted_goodput_current is not None
-                or any(p.table.exploration)):
-            return outcome, None
-        t = p.table
-        table = LookupTable(t.axes, t.routes, t.scores, (share,) * len(t.exploration))
-        reason = (f"{outcome.reason}; exploration {share:g} in every cell ([controller] "
-                  "adopted_exploration): the first policy explored nowhere")
-        return replace(outcome, policy=replace(p, table=table), reason=reason), share
-
-
-    def _approve(self, tx: Tx, version: int, rollout: Rollout, report: CycleReport) -> None:
-        """Make an approved version desired: a canary share first when there is a fleet
-        version to compare with, else every router at once."""
-        report.approved_version = version
-        self._events.append(PolicyChanged(version))
-        if rollout.fleet_version is None or len(self.routers) < 2:
-            for r in self.routers:
-                tx.set_desired(r, version)
-            report.canary = ("no previous policy: every router at once"
-                             if rollout.fleet_version is None
-                             else "one router: no control group, promoted at once")
-            self._events.append(CanaryState("promoted"))
-            return
-        canary = canary_subset(self.routers, self.config.canary_fraction, version)
-        for r in canary:
-            tx.set_desired(r, version)
-        # After a superseded canary the report says so first.
-        report.canary = join(report.canary or "", f"baking v{version} on {', '.join(canary)}")
-        self._events.append(CanaryState("baking"))
 
     # -- capacity -------------------------------------------------------------------------
 
@@ -1155,31 +827,6 @@ class Cycle:
         self._pending_scaling_roles = frozenset()
         self._calibrated_counts = dict(self._scaling.known) or None
 
-    def _assign_new_routers(self, tx: Tx, now: datetime) -> None:
-        """A configured router without a desired version joins the fleet's version."""
-        rollout = self.book.rollout(tx)
-        if rollout.fleet_version is None:
-            return
-        desired = tx.desired_versions()
-        for r in self.routers:
-            if r not in desired:
-                tx.set_desired(r, rollout.fleet_version, at=now)
-
-    def _set_state_metrics(self, tx: Tx) -> None:
-        """The leader's state gauges, from what this cycle's transaction leaves (set only at
-        events, the desired version read a canary's, missed a pin or a re-issue, and was 0
-        after a failover)."""
-        ops = operator_state(tx.requests(status="done"))
-        rollout = self.book.rollout(tx)
-        # A fallback holds the rollout too: it reads pinned.
-        self._events.append(OperatorGauges(ops.paused, ops.pinned is not None or ops.fallback,
-                                           rollout.fleet_version))
-        # Baking after a restart mid-bake (it read idle); a canary gone without a verdict
-        # of its own no longer reads baking.
-        if rollout.canary_version is not None:
-            self._events.append(CanaryState("baking"))
-        else:
-            self._events.append(NoCanary())
 
     # -- reconcile (every replica) --------------------------------------------------------
 
@@ -1271,9 +918,6 @@ class NothingAnswered(TransientError):
     """A window in which every worker and router target failed."""
 
 
-class _LostLeadership(Exception):
-    pass
-
 
 def _push_result(s: RouterStatus) -> str:
     if s.ok:
@@ -1285,13 +929,6 @@ def _push_result(s: RouterStatus) -> str:
     return "failed"
 
 
-
-def dry_run_verdict(approved: bool, reason: str) -> str:
-    """The outcome of an operator's ``recalibrate --dry-run``: what the guardrail would
-    have done, in the conditional (it approved nothing and stored no policy), with the
-    guardrail's own reason and numbers after it."""
-    return f"{DRY_RUN_PREFIX}{'approve' if approved else 'reject'}; nothing stored " \
-           f"(guardrail: {reason})"
 
 
 def _calibration_trigger(tx: Tx, version: int) -> Trigger | None:
@@ -1317,26 +954,7 @@ def _why_incomplete(window: Window | None) -> str:
     return "the window has no routed requests"
 
 
-def _scaling_details(plan: _Plan) -> dict[str, Any]:
-    """What a "scaling" calibration answers: the event, and the recommendation it applied."""
-    details: dict[str, Any] = {}
-    if plan.scaling is not None:
-        details["scaling"] = plan.scaling
-    if plan.scaling_recommendation is not None:
-        details["recommendation_id"] = plan.scaling_recommendation
-    return details
-
-
-
-def _plain(d: Mapping[str, Any]) -> dict[str, Any]:
-    from controller.loop.learning import json_safe
-
-    out: dict[str, Any] = json_safe(dict(d))
-    return out
-
-
 
 __all__ = [
-    "ADOPTED_PREFIX", "DRY_RUN_PREFIX", "REFIT_PREFIX", "SEEDED_PREFIX",
-    "AlwaysLeader", "Cycle", "CycleConfig", "Leadership", "dry_run_verdict", "run_inline",
+    "AlwaysLeader", "Cycle", "CycleConfig", "Leadership", "run_inline",
 ]

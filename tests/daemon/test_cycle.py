@@ -21,12 +21,10 @@ from controller.core.rollout import (
     watch_critical,
 )
 from controller.loop.canary import UNPROMOTED
-from controller.loop.cycle import (
-    ADOPTED_PREFIX,
-)
 from controller.loop.report import CycleReport
 from controller.policy import Policy, Route, dumps, loads
 from controller.rollout.agent import RouterAgent
+from controller.store.kinds import ADOPTED_PREFIX
 from tests.daemon.fakes import Rig, make_rig
 
 

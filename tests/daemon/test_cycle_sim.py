@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.config import load_settings
 from controller.daemon import SettingsPlanner
-from controller.loop.cycle import ADOPTED_PREFIX, Cycle, CycleConfig, run_inline
+from controller.loop.cycle import Cycle, CycleConfig, run_inline
 from controller.loop.learning import CoreLearner
 from controller.loop.metrics import ControllerMetrics
 from controller.observe.inprocess import InProcessSource, sim_cluster_provider
@@ -21,6 +21,7 @@ from controller.rollout.reconciler import FakeRouterTransport, Reconciler
 from controller.sim.run import run_scenario
 from controller.sim.scenario import load_scenario
 from controller.store import Store
+from controller.store.kinds import ADOPTED_PREFIX
 
 SCENARIO = """
 name = "cycle-in-sim"
