@@ -45,6 +45,7 @@ Operator requests use the store's kinds: ``pause``/``resume`` with ``args.what``
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -87,7 +88,7 @@ from controller.loop.learning import (
 from controller.loop.metrics import ControllerMetrics
 from controller.loop.operator import OperatorRequests
 from controller.loop.policies import PolicyBook, reference_calibration
-from controller.loop.report import CycleReport, join, report_fields
+from controller.loop.report import CycleReport, CycleResult, join, report_fields
 from controller.loop.write import DecisionWriter, LearnerMemo, LostLeadership, Plan
 from controller.observe.source import MetricsSource
 from controller.policy import Policy, dumps
@@ -310,26 +311,7 @@ class Cycle:
         started = self.clock.monotonic()
         report = CycleReport()
         try:
-            try:
-                report.leader = await self.leadership.ensure()
-            except Exception:
-                # Whether we still lead is unknown (the lock's server out of reach): another
-                # replica may lead meanwhile, so leading again starts afresh, as below.
-                self._leading = False
-                self.metrics.set_leader(False)
-                raise
-            self.metrics.set_leader(report.leader)
-            term = self.leadership.term
-            if report.leader and (not self._leading or term != self._led_term):
-                # Leading (again), or in a new term: another replica may have led and stored
-                # windows meanwhile (this one's lease expired during a long cycle, say), and
-                # counters diffed across the gap would be counted in this window.
-                if self._last_end is not None:
-                    self.source.forget_baselines()
-                self._last_end = None
-                with self.store.read() as tx:  # a failure retries it next cycle
-                    self._restore_pending(tx)
-            self._leading, self._led_term = report.leader, term
+            report.leader = await self._lead()
             if not report.leader:
                 self.capacity.withdraw()  # only the leader feeds autoscalers
             if not report.leader and self.reconcile_only is None and self._exported_versions:
@@ -345,7 +327,8 @@ class Cycle:
             # Standalone replicas: the leader reconciles every router (two replicas pushing
             # at once would race to re-issue versions). Sidecar mode: every replica
             # reconciles its own router.
-            if report.result != "failed" and (report.leader or self.reconcile_only is not None):
+            if report.result is not CycleResult.FAILED \
+                    and (report.leader or self.reconcile_only is not None):
                 await self._reconcile(report)
         except LostLeadership:
             # Leading again later starts afresh (baselines, pending causes from the store):
@@ -353,19 +336,43 @@ class Cycle:
             self._leading = False
         except TransientError as e:  # the store down, nothing answered: retried next cycle;
             # the summary line below names it (a traceback each cycle flooded an outage's log)
-            report.result, report.reason = "failed", f"{type(e).__name__}: {e}"
+            report.result, report.reason = CycleResult.FAILED, f"{type(e).__name__}: {e}"
         except Exception as e:  # a cycle never kills the daemon: record and go on
             log.exception("cycle failed")
-            report.result, report.reason = "failed", f"{type(e).__name__}: {e}"
+            report.result, report.reason = CycleResult.FAILED, f"{type(e).__name__}: {e}"
         seconds = self.clock.monotonic() - started
         self.metrics.observe_cycle(report.result, seconds, self.clock.now())
         self.last_ended_at = self.clock.now()
-        if report.result == "ok":
+        if report.result is CycleResult.OK:
             self.last_completed_at = self.last_ended_at
         self.last_report = report
-        log.log(logging.WARNING if report.result == "failed" else logging.INFO, "cycle %s",
+        failed = report.result is CycleResult.FAILED
+        log.log(logging.WARNING if failed else logging.INFO, "cycle %s",
                 report.summary(), extra={"cycle": report_fields(report)})
         return report
+
+    async def _lead(self) -> bool:
+        """Take or renew leadership; whether this replica leads. Leading again, or in a new
+        term, starts afresh: another replica may have led and stored windows meanwhile, so
+        counters diffed across the gap would be counted in this window, and the pending
+        causes are read from the store. When whether we lead is unknown (the lock's server
+        out of reach), leading again later starts afresh too."""
+        try:
+            leader = await self.leadership.ensure()
+        except Exception:
+            self._leading = False
+            self.metrics.set_leader(False)
+            raise
+        self.metrics.set_leader(leader)
+        term = self.leadership.term
+        if leader and (not self._leading or term != self._led_term):
+            if self._last_end is not None:
+                self.source.forget_baselines()
+            self._last_end = None
+            with self.store.read() as tx:  # a failure retries it next cycle
+                self._restore_pending(tx)
+        self._leading, self._led_term = leader, term
+        return leader
 
     # -- deciding (leader only) -----------------------------------------------------------
 
@@ -467,7 +474,7 @@ class Cycle:
         except Exception as e:
             if not isinstance(e, NothingAnswered):  # the source itself failed
                 self.metrics.observe_failed("source")
-            report.result = "skipped"
+            report.result = CycleResult.SKIPPED
             report.reason = f"observe failed: {type(e).__name__}: {e}"
             log.warning("%s", report.reason)
             return None
@@ -919,14 +926,23 @@ class NothingAnswered(TransientError):
 
 
 
-def _push_result(s: RouterStatus) -> str:
+class PushResult(enum.StrEnum):
+    """A push's result as stored and counted (``pdctl_pushes_total``)."""
+
+    OK = "ok"
+    CONFLICT = "conflict"
+    REJECTED = "rejected"
+    FAILED = "failed"
+
+
+def _push_result(s: RouterStatus) -> PushResult:
     if s.ok:
-        return "ok"
+        return PushResult.OK
     if s.outcome in ("conflict", "stale"):
-        return "conflict"
+        return PushResult.CONFLICT
     if s.outcome in ("invalid", "refused"):
-        return "rejected"
-    return "failed"
+        return PushResult.REJECTED
+    return PushResult.FAILED
 
 
 

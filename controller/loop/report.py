@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,11 +11,19 @@ from controller.core.rollout import PolicyStatus
 from controller.core.trigger import Trigger
 
 
+class CycleResult(enum.StrEnum):
+    """How a cycle ended; the values are logged and are ``pdctl_cycles_total``'s label."""
+
+    OK = "ok"
+    SKIPPED = "skipped"  # no window (observe failed) or leadership lost before writing
+    FAILED = "failed"
+
+
 @dataclass
 class CycleReport:
     """What one cycle did (also logged and kept as :attr:`Cycle.last_report`)."""
 
-    result: str = "ok"  # ok | skipped | failed
+    result: CycleResult = CycleResult.OK
     reason: str = ""
     leader: bool = True
     window_id: int | None = None
@@ -67,4 +76,4 @@ def report_fields(r: CycleReport) -> dict[str, Any]:
     return {k: v for k, v in r.__dict__.items() if v not in (None, [], {}, "")}
 
 
-__all__ = ["CycleReport", "join", "report_fields"]
+__all__ = ["CycleReport", "CycleResult", "join", "report_fields"]

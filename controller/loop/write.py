@@ -55,7 +55,7 @@ from controller.loop.metric_events import (
 )
 from controller.loop.operator import OperatorRequests
 from controller.loop.policies import PolicyBook, record_adoption
-from controller.loop.report import CycleReport, join
+from controller.loop.report import CycleReport, CycleResult, join
 from controller.policy import LookupTable, Policy, Provenance, dumps
 from controller.rollout.reconciler import RunningPolicy
 from controller.store import OperatorRequest, Store, Tx
@@ -168,7 +168,7 @@ class DecisionWriter:
         with self.store.cycle() as tx:
             assert self.leadership is not None
             if not self.leadership.fence(tx):
-                report.result, report.reason = "skipped", "lost leadership before writing"
+                report.result, report.reason = CycleResult.SKIPPED, "lost leadership before writing"
                 report.leader = False
                 raise LostLeadership()
             window_ids: list[int] = []
