@@ -335,7 +335,7 @@ class Cycle:
             # another replica may have stored windows and acted meanwhile.
             self._leading = False
         except TransientError as e:  # the store down, nothing answered: retried next cycle;
-            # the summary line below names it (a traceback each cycle flooded an outage's log)
+            # the summary line below names it, without a traceback (an outage repeats it)
             report.result, report.reason = CycleResult.FAILED, f"{type(e).__name__}: {e}"
         except Exception as e:  # a cycle never kills the daemon: record and go on
             log.exception("cycle failed")
@@ -389,12 +389,10 @@ class Cycle:
 
     def _forget_failed_decision(self, memory: Mapping[str, Any]) -> None:
         """A decision whose write did not commit (the store failed, leadership was lost, a
-        bug): memory goes back to before it. Else a drift or scaling it consumed was gone
-        (the event rolled back, the detector past it), and the policy cache kept a table the
-        store never got, which a later pass then re-issued to a router as approved. The
+        bug): memory goes back to before it, so a drift or scaling it consumed stays pending,
+        and the policy cache is dropped, so no table the store never got is served. The
         requests it claimed are given back (twice at most: one that keeps failing its cycle
-        waits for request_stale_after_s), not held for request_stale_after_s: a pause must
-        not wait five minutes for a store hiccup."""
+        waits for request_stale_after_s), so a pause does not wait for a store hiccup."""
         for name, value in memory.items():
             setattr(self, name, value)
         self.book.cache.clear()  # the store is the truth: read again
@@ -783,10 +781,8 @@ class Cycle:
     def _restore_learner(self, tx: Tx, rollout: Rollout) -> None:
         """After a restart (or a rollback), the drift reference of the fleet's policy: the
         one last renewed for it. That is its own calibration's, or a later one's that was
-        refused on the traffic since a change alone (the policy was judged on it and kept):
-        restoring the older reference made traffic the running policy had already been
-        judged on fire a drift again (a rollback in bench scenario 1, held-out seed 8, brought
-        back the active calibration grid's reference and a workload drift against it)."""
+        refused on the traffic since a change alone (the policy was judged on it and kept),
+        so traffic the running policy was already judged on does not fire a drift again."""
         version = rollout.canary_version or rollout.fleet_version
         if version is None or version == self._state_for:
             return

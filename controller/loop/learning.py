@@ -22,12 +22,9 @@ if TYPE_CHECKING:
     from controller.core.calibrate import CalibrationConfig
     from controller.core.drift import DriftConfig
 
-# Windows after a shift that a drift or scaling calibration needs to train on them alone
-# (with 2, fits on a minute of a bursty trace flipped the table at every cooldown: 8
-# approvals in an hour of bench scenario 4). 7, not 8: in the adaptive-only replays of bench
-# scenarios 1-5 (docs/bench.md, issue 7) every goodput is the same or better (within 0.0003
-# worse in 1) at MIN_MIX_WINDOWS 3, 4 and 5, and scenario 1 adapts 90 s sooner; 6 or fewer
-# trains the first phase's 600 s refinement on too few windows and costs 0.01-0.06.
+# Windows after a shift that a drift or scaling calibration needs to train on them alone:
+# fewer lets a minute of a bursty trace flip the table at every cooldown, more delays the
+# adaptation (the choice is measured in docs/bench.md, issue 7).
 MIN_REGIME_WINDOWS = 7
 MIN_MIX_WINDOWS = 4
 

@@ -457,16 +457,15 @@ class DecisionWriter:
                 tx.set_desired(r, rollout.fleet_version, at=now)
 
     def _set_state_metrics(self, tx: Tx) -> None:
-        """The leader's state gauges, from what this cycle's transaction leaves (set only at
-        events, the desired version read a canary's, missed a pin or a re-issue, and was 0
-        after a failover)."""
+        """The leader's state gauges, from what this cycle's transaction leaves, every cycle:
+        they hold after a pin, a re-issue, a canary or a failover."""
         ops = operator_state(tx.requests(status="done"))
         rollout = self.book.rollout(tx)
         # A fallback holds the rollout too: it reads pinned.
         self._events.append(OperatorGauges(ops.paused, ops.pinned is not None or ops.fallback,
                                            rollout.fleet_version))
-        # Baking after a restart mid-bake (it read idle); a canary gone without a verdict
-        # of its own no longer reads baking.
+        # Baking while a canary bakes (after a restart mid-bake too); idle once it is gone,
+        # with a verdict or without one.
         if rollout.canary_version is not None:
             self._events.append(CanaryState("baking"))
         else:
