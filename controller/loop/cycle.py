@@ -1,10 +1,15 @@
-"""The control cycle: observe → store → assess drift → calibrate → guardrail → approve →
-canary → bake → promote or roll back → reconcile.
+"""The control cycle, the orchestrator of the loop: leadership, then gather (observe a
+window, read the store) → decide (assess drift and scaling, choose the trigger, calibrate,
+plan capacity) → apply (one write transaction) → reconcile.
 
 One :class:`Cycle` object holds the injected clock, metrics source, store, learner,
-reconciler and metrics. ``await cycle.run_once()`` runs one cycle; the daemon calls it from
-a scheduler job on the wall clock, the bench calls it every control interval on a
-:class:`~controller.clock.VirtualClock`. Both run this same code.
+reconciler and metrics, and the rooms that do the work: :mod:`.write` (the write
+transaction), :mod:`.operator` (operator requests), :mod:`.canary` (the canary judge and the
+post-promotion watch), :mod:`.export` (capacity recommendations), :mod:`.reconcile`
+(pushes), :mod:`.policies` (the policy cache and rollout). The rules they apply are the pure
+functions of :mod:`controller.core.rollout`. ``await cycle.run_once()`` runs one cycle; the
+daemon calls it from a scheduler job on the wall clock, the bench every control interval on
+a :class:`~controller.clock.VirtualClock`. Both run this same code.
 
 SQL holds the truth (DESIGN §4): desired versions, acknowledgements, operator requests,
 canary state (a canary is "the newest approved version is desired by some routers only")
@@ -12,12 +17,12 @@ and every decision's reason. A new ``Cycle`` on the same store continues where t
 stopped; the reconciler pushes only where a router differs from its desired version, so a
 restart never re-pushes an acknowledged version.
 
-Transactions: a cycle's decision writes (window, drift events, calibration, policy,
-desired versions, canary verdict, operator outcomes) are ONE ``store.cycle()``
-transaction, written after the observe and the fit so no database lock is held across
-network calls or a fit. Two small transactions surround it: claiming operator requests
-(so that exactly one replica acts on each) and recording what the routers acknowledged
-after the reconcile pass.
+Transactions: a cycle's decision is ONE ``store.cycle()`` transaction, written after the
+observe and the fit so no database lock is held across network calls or a fit. Two small
+transactions surround it: claiming operator requests (so that exactly one replica acts on
+each) and recording what the routers acknowledged after the reconcile pass. What the cycle
+remembers between cycles (:attr:`Cycle._DECISION_MEMORY`) goes back to before a decision
+whose write did not commit.
 
 Leadership: only the leader observes, stores windows, calibrates and approves. In
 standalone mode the leader also reconciles every router; in sidecar mode
@@ -27,19 +32,9 @@ Missing data: a window with a failed target is not trained on, unless that targe
 ``SETTLED_FAILURES`` windows in a row (gone: lost capacity, which is a scaling cause in its
 own right). Drift and scaling causes found while a cycle cannot act (rate limit, deferred
 window) are remembered until a calibration runs; drift during a canary bake is ignored.
-
-Capacity: with a planner injected, the leader computes a capacity recommendation every
-``capacity_interval_s`` from the recent complete windows, stores it in the cycle's
-transaction and exports it (``pdctl_recommended_workers{role}``); a failed plan is logged
-and counted, never a failed cycle. When the answering workers change to what a stored
-recommendation asked for, the scaling event is a known one: the calibration it triggers
-records the recommendation, takes precedence over drift the new shape causes, and the
-recommendation is marked applied.
-
-Operator requests use the store's kinds: ``pause``/``resume`` with ``args.what`` in
-``approvals`` (default), ``pin`` (``args.version``) or ``exploration``; ``rollback`` with
-``args.version`` (None: the previous approved) or ``args.to == "fallback-prefill"``;
-``recalibrate`` with ``args.dry_run``/``args.force``.
+When the answering workers change to what a stored capacity recommendation asked for, the
+scaling event is a known one: the calibration it triggers records the recommendation, takes
+precedence over drift the new shape causes, and the recommendation is marked applied.
 """
 
 from __future__ import annotations
