@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from controller.core.rollout import GuardrailVerdict
 from controller.core.trigger import Cause, Trigger
 from controller.core.window import Window
 from controller.policy import LookupTable, Policy
@@ -64,6 +65,17 @@ class CalibrationOutcome:
     # What the candidate was fitted with: (latency model, calibration grid); what a peer's
     # rule is fitted on ([export]). None from learners that keep no model.
     basis: Any = None
+
+    @property
+    def decision(self) -> GuardrailVerdict:
+        """The guardrail's decision: approved or rejected."""
+        return GuardrailVerdict.APPROVED if self.approved else GuardrailVerdict.REJECTED
+
+    @property
+    def label(self) -> GuardrailVerdict:
+        """The decision as counted: forced when an operator's force is in the reason (the
+        guardrail words a forced approval so), else the decision."""
+        return GuardrailVerdict.FORCED if "forced" in self.reason else self.decision
 
 
 @dataclass(frozen=True, slots=True)

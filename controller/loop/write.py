@@ -22,7 +22,6 @@ from controller.clock import Clock
 from controller.core.drift import feature_statistics
 from controller.core.rollout import (
     CanaryAction,
-    GuardrailVerdict,
     OperatorState,
     PolicyStatus,
     Rollout,
@@ -317,10 +316,7 @@ class DecisionWriter:
         if not ops.exploration_off and not self.config.advisory:
             outcome, seeded = self._seed_first_policy(outcome)
             plan.calibration = outcome
-        decision = GuardrailVerdict.APPROVED if outcome.approved else GuardrailVerdict.REJECTED
-        self._events.append(GuardrailDecided(
-            decision, GuardrailVerdict.FORCED if "forced" in outcome.reason else decision,
-            self.clock.now()))
+        self._events.append(GuardrailDecided(outcome.decision, outcome.label, self.clock.now()))
         if outcome.predicted_goodput_current is not None:
             self._events.append(PredictedGoodput(outcome.predicted_goodput_current,
                                                  outcome.predicted_goodput_new))
