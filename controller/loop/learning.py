@@ -279,10 +279,9 @@ class CoreLearner:
         """Whether a calibration for ``reason`` now refines the running policy on the
         traffic it was learned on: a drift of the performance detector alone, not led by the
         KV link, with no workload or SLO drift since the last approval. It then needs
-        ``[controller] refinement_margin``: in the bench, such second changes within a
-        stationary phase had predicted gains of +0.006 to +0.016; refusing the two below 0.01
-        moved those runs by +0.0009 and -0.0018 (docs/bench.md, "A refinement needs a larger
-        gain")."""
+        ``[controller] refinement_margin``: a second change within a stationary phase must
+        predict a larger gain than a first one (docs/bench.md, "A refinement needs a larger
+        gain", measures it)."""
         return (reason == Cause(Trigger.DRIFT) and self._fired == {"performance"}
                 and not self._shift_since_approval)
 
@@ -345,9 +344,8 @@ class CoreLearner:
         kept = replace(state.reference, residual_mean=reference.residual_mean,
                        residual_sd=reference.residual_sd)
         # Fresh accumulators for the new model, but no new cooldown: a refusal must not
-        # silence a detector that did not ask for it (a workload calibration refused 90 s
-        # before a KV-link slowdown delayed its detection by 60 s: docs/bench.md, "A refusal
-        # does not silence the performance detector"). Its own firing's cooldown still holds.
+        # silence a detector that did not ask for it (a later KV-link slowdown is detected
+        # on time). Its own firing's cooldown still holds.
         performance = replace(rearmed.performance,
                               cooldown_until=previous.performance.cooldown_until)
         return LearnerState(kept, replace(previous, performance=performance), model)
