@@ -158,10 +158,10 @@ def _prepare(config: Path, tokenizer: Path | None, contexts: str, turns: str, qp
              window: float, concurrency: int) -> tuple[Any, Any, Any, Any]:
     """The settings, the calibration plan, the runner's limits and the tokenizer; exit 2
     on bad input."""
-    from controller.calibration_runner import RunnerLimits
     from controller.config import load_settings
     from controller.core.active import plan_active_calibration
     from controller.errors import ConfigError
+    from controller.loop.calibration_runner import RunnerLimits
     from controller.policy import Axes, Slo
     from controller.tokenize import bundled_tokenizer_dir, load_tokenizer
 
@@ -191,8 +191,8 @@ def _run_reporting(as_json: bool, store: Any,
     into the exit codes of the module docstring; the store is closed either way."""
     import asyncio
 
-    from controller.calibration_runner import ActiveCalibrationError
     from controller.errors import ControllerError
+    from controller.loop.calibration_runner import ActiveCalibrationError
 
     runners: list[Any] = []  # the run's report, after an interruption
     try:
@@ -225,10 +225,10 @@ async def _run_active(settings: Any, plan: Any, limits: Any, tok: Any, store: An
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from controller.calibration_runner import ActiveCalibrationRunner
     from controller.clock import WallClock
-    from controller.leader import default_holder, leadership_for
-    from controller.learning import CoreLearner
+    from controller.loop.calibration_runner import ActiveCalibrationRunner
+    from controller.loop.leader import default_holder, leadership_for
+    from controller.loop.learning import CoreLearner
     from controller.observe.factory import source_from_settings
     from controller.rollout.client import GrpcRouterTransport
     from controller.rollout.reconciler import Reconciler

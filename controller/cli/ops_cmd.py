@@ -128,7 +128,7 @@ def request_line(r: Any) -> str:
     """A request and its outcome in one line. A done dry run reads as what it would have
     done ("dry run: would approve …"), never "done — approved": it approved nothing (an
     outcome recorded by a daemon that wrote the guardrail's bare verdict is worded so too)."""
-    from controller.cycle import DRY_RUN_PREFIX, dry_run_verdict
+    from controller.loop.write import DRY_RUN_PREFIX, dry_run_verdict
 
     head = f"request #{r.id} {r.kind} {json.dumps(r.args)} by {r.who}"
     if r.kind == "recalibrate" and (r.args or {}).get("dry_run") and r.status == "done" \
@@ -264,8 +264,8 @@ def recalibrate(
 
 def _recalibrate_local(url: str | None, config: Path | None, as_json: bool, force: bool
                        ) -> None:
-    from controller.cycle import read_rollout
-    from controller.learning import CoreLearner, LearnerError
+    from controller.loop.learning import CoreLearner, LearnerError
+    from controller.loop.policies import read_rollout
     from controller.policy import loads
 
     settings = load_settings_or_exit(config)
@@ -306,7 +306,7 @@ def status_doc(store: Store, calibrate_every_s: float | None,
     watches a promotion (None: no watch); ``stalled_after_s``: a newest window older than
     this is flagged stale (the leader has not observed since: Prometheus or the workers
     down, or no leader)."""
-    from controller.cycle import operator_state
+    from controller.core.rollout import operator_state
     from controller.store import PolicyKind, policy_kind
 
     now = store.clock.utcnow()
@@ -369,7 +369,7 @@ class _StatusRead:
 
 
 def _read_status(store: Store, configured: Sequence[str]) -> _StatusRead:
-    from controller.cycle import read_rollout
+    from controller.loop.policies import read_rollout
 
     with store.read() as tx:
         lease = tx.lease()
@@ -566,8 +566,8 @@ def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOpt
     scheduled calibration, and when the newest window ended (STALE past
     [controller] stalled_after_s: nothing has been observed since)."""
     from controller.config import load_settings
-    from controller.cycle import CycleConfig
     from controller.errors import ConfigError
+    from controller.loop.cycle import CycleConfig
 
     try:
         settings = load_settings(config)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from controller.cli import app
 from controller.config import load_settings
-from controller.learning import CoreLearner
+from controller.loop.learning import CoreLearner
 from controller.policy import Features, Route, decide, dumps, loads
 from tests.core.synth import Mix, Truth, stationary, training_windows
 from tests.support.cli_store import (
@@ -226,7 +226,7 @@ def test_drift_replays_the_detectors_over_the_windows_stored_since(tmp_path: Pat
 
 def test_drift_replays_from_the_reference_a_refused_calibration_renewed(
         tmp_path: Path) -> None:
-    # Like the daemon (controller.cycle.reference_calibration): a calibration refused on the
+    # Like the daemon (controller.loop.policies.reference_calibration): a calibration refused on the
     # traffic since a change alone renews the running policy's reference, so `pdctl drift`
     # measures against the shifted traffic, which no longer fires.
     from controller.core.drift import reference_from_windows

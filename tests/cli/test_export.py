@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from controller.cli import app
 from controller.config import ExportConfig, load_settings
 from controller.exporter import ApprovalExporter, fragment
-from controller.learning import CoreLearner, calibration_config
+from controller.loop.learning import CoreLearner, calibration_config
 from tests.core.synth import Mix, Truth, training_windows
 from tests.support.cli_store import invoke_json, open_store, record_calibration, write_config
 

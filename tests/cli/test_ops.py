@@ -195,8 +195,8 @@ async def test_status_says_when_the_leader_last_observed_and_flags_it_stale(
 def test_status_names_a_forced_policy_a_killed_calibrate_active_left_running(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from controller.calibration_runner import PHASE_REASON
     from controller.cli.ops_cmd import _print_status, status_doc
+    from controller.loop.calibration_runner import PHASE_REASON
     from controller.policy import Policy, Route, dumps
 
     store = upgraded_store(f"sqlite:///{tmp_path / 'h.db'}")

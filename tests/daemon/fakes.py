@@ -12,9 +12,16 @@ from prometheus_client import CollectorRegistry
 from controller.clock import VirtualClock
 from controller.core.trigger import Cause, Trigger
 from controller.core.window import RouteOutcome, TargetFailure, Window, WorkerStats, Workload
-from controller.cycle import CapacityPlanner, Cycle, CycleConfig, CycleReport
-from controller.learning import CalibrationOutcome, DriftFinding, LearnerState, renews_reference
-from controller.metrics import ControllerMetrics
+from controller.loop.cycle import Cycle, CycleConfig
+from controller.loop.export import CapacityPlanner
+from controller.loop.learning import (
+    CalibrationOutcome,
+    DriftFinding,
+    LearnerState,
+    renews_reference,
+)
+from controller.loop.metrics import ControllerMetrics
+from controller.loop.report import CycleReport
 from controller.observe.source import Target
 from controller.policy import Policy, Provenance, Route
 from controller.rollout.agent import RouterAgent
@@ -125,7 +132,7 @@ class ScriptedLearner:
 
     def calibrate(self, windows: Sequence[Window], current: Policy | None, now: float,
                   reason: Cause | str, force: bool = False) -> CalibrationOutcome:
-        from controller.learning import LearnerError
+        from controller.loop.learning import LearnerError
 
         refit = isinstance(reason, Cause) and reason.trigger is Trigger.CANARY
         text = str(reason)

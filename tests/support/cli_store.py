@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from controller.cli import app
 from controller.config import load_settings
-from controller.learning import CalibrationOutcome, CoreLearner
+from controller.loop.learning import CalibrationOutcome, CoreLearner
 from controller.policy import dumps
 from controller.store import Store
 from tests.core.synth import Mix, Truth, training_windows
