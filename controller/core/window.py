@@ -55,12 +55,6 @@ class FailureKind(StrEnum):
     STALE = "stale"  # Prometheus' newest sample of the target is too old
 
 
-# The kinds a source reports as the target's failure (no_baseline and stale are counted
-# under their own pdctl_observe_failures labels).
-FAILURE_KINDS: tuple[FailureKind, ...] = tuple(
-    k for k in FailureKind if k not in (FailureKind.NO_BASELINE, FailureKind.STALE))
-
-
 def failure_kind(text: str) -> FailureKind | str:
     """The kind a stored word names; a word no kind has is kept as it is."""
     try:
