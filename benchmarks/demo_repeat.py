@@ -100,7 +100,9 @@ def parse(out: str, exit_code: int, wall_s: float) -> RunResult:
         if drift and at < r.shift_at:
             r.drift_before.append(f"{drift[1]} {drift[2]} at {at:.1f} s")
         approved = re.match(r"recalibration \(\w+\): candidate v(\d+) .*guardrail approved", text)
-        if approved and at >= r.shift_at:
+        trained = re.search(r"trained on (\d+) window\(s\), (\d+) from before the shift", text)
+        # a response to the shift trained on a window from after it (the demo's own rule)
+        if approved and at >= r.shift_at and (trained is None or int(trained[2]) < int(trained[1])):
             after.add(int(approved[1]))
         promoted = re.match(r"promotion: v(\d+) acknowledged by every router", text)
         if promoted and int(promoted[1]) in after and r.first_promoted is None:

@@ -37,6 +37,9 @@ from typing import Any
 from controller.clock import Clock, WallClock
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "demo.toml"
+# The real-router path's scenario: demo.toml with a 0.5 s TTFT SLO and the KV link cut to a
+# fifth (docs/demo.md, "Why the real-router path has its own scenario").
+SCENARIO_REAL = SCENARIO.with_name("demo-real.toml")
 RECOVERY_WINDOWS = 3  # windows measured after the promotion before the demo ends
 # Recovered: goodput after the promotion within this much of the goodput before the shift.
 # Until then the daemon keeps going (drift and scheduled recalibrations) and the demo waits.
@@ -56,8 +59,16 @@ SHOWN_STATUSES = ("approved", "rolled_back", "superseded")  # policies that reac
 class DemoRouter(StrEnum):
     """Who routes the demo's traffic."""
 
-    SIM = "sim"  # the scenario's in-simulation routers (their own traffic, in process)
     REAL = "real"  # one `pdctl router serve` subprocess, traffic over HTTP (demo_real.py)
+    SIM = "sim"  # the scenario's in-simulation routers (their own traffic, in process)
+
+
+DEFAULT_ROUTER = DemoRouter.REAL
+
+
+def default_scenario(router: DemoRouter) -> Path:
+    """The scenario ``pdctl demo --router ROUTER`` runs without ``--scenario``."""
+    return SCENARIO_REAL if router is DemoRouter.REAL else SCENARIO
 
 
 def demo_settings(addresses: dict[str, Any], store_url: str, ttft_s: float, tpot_s: float,
@@ -184,6 +195,8 @@ class DemoWatcher:
         self.state = state
         self.t0 = t0
         self._seen: set[tuple[str, Any]] = set()
+        # version -> its calibration trained on a window that started at or after the shift
+        self._saw_shift: dict[int, bool] = {}
 
     def _rel(self, dt: Any) -> float:
         return float(dt.timestamp()) - self.t0
@@ -229,7 +242,10 @@ class DemoWatcher:
             if key in self._seen:
                 continue
             trained = [w.window for w in store.windows_by_ids(list(c.training_window_ids))]
-            pre = sum(1 for w in trained if w.end - self.t0 <= s.shift_at)
+            # "from before the shift": started before it (a window across it counts here)
+            pre = sum(1 for w in trained if w.start - self.t0 < s.shift_at)
+            if version is not None:
+                self._saw_shift[version] = pre < len(trained)
             mix = (f"trained on {len(trained)} window(s), {pre} from before the shift"
                    if self._rel(c.created_at) >= s.shift_at
                    else f"trained on {len(trained)} window(s)")
@@ -255,7 +271,10 @@ class DemoWatcher:
         for version, rec in sorted(policies.items()):
             if version == s.baseline_version or rec.status not in SHOWN_STATUSES:
                 continue
-            after_shift = self._rel(rec.created_at) >= s.shift_at
+            # A response to the shift: approved after it, on at least one window from after
+            # it (a scheduled calibration due at the shift trains on the windows before it).
+            after_shift = self._rel(rec.created_at) >= s.shift_at \
+                and self._saw_shift.get(version, True)
             pushed = first_ok.get(version, {})
             if pushed:
                 first = min(pushed.values())
@@ -375,21 +394,21 @@ def _ms(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0f} ms"
 
 
-async def run_demo(*, scenario_path: Path = SCENARIO, timeout_s: float = 170.0,
+async def run_demo(*, scenario_path: Path | None = None, timeout_s: float = 170.0,
                    force_after_s: float = 60.0,
                    on_update: Callable[[DemoState], None] | None = None,
                    clock: Clock | None = None,
-                   router: DemoRouter = DemoRouter.SIM) -> DemoState:
-    """Run the demo to the end (or ``timeout_s``) and return what it saw."""
+                   router: DemoRouter = DEFAULT_ROUTER) -> DemoState:
+    """Run the demo to the end (or ``timeout_s``) and return what it saw (the scenario:
+    ``default_scenario(router)`` unless given)."""
     from controller.bench.runner import slo_of
     from controller.daemon import Daemon
     from controller.policy import Policy, Route, dumps
-    from controller.sim.live import LiveSim
     from controller.sim.scenario import load_scenario
     from controller.store import Store
 
     clock = clock or WallClock()
-    scenario = load_scenario(scenario_path)
+    scenario = load_scenario(scenario_path or default_scenario(router))
     shift = scenario.events[0]
     shift_text = (f"shift: {shift.kind} ×{getattr(shift, 'factor', '')} "
                   f"(scenario event at {shift.at_s:g} s)")
@@ -400,11 +419,7 @@ async def run_demo(*, scenario_path: Path = SCENARIO, timeout_s: float = 170.0,
                               slo=slo_of(scenario))
     with tempfile.TemporaryDirectory(prefix="pdctl-demo-") as tmp:
         store_url = f"sqlite:///{Path(tmp) / 'history.db'}"
-        sim: Any = LiveSim(scenario, baseline)
-        if router is DemoRouter.REAL:
-            from controller.demo_real import RealRouterCluster
-
-            sim = RealRouterCluster(scenario, baseline, Path(tmp))
+        sim = demo_cluster(router, scenario, baseline, Path(tmp))
         t0 = clock.now()
         addresses = await sim.start()
         daemon_task: asyncio.Task[int] | None = None
@@ -474,6 +489,19 @@ async def run_demo(*, scenario_path: Path = SCENARIO, timeout_s: float = 170.0,
                     await asyncio.wait_for(daemon_task, 15.0)
             await sim.stop()
             store.close()
+
+
+def demo_cluster(router: DemoRouter, scenario: Any, baseline: Any, tmp: Path) -> Any:
+    """The cluster the demo runs (``start``/``stop``; ``start`` returns the addresses):
+    REAL, the simulated workers behind a ``pdctl router serve`` subprocess; SIM, the
+    scenario's in-simulation routers."""
+    if router is DemoRouter.REAL:
+        from controller.demo_real import RealRouterCluster
+
+        return RealRouterCluster(scenario, baseline, tmp)
+    from controller.sim.live import LiveSim
+
+    return LiveSim(scenario, baseline)
 
 
 async def _warm_up(clock: Clock, t0: float, state: DemoState,

@@ -96,11 +96,12 @@ def demo(
         min=1.0, help="Ask for an operator recalibration --force when nothing was approved "
         "this long after the shift.")] = 60.0,
     scenario: Annotated[Path | None, typer.Option(
-        help="Scenario file (default: scenarios/demo.toml).")] = None,
+        help="Scenario file (default: scenarios/demo-real.toml with --router real, "
+        "scenarios/demo.toml with --router sim).")] = None,
     router: Annotated[str, typer.Option(
-        "--router", help="sim: the scenario's in-simulation routers (default); real: one "
-        "`pdctl router serve` subprocess in front of the simulated workers, the scenario's "
-        "traffic sent through it over HTTP (docs/demo.md).")] = "sim",
+        "--router", help="real (default): one `pdctl router serve` subprocess in front of "
+        "the simulated workers, the scenario's traffic sent through it over HTTP; sim: the "
+        "scenario's in-simulation routers, in process (docs/demo.md).")] = "real",
 ) -> None:
     """A live simulated cluster and the daemon: baseline, a scripted shift, drift detection,
     recalibration, guardrail, canary, promotion and recovery on one screen, then a summary."""
@@ -110,14 +111,20 @@ def demo(
     from rich.console import Console
     from rich.live import Live
 
-    from controller.demo import SCENARIO, DemoRouter, quiet_daemon_logs, run_demo, summary_lines
+    from controller.demo import (
+        DemoRouter,
+        default_scenario,
+        quiet_daemon_logs,
+        run_demo,
+        summary_lines,
+    )
 
     if router not in tuple(DemoRouter):
         typer.echo(f"error: --router {router}: sim or real", err=True)
         raise typer.Exit(2)
     quiet_daemon_logs()
     console = Console()
-    path = scenario or SCENARIO
+    path = scenario or default_scenario(DemoRouter(router))
     if not path.is_file():
         typer.echo(f"error: scenario file not found: {path}", err=True)
         raise typer.Exit(2)
