@@ -1,28 +1,48 @@
-"""``pdctl demo --router real``'s cluster: simulated workers, a real ``pdctl router serve``
-subprocess starting on the demo's baseline, traffic through it; all of it gone after stop."""
+"""``pdctl demo``'s default cluster (``--router real``): simulated workers, a real
+``pdctl router serve`` subprocess starting on the demo's baseline, traffic through it; all of
+it gone after stop. ``--help`` names that default."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import re
 from pathlib import Path
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
-from controller.demo import SCENARIO
+from controller.cli import app
+from controller.cli.demo_cmd import demo
+from controller.demo import DEFAULT_ROUTER, DemoRouter, default_scenario, demo_cluster
 from controller.demo_real import RealRouterCluster
 from controller.policy import Policy, Route
 from controller.sim.scenario import load_scenario
 from tests.support.router import metric
 
-pytestmark = pytest.mark.integration
+
+def test_demo_help_names_the_real_router_as_the_default() -> None:
+    out = CliRunner().invoke(app, ["demo", "--help"], env={"COLUMNS": "200"}).output
+    text = " ".join(out.split())
+    assert re.search(r"--router \S+ real \(default\): one `pdctl router serve` subprocess",
+                     text), out
+    assert "[default: real]" in text, out
+    assert "sim: the scenario's in-simulation routers" in text, out
+    assert inspect.signature(demo).parameters["router"].default == DEFAULT_ROUTER.value
+    assert DEFAULT_ROUTER is DemoRouter.REAL
+    assert default_scenario(DemoRouter.REAL).name == "demo-real.toml"
+    assert default_scenario(DemoRouter.SIM).name == "demo.toml"
 
 
-async def test_real_router_cluster_routes_the_scenario_traffic_and_stops(tmp_path: Path) -> None:
-    scenario = load_scenario(SCENARIO)
+@pytest.mark.integration
+async def test_the_default_demo_cluster_routes_through_a_router_subprocess_and_stops(
+        tmp_path: Path) -> None:
+    scenario = load_scenario(default_scenario(DEFAULT_ROUTER))
     # every later turn decode-local: a router without it would send them all to P
     baseline = Policy.uniform(1, Route.DECODE_LOCAL, exploration=0.0)
-    cluster = RealRouterCluster(scenario, baseline, tmp_path)
+    cluster = demo_cluster(DEFAULT_ROUTER, scenario, baseline, tmp_path)
+    assert isinstance(cluster, RealRouterCluster)
     addresses = await cluster.start()
     try:
         (router,) = addresses["routers"]
@@ -39,6 +59,10 @@ async def test_real_router_cluster_routes_the_scenario_traffic_and_stops(tmp_pat
         assert metric(text, "pdrouter_routes_executed_total", route="PREFILL_NODE") >= 5
         proc = cluster.router
         assert proc is not None and proc.returncode is None
+        # a subprocess running `pdctl router serve`, not a router in this process
+        raw = await asyncio.to_thread(Path(f"/proc/{proc.pid}/cmdline").read_bytes)
+        cmdline = raw.split(b"\0")
+        assert b"router" in cmdline and b"serve" in cmdline, cmdline
     finally:
         await cluster.stop()
     assert proc.returncode is not None  # the subprocess is gone
