@@ -85,13 +85,13 @@ def test_demo_runs_the_closed_loop_to_a_promoted_policy_and_exits_0() -> None:
     promotion = [at for at, t in after_shift
                  if t == f"promotion: v{version} acknowledged by every router"]
     assert canary and promotion and canary[0] <= promotion[0] == promoted_at, summary
-    # The default path runs ONE `pdctl router serve`: its canary is the whole fleet.
-    assert re.search(r"\(1 of 1 routers\)", streamed), out
+    # The default path runs a `pdctl router serve` per router of the scenario (2).
+    assert re.search(r"\(1 of 2 routers\)", streamed), out  # a canary share, not all
     # Every router acknowledged the final version.
     acked = re.search(r"routers acknowledged: (.+)$", summary, re.M)
     assert acked, summary
     versions = re.findall(r" v(\d+)", acked[1])
-    assert len(versions) == 1 and set(versions) == {str(version)}, acked[1]
+    assert len(versions) == 2 and set(versions) == {str(version)}, acked[1]
     assert "recovered: yes" in summary, summary
     # Goodput was measured in every phase (numbers are reported, not asserted on: a live
     # run's outcome is the table in docs/demo.md, not a unit test's threshold).

@@ -44,29 +44,37 @@ async def test_the_default_demo_cluster_routes_through_a_router_subprocess_and_s
     cluster = demo_cluster(DEFAULT_ROUTER, scenario, baseline, tmp_path)
     assert isinstance(cluster, RealRouterCluster)
     addresses = await cluster.start()
+    routers = addresses["routers"]
     try:
-        (router,) = addresses["routers"]
+        # one `pdctl router serve` per router of the scenario, sharing the sessions
+        assert len(routers) == len(cluster.routers) == scenario.cluster.routers == 2
+        texts = []
         async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
-            local = 0.0
-            for _ in range(100):  # bounded: 20 s
-                await asyncio.sleep(0.2)
-                text = (await http.get(router["metrics"])).text
-                local = metric(text, "pdrouter_routes_executed_total", route="DECODE_LOCAL")
-                if local >= 5:
-                    break
-        # the baseline came from [grpc] initial_policy: later turns went decode-local
-        assert local >= 5
-        assert metric(text, "pdrouter_routes_executed_total", route="PREFILL_NODE") >= 5
-        proc = cluster.router
-        assert proc is not None and proc.returncode is None
-        # a subprocess running `pdctl router serve`, not a router in this process
-        raw = await asyncio.to_thread(Path(f"/proc/{proc.pid}/cmdline").read_bytes)
-        cmdline = raw.split(b"\0")
-        assert b"router" in cmdline and b"serve" in cmdline, cmdline
+            for router in routers:
+                local = 0.0
+                for _ in range(100):  # bounded: 20 s
+                    text = (await http.get(router["metrics"])).text
+                    local = metric(text, "pdrouter_routes_executed_total", route="DECODE_LOCAL")
+                    if local >= 3:
+                        break
+                    await asyncio.sleep(0.2)
+                texts.append(text)
+        for text in texts:
+            # the baseline came from [grpc] initial_policy: later turns went decode-local
+            assert metric(text, "pdrouter_routes_executed_total", route="DECODE_LOCAL") >= 3
+            assert metric(text, "pdrouter_routes_executed_total", route="PREFILL_NODE") >= 3
+        procs = list(cluster.routers)
+        for proc in procs:
+            assert proc.returncode is None
+            # a subprocess running `pdctl router serve`, not a router in this process
+            raw = await asyncio.to_thread(Path(f"/proc/{proc.pid}/cmdline").read_bytes)
+            cmdline = raw.split(b"\0")
+            assert b"router" in cmdline and b"serve" in cmdline, cmdline
     finally:
         await cluster.stop()
-    assert proc.returncode is not None  # the subprocess is gone
+    assert all(proc.returncode is not None for proc in procs)  # the subprocesses are gone
     assert cluster.traffic is not None and cluster.traffic.done()
     async with httpx.AsyncClient(timeout=2, trust_env=False) as http:
-        with pytest.raises(httpx.HTTPError):
-            await http.get(router["metrics"])
+        for router in routers:
+            with pytest.raises(httpx.HTTPError):
+                await http.get(router["metrics"])
