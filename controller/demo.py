@@ -47,7 +47,7 @@ RECOVERY_TOLERANCE = 0.10
 DEMO_WHO = "pdctl demo (operator)"
 BASELINE_EXPLORATION = 0.2
 # The real-router path's baseline explores half as much. Through the real routers (2-core
-# machine under load), classic P/D met both SLOs for 90-95% of requests with 0.2 of the later
+# machine under load), classic P/D met both SLOs for 94% of requests with 0.2 of the later
 # turns decode-local and for 100% with 0.1: the exploration's own prefills on D stall its
 # decodes. At 0.2 that gap left room for tables trained on three windows to be approved
 # before the shift, some of them decode-local where the shift then hurt little
