@@ -76,6 +76,15 @@ class RunResult:
         return after <= before - HURT_POINTS
 
     @property
+    def story(self) -> bool:
+        """Exit 0 and the story told whole: no drift before the shift, no forced
+        recalibration, the shift hurting clearly, the credit to the first version promoted
+        after it (``ok`` without the time bound)."""
+        return (self.exit_code == 0 and not self.drift_before and not self.forced
+                and self.hurt and self.credited is not None
+                and self.credited == self.first_promoted)
+
+    @property
     def ok(self) -> bool:
         """Exit 0, no drift before the shift, the credit to the first version promoted after
         it, and done within the stated upper bound (the range is printed: a quicker run is
@@ -192,6 +201,8 @@ def main() -> int:
           f"to the first version promoted after it, no forced recalibration, the shift "
           f"{HURT_POINTS:g}+ points, done within "
           f"{STATED_S[1]:g} s")
+    print(f"{sum(r.story for r in results)} of {len(results)} runs: exit 0 and the story "
+          "(all of the above but the time bound)")
     print(f"exit 0: {sum(r.exit_code == 0 for r in results)}; forced recalibration needed: "
           f"{sum(r.forced for r in results)}; a version passed over: "
           f"{sum(bool(r.passed_over) for r in results)}")
