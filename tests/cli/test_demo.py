@@ -1,8 +1,7 @@
 """``pdctl demo`` as a subprocess: what ``make demo`` runs must work and tell its story.
 
-It runs the default (the simulated workers behind a real ``pdctl router serve``
-subprocess) and the real daemon for about two minutes, so it is marked slow; the bound is
-the demo's own ``--timeout-s`` plus shutdown."""
+It runs the live simulated cluster and the real daemon for about two minutes, so it is
+marked slow; the bound is the demo's own ``--timeout-s`` plus shutdown."""
 
 from __future__ import annotations
 
@@ -85,7 +84,6 @@ def test_demo_runs_the_closed_loop_to_a_promoted_policy_and_exits_0() -> None:
     promotion = [at for at, t in after_shift
                  if t == f"promotion: v{version} acknowledged by every router"]
     assert canary and promotion and canary[0] <= promotion[0] == promoted_at, summary
-    # The default path runs a `pdctl router serve` per router of the scenario (2).
     assert re.search(r"\(1 of 2 routers\)", streamed), out  # a canary share, not all
     # Every router acknowledged the final version.
     acked = re.search(r"routers acknowledged: (.+)$", summary, re.M)

@@ -1,6 +1,6 @@
-"""``pdctl demo``'s default cluster (``--router real``): simulated workers, a real
-``pdctl router serve`` subprocess starting on the demo's baseline, traffic through it; all of
-it gone after stop. ``--help`` names that default."""
+"""``pdctl demo --router real``'s cluster: simulated workers, a real ``pdctl router serve``
+subprocess per router starting on the demo's baseline, traffic through them; all of it gone
+after stop. ``--help`` names the default (``sim``) and the real path."""
 
 from __future__ import annotations
 
@@ -22,26 +22,25 @@ from controller.sim.scenario import load_scenario
 from tests.support.router import metric
 
 
-def test_demo_help_names_the_real_router_as_the_default() -> None:
+def test_demo_help_names_the_default_and_the_real_router_path() -> None:
     out = CliRunner().invoke(app, ["demo", "--help"], env={"COLUMNS": "200"}).output
     text = " ".join(out.split())
-    assert re.search(r"--router \S+ real \(default\): one `pdctl router serve` subprocess",
+    assert re.search(r"--router \S+ sim \(default\): the scenario's in-simulation routers",
                      text), out
-    assert "[default: real]" in text, out
-    assert "sim: the scenario's in-simulation routers" in text, out
+    assert "[default: sim]" in text, out
+    assert "real: a `pdctl router serve` subprocess per router" in text, out
     assert inspect.signature(demo).parameters["router"].default == DEFAULT_ROUTER.value
-    assert DEFAULT_ROUTER is DemoRouter.REAL
     assert default_scenario(DemoRouter.REAL).name == "demo-real.toml"
     assert default_scenario(DemoRouter.SIM).name == "demo.toml"
 
 
 @pytest.mark.integration
-async def test_the_default_demo_cluster_routes_through_a_router_subprocess_and_stops(
+async def test_the_real_demo_cluster_routes_through_router_subprocesses_and_stops(
         tmp_path: Path) -> None:
-    scenario = load_scenario(default_scenario(DEFAULT_ROUTER))
+    scenario = load_scenario(default_scenario(DemoRouter.REAL))
     # every later turn decode-local: a router without it would send them all to P
     baseline = Policy.uniform(1, Route.DECODE_LOCAL, exploration=0.0)
-    cluster = demo_cluster(DEFAULT_ROUTER, scenario, baseline, tmp_path)
+    cluster = demo_cluster(DemoRouter.REAL, scenario, baseline, tmp_path)
     assert isinstance(cluster, RealRouterCluster)
     addresses = await cluster.start()
     routers = addresses["routers"]
