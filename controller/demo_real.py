@@ -1,4 +1,4 @@
-"""``pdctl demo`` (``--router real``, the default): the demo's cluster with real routers.
+"""``pdctl demo --router real``: the demo's cluster with real routers.
 
 The simulated workers alone (:class:`controller.sim.live.LiveSim` with ``routers=False``, no
 in-simulation traffic), one ``pdctl router serve`` SUBPROCESS per router of the scenario's
