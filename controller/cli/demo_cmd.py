@@ -7,7 +7,9 @@ screen (rich Live on a terminal, one line per event otherwise), then a summary.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -88,6 +90,32 @@ def _screen(state: DemoState) -> Any:
     return Group(head, events, recent, routers)
 
 
+async def _until_sigterm(demo: Coroutine[Any, Any, DemoState]) -> DemoState:
+    """``demo``, cancelled by SIGTERM as by Ctrl-C, so that its cleanup runs (the daemon,
+    the router subprocesses and the workers stopped) instead of the process dying with its
+    children left running."""
+    import asyncio
+    import signal
+
+    task = asyncio.current_task()
+    if task is not None:
+        with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    return await demo
+
+
+def _run(demo: Coroutine[Any, Any, DemoState]) -> DemoState:
+    """Run ``demo`` to its end; SIGTERM stops it (exit 143) once it has cleaned up."""
+    import asyncio
+
+    try:
+        return asyncio.run(_until_sigterm(demo))
+    except asyncio.CancelledError:
+        typer.echo("demo: stopped by SIGTERM (the daemon, routers and workers were stopped)",
+                   err=True)
+        raise typer.Exit(143) from None
+
+
 @app.command("demo")
 def demo(
     timeout_s: Annotated[float, typer.Option(
@@ -106,7 +134,6 @@ def demo(
 ) -> None:
     """A live simulated cluster and the daemon: baseline, a scripted shift, drift detection,
     recalibration, guardrail, canary, promotion and recovery on one screen, then a summary."""
-    import asyncio
     import sys
 
     from rich.console import Console
@@ -136,9 +163,9 @@ def demo(
             def show(state: DemoState) -> None:
                 live.update(_screen(state))
 
-            state = asyncio.run(run_demo(scenario_path=path, timeout_s=timeout_s,
-                                         force_after_s=force_after_s, on_update=show,
-                                         router=DemoRouter(router)))
+            state = _run(run_demo(scenario_path=path, timeout_s=timeout_s,
+                                  force_after_s=force_after_s, on_update=show,
+                                  router=DemoRouter(router)))
     else:
         printed = 0
 
@@ -148,9 +175,9 @@ def demo(
                 typer.echo(f"{e.at:6.1f} s  {e.text}")
             printed = len(state.events)
 
-        state = asyncio.run(run_demo(scenario_path=path, timeout_s=timeout_s,
-                                     force_after_s=force_after_s, on_update=lines,
-                                     router=DemoRouter(router)))
+        state = _run(run_demo(scenario_path=path, timeout_s=timeout_s,
+                              force_after_s=force_after_s, on_update=lines,
+                              router=DemoRouter(router)))
     # The live screen keeps only the latest events, so its summary lists them all again.
     for line in summary_lines(state, events=not streamed):
         typer.echo(line)

@@ -7,6 +7,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -77,3 +81,44 @@ async def test_the_real_demo_cluster_routes_through_router_subprocesses_and_stop
         for router in routers:
             with pytest.raises(httpx.HTTPError):
                 await http.get(router["metrics"])
+
+
+def _children(pid: int) -> dict[int, bytes]:
+    """The processes whose parent is ``pid``: their command lines."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return found
+
+
+@pytest.mark.integration
+def test_sigterm_stops_the_real_demo_and_its_router_subprocesses(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from controller.cli import main; main()", "demo",
+         "--router", "real", "--timeout-s", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        routers: dict[int, bytes] = {}
+        for _ in range(300):  # bounded: 30 s for both routers to start
+            routers = {p: c for p, c in _children(proc.pid).items() if b"serve" in c}
+            if len(routers) == 2 or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert len(routers) == 2, routers
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 143, err[-2000:]
+    assert "stopped by SIGTERM" in err
+    assert "Traceback" not in err, err[-2000:]
+    # the router subprocesses were stopped, not left running without their parent
+    assert not [p for p in routers if Path(f"/proc/{p}").exists()
+                and b"serve" in Path(f"/proc/{p}/cmdline").read_bytes()]
