@@ -38,7 +38,7 @@ from controller.clock import Clock, WallClock
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "demo.toml"
 # The real-router path's scenario: demo.toml with a 0.5 s TTFT SLO and the KV link cut to a
-# fifth (docs/demo.md, "Why the real-router path has its own scenario").
+# fifth (docs/demo.md, "What made runs differ, and the real-router path's scenario").
 SCENARIO_REAL = SCENARIO.with_name("demo-real.toml")
 RECOVERY_WINDOWS = 3  # windows measured after the promotion before the demo ends
 # Recovered: goodput after the promotion within this much of the goodput before the shift.
@@ -70,7 +70,7 @@ SHOWN_STATUSES = ("approved", "rolled_back", "superseded")  # policies that reac
 class DemoRouter(StrEnum):
     """Who routes the demo's traffic."""
 
-    REAL = "real"  # one `pdctl router serve` subprocess, traffic over HTTP (demo_real.py)
+    REAL = "real"  # a `pdctl router serve` subprocess per router, traffic over HTTP
     SIM = "sim"  # the scenario's in-simulation routers (their own traffic, in process)
 
 
