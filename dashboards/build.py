@@ -294,7 +294,10 @@ def routing() -> dashboard.Dashboard:
         ], "Parse, tokenize, decide and pick per request (pdrouter_overhead_seconds)."))
         .with_panel(series(lay, "Answers by HTTP status", "reqps", [
             (f"sum by (code) (rate(pdrouter_http_responses_total[{RATE}]))", "{{code}}"),
-        ]))
+            (f"sum by (reason) (rate(pdrouter_http_rejected_total[{RATE}]))",
+             "refused: {{reason}}"),
+        ], "Every answer by status; requests refused before routing by reason (headers or "
+           "framing HTTP cannot parse, a body too large, not UTF-8, not JSON, not routable)."))
     )
 
 

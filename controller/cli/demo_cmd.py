@@ -7,7 +7,9 @@ screen (rich Live on a terminal, one line per event otherwise), then a summary.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -88,6 +90,32 @@ def _screen(state: DemoState) -> Any:
     return Group(head, events, recent, routers)
 
 
+async def _until_sigterm(demo: Coroutine[Any, Any, DemoState]) -> DemoState:
+    """``demo``, cancelled by SIGTERM as by Ctrl-C, so that its cleanup runs (the daemon,
+    the router subprocesses and the workers stopped) instead of the process dying with its
+    children left running."""
+    import asyncio
+    import signal
+
+    task = asyncio.current_task()
+    if task is not None:
+        with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    return await demo
+
+
+def _run(demo: Coroutine[Any, Any, DemoState]) -> DemoState:
+    """Run ``demo`` to its end; SIGTERM stops it (exit 143) once it has cleaned up."""
+    import asyncio
+
+    try:
+        return asyncio.run(_until_sigterm(demo))
+    except asyncio.CancelledError:
+        typer.echo("demo: stopped by SIGTERM (the daemon, routers and workers were stopped)",
+                   err=True)
+        raise typer.Exit(143) from None
+
+
 @app.command("demo")
 def demo(
     timeout_s: Annotated[float, typer.Option(
@@ -96,28 +124,35 @@ def demo(
         min=1.0, help="Ask for an operator recalibration --force when nothing was approved "
         "this long after the shift.")] = 60.0,
     scenario: Annotated[Path | None, typer.Option(
-        help="Scenario file (default: scenarios/demo.toml).")] = None,
+        help="Scenario file (default: scenarios/demo-real.toml with --router real, "
+        "scenarios/demo.toml with --router sim).")] = None,
     router: Annotated[str, typer.Option(
-        "--router", help="sim: the scenario's in-simulation routers (default); real: one "
-        "`pdctl router serve` subprocess in front of the simulated workers, the scenario's "
-        "traffic sent through it over HTTP (docs/demo.md).")] = "sim",
+        "--router", help="sim (default): the scenario's in-simulation routers, in process; "
+        "real: a `pdctl router serve` subprocess per router in front of the simulated "
+        "workers, the scenario's traffic sent through them over HTTP (docs/demo.md).")
+    ] = "sim",
 ) -> None:
     """A live simulated cluster and the daemon: baseline, a scripted shift, drift detection,
     recalibration, guardrail, canary, promotion and recovery on one screen, then a summary."""
-    import asyncio
     import sys
 
     from rich.console import Console
     from rich.live import Live
 
-    from controller.demo import SCENARIO, DemoRouter, quiet_daemon_logs, run_demo, summary_lines
+    from controller.demo import (
+        DemoRouter,
+        default_scenario,
+        quiet_daemon_logs,
+        run_demo,
+        summary_lines,
+    )
 
     if router not in tuple(DemoRouter):
         typer.echo(f"error: --router {router}: sim or real", err=True)
         raise typer.Exit(2)
     quiet_daemon_logs()
     console = Console()
-    path = scenario or SCENARIO
+    path = scenario or default_scenario(DemoRouter(router))
     if not path.is_file():
         typer.echo(f"error: scenario file not found: {path}", err=True)
         raise typer.Exit(2)
@@ -128,9 +163,9 @@ def demo(
             def show(state: DemoState) -> None:
                 live.update(_screen(state))
 
-            state = asyncio.run(run_demo(scenario_path=path, timeout_s=timeout_s,
-                                         force_after_s=force_after_s, on_update=show,
-                                         router=DemoRouter(router)))
+            state = _run(run_demo(scenario_path=path, timeout_s=timeout_s,
+                                  force_after_s=force_after_s, on_update=show,
+                                  router=DemoRouter(router)))
     else:
         printed = 0
 
@@ -140,9 +175,9 @@ def demo(
                 typer.echo(f"{e.at:6.1f} s  {e.text}")
             printed = len(state.events)
 
-        state = asyncio.run(run_demo(scenario_path=path, timeout_s=timeout_s,
-                                     force_after_s=force_after_s, on_update=lines,
-                                     router=DemoRouter(router)))
+        state = _run(run_demo(scenario_path=path, timeout_s=timeout_s,
+                              force_after_s=force_after_s, on_update=lines,
+                              router=DemoRouter(router)))
     # The live screen keeps only the latest events, so its summary lists them all again.
     for line in summary_lines(state, events=not streamed):
         typer.echo(line)

@@ -25,6 +25,22 @@ class FallbackReason(enum.StrEnum):
     NO_INSTANCE = "no_prefill_instance"  # no healthy P at all
 
 
+class RejectReason(enum.StrEnum):
+    """Why a request was refused before it reached a route (a ``reason`` label)."""
+
+    HEADER_TOO_LARGE = "header_too_large"  # a header line over the limit, or too many
+    REQUEST_LINE_TOO_LONG = "request_line_too_long"
+    INVALID_HEADER = "invalid_header"  # control characters, bad names, bad line endings
+    INVALID_CONTENT_LENGTH = "invalid_content_length"
+    INVALID_FRAMING = "invalid_framing"  # chunked encoding, Content-Length with chunked
+    BAD_REQUEST_LINE = "bad_request_line"  # method, version, or not HTTP at all
+    MALFORMED = "malformed"  # any other parser error
+    BODY_TOO_LARGE = "body_too_large"  # over [http] max_body_bytes
+    BODY_NOT_UTF8 = "body_not_utf8"
+    BODY_NOT_JSON = "body_not_json"
+    BODY_INVALID = "body_invalid"  # JSON the router cannot route (protocol.body_problem)
+
+
 class DecodeFailure(enum.StrEnum):
     CONNECT = "connect"
     TIMEOUT_FIRST_BYTE = "timeout_first_byte"
@@ -52,6 +68,11 @@ class RouterHttpMetrics:
         self.responses = Counter(
             "pdrouter_http_responses", "Answers to clients by endpoint and HTTP status.",
             ["endpoint", "code"], registry=registry)
+        self.rejected = Counter(
+            "pdrouter_http_rejected",
+            "Requests refused before routing (each also in pdrouter_http_responses_total), "
+            "by reason: the HTTP parser's (headers, request line, framing) and the body's.",
+            ["reason"], registry=registry)
         self.routes = Counter(
             "pdrouter_routes_executed",
             "Requests by the route actually executed (after any fallback).",
@@ -91,5 +112,7 @@ class RouterHttpMetrics:
             ["role", "instance"], registry=registry)
         for r in FallbackReason:
             self.fallbacks.labels(r.value)
+        for reason in RejectReason:
+            self.rejected.labels(reason.value)
         for route in ("PREFILL_NODE", "DECODE_LOCAL"):
             self.routes.labels(route)

@@ -43,7 +43,13 @@ from controller.router.features import (
 )
 from controller.router.instances import Pool
 from controller.router.merge import merge_expositions
-from controller.router.metrics import DecodeFailure, FallbackReason, RouterHttpMetrics, Stage
+from controller.router.metrics import (
+    DecodeFailure,
+    FallbackReason,
+    RejectReason,
+    RouterHttpMetrics,
+    Stage,
+)
 from controller.router.protocol import (
     REQUEST_ID_HEADER,
     body_problem,
@@ -80,9 +86,10 @@ def error_response(status: int, message: str, kind: str) -> web.Response:
 class RequestError(Exception):
     """Ends a request with an OpenAI-shaped error answer."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 reason: RejectReason | None = None) -> None:
         super().__init__(message)
-        self.status, self.kind = status, kind
+        self.status, self.kind, self.reason = status, kind, reason
 
 
 @dataclass(slots=True)
@@ -103,6 +110,24 @@ class Ctx:
     policy_version: int = 0
     stage: Stage = Stage.PREFILL
     prefilled: bool = False
+
+
+def _json_body(raw: bytes) -> Any:
+    """The request body as JSON: UTF-8 (RFC 8259 for a closed system; a byte that is not
+    UTF-8 is refused, never decoded as something else), one JSON value."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(400, f"request body is not UTF-8 (byte {e.start})",
+                           reason=RejectReason.BODY_NOT_UTF8) from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise RequestError(400, f"request body is not valid JSON: {e}",
+                           reason=RejectReason.BODY_NOT_JSON) from None
+    except RecursionError:
+        raise RequestError(400, "request body nests too deeply",
+                           reason=RejectReason.BODY_NOT_JSON) from None
 
 
 class Router:
@@ -144,6 +169,12 @@ class Router:
             app[PRIVATE_KEY] = True
         app.router.add_get("/metrics", self.metrics)
         return app
+
+    def rejected(self, status: int, reason: RejectReason) -> None:
+        """Count a request the HTTP parser refused (``http_errors.JsonErrorRunner``): its
+        path is unknown, so its answer is counted under endpoint ``-``."""
+        self.m.rejected.labels(reason.value).inc()
+        self.m.responses.labels("-", str(status)).inc()
 
     # -- small endpoints -------------------------------------------------------------------
 
@@ -215,6 +246,8 @@ class Router:
             response = await self._execute(request, ctx)
         except RequestError as e:
             response = error_response(e.status, str(e), e.kind)
+            if e.reason is not None:
+                self.m.rejected.labels(e.reason.value).inc()
         except asyncio.CancelledError:
             if ctx is not None and ctx.stage is Stage.DONE:  # the client had the whole answer
                 self.m.responses.labels(endpoint, "200").inc()
@@ -235,18 +268,14 @@ class Router:
             async with asyncio.timeout(self._t.client_body_s):
                 raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise RequestError(413, "request body too large") from None
+            raise RequestError(413, f"request body larger than {self.cfg.http.max_body_bytes} "
+                               "bytes", reason=RejectReason.BODY_TOO_LARGE) from None
         except TimeoutError:
             raise RequestError(408, "request body not received in time") from None
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise RequestError(400, f"request body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise RequestError(400, "request body nests too deeply") from None
+        body = _json_body(raw)
         chat = endpoint == CHAT
         if (problem := body_problem(body, chat=chat)) is not None:
-            raise RequestError(400, problem)
+            raise RequestError(400, problem, reason=RejectReason.BODY_INVALID)
         model = body.get("model")
         if self._names and model is not None and model not in self._names:
             raise RequestError(404, f"The model `{model}` does not exist.", "NotFoundError")

@@ -21,6 +21,7 @@ from controller.rollout.agent import RouterAgent
 from controller.rollout.security import split_host_port
 from controller.rollout.server import RouterServer
 from controller.router.config import RouterConfig
+from controller.router.http_errors import JsonErrorRunner
 from controller.router.instances import HealthChecker, Instance, Pool, Role
 from controller.router.metrics import RouterHttpMetrics
 from controller.router.proxy import Router
@@ -133,9 +134,10 @@ async def _run(cfg: RouterConfig, stop: asyncio.Event, spec: ProcessSpec, agent:
     grpc_server = RouterServer(agent, listen=cfg.grpc.listen, security=cfg.security,
                                serve_decisions=False,
                                allow_unauthenticated=cfg.grpc.allow_unauthenticated)
-    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
-    metrics_runner = web.AppRunner(router.metrics_app(private=spec.private_metrics),
-                                   access_log=None)
+    runner = JsonErrorRunner(router.app(), on_reject=router.rejected,
+                             handler_cancellation=True, access_log=None)
+    metrics_runner = JsonErrorRunner(router.metrics_app(private=spec.private_metrics),
+                                     on_reject=router.rejected, access_log=None)
     checking: asyncio.Task[None] | None = None
     try:
         await runner.setup()

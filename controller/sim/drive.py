@@ -28,7 +28,7 @@ import json
 import logging
 import random
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -105,11 +105,15 @@ def chat_url(target: str) -> str:
 class TrafficDriver:
     """Replays ``scenario``'s sessions against ``target`` (see the module docstring)."""
 
-    def __init__(self, scenario: Scenario, target: str, limits: DriveLimits, *,
-                 tokenizer: Tokenizer | None = None, model: str | None = None,
+    def __init__(self, scenario: Scenario, target: str | Sequence[str], limits: DriveLimits,
+                 *, tokenizer: Tokenizer | None = None, model: str | None = None,
                  session_prefix: str = "drive", clock: WallClock | None = None) -> None:
         self.scenario = scenario
-        self.url = chat_url(target)
+        targets = [target] if isinstance(target, str) else list(target)
+        if not targets:
+            raise ValueError("drive: no target")
+        # several routers: each session goes to one, in turn (all its turns to that one)
+        self.urls = [chat_url(t) for t in targets]
         self.limits = limits
         self.tokenizer = tokenizer or load_tokenizer(bundled_tokenizer_dir())
         self.model = model or scenario.profile.model_name
@@ -169,8 +173,9 @@ class TrafficDriver:
             if self.stats.sent >= self.limits.max_requests:
                 self.stats.stopped_by = "request budget"
                 return
+            url = self.urls[self.stats.sessions % len(self.urls)]
             self.stats.sessions += 1
-            tasks.add(asyncio.create_task(self._session(http, spec, stop)))
+            tasks.add(asyncio.create_task(self._session(http, spec, stop, url)))
 
     async def _sleep_until(self, at: float, stop: asyncio.Event) -> bool:
         """Wait until monotonic time ``at``; True when ``stop`` was set first."""
@@ -181,18 +186,18 @@ class TrafficDriver:
         return stop.is_set()
 
     async def _session(self, http: httpx.AsyncClient, spec: SessionSpec,
-                       stop: asyncio.Event) -> None:
+                       stop: asyncio.Event, url: str) -> None:
         session = f"{self.prefix}-{spec.session_id}"
         messages: list[dict[str, str]] = []
         decodes: set[str] = set()
         try:
-            await self._turns(http, spec, session, messages, decodes, stop)
+            await self._turns(http, spec, session, messages, decodes, stop, url)
         finally:
             self.stats.split_sessions += len(decodes) > 1
 
     async def _turns(self, http: httpx.AsyncClient, spec: SessionSpec, session: str,
                      messages: list[dict[str, str]], decodes: set[str],
-                     stop: asyncio.Event) -> None:
+                     stop: asyncio.Event, url: str) -> None:
         for i, turn in enumerate(spec.turns):
             if i > 0 and await self._sleep_until(self.clock.monotonic() + turn.think_s, stop):
                 return
@@ -205,12 +210,13 @@ class TrafficDriver:
             lead = f"[{session}] " if i == 0 else ""
             content = fill_message(self.tokenizer, messages, turn.prompt_tokens, lead=lead)
             messages.append({"role": "user", "content": content})
-            reply = await self._request(http, session, messages, turn.output_tokens, decodes)
+            reply = await self._request(http, url, session, messages, turn.output_tokens,
+                                        decodes)
             if reply is None:
                 return  # a failed turn ends its session (ScenarioDriver does the same)
             messages.append({"role": "assistant", "content": reply})
 
-    async def _request(self, http: httpx.AsyncClient, session: str,
+    async def _request(self, http: httpx.AsyncClient, url: str, session: str,
                        messages: list[dict[str, str]], max_tokens: int,
                        decodes: set[str]) -> str | None:
         """One streamed chat request; the assistant's text, or None (counted failed)."""
@@ -219,7 +225,7 @@ class TrafficDriver:
         async with self._gate:
             self.stats.sent += 1
             try:
-                async with http.stream("POST", self.url, json=body,
+                async with http.stream("POST", url, json=body,
                                        headers={SESSION_HEADER: session}) as resp:
                     if resp.status_code != 200:
                         self.stats.statuses[resp.status_code] += 1

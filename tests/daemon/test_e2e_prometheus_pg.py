@@ -78,7 +78,8 @@ NO_DATA_FAMILIES = {
        for name in ("pdrouter_http_responses", "pdrouter_routes_executed", "pdrouter_fallbacks",
                     "pdrouter_prefill_retries", "pdrouter_decode_failures",
                     "pdrouter_client_disconnects", "pdrouter_overhead_seconds",
-                    "pdrouter_tokenizer_loaded", "pdrouter_instance_healthy")},
+                    "pdrouter_tokenizer_loaded", "pdrouter_instance_healthy",
+                    "pdrouter_http_rejected")},
 }
 
 

@@ -142,3 +142,111 @@ def test_a_client_that_never_finishes_its_body_gets_a_408_within_the_bound(
         assert 0.9 <= waited < 5
         assert json.loads(seen.split(b"\r\n\r\n", 1)[1])["error"]["code"] == 408
         assert metric(r.metrics(), "pdrouter_http_responses_total", code="408") == 1
+
+
+SECRET = b"sk-secret-4f1d"
+CHAT_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+OK_BODY = b'{"model":"m","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}'
+
+
+def _req(headers: bytes, body: bytes = OK_BODY, length: bytes | None = None) -> bytes:
+    cl = b"Content-Length: " + (length if length is not None else str(len(body)).encode())
+    return CHAT_HEAD + headers + cl + b"\r\n\r\n" + body
+
+
+def raw_exchange(r: RouterProc, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send ``data`` on a fresh connection; the answer's status, headers and body (read
+    until the server closes, bounded by a 10 s socket timeout)."""
+    host, port = r.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(data)
+        seen = b""
+        while chunk := s.recv(65536):
+            seen += chunk
+    head, _, body = seen.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split(" ")[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+@pytest.mark.parametrize(("data", "status", "reason"), [
+    (_req(b"Authorization: Bearer " + SECRET + b"\x01x\r\n"), 400, "invalid_header"),
+    (_req(b"Authorization: Bearer " + SECRET + b"\x1b[2J\r\n"), 400, "invalid_header"),
+    (_req(b"X-Session-Id: s\x00" + SECRET + b"\r\n"), 400, "invalid_header"),
+    (_req(b"X-Session-Id: s\x7f" + SECRET + b"\r\n"), 400, "invalid_header"),
+    (_req(b"X-Session-Id: s\r" + SECRET + b"\r\n"), 400, "invalid_header"),
+    (_req(b"X Bad: v\r\n"), 400, "invalid_header"),
+    (_req(b"X-Session-Id: " + SECRET + b"a" * 9000 + b"\r\n"), 431, "header_too_large"),
+    (_req(b"".join(b"X-H%d: v\r\n" % i for i in range(200))), 431, "header_too_large"),
+    (b"POST /v1/" + b"c" * 9000 + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",
+     414, "request_line_too_long"),
+    (_req(b"", length=b"-1"), 400, "invalid_content_length"),
+    (_req(b"", length=b"12abc"), 400, "invalid_content_length"),
+    (_req(b"Content-Length: 3\r\n"), 400, "invalid_content_length"),
+    (_req(b"Transfer-Encoding: chunked\r\n"), 400, "invalid_framing"),
+    (CHAT_HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n", 400,
+     "invalid_framing"),
+    (b"P@ST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n", 400, "bad_request_line"),
+    (b"POST /v1/chat/completions HTTP/9.9\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", 400,
+     "bad_request_line"),
+], ids=["auth-ctl", "auth-esc", "session-nul", "session-del", "session-cr", "header-name",
+        "header-9k", "headers-200", "url-9k", "length-negative", "length-text",
+        "length-twice", "length-and-chunked", "chunk-size", "method", "version"])
+def test_a_request_http_cannot_parse_gets_an_openai_error_one_log_line_and_a_reason(
+        cluster, data: bytes, status: int, reason: str) -> None:
+    _p, _d, r = cluster
+    before = r.metrics()
+    log_before = r.log_text()
+    got, headers, body = raw_exchange(r, data)
+    assert got == status, body[:300]
+    assert headers["content-type"].startswith("application/json")
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and err["type"] == "invalid_request_error" and err["message"]
+    assert SECRET not in body  # the refused bytes are never echoed
+    after = r.metrics()
+    assert metric(after, "pdrouter_http_rejected_total", reason=reason) == \
+        metric(before, "pdrouter_http_rejected_total", reason=reason) + 1
+    assert metric(after, "pdrouter_http_responses_total", endpoint="-", code=str(status)) == \
+        metric(before, "pdrouter_http_responses_total", endpoint="-", code=str(status)) + 1
+    new = r.log_text()[len(log_before):]
+    assert "Traceback" not in new and SECRET.decode() not in new, new
+    refused = [line for line in new.splitlines() if "HTTP cannot parse" in line]
+    assert len(refused) == 1 and f": {reason} (" in refused[0], new
+
+
+def test_a_header_with_bytes_beyond_ascii_is_served_and_not_a_failure(cluster) -> None:
+    """obs-text (0x80-0xff) is legal in a header value (RFC 9110): the request is served,
+    its session key is the header's bytes."""
+    _p, _d, r = cluster
+    got, _, body = raw_exchange(r, _req(b"Connection: close\r\nX-Session-Id: s\xff\xe9\r\n"))
+    assert got == 200, body[:300]
+    assert metric(r.metrics(), "pdrouter_http_responses_total", code="500") == 0
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    (b'{"model":"m","messages":[{"role":"user","content":"\xff\xfe"}]}', "body_not_utf8"),
+    (b"\xff\xfe{\x00}\x00", "body_not_utf8"),  # UTF-16 with a BOM: not decoded as such
+    (b'{"model":"m","messages":', "body_not_json"),
+    (b'{"model":"m","messages":"hi"}', "body_invalid"),
+], ids=["latin1-in-string", "utf16", "truncated", "not-routable"])
+def test_a_body_the_router_cannot_read_is_a_400_with_its_reason(cluster, body: bytes,
+                                                                 reason: str) -> None:
+    _p, _d, r = cluster
+    before = metric(r.metrics(), "pdrouter_http_rejected_total", reason=reason)
+    got = post(r, body)
+    assert_openai_error(got, 400)
+    assert metric(r.metrics(), "pdrouter_http_rejected_total", reason=reason) == before + 1
+    assert "Traceback" not in r.log_text()
+
+
+def test_a_body_over_the_cap_is_a_413_with_its_reason(cluster) -> None:
+    """``[http] max_body_bytes`` (16 MiB by default) is the documented cap."""
+    _p, _d, r = cluster
+    before = metric(r.metrics(), "pdrouter_http_rejected_total", reason="body_too_large")
+    big = b'{"model":"m","messages":[{"role":"user","content":"' + b"a" * (16 << 20) + b'"}]}'
+    got = post(r, big)
+    assert_openai_error(got, 413)
+    assert str(16 << 20) in got.json()["error"]["message"]
+    assert metric(r.metrics(), "pdrouter_http_rejected_total", reason="body_too_large") == \
+        before + 1
