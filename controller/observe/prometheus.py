@@ -11,13 +11,19 @@ used, so Thanos and Mimir work too.
 Two ways to turn counters into window increases (``[prometheus] window_mode``):
 
 - ``increase`` (this class's default; the config's is ``edges``): ``increase(x[<W>ms])``
-  evaluated at the window end. Prometheus
-  handles counter resets between every pair of samples; it extrapolates to the window edges,
-  so counts are estimates (means, being ratios of equally extrapolated sums and counts, are
-  not affected).
+  evaluated at the window end, which extrapolates to the window edges, so counts are
+  estimates (means, being ratios of equally extrapolated sums and counts, are not affected).
+  ``increase()`` reads EVERY fall of a counter as a restart and counts the value after it
+  whole (a fall of 0.001 counted a lifetime), so one more query asks ``resets()`` of every
+  cumulative series: a target none of whose series fell is read from ``increase()``; a
+  target one of whose series fell in the window (jitter, a restart) is read at the edges
+  and diffed by the rules of :mod:`controller.observe.counters`, as a scrape is.
 - ``edges`` (``[prometheus] window_mode``'s default): the aggregated cumulative values at
   ``start`` and at ``end`` (two evaluations of the same queries), diffed with the same code
   as a direct scrape: exact counts, resets detected only at the edges.
+
+Both read ``process_start_time_seconds`` (its maximum per target) with the gauges, so a
+restart is told from a counter that fell, as for a scrape.
 
 The client is ``prometheus-api-client`` wrapped: a request timeout, bounded retries with
 ``raise_on_status=False``, calls made off the event loop, values read with ``float()``
@@ -56,6 +62,7 @@ from controller.core.catalog import (
 from controller.core.exposition import LabelKey, Snapshot, base_name
 from controller.core.window import TargetFailure, Window
 from controller.errors import ControllerError, TerminalError, TransientError
+from controller.observe.counters import PROCESS_START
 from controller.observe.rediscovery import Rediscovery
 from controller.observe.source import Target
 from controller.observe.window_builder import (
@@ -231,6 +238,8 @@ def _catalog_series() -> tuple[dict[tuple[str, tuple[tuple[str, str], ...]], His
             if m not in histogram_families:
                 gauges.setdefault(m, "sum")  # presence is all that matters for markers
     gauges[ROUTER.qps] = "sum"
+    # Tells a restart from a counter that fell (observe.counters), as for a scrape.
+    gauges[PROCESS_START] = "max"
     return hist_specs, counters, gauges
 
 
@@ -244,11 +253,7 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
     hist_specs, counters, gauges = _catalog_series()
 
     def selector(name: str, match: tuple[tuple[str, str], ...] = ()) -> str:
-        stored = name.replace(":", "_") if escaped_names else name
-        if has_replica_ranks(name):  # the total, not the priority classes beside it (also
-            match = (*match, (PRIORITY_LABEL, ""))  # the series without the label)
-        matchers = [f'{k}="{v}"' for k, v in match]
-        return stored + "{" + ",".join(matchers) + "}" if matchers else stored
+        return _selector(name, match, escaped_names)
 
     def term(series: str, labels: tuple[str, ...], match: tuple[tuple[str, str], ...] = (),
              aggregate: str = "sum", cumulative: bool = True) -> str:
@@ -285,6 +290,46 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
         _Query("counters", " or ".join(counter_terms)),
         _Query("gauges", " or ".join(gauge_terms)),
     ]
+
+
+def _selector(name: str, match: tuple[tuple[str, str], ...], escaped_names: bool) -> str:
+    stored = name.replace(":", "_") if escaped_names else name
+    if has_replica_ranks(name):  # the total, not the priority classes beside it (also
+        match = (*match, (PRIORITY_LABEL, ""))  # the series without the label)
+    matchers = [f'{k}="{v}"' for k, v in match]
+    return stored + "{" + ",".join(matchers) + "}" if matchers else stored
+
+
+def _cumulative_series() -> list[tuple[str, tuple[tuple[str, str], ...]]]:
+    """Every cumulative series the window queries read, with its label matchers."""
+    hist_specs, counters, _ = _catalog_series()
+    out: list[tuple[str, tuple[tuple[str, str], ...]]] = []
+    for spec in hist_specs.values():
+        out += [(spec.family + suffix, spec.match) for suffix in ("_bucket", "_sum", "_count")]
+    out += [(f + "_bucket", ()) for f in (ROUTER.context_tokens, ROUTER.io_ratio)]
+    out += [(f + suffix, ()) for f in (ROUTER.ttft, ROUTER.tpot) for suffix in ("_sum", "_count")]
+    out += [(c.sample, ()) for c in counters.values()]
+    out.append((ROUTER.requests, ()))
+    return list(dict.fromkeys(out))
+
+
+def build_resets_query(window_ms: int, *, escaped_names: bool = False) -> str:
+    """Per instance and series: how many times a cumulative series fell between two of its
+    samples in the window (``resets()``). Where none did, ``increase()`` read it right;
+    where one did, ``increase()`` took the fall for a restart and counted the value after
+    it whole (a fall of 0.001 counted a lifetime)."""
+    terms = [
+        f'label_replace(sum by (instance) (resets({_selector(name, match, escaped_names)}'
+        f'[{window_ms}ms])), "{SERIES_LABEL}", "{name}", "instance", ".*")'
+        for name, match in _cumulative_series()
+    ]
+    return " or ".join(terms)
+
+
+def _fell(rows: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The instances some cumulative series of which fell in the window."""
+    return {str(r["metric"].get("instance", "")) for r in rows
+            if parse_value(r["value"][1]) > 0}
 
 
 # Per series (instance and job): each one's value and the time of its newest sample. An
@@ -357,10 +402,8 @@ class PrometheusSource:
     def targets(self) -> Sequence[Target]:
         return list(self._targets)
 
-    async def _collect(
-        self, at: float, window_ms: int | None
-    ) -> dict[str, dict[str, dict[LabelKey, float]]]:
-        merged: dict[str, dict[str, dict[LabelKey, float]]] = {}
+    async def _collect(self, at: float, window_ms: int | None) -> Samples:
+        merged: Samples = {}
         answers = await asyncio.gather(
             *(self._client.query(q.promql, at)
               for q in build_queries(window_ms, escaped_names=self._escaped))
@@ -385,18 +428,9 @@ class PrometheusSource:
         fresh = {name: [s for s in rows if s.sampled_at > start]
                  for name, rows in series.items()}
         up = {name: rows[0].value for name, rows in fresh.items() if len(rows) == 1}
-        baseline_at: dict[str, float] = {}
-        if self._mode == "increase":
-            window_ms = max(1, round((end - start) * 1000))
-            at_end = await self._collect(end, window_ms)
-            at_start: dict[str, dict[str, dict[LabelKey, float]]] | None = None
-        else:
-            at_end, at_start, baseline_rows = await asyncio.gather(
-                self._collect(end, None), self._collect(start, None),
-                self._client.query(BASELINE_TIMES_QUERY, start))
-            baseline_at = {r["metric"].get("instance", ""): parse_value(r["value"][1])
-                           for r in baseline_rows}
         down = [t for t in self._targets if up.get(t.name) != 1.0]
+        counted = await self._counted(start, end, {t.name for t in self._targets
+                                                   if t not in down})
         errors: dict[str, str] = {}
         if down:
             errors = await self._scrape_errors()
@@ -405,53 +439,55 @@ class PrometheusSource:
             if t in down:
                 results.append(TargetResult(t.name, t.role, failure=_down(
                     t.name, series.get(t.name, []), fresh.get(t.name, []), errors, end)))
-                continue
-            start_samples = None if at_start is None else at_start.get(t.name, {})
-            # The start edge's sample from before a gap (Prometheus down or behind): the
-            # diff would put the gap's traffic in this window (12x the rate in one). Gauges
-            # only, as after a restart.
-            if start_samples is not None \
-                    and not baseline_at.get(t.name, -math.inf) >= start - max(end - start, 1.0):
-                start_samples = {}
-            results.append(TargetResult(t.name, t.role, delta=self._delta(
-                t.name, at_end.get(t.name, {}), start_samples, start, end,
-                worker=t.role != "router")))
+            else:
+                results.append(TargetResult(t.name, t.role, delta=self._target_delta(
+                    t, counted, start, end)))
         return assemble_window(
             start, end, results, source=f"{self.name}:{self._mode}",
             ctx_labels=CONTEXT_BINS.labels, io_labels=IO_RATIO_BINS.labels,
         )
 
-    def _delta(
-        self,
-        instance: str,
-        end_samples: dict[str, dict[LabelKey, float]],
-        start_samples: dict[str, dict[LabelKey, float]] | None,
-        start: float,
-        end: float,
-        *,
-        worker: bool = True,
-    ) -> TargetDelta:
-        families = frozenset(base_name(s) for s in end_samples)
-        if start_samples is None:  # increase mode: rows are already window increases
-            gauges: dict[str, dict[LabelKey, float]] = {}
-            increases: dict[str, dict[LabelKey, float]] = {}
-            gauge_names = _gauge_names()
-            for series, values in end_samples.items():
-                clean = {k: v for k, v in values.items() if not math.isnan(v)}
-                (gauges if series in gauge_names else increases)[series] = clean
-            # A worker exports counters from its start (vLLM and SGLang create their
-            # series up front): none at all means fewer than two samples in the window
-            # (increase() needs two), a first window, not families the engine lacks.
-            sampled = bool(increases) or not worker
-            notes = [] if sampled else [TargetFailure(
-                instance, "no_baseline", "no counter has two samples in the window (increase() "
-                "needs two): scraped less often than the window, or just started")]
-            return TargetDelta(target=instance, families=families, increases=increases,
-                               gauges=gauges, has_baseline=sampled, families_known=sampled,
-                               notes=notes)
-        # edges mode: the cumulative values at both edges, diffed like two scrapes
-        prev = Snapshot(instance, start, start_samples, frozenset(start_samples))
-        cur = Snapshot(instance, end, end_samples, families)
+    async def _counted(self, start: float, end: float, live: set[str]) -> _Counted:
+        """The window's counter readings: the edges' cumulative values (``edges`` mode);
+        ``increase()`` at the end and, for the live targets a cumulative series of which
+        fell in the window, the edges too (``increase`` mode)."""
+        if self._mode == "edges":
+            return _Counted(edges=await self._edges(start, end))
+        window_ms = max(1, round((end - start) * 1000))
+        increases, resets = await asyncio.gather(
+            self._collect(end, window_ms),
+            self._client.query(build_resets_query(window_ms, escaped_names=self._escaped),
+                               end))
+        fell = frozenset(_fell(resets) & live)
+        edges = await self._edges(start, end) if fell else None
+        return _Counted(increases=increases, fell=fell, edges=edges)
+
+    async def _edges(self, start: float, end: float) -> _Edges:
+        at_end, at_start, baseline_rows = await asyncio.gather(
+            self._collect(end, None), self._collect(start, None),
+            self._client.query(BASELINE_TIMES_QUERY, start))
+        baseline_at = {r["metric"].get("instance", ""): parse_value(r["value"][1])
+                       for r in baseline_rows}
+        return _Edges(at_end, at_start, baseline_at)
+
+    def _target_delta(self, t: Target, counted: _Counted, start: float, end: float
+                      ) -> TargetDelta:
+        worker = t.role != "router"
+        if counted.increases is not None and t.name not in counted.fell:
+            return _increase_delta(t.name, counted.increases.get(t.name, {}), worker=worker)
+        # The edges diffed like two scrapes, by the same rules (observe.counters): edges
+        # mode, or increase mode where a series fell (jitter, a restart) in the window.
+        assert counted.edges is not None
+        edges = counted.edges
+        start_samples = edges.at_start.get(t.name, {})
+        # The start edge's sample from before a gap (Prometheus down or behind): the diff
+        # would put the gap's traffic in this window (12x the rate in one). Gauges only, as
+        # after a restart.
+        if not edges.baseline_at.get(t.name, -math.inf) >= start - max(end - start, 1.0):
+            start_samples = {}
+        end_samples = edges.at_end.get(t.name, {})
+        prev = Snapshot(t.name, start, start_samples, frozenset(start_samples))
+        cur = Snapshot(t.name, end, end_samples, frozenset(base_name(s) for s in end_samples))
         return diff_snapshots(prev if start_samples else None, cur, announced=False)
 
     async def _scrape_errors(self) -> dict[str, str]:
@@ -473,8 +509,47 @@ class PrometheusSource:
         await asyncio.to_thread(self._client.close)
 
 
+Samples = dict[str, dict[str, dict[LabelKey, float]]]  # instance -> series -> labels -> value
+
+
+@dataclass(frozen=True, slots=True)
+class _Edges:
+    at_end: Samples
+    at_start: Samples
+    baseline_at: dict[str, float]  # instance -> its newest sample's time at the start edge
+
+
+@dataclass(frozen=True, slots=True)
+class _Counted:
+    increases: Samples | None = None  # increase mode: increase() at the end
+    fell: frozenset[str] = frozenset()  # increase mode: read at the edges instead
+    edges: _Edges | None = None
+
+
+def _increase_delta(instance: str, end_samples: dict[str, dict[LabelKey, float]], *,
+                    worker: bool) -> TargetDelta:
+    """A target's delta from ``increase()`` rows (already window increases) and gauges."""
+    families = frozenset(base_name(s) for s in end_samples)
+    gauges: dict[str, dict[LabelKey, float]] = {}
+    increases: dict[str, dict[LabelKey, float]] = {}
+    gauge_names = _gauge_names()
+    for series, values in end_samples.items():
+        clean = {k: v for k, v in values.items() if not math.isnan(v)}
+        (gauges if series in gauge_names else increases)[series] = clean
+    # A worker exports counters from its start (vLLM and SGLang create their series up
+    # front): none at all means fewer than two samples in the window (increase() needs
+    # two), a first window, not families the engine lacks.
+    sampled = bool(increases) or not worker
+    notes = [] if sampled else [TargetFailure(
+        instance, "no_baseline", "no counter has two samples in the window (increase() "
+        "needs two): scraped less often than the window, or just started")]
+    return TargetDelta(target=instance, families=families, increases=increases,
+                       gauges=gauges, has_baseline=sampled, families_known=sampled,
+                       notes=notes)
+
+
 def _gauge_names() -> frozenset[str]:
-    names = {ROUTER.qps}
+    names = {ROUTER.qps, PROCESS_START}
     for engine in ENGINES:
         names |= {spec.family for spec in engine.all_specs()
                   if isinstance(spec, GaugeSpec)
