@@ -25,11 +25,14 @@ Two ways to turn counters into window increases (``[prometheus] window_mode``):
 Both read ``process_start_time_seconds`` (its maximum per target) with the gauges, so a
 restart is told from a counter that fell, as for a scrape.
 
-The client is ``prometheus-api-client`` wrapped: a request timeout, bounded retries with
-``raise_on_status=False``, calls made off the event loop, values read with ``float()``
-(``"NaN"``, ``"+Inf"``), and its three failure shapes (``PrometheusApiClientException``
-holding the HTTP status and error JSON in its message, ``requests`` connection errors,
-``RetryError``) mapped to :class:`PrometheusUnavailable` (transient) or
+The client speaks the HTTP API over ``httpx``: every call within one TOTAL deadline
+(``timeout_s``: connect, headers, body and retries together: a read timeout restarts on
+each byte, so alone it would let a trickling Prometheus hold the loop as long as it
+trickled), and a
+window's calls within one more (:meth:`PrometheusSource.window`); bounded retries on
+connection errors and HTTP 429/502/503/504; answers read by the bounded decoders of
+:mod:`controller.observe.bounded_body` and capped; values read with ``float()`` (``"NaN"``,
+``"+Inf"``). Every failure is :class:`PrometheusUnavailable` (transient) or
 :class:`PrometheusQueryError` (terminal), both :class:`PrometheusError`.
 """
 
@@ -39,15 +42,11 @@ import asyncio
 import json
 import logging
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import requests
-from prometheus_api_client.exceptions import PrometheusApiClientException
-from prometheus_api_client.prometheus_connect import PrometheusConnect
-from urllib3.util.retry import Retry
+import httpx
 
 from controller.core.catalog import (
     ENGINES,
@@ -62,6 +61,7 @@ from controller.core.catalog import (
 from controller.core.exposition import LabelKey, Snapshot, base_name
 from controller.core.window import TargetFailure, Window
 from controller.errors import ControllerError, TerminalError, TransientError
+from controller.observe.bounded_body import ACCEPT_ENCODING, BodyRefused, read_bounded
 from controller.observe.counters import PROCESS_START
 from controller.observe.rediscovery import Rediscovery
 from controller.observe.source import Target
@@ -95,45 +95,40 @@ class PrometheusQueryError(PrometheusError, TerminalError):
         self.error_type = error_type
 
 
-_STATUS = re.compile(r"HTTP Status Code (\d{3}) \((.*)\)\Z", re.S)
+# An API answer larger than this is refused (decoded or as sent): a window's answers are a
+# few MB for hundreds of targets.
+MAX_ANSWER_BYTES = 128 * 1024 * 1024
+_RETRIED_STATUSES = (429, 502, 503, 504)
 
 
-def map_client_error(exc: BaseException) -> PrometheusError:
-    """One domain error for every way the client fails."""
-    if isinstance(exc, PrometheusApiClientException):
-        text = str(exc)
-        m = _STATUS.match(text)
-        status = int(m.group(1)) if m else 0
-        detail, error_type = _error_json(m.group(2) if m else text)
-        if status == 429 or status >= 500 or status == 0:
-            return PrometheusUnavailable(f"Prometheus answered HTTP {status}: {detail}")
-        return PrometheusQueryError(f"Prometheus refused the query (HTTP {status}, "
-                                    f"{error_type or 'error'}): {detail}", error_type)
-    if isinstance(exc, requests.exceptions.JSONDecodeError):  # also a RequestException
-        return PrometheusQueryError(f"Prometheus answered something that is not API JSON: "
-                                    f"{exc}")
-    if isinstance(exc, requests.exceptions.RetryError):
-        return PrometheusUnavailable(f"Prometheus kept failing after the retries: {exc}")
-    if isinstance(exc, requests.exceptions.Timeout):
-        return PrometheusUnavailable(f"Prometheus did not answer in time: {exc}")
-    if isinstance(exc, requests.exceptions.RequestException):
-        return PrometheusUnavailable(f"cannot reach Prometheus: {type(exc).__name__}: {exc}")
-    if isinstance(exc, (ValueError, KeyError, TypeError)):
-        return PrometheusQueryError(f"Prometheus answered something that is not API JSON: "
-                                    f"{exc!r}")
-    return PrometheusUnavailable(f"Prometheus query failed: {exc!r}")
+def _answer_error(status: int, body: bytes) -> PrometheusError:
+    """The error for a non-200 answer: 429 and 5xx transient, anything else a refusal."""
+    detail, error_type = _error_json(body)
+    if status == 429 or status >= 500:
+        return PrometheusUnavailable(f"Prometheus answered HTTP {status}: {detail}")
+    return PrometheusQueryError(f"Prometheus refused the query (HTTP {status}, "
+                                f"{error_type or 'error'}): {detail}", error_type)
 
 
-def _error_json(raw: str) -> tuple[str, str | None]:
-    # The client puts repr(response.content) in the message: b'{"status":"error",...}'.
-    body = raw
-    if len(raw) >= 3 and raw[0] == "b" and raw[1] in "'\"":
-        body = raw[2:-1].encode("latin-1", "backslashreplace").decode("unicode_escape")
+def _error_json(body: bytes) -> tuple[str, str | None]:
+    text = body.decode("utf-8", "replace")
     try:
-        d = json.loads(body)
-        return str(d.get("error", body))[:500], d.get("errorType")
+        d = json.loads(text)
+        return str(d.get("error", text))[:500], d.get("errorType")
     except (ValueError, AttributeError):
-        return body[:500], None
+        return text[:500], None
+
+
+def _api_data(body: bytes) -> Any:
+    """``data`` of a successful API answer, or :class:`PrometheusQueryError`."""
+    try:
+        doc = json.loads(body)
+        if doc.get("status") != "success":
+            raise ValueError(f"status {doc.get('status')!r}")
+        return doc["data"]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PrometheusQueryError(
+            f"Prometheus answered something that is not API JSON: {e!r}") from None
 
 
 def parse_value(raw: Any) -> float:
@@ -142,7 +137,12 @@ def parse_value(raw: Any) -> float:
 
 
 class PrometheusClient:
-    """``PrometheusConnect`` with a timeout, bounded retries and one error type."""
+    """The HTTP API over ``httpx``: one TOTAL deadline per call (``timeout_s``: connect,
+    headers, the whole body and every retry together, so a Prometheus that trickles its
+    answer or never finishes its headers costs at most that), bounded retries on connection
+    errors and HTTP 429/502/503/504, answers capped at :data:`MAX_ANSWER_BYTES` while
+    streaming, and one error type: :class:`PrometheusUnavailable` (transient) or
+    :class:`PrometheusQueryError` (terminal)."""
 
     def __init__(
         self,
@@ -155,56 +155,81 @@ class PrometheusClient:
     ) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        self.requests_sent = 0  # final answers seen (urllib3 retries are not counted here)
-        self._session = requests.Session()
-        self._session.trust_env = False
-        self._session.hooks["response"].append(self._count)
-        retry = Retry(
-            total=retries, connect=retries, read=retries, backoff_factor=backoff_s,
-            status_forcelist=(429, 502, 503, 504), allowed_methods=("GET", "POST"),
-            raise_on_status=False,
-        )
-        # The client's annotations say int/dict; requests takes a float timeout and None.
-        self._api = PrometheusConnect(
-            self.url, headers=dict(headers) if headers else None,  # type: ignore[arg-type]
-            retry=retry, timeout=timeout_s, session=self._session,  # type: ignore[arg-type]
-        )
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.requests_sent = 0  # answers received, retried ones included
+        self._headers = {"Accept": "application/json", "Accept-Encoding": ACCEPT_ENCODING,
+                         **(headers or {})}
+        self._http: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def _count(self, response: requests.Response, *args: Any, **kwargs: Any) -> None:
-        self.requests_sent += 1
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._loop is not loop:  # connections belong to one loop
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s),
+                                           headers=self._headers, trust_env=False,
+                                           follow_redirects=False)
+            self._loop = loop
+        return self._http
 
-    def query_sync(self, promql: str, at: float) -> list[dict[str, Any]]:
-        try:
-            result = self._api.custom_query(promql, params={"time": f"{at:.3f}"})
-        except Exception as e:  # every client failure becomes one domain error
-            raise map_client_error(e) from e
+    async def query(self, promql: str, at: float) -> list[dict[str, Any]]:
+        data = await self._get("/api/v1/query", {"query": promql, "time": f"{at:.3f}"})
+        result = data.get("result") if isinstance(data, dict) else None
         if not isinstance(result, list):
             raise PrometheusQueryError(f"expected a vector result, got {type(result).__name__}")
         return result
 
-    async def query(self, promql: str, at: float) -> list[dict[str, Any]]:
-        return await asyncio.to_thread(self.query_sync, promql, at)
-
-    def targets_sync(self) -> list[dict[str, Any]]:
-        """``/api/v1/targets`` active targets (labels, health, lastError)."""
-        try:
-            r = self._session.get(f"{self.url}/api/v1/targets", params={"state": "active"},
-                                  timeout=self.timeout_s)
-            if r.status_code != 200:
-                raise PrometheusApiClientException(
-                    f"HTTP Status Code {r.status_code} ({r.content!r})")
-            active = r.json()["data"]["activeTargets"]
-        except PrometheusError:
-            raise
-        except Exception as e:
-            raise map_client_error(e) from e
-        return list(active)
-
     async def targets(self) -> list[dict[str, Any]]:
-        return await asyncio.to_thread(self.targets_sync)
+        """``/api/v1/targets`` active targets (labels, health, lastError)."""
+        data = await self._get("/api/v1/targets", {"state": "active"})
+        try:
+            return list(data["activeTargets"])
+        except (KeyError, TypeError) as e:
+            raise PrometheusQueryError(
+                f"Prometheus answered something that is not API JSON: {e!r}") from None
 
-    def close(self) -> None:
-        self._session.close()
+    async def _get(self, path: str, params: Mapping[str, str]) -> Any:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self._attempts(path, params)
+        except TimeoutError:
+            raise PrometheusUnavailable(f"Prometheus did not answer in time: no whole answer "
+                                        f"within {self.timeout_s:g} s") from None
+
+    async def _attempts(self, path: str, params: Mapping[str, str]) -> Any:
+        last: PrometheusError | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                status, body = await self._once(path, params)
+            except httpx.TransportError as e:
+                last = PrometheusUnavailable(
+                    f"cannot reach Prometheus: {type(e).__name__}: {e}")
+                continue
+            except BodyRefused as e:
+                raise PrometheusUnavailable(f"Prometheus' answer refused: {e}") from None
+            if status == 200:
+                return _api_data(body)
+            last = _answer_error(status, body)
+            if status not in _RETRIED_STATUSES:
+                raise last
+        assert last is not None
+        raise last
+
+    async def _once(self, path: str, params: Mapping[str, str]) -> tuple[int, bytes]:
+        async with self._client().stream("GET", self.url + path, params=dict(params)
+                                         ) as response:
+            self.requests_sent += 1
+            body = await read_bounded(response.aiter_raw(),
+                                      response.headers.get("content-encoding", ""),
+                                      MAX_ANSWER_BYTES)
+            return response.status_code, body
+
+    async def aclose(self) -> None:
+        http, self._http = self._http, None
+        if http is not None:
+            await http.aclose()
 
 
 @dataclass(frozen=True, slots=True)
@@ -421,6 +446,20 @@ class PrometheusSource:
             self._rediscovery.require(self._targets)
 
     async def window(self, start: float, end: float) -> Window:
+        """The window ``[start, end]``, within ONE total deadline (``[prometheus]
+        timeout_s``) for every query and discovery call it makes: past it the window fails
+        with :class:`PrometheusUnavailable` naming the deadline (the cycle skips with that
+        reason and the loop goes on), whatever Prometheus sends and however slowly."""
+        deadline = self._client.timeout_s
+        try:
+            async with asyncio.timeout(deadline):
+                return await self._window(start, end)
+        except TimeoutError:
+            raise PrometheusUnavailable(
+                f"Prometheus did not answer this window's queries within {deadline:g} s "
+                "(a total deadline: [prometheus] timeout_s)") from None
+
+    async def _window(self, start: float, end: float) -> Window:
         await self._refresh_targets(end)
         up_values, up_times = await asyncio.gather(
             self._client.query(UP_SERIES_QUERY, end), self._client.query(UP_TIMES_QUERY, end))
@@ -506,7 +545,7 @@ class PrometheusSource:
         return None  # each window is a range query over exactly [start, end]
 
     async def aclose(self) -> None:
-        await asyncio.to_thread(self._client.close)
+        await self._client.aclose()
 
 
 Samples = dict[str, dict[str, dict[LabelKey, float]]]  # instance -> series -> labels -> value
