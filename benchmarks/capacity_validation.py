@@ -4,7 +4,7 @@ For each workload and SLO pair:
 
 1. **observe**: run the workload on a generous cluster in virtual time and record one window
    per control interval through the same in-process scrape the daemon uses;
-2. **plan**: :func:`controller.capacity_planner.plan_from_windows` on the windows of the
+2. **plan**: :func:`controller.loop.capacity.plan_from_windows` on the windows of the
    measured period (demand and fitted physics from the windows; the KV pool size and
    ``max_num_seqs`` are the engine's configuration, given as an operator would; token spreads
    and the arrival profile as below);
@@ -54,13 +54,13 @@ if str(ROOT) not in sys.path:
 
 from controller.bench.baselines import ThresholdConfig, install_threshold  # noqa: E402
 from controller.bench.runner import WindowRecorder  # noqa: E402
-from controller.capacity_planner import (  # noqa: E402
+from controller.config import load_settings  # noqa: E402
+from controller.core.capacity import CapacityPlan  # noqa: E402
+from controller.loop.capacity import (  # noqa: E402
     PlanOverrides,
     plan_from_windows,
     rate_profile,
 )
-from controller.config import load_settings  # noqa: E402
-from controller.core.capacity import CapacityPlan  # noqa: E402
 from controller.sim.run import RunResult, run_scenario  # noqa: E402
 from controller.sim.scenario import Scenario, parse_scenario  # noqa: E402
 

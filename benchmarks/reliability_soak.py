@@ -49,15 +49,15 @@ from controller.cli.bench_fanout import _serve_worker
 from controller.clock import VirtualClock, WallClock
 from controller.config import load_settings
 from controller.core.window import RouteOutcome, Summary, Window, WorkerStats, Workload
-from controller.cycle import Cycle, CycleConfig
 from controller.heap import (
     heap_stats,
     reexec_with_system_malloc,
     release_free_heap,
     resident_mb,
 )
-from controller.learning import CoreLearner
-from controller.metrics import ControllerMetrics
+from controller.loop.cycle import Cycle, CycleConfig
+from controller.loop.learning import CoreLearner
+from controller.loop.metrics import ControllerMetrics
 from controller.observe.source import Target
 from controller.policy import Route
 from controller.rollout.client import GrpcRouterTransport

@@ -13,10 +13,11 @@ tokenizer's count; ``--tokenizer`` is also the router's), 128 streamed output to
 
 Phases, each printed as one JSON line:
 
-1. ``paced``: ``--paced`` requests at ``--rate`` req/s (open loop), direct and through the
-   router, decode-local (a policy that sends every turn to D: the router's cost alone) and
-   prefill-node (direct = the client runs both legs itself). Added TTFT p50/p99 = the
-   difference of the percentiles; added time per streamed token likewise.
+1. ``paced`` (skipped with ``--paced 0``): ``--paced`` requests at ``--rate`` req/s (open
+   loop), direct and through the router, decode-local (a policy that sends every turn to D:
+   the router's cost alone) and prefill-node (direct = the client runs both legs itself).
+   Added TTFT p50/p99 = the difference of the percentiles; added time per streamed token
+   likewise.
 2. ``ceiling``: ``--concurrency`` closed-loop clients for ``--ceiling-s`` through the router:
    req/s, streamed tokens/s, router CPU seconds per request (from /proc).
 3. ``rss`` (``--rss-requests N`` > 10,000): the router's RSS at request 10,000 and at N.
@@ -304,27 +305,35 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
             for e in (p, d):
                 async with s.post(e + "/_fake/behaviour", json={"log": False}) as r:
                     r.raise_for_status()
-        for route, policy in (("DECODE_LOCAL", local), ("PREFILL_NODE", None)):
+        routes = [("DECODE_LOCAL", local), ("PREFILL_NODE", None)]
+        for route, policy in routes[:2 if args.paced else 1]:  # --paced 0: the ceiling only
             router, url = start_router(args, tmp, p, d, policy)
             try:
                 await wait_http(url + "/health")
-                await paced(url, body, args.rate, min(200, args.paced))  # warm-up
-                prefill = p if route == "PREFILL_NODE" else None
-                direct = await paced(d, body, args.rate, args.paced, prefill)
-                before = await overhead(url)
-                routed = await paced(url, body, args.rate, args.paced)
-                after = await overhead(url)
-                own_ms = (after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1000
-                print(json.dumps(summary("paced", direct, routed, {
-                    "route": route, "rate": args.rate, "processes": args.processes,
-                    "router_own_ms_mean": round(own_ms, 3)})), flush=True)
+                await paced(url, body, args.rate, 200)  # warm-up
+                if args.paced:
+                    await paced_phase(args, url, body, route, p if route == "PREFILL_NODE"
+                                      else None, d)
                 if route == "DECODE_LOCAL":
                     await ceiling_and_rss(args, router, url, body)
             finally:
                 stop(router)
     finally:
-        for e in engines:
-            e.kill()
+        for engine in engines:
+            engine.kill()
+
+
+async def paced_phase(args: argparse.Namespace, url: str, body: Bodies, route: str,
+                      prefill: str | None, d: str) -> None:
+    """``--paced`` requests straight to the engines, then as many through the router."""
+    direct = await paced(d, body, args.rate, args.paced, prefill)
+    before = await overhead(url)
+    routed = await paced(url, body, args.rate, args.paced)
+    after = await overhead(url)
+    own_ms = (after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1000
+    print(json.dumps(summary("paced", direct, routed, {
+        "route": route, "rate": args.rate, "processes": args.processes,
+        "router_own_ms_mean": round(own_ms, 3)})), flush=True)
 
 
 async def ceiling_and_rss(args: argparse.Namespace, router: subprocess.Popen[bytes],

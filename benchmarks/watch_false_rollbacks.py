@@ -37,7 +37,8 @@ from scipy.stats import multivariate_normal
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller.cycle import CycleConfig, two_proportion_z, watch_critical  # noqa: E402
+from controller.core.rollout import two_proportion_z, watch_critical  # noqa: E402
+from controller.loop.cycle import CycleConfig  # noqa: E402
 
 
 def rollbacks(rng: np.random.Generator, trials: int, per_window: int, bake_windows: int,

@@ -213,8 +213,8 @@ class RoutersConfig(_Section):
     @classmethod
     def _targets(cls, v: list[str]) -> list[str]:
         checked = [check_host_port(t) for t in v]
-        # A router's address is its id in the store: listed twice, two passes raced on one
-        # router, and its metrics name was paired with two positions.
+        # A router's address is its id in the store: listed twice, two passes would race on
+        # one router, and its metrics name would be paired with two positions.
         twice = sorted({t for t in checked if checked.count(t) > 1})
         if twice:
             raise ValueError(f"listed more than once: {', '.join(twice)}")
@@ -740,8 +740,8 @@ def router_outcome_names(settings: Settings) -> dict[str, str]:
 def canary_names_problem(settings: Settings) -> str | None:
     """What `pdctl run` refuses (and `pdctl config check` reports) when the canary judge
     could not tell canary routers' requests from control routers': it pairs router targets
-    with metrics names by position, and without a pair every canary saw no requests and was
-    rolled back after ``max_bake_windows``."""
+    with metrics names by position, and without a pair every canary would see no requests and
+    be rolled back after ``max_bake_windows``."""
     targets, metrics = settings.routers.targets, settings.routers.metrics_targets
     has_control = len(targets) >= 2 and settings.controller.canary_fraction < 1
     # Observing nothing, the daemon never calibrates: only operator actions, which skip the

@@ -115,7 +115,7 @@ class SettingsPlanner:
         self.settings = settings
 
     def plan(self, windows: Sequence[Window]) -> CapacityPlan:
-        from controller.capacity_planner import plan_from_windows
+        from controller.loop.capacity import plan_from_windows
 
         return plan_from_windows(windows, self.settings)
 
@@ -139,7 +139,7 @@ class Daemon:
     # -- building -------------------------------------------------------------------------
 
     async def build(self) -> Parts:
-        from controller.metrics import ControllerMetrics
+        from controller.loop.metrics import ControllerMetrics
         from controller.store import Store
 
         s = self.settings
@@ -157,10 +157,10 @@ class Daemon:
             router_outcome_names,
             sidecar_store_problem,
         )
-        from controller.cycle import Cycle, CycleConfig
         from controller.health import Health, HealthServer
-        from controller.leader import leadership_for, process_holder
-        from controller.learning import CoreLearner
+        from controller.loop.cycle import Cycle, CycleConfig
+        from controller.loop.leader import leadership_for, process_holder
+        from controller.loop.learning import CoreLearner
         from controller.observe.factory import source_from_settings
         from controller.rollout.client import GrpcRouterTransport
         from controller.rollout.reconciler import Reconciler
@@ -195,7 +195,7 @@ class Daemon:
         )
         if s.export.format is not None:
             from controller.exporter import ApprovalExporter
-            from controller.learning import calibration_config
+            from controller.loop.learning import calibration_config
 
             cycle.on_approval = ApprovalExporter(s.export, calibration_config(s).slo)
         health = Health(self.clock, c.stalled_after(), lambda: cycle.last_completed_at,

@@ -2,21 +2,19 @@
 
 A calibration allocates tens of MB of short-lived arrays, in a worker thread with its own
 glibc malloc arena. When it ends Python frees them, but glibc keeps most of those pages
-mapped (it only trims the top of the main arena), so the process's RSS ratchets up with every
-calibration whose arrays landed a little differently, although nothing is leaked. The soak
-benchmark showed this (RSS +22 % over half a simulated week with Python objects flat);
-``malloc_trim(0)`` after the work releases the free pages in every arena.
+mapped (it only trims the top of the main arena), so without a trim the process's RSS
+ratchets up with every calibration whose arrays land a little differently, although nothing
+is leaked. ``malloc_trim(0)`` after the work releases the free pages in every arena.
 
 Only glibc has ``malloc_trim``; elsewhere (musl, macOS) this does nothing.
 
-That alone was not enough: Python's own small-object allocator (pymalloc) keeps its 1 MiB
+A trim does not reach Python's own small-object allocator (pymalloc): it keeps its 1 MiB
 arenas while any object in them lives, and a daemon that mixes long-lived objects (caches,
-channels) with each cycle's short-lived ones leaves them ever more sparsely used. In the soak
-the process's anonymous memory grew about 1 MB per simulated hour with Python's block count
-and glibc's heap both flat. With ``PYTHONMALLOC=malloc`` every allocation goes through glibc,
-whose free pages ``malloc_trim`` does return: RSS stayed within 0.1 % from the 8th to the
-48th simulated hour, for 5-10 % more CPU in a calibration. ``pdctl run`` therefore restarts
-itself with it (same PID) unless ``PYTHONMALLOC`` is already set.
+channels) with each cycle's short-lived ones leaves them ever more sparsely used. With
+``PYTHONMALLOC=malloc`` every allocation goes through glibc, whose free pages
+``malloc_trim`` does return, for a few per cent more CPU in a calibration. ``pdctl run``
+therefore restarts itself with it (same PID) unless ``PYTHONMALLOC`` is already set.
+The soak measurements behind this are in CHANGELOG.md.
 """
 
 from __future__ import annotations

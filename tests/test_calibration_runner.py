@@ -17,7 +17,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from controller.calibration_runner import (
+from controller.cli import app
+from controller.clock import WallClock
+from controller.core.rollout import FALLBACK_PREFILL
+from controller.loop.calibration_runner import (
     FALLBACK_REASON,
     FORCED_PREFIX,
     PHASE_REASON,
@@ -25,10 +28,7 @@ from controller.calibration_runner import (
     ActiveCalibrationRunner,
     RunnerLimits,
 )
-from controller.cli import app
-from controller.clock import WallClock
-from controller.cycle import FALLBACK_PREFILL
-from controller.leader import LeaseLeadership
+from controller.loop.leader import LeaseLeadership
 from controller.policy import Policy, Route, dumps, loads
 from controller.store import Store
 from tests.conftest import require
@@ -225,7 +225,7 @@ async def _runner(tmp_path: Path, live_sim: dict[str, Any], *, qps: float, sessi
     from controller.clock import WallClock
     from controller.config import load_settings
     from controller.core.active import plan_active_calibration
-    from controller.learning import CoreLearner
+    from controller.loop.learning import CoreLearner
     from controller.observe.factory import source_from_settings
     from controller.policy import Axes, Slo
     from controller.rollout.client import GrpcRouterTransport

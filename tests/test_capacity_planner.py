@@ -8,16 +8,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from controller.capacity_planner import (
+from controller.config import load_settings
+from controller.core.latency_model import ComponentParams
+from controller.core.window import Window
+from controller.loop.capacity import (
     NoDemand,
     PlanOverrides,
     fitted_params,
     observe_demand,
     plan_from_windows,
 )
-from controller.config import load_settings
-from controller.core.latency_model import ComponentParams
-from controller.core.window import Window
 from controller.sim.run import RunResult
 
 WARMUP_S = 30.0
@@ -137,7 +137,7 @@ def test_implausible_fits_keep_the_prior() -> None:
 
 
 def test_rate_profile_drops_counting_noise_and_keeps_bursts() -> None:
-    from controller.capacity_planner import rate_profile
+    from controller.loop.capacity import rate_profile
 
     rng = np.random.default_rng(3)
     steady = [float(n) / 10.0 for n in rng.poisson(200, size=60)]  # 20 req/s, 10 s windows
@@ -153,7 +153,7 @@ def test_rate_profile_drops_counting_noise_and_keeps_bursts() -> None:
 def _worker_rows(seed: int, rows: int, scv: float, curve: tuple[float, float, float],
                  max_requests: int) -> Any:
     """Per-worker window means of gamma-distributed prompts priced by a known curve."""
-    from controller.capacity_planner import WorkerMeans
+    from controller.loop.capacity import WorkerMeans
 
     rng = np.random.default_rng(seed)
     n = rng.integers(1, max_requests + 1, rows).astype(np.float64)
@@ -166,7 +166,7 @@ def _worker_rows(seed: int, rows: int, scv: float, curve: tuple[float, float, fl
 
 
 def test_prefill_curve_refit_sees_the_attention_term() -> None:
-    from controller.capacity_planner import fit_prefill_curve, token_scv
+    from controller.loop.capacity import fit_prefill_curve, token_scv
 
     curve = (0.008, 19e-6, 0.65e-9)
     rows = _worker_rows(1, 200, 2.0, curve, 4)
@@ -182,7 +182,7 @@ def test_prefill_curve_refit_sees_the_attention_term() -> None:
 
 
 def test_token_spread_from_per_worker_means() -> None:
-    from controller.capacity_planner import token_scv
+    from controller.loop.capacity import token_scv
 
     for scv in (0.5, 2.0):
         rows = _worker_rows(3, 400, scv, (0.0, 1e-5, 0.0), 6)

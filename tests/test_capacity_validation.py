@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from controller.capacity_planner import PlanOverrides, plan_from_windows
 from controller.config import load_settings
+from controller.loop.capacity import PlanOverrides, plan_from_windows
 from controller.sim.run import RunResult
 
 SLO = (1.0, 0.015)  # p99 TTFT, p99 TPOT (s)

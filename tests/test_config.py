@@ -216,7 +216,7 @@ def test_committed_reference_is_current() -> None:
 
 
 def test_calibration_knobs_reach_the_learner(monkeypatch: pytest.MonkeyPatch) -> None:
-    from controller.learning import CoreLearner
+    from controller.loop.learning import CoreLearner
 
     monkeypatch.setenv("PDCTL_CONTROLLER__EXPLORATION_MAX_RATE", "0.05")
     monkeypatch.setenv("PDCTL_CONTROLLER__GUARDRAIL_OVERLOAD_GOODPUT", "0.3")
@@ -231,7 +231,7 @@ def test_the_ppd_overrides_reach_the_calibrated_policies(tmp_path: Path) -> None
     """[ppd] first_turn_route, bypass_append_tokens and the two busy overrides are what every
     policy the controller calibrates starts from (calibrate() keeps them, tuning only turn 1's
     route)."""
-    from controller.learning import calibration_config
+    from controller.loop.learning import calibration_config
     from controller.policy import Overrides, Route
 
     assert calibration_config(load_settings(write(tmp_path, SEED))).overrides == Overrides(
@@ -256,7 +256,7 @@ def test_an_operator_pin_replaces_a_calibrated_table_at_the_next_calibration(
 ) -> None:
     """[ppd] enabled = false (classic P/D) and append_prefill_route pins are applied, not
     judged by the guardrail; a policy that already follows the pin is judged as usual."""
-    from controller.learning import CoreLearner
+    from controller.loop.learning import CoreLearner
     from controller.policy import Overrides, Route
     from tests.core.synth import Mix, Truth, training_windows
 

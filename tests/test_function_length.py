@@ -55,8 +55,8 @@ def test_limits_depend_on_the_layer(tmp_path: Path) -> None:
 
 def test_methods_and_nested_functions_are_named_and_counted(tmp_path: Path) -> None:
     nested = "class K:\n    def m(self):\n" + "".join("        y = 2\n" for _ in range(60))
-    root = tree(tmp_path, {"controller/metrics.py": nested})
-    assert check.problems(root, {}) == ["controller/metrics.py::K.m: 61 lines (limit 60)"]
+    root = tree(tmp_path, {"controller/loop/metrics.py": nested})
+    assert check.problems(root, {}) == ["controller/loop/metrics.py::K.m: 61 lines (limit 60)"]
 
 
 def test_an_exception_needs_a_reason_and_goes_stale(tmp_path: Path) -> None:

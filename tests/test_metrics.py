@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller import __version__
-from controller.metrics import (
+from controller.loop.metrics import (
     CANARY_STATES,
     CYCLE_RESULTS,
     GUARDRAIL_DECISIONS,

@@ -1,9 +1,9 @@
 """The ``adaptive`` policy: pd-controller's own control cycle inside the simulator.
 
-Not an imitation: :class:`controller.cycle.Cycle` (the code ``pdctl run`` schedules) runs
+Not an imitation: :class:`controller.loop.cycle.Cycle` (the code ``pdctl run`` schedules) runs
 every control interval of virtual time with an :class:`InProcessSource` over the simulated
 workers' and routers' registries (the same parser and window builder as a scrape), the real
-learner (:class:`controller.learning.CoreLearner`: drift detectors, calibration, guardrail),
+learner (:class:`controller.loop.learning.CoreLearner`: drift detectors, calibration, guardrail),
 a :class:`Reconciler` pushing through :class:`FakeRouterTransport` to the simulated routers'
 own agents, and a SQLite store in a temporary file. It starts from the ``ppd-static`` table,
 stored as approved version 1 and desired by every router, with the controller's configured
@@ -28,7 +28,7 @@ from controller.policy import Policy, dumps, loads
 
 def adaptive_start(table: Policy, settings: Any) -> Policy:
     """``table`` (the ``ppd-static`` policy) with the overrides ``settings`` configure."""
-    from controller.learning import calibration_config
+    from controller.loop.learning import calibration_config
 
     return replace(table, overrides=calibration_config(settings).overrides)
 
@@ -95,9 +95,9 @@ class AdaptiveController:
     def _start(self, cluster: Any) -> None:
         from prometheus_client import CollectorRegistry
 
-        from controller.cycle import Cycle, CycleConfig, run_inline
-        from controller.learning import CoreLearner
-        from controller.metrics import ControllerMetrics
+        from controller.loop.cycle import Cycle, CycleConfig, run_inline
+        from controller.loop.learning import CoreLearner
+        from controller.loop.metrics import ControllerMetrics
         from controller.observe.inprocess import InProcessSource, sim_cluster_provider
         from controller.rollout.reconciler import FakeRouterTransport, Reconciler
         from controller.store import Store

@@ -85,7 +85,7 @@ def threshold_from_options(options: dict[str, float], base: ThresholdConfig | No
                          f"expected {', '.join(sorted(known))}")
     typed: dict[str, Any] = {}
     for k, v in options.items():
-        count = k == "prefill_waiting"  # requests waiting: a count, 1.5 was taken as 1
+        count = k == "prefill_waiting"  # requests waiting: a whole count, never truncated
         if not math.isfinite(v) or v < 0 or (count and v != int(v)):
             raise ValueError(f"threshold: {k} must be a {'whole number' if count else 'number'}"
                              f" >= 0, got {v:g}")

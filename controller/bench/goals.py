@@ -15,11 +15,11 @@ from typing import Any
 
 from controller.bench.runner import STATIC
 
-# "Adaptation within 3 control intervals of each event" (issue 7).
+# The evaluation's goal: adaptation within 3 control intervals of each event.
 ADAPTATION_INTERVALS = 3
 # Events that change the cluster rather than its traffic. The performance detector sees them
 # within a window or two; a table for a workload shift waits for windows of the new traffic
-# (``controller.learning.MIN_REGIME_WINDOWS``), so the two are counted apart.
+# (``controller.loop.learning.MIN_REGIME_WINDOWS``), so the two are counted apart.
 CLUSTER_EVENTS = frozenset({"remove_worker", "add_worker", "link_bandwidth"})
 
 

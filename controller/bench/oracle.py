@@ -25,7 +25,7 @@ from controller.sim.run import RequestRecord, RunResult
 if TYPE_CHECKING:
     from controller.core.calibrate import CalibrationResult
 
-# wtft:wtpot ratios of the oracle's per-phase tables (issue 7).
+# wtft:wtpot ratios of the oracle's per-phase tables.
 ORACLE_RATIOS: tuple[tuple[float, float], ...] = ((1, 4), (1, 2), (1, 1), (2, 1), (4, 1))
 
 

@@ -78,7 +78,7 @@ def bench_document(scenario: str, results: dict[str, RunResult]) -> dict[str, An
             "policies": {key: summarize(res) for key, res in results.items()}}
 
 
-# --------------------------------------------------------------------------- issue 7
+# ------------------------------------------------------------------ the evaluation document
 # The evaluation's document: the simulator issue's schema plus, per policy,
 # ``policy_changes`` and ``adaptation_s`` (adaptive also ``detection_s``: per event, seconds
 # to its first drift event or scaling calibration), an ``oracle`` entry and top-level

@@ -47,7 +47,7 @@ from controller.bench.oracle import (
     windows_in,
 )
 from controller.core.window import Window
-from controller.learning import calibration_config
+from controller.loop.learning import calibration_config
 from controller.policy import Policy, Route, Slo, Weights
 from controller.sim.run import RunResult, run_scenario
 from controller.sim.scenario import (

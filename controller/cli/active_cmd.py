@@ -1,5 +1,5 @@
-"""``pdctl calibrate-active``: the cold-start active calibration (``recalibrate --active
---local`` of issue 5), run in this process against the configured store, routers and
+"""``pdctl calibrate-active``: the cold-start active calibration (also ``recalibrate --active
+--local``), run in this process against the configured store, routers and
 metrics source, with load sent through OpenAI-compatible endpoints (``--openai``).
 
 Exit codes: 0 first table recorded (approved or refused: see the output), 1 the run could
@@ -12,6 +12,7 @@ sent back to what they ran before (classic P/D when they ran no policy).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -41,7 +42,7 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
 
 
 def _token_counts(text: str, what: str) -> tuple[int, ...]:
-    """Positive whole numbers: a context class of 1.5 tokens was truncated to 1 unsaid."""
+    """Positive whole numbers: a fractional token count is refused, not truncated unsaid."""
     values = _floats(text, what)
     fractional = [x for x in values if not x.is_integer()]
     if fractional:
@@ -85,36 +86,41 @@ def _print_failure(as_json: bool, error: str, report: Any) -> None:
         typer.echo(json.dumps({"error": error, **done}, default=str))
 
 
+_ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Config file ([store], "
+                                          "[routers], pools, [slo], [rollout]).")]
+_OpenaiOpt = Annotated[list[str], typer.Option(
+    "--openai", help="OpenAI-compatible base URL (…/v1); repeat to spread the "
+    "conversations over several.")]
+_ModelOpt = Annotated[str | None, typer.Option(
+    "--model", help="`model` field of the requests (omitted when not given).")]
+_TokenizerOpt = Annotated[Path | None, typer.Option(
+    "--tokenizer", help="tokenizer.json (or its directory) of the served model: prompts "
+    "are sized with it. Default: the simulator's bundled tokenizer.")]
+_ContextsOpt = Annotated[str, typer.Option(help="Context classes (turn-1 prompt tokens).")]
+_TurnsOpt = Annotated[str, typer.Option(
+    show_default=False, help="Turn-2 APPEND:OUTPUT token pairs (default "
+    f"{_DEFAULT_TURNS.replace(',', ', ')}).")]
+_QpsOpt = Annotated[str, typer.Option(help="QPS points (turns per second).")]
+_SessionsOpt = Annotated[int, typer.Option(min=1, help="Conversations per load point.")]
+_MinSessionsOpt = Annotated[int, typer.Option(
+    min=1, help="Fewest conversations per point when shrinking to the bounds.")]
+_MaxRequestsOpt = Annotated[int, typer.Option(min=1, help="Request budget (both phases).")]
+_MaxDurationOpt = Annotated[float, typer.Option(
+    min=1, help="Seconds of load at most (both phases).")]
+_WindowOpt = Annotated[float, typer.Option(min=0.1, help="Metrics window length (s).")]
+_ConcurrencyOpt = Annotated[int, typer.Option(min=1, help="Requests in flight at most.")]
+_JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON (on a "
+                                        "failure too: its \"error\" and what was done).")]
+
+
 @app.command("calibrate-active")
 def calibrate_active(
-    config: Annotated[Path, typer.Option("--config", "-c", help="Config file ([store], "
-                                         "[routers], pools, [slo], [rollout]).")],
-    openai: Annotated[list[str], typer.Option(
-        "--openai", help="OpenAI-compatible base URL (…/v1); repeat to spread the "
-        "conversations over several.")],
-    model: Annotated[str | None, typer.Option(
-        "--model", help="`model` field of the requests (omitted when not given).")] = None,
-    tokenizer: Annotated[Path | None, typer.Option(
-        "--tokenizer", help="tokenizer.json (or its directory) of the served model: prompts "
-        "are sized with it. Default: the simulator's bundled tokenizer.")] = None,
-    contexts: Annotated[str, typer.Option(help="Context classes (turn-1 prompt tokens).")
-                        ] = _DEFAULT_CONTEXTS,
-    turns: Annotated[str, typer.Option(
-        show_default=False, help="Turn-2 APPEND:OUTPUT token pairs (default "
-        f"{_DEFAULT_TURNS.replace(',', ', ')}).")] = _DEFAULT_TURNS,
-    qps: Annotated[str, typer.Option(help="QPS points (turns per second).")] = _DEFAULT_QPS,
-    sessions: Annotated[int, typer.Option(min=1, help="Conversations per load point.")] = 20,
-    min_sessions: Annotated[int, typer.Option(
-        min=1, help="Fewest conversations per point when shrinking to the bounds.")] = 4,
-    max_requests: Annotated[int, typer.Option(min=1, help="Request budget (both phases).")
-                            ] = 4000,
-    max_duration: Annotated[float, typer.Option(
-        min=1, help="Seconds of load at most (both phases).")] = 1800.0,
-    window: Annotated[float, typer.Option(min=0.1, help="Metrics window length (s).")] = 10.0,
-    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight at most.")] = 32,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON (on a "
-                                          "failure too: its \"error\" and what was done).")
-                       ] = False,
+    config: _ConfigOpt, openai: _OpenaiOpt, model: _ModelOpt = None,
+    tokenizer: _TokenizerOpt = None, contexts: _ContextsOpt = _DEFAULT_CONTEXTS,
+    turns: _TurnsOpt = _DEFAULT_TURNS, qps: _QpsOpt = _DEFAULT_QPS,
+    sessions: _SessionsOpt = 20, min_sessions: _MinSessionsOpt = 4,
+    max_requests: _MaxRequestsOpt = 4000, max_duration: _MaxDurationOpt = 1800.0,
+    window: _WindowOpt = 10.0, concurrency: _ConcurrencyOpt = 32, as_json: _JsonOpt = False,
 ) -> None:
     """Cold start: force all-prefill-node, then all-decode-local, on every router while a
     bounded synthetic two-turn load covers the table's cells; build the first table from the
@@ -128,31 +134,37 @@ def calibrate_active(
 
     Exit 0 first table recorded (approved or refused), 1 the run could not finish, 2 bad
     input, 3 store unavailable, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
-    import asyncio
-    import signal
-
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    from controller.calibration_runner import (
-        ActiveCalibrationError,
-        ActiveCalibrationRunner,
-        RunnerLimits,
-    )
     from controller.cli.ops_cmd import open_store
-    from controller.clock import WallClock
-    from controller.config import load_settings
-    from controller.core.active import plan_active_calibration
-    from controller.errors import ConfigError, ControllerError
-    from controller.leader import default_holder, leadership_for
-    from controller.learning import CoreLearner
-    from controller.observe.factory import source_from_settings
-    from controller.policy import Axes, Slo
-    from controller.rollout.client import GrpcRouterTransport
-    from controller.rollout.reconciler import Reconciler
-    from controller.tokenize import bundled_tokenizer_dir, load_tokenizer
 
     openai = _endpoints(openai)
+    settings, plan, limits, tok = _prepare(
+        config, tokenizer, contexts, turns, qps, sessions, min_sessions, max_requests,
+        max_duration, window, concurrency)
+    routers = list(settings.routers.targets)
+    if not routers:
+        typer.echo("error: [routers] targets is empty", err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT)
+    store = open_store(None, config)
+    doc = _run_reporting(as_json, store, lambda runners: _run_active(
+        settings, plan, limits, tok, store, routers, openai, model, runners))
+    if as_json:
+        typer.echo(json.dumps(doc, default=str))
+        return
+    _print_report(doc)
+
+
+def _prepare(config: Path, tokenizer: Path | None, contexts: str, turns: str, qps: str,
+             sessions: int, min_sessions: int, max_requests: int, max_duration: float,
+             window: float, concurrency: int) -> tuple[Any, Any, Any, Any]:
+    """The settings, the calibration plan, the runner's limits and the tokenizer; exit 2
+    on bad input."""
+    from controller.config import load_settings
+    from controller.core.active import plan_active_calibration
+    from controller.errors import ConfigError
+    from controller.loop.calibration_runner import RunnerLimits
+    from controller.policy import Axes, Slo
+    from controller.tokenize import bundled_tokenizer_dir, load_tokenizer
+
     try:
         settings = load_settings(config)
         plan = plan_active_calibration(
@@ -169,50 +181,22 @@ def calibrate_active(
     except (ConfigError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(_EXIT_BAD_INPUT) from None
-    routers = list(settings.routers.targets)
-    if not routers:
-        typer.echo("error: [routers] targets is empty", err=True)
-        raise typer.Exit(_EXIT_BAD_INPUT)
-    console = Console(stderr=True)
-    store = open_store(None, config)
-    clock = WallClock()
-    runners: list[ActiveCalibrationRunner] = []  # the run's report, after an interruption
+    return settings, plan, limits, tok
 
-    async def main() -> dict[str, Any]:
-        # SIGTERM (systemd, kubectl, `timeout`), SIGHUP (a closed terminal) and SIGQUIT end
-        # the run as Ctrl-C does: the routers are sent back and the lease released before
-        # the process exits, not left on a forced policy.
-        me = asyncio.current_task()
-        assert me is not None
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-            asyncio.get_running_loop().add_signal_handler(sig, me.cancel)
-        source = await source_from_settings(settings, clock=clock)
-        transport = GrpcRouterTransport(settings.security)
-        progress = Progress(TextColumn("{task.description}"), BarColumn(),
-                            MofNCompleteColumn(), console=console,
-                            disable=not console.is_terminal)
-        try:
-            runner = ActiveCalibrationRunner(
-                plan=plan, store=store,
-                reconciler=Reconciler.from_config(transport, clock, settings.rollout),
-                routers=routers, endpoints=openai, source=source,
-                learner=CoreLearner(settings), clock=clock, limits=limits, model=model,
-                tokenizer=tok, progress=progress, leadership=leadership_for(
-                    store, clock, f"calibrate-active-{default_holder()}",
-                    settings.controller.lease_ttl_s),
-                on_start=lambda: console.print(  # only once the run's checks passed
-                    f"plan: {plan.requests} requests over {len(plan.cells())} cells, about "
-                    f"{plan.duration_s:.0f} s of load ({plan.dropped_points} load points "
-                    "left out to fit the bounds)"))
-            runners.append(runner)
-            with progress:
-                return (await runner.run()).to_dict()
-        finally:
-            await transport.close()
-            await source.aclose()
 
+def _run_reporting(as_json: bool, store: Any,
+                   main: Callable[[list[Any]], Coroutine[Any, Any, dict[str, Any]]]
+                   ) -> dict[str, Any]:
+    """Run ``main`` (which appends its runner to the list it is given) and turn how it ends
+    into the exit codes of the module docstring; the store is closed either way."""
+    import asyncio
+
+    from controller.errors import ControllerError
+    from controller.loop.calibration_runner import ActiveCalibrationError
+
+    runners: list[Any] = []  # the run's report, after an interruption
     try:
-        doc = asyncio.run(main())
+        return asyncio.run(main(runners))
     except (KeyboardInterrupt, asyncio.CancelledError) as e:
         what = "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated"
         report = runners[0].report if runners else None
@@ -230,9 +214,61 @@ def calibrate_active(
         raise typer.Exit(_EXIT_FAILED) from None
     finally:
         store.close()
-    if as_json:
-        typer.echo(json.dumps(doc, default=str))
-        return
+
+
+async def _run_active(settings: Any, plan: Any, limits: Any, tok: Any, store: Any,
+                      routers: list[str], openai: list[str], model: str | None,
+                      runners: list[Any]) -> dict[str, Any]:
+    import asyncio
+    import signal
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from controller.clock import WallClock
+    from controller.loop.calibration_runner import ActiveCalibrationRunner
+    from controller.loop.leader import default_holder, leadership_for
+    from controller.loop.learning import CoreLearner
+    from controller.observe.factory import source_from_settings
+    from controller.rollout.client import GrpcRouterTransport
+    from controller.rollout.reconciler import Reconciler
+
+    # SIGTERM (systemd, kubectl, `timeout`), SIGHUP (a closed terminal) and SIGQUIT end
+    # the run as Ctrl-C does: the routers are sent back and the lease released before
+    # the process exits, not left on a forced policy.
+    me = asyncio.current_task()
+    assert me is not None
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        asyncio.get_running_loop().add_signal_handler(sig, me.cancel)
+    console = Console(stderr=True)
+    clock = WallClock()
+    source = await source_from_settings(settings, clock=clock)
+    transport = GrpcRouterTransport(settings.security)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                        MofNCompleteColumn(), console=console,
+                        disable=not console.is_terminal)
+    try:
+        runner = ActiveCalibrationRunner(
+            plan=plan, store=store,
+            reconciler=Reconciler.from_config(transport, clock, settings.rollout),
+            routers=routers, endpoints=openai, source=source,
+            learner=CoreLearner(settings), clock=clock, limits=limits, model=model,
+            tokenizer=tok, progress=progress, leadership=leadership_for(
+                store, clock, f"calibrate-active-{default_holder()}",
+                settings.controller.lease_ttl_s),
+            on_start=lambda: console.print(  # only once the run's checks passed
+                f"plan: {plan.requests} requests over {len(plan.cells())} cells, about "
+                f"{plan.duration_s:.0f} s of load ({plan.dropped_points} load points "
+                "left out to fit the bounds)"))
+        runners.append(runner)
+        with progress:
+            return (await runner.run()).to_dict()
+    finally:
+        await transport.close()
+        await source.aclose()
+
+
+def _print_report(doc: dict[str, Any]) -> None:
     for ph in doc["phases"]:
         typer.echo(f"v{ph['version']} {ph['name']}: acked by {len(ph['acked'])} router(s); "
                    f"{ph['requests_ok']}/{ph['requests_sent']} requests ok; "

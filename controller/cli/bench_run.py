@@ -1,4 +1,4 @@
-"""``pdctl bench run``: the closed-loop evaluation (issue 7) of a scenario in virtual time."""
+"""``pdctl bench run``: the closed-loop evaluation of a scenario in virtual time."""
 
 from __future__ import annotations
 
@@ -56,78 +56,48 @@ def _threshold_options(items: list[str]) -> dict[str, float]:
     return out
 
 
+_PolicyOpt = Annotated[list[str] | None, typer.Option(
+    "--policy", help="pd | local | ppd-static | ppd-static+overrides | threshold | "
+    "adaptive | oracle | PATH.json (reported under its file name, which must not be "
+    "another policy's); repeat for several (default: the seven policies).")]
+_OutOpt = Annotated[Path | None, typer.Option(
+    "--out", help="Write summary.json, report.md, PNG plots and per-request records "
+    "(<policy>.jsonl) here.")]
+_DurationScaleOpt = Annotated[float, typer.Option(
+    "--duration-scale", help="Multiply duration and event times (and the control "
+    "interval, not below 10 s) by this factor.")]
+_SeedOpt = Annotated[int | None, typer.Option(
+    "--seed", min=0, help="Replay with this seed instead of the scenario's (another draw of "
+    "the same workload: arrivals, lengths, think times).")]
+_ThresholdOpt = Annotated[list[str] | None, typer.Option(
+    "--threshold", help="Override the threshold rule: max_uncached_tokens=N, "
+    "max_uncached_ratio=R, prefill_waiting=N (0 disables busyness).")]
+_ConfigOpt = Annotated[Path | None, typer.Option(
+    "--config", help="pdctl settings for the adaptive controller (default: pdctl's "
+    "defaults with the scenario's SLOs and control interval; a shortened run also "
+    "shortens the approval rate limit, drift cooldown and recalibration period).")]
+
+
 @bench_app.command("run")
 def bench_run(
     scenario_path: Annotated[Path, typer.Argument(metavar="SCENARIO.toml",
                                                   help="Scenario file (TOML).")],
-    policy: Annotated[list[str] | None, typer.Option(
-        "--policy", help="pd | local | ppd-static | ppd-static+overrides | threshold | "
-        "adaptive | oracle | PATH.json (reported under its file name, which must not be "
-        "another policy's); repeat for several (default: the seven policies).")] = None,
+    policy: _PolicyOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON summary.")] = False,
-    out: Annotated[Path | None, typer.Option(
-        "--out", help="Write summary.json, report.md, PNG plots and per-request records "
-        "(<policy>.jsonl) here.")] = None,
-    duration_scale: Annotated[float, typer.Option(
-        "--duration-scale", help="Multiply duration and event times (and the control "
-        "interval, not below 10 s) by this factor.")] = 1.0,
-    seed: Annotated[int | None, typer.Option(
-        "--seed", min=0, help="Replay with this seed instead of the scenario's (another draw of "
-        "the same workload: arrivals, lengths, think times).")] = None,
+    out: _OutOpt = None,
+    duration_scale: _DurationScaleOpt = 1.0,
+    seed: _SeedOpt = None,
     short: Annotated[bool, typer.Option(
         "--short", help=f"CI-sized run: --duration-scale {SHORT_SCALE}.")] = False,
-    threshold: Annotated[list[str] | None, typer.Option(
-        "--threshold", help="Override the threshold rule: max_uncached_tokens=N, "
-        "max_uncached_ratio=R, prefill_waiting=N (0 disables busyness).")] = None,
-    config: Annotated[Path | None, typer.Option(
-        "--config", help="pdctl settings for the adaptive controller (default: pdctl's "
-        "defaults with the scenario's SLOs and control interval; a shortened run also "
-        "shortens the approval rate limit, drift cooldown and recalibration period).")
-    ] = None,
+    threshold: _ThresholdOpt = None,
+    config: _ConfigOpt = None,
 ) -> None:
     """Replay SCENARIO.toml in virtual time under each policy and compare them."""
-    from dataclasses import asdict, replace
+    from controller.bench.report import evaluation_document
 
-    from controller.bench.baselines import threshold_from_options
-    from controller.bench.plots import write_plots
-    from controller.bench.report import evaluation_document, markdown_report
-    from controller.bench.runner import POLICIES, scale_scenario
-    from controller.errors import ConfigError
-    from controller.sim.scenario import load_scenario
-
-    try:
-        scenario = load_scenario(scenario_path)
-        if seed is not None:
-            scenario = replace(scenario, seed=seed)
-        time_scale = SHORT_SCALE if short else duration_scale
-        scenario = scale_scenario(scenario, time_scale)
-        names: list[str] = []
-        extra: dict[str, Any] = {}
-        for spec in policy or list(POLICIES):
-            if spec in POLICIES:
-                names.append(spec)
-            else:
-                key, pol = resolve_policy(spec, scenario)
-                if key in POLICIES or key.startswith("table-") or key in extra:
-                    # Results are keyed by name: one would replace the other's silently.
-                    taken = ("a built-in policy's" if key in POLICIES else "an oracle "
-                             "candidate's" if key.startswith("table-") else "another file's")
-                    raise ValueError(f"{spec}: reported as {key!r}, {taken} name; rename "
-                                     "the file")
-                extra[key] = pol
-        thr = threshold_from_options(_threshold_options(threshold or []))
-        if threshold and not {"threshold", "oracle"} & set(names):
-            typer.echo("warning: --threshold has no effect: neither threshold nor oracle is "
-                       "run", err=True)
-        settings = None
-        if config is not None:
-            from controller.config import load_settings
-
-            settings = load_settings(config)
-    except (ConfigError, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-
+    time_scale = SHORT_SCALE if short else duration_scale
+    scenario, names, extra, thr, settings = _bench_inputs(
+        scenario_path, policy, seed, time_scale, threshold, config)
     if out is not None:  # before the run, which can take minutes
         writable_dir_or_exit(out)
     try:
@@ -142,28 +112,93 @@ def bench_run(
     command = "pdctl bench run " + " ".join(shlex.quote(a) for a in sys.argv[3:]) \
         if len(sys.argv) > 3 and sys.argv[1:3] == ["bench", "run"] else None
     if out is not None:
-        summary = out / "summary.json"
-        try:
-            # summary.json last, whole or not at all: a directory without one is a run
-            # that did not finish writing (an earlier run's is removed first).
-            summary.unlink(missing_ok=True)
-            write_plots(out, bench, doc)
-            for key, run in bench.runs.items():
-                with (out / f"{key}.jsonl").open("w", encoding="utf-8") as f:
-                    for rec in run.result.records:
-                        f.write(json.dumps(asdict(rec)) + "\n")
-            (out / "report.md").write_text(markdown_report(doc, command), encoding="utf-8")
-            partial = out / "summary.json.partial"
-            partial.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-            partial.replace(summary)
-        except KeyboardInterrupt:
-            typer.echo(f"interrupted while writing {out}: incomplete (no summary.json)",
-                       err=True)
-            raise typer.Exit(130) from None
+        _write_outputs(out, bench, doc, command)
     if as_json:
         typer.echo(json.dumps(doc, indent=2))
         return
     _print_table(doc, bench)
+
+
+def _bench_inputs(scenario_path: Path, policy: list[str] | None, seed: int | None,
+                  time_scale: float, threshold: list[str] | None, config: Path | None
+                  ) -> tuple[Scenario, list[str], dict[str, Any], Any, Any]:
+    """The scaled scenario, the built-in policies' names, the files' policies by name, the
+    threshold rule and the settings; exit 2 on bad input."""
+    from dataclasses import replace
+
+    from controller.bench.baselines import threshold_from_options
+    from controller.bench.runner import scale_scenario
+    from controller.errors import ConfigError
+    from controller.sim.scenario import load_scenario
+
+    try:
+        scenario = load_scenario(scenario_path)
+        if seed is not None:
+            scenario = replace(scenario, seed=seed)
+        scenario = scale_scenario(scenario, time_scale)
+        names, extra = _policies(policy, scenario)
+        thr = threshold_from_options(_threshold_options(threshold or []))
+        if threshold and not {"threshold", "oracle"} & set(names):
+            typer.echo("warning: --threshold has no effect: neither threshold nor oracle is "
+                       "run", err=True)
+        settings = None
+        if config is not None:
+            from controller.config import load_settings
+
+            settings = load_settings(config)
+    except (ConfigError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    return scenario, names, extra, thr, settings
+
+
+def _policies(policy: list[str] | None, scenario: Scenario
+              ) -> tuple[list[str], dict[str, Any]]:
+    """The built-in policies named, and the policy files' policies by report key."""
+    from controller.bench.runner import POLICIES
+
+    names: list[str] = []
+    extra: dict[str, Any] = {}
+    for spec in policy or list(POLICIES):
+        if spec in POLICIES:
+            names.append(spec)
+        else:
+            key, pol = resolve_policy(spec, scenario)
+            if key in POLICIES or key.startswith("table-") or key in extra:
+                # Results are keyed by name: one would replace the other's silently.
+                taken = ("a built-in policy's" if key in POLICIES else "an oracle "
+                         "candidate's" if key.startswith("table-") else "another file's")
+                raise ValueError(f"{spec}: reported as {key!r}, {taken} name; rename "
+                                 "the file")
+            extra[key] = pol
+    return names, extra
+
+
+def _write_outputs(out: Path, bench: Any, doc: dict[str, Any], command: str | None) -> None:
+    """Plots, per-request records and report.md, then summary.json last, whole or not at
+    all: a directory without one is a run that did not finish writing (an earlier run's
+    summary.json is removed first)."""
+    from dataclasses import asdict
+
+    from controller.bench.plots import write_plots
+    from controller.bench.report import markdown_report
+
+    summary = out / "summary.json"
+    try:
+        summary.unlink(missing_ok=True)
+        write_plots(out, bench, doc)
+        for key, run in bench.runs.items():
+            with (out / f"{key}.jsonl").open("w", encoding="utf-8") as f:
+                for rec in run.result.records:
+                    f.write(json.dumps(asdict(rec)) + "\n")
+        (out / "report.md").write_text(markdown_report(doc, command), encoding="utf-8")
+        partial = out / "summary.json.partial"
+        partial.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        partial.replace(summary)
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted while writing {out}: incomplete (no summary.json)",
+                   err=True)
+        raise typer.Exit(130) from None
 
 
 def _run(scenario: Scenario, names: list[str], thr: Any, settings: Any,

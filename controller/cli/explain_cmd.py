@@ -88,7 +88,7 @@ def current_calibration(store: Store) -> tuple[CalibrationRecord, Policy | None,
     candidate the guardrail refused; for an adopted version, with no calibration before it,
     the newest one (the routers' table, judged by the newest model). With no version desired
     yet, the newest calibration and its own policy."""
-    from controller.cycle import read_rollout
+    from controller.loop.policies import read_rollout
     from controller.policy import loads
     from controller.store.repository import LINEAGE_LOOKBACK
 
@@ -139,7 +139,7 @@ def refit(store: Store, settings: Settings, calibration_id: int | None = None) -
         predicted_goodput,
         score_terms,
     )
-    from controller.learning import calibration_config
+    from controller.loop.learning import calibration_config
 
     record, policy, stored = (current_calibration(store) if calibration_id is None
                               else chosen_calibration(store, calibration_id))
@@ -300,11 +300,11 @@ def drift_doc(store: Store, settings: Settings, last: int, replay: int = 512
               ) -> dict[str, Any]:
     """Replay the detectors over the windows stored after the current drift reference (at
     most ``replay``, oldest first); the last ``last`` are reported. The reference is the one
-    the daemon measures against (:func:`controller.cycle.reference_calibration`): the
+    the daemon measures against (:func:`controller.loop.policies.reference_calibration`): the
     current calibration's, or a later refused one's that renewed it."""
     from controller.core import drift
-    from controller.cycle import read_rollout, reference_calibration
-    from controller.learning import drift_config
+    from controller.loop.learning import drift_config
+    from controller.loop.policies import read_rollout, reference_calibration
 
     learned = refit(store, settings)
     record = learned.record

@@ -55,7 +55,7 @@ def export_doc(settings: Settings, learned: Learned, policy: Policy, form: str,
     from controller.core.calibrate import table_grid
     from controller.core.features import build_training_set
     from controller.exporter import fragment
-    from controller.learning import calibration_config
+    from controller.loop.learning import calibration_config
 
     cfg = calibration_config(settings)
     # Turn 1 as the windows saw it (the routers' policy), then as ``policy`` routes it.

@@ -19,6 +19,7 @@ import pwd
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -127,7 +128,7 @@ def request_line(r: Any) -> str:
     """A request and its outcome in one line. A done dry run reads as what it would have
     done ("dry run: would approve …"), never "done — approved": it approved nothing (an
     outcome recorded by a daemon that wrote the guardrail's bare verdict is worded so too)."""
-    from controller.cycle import DRY_RUN_PREFIX, dry_run_verdict
+    from controller.loop.write import DRY_RUN_PREFIX, dry_run_verdict
 
     head = f"request #{r.id} {r.kind} {json.dumps(r.args)} by {r.who}"
     if r.kind == "recalibrate" and (r.args or {}).get("dry_run") and r.status == "done" \
@@ -263,8 +264,8 @@ def recalibrate(
 
 def _recalibrate_local(url: str | None, config: Path | None, as_json: bool, force: bool
                        ) -> None:
-    from controller.cycle import read_rollout
-    from controller.learning import CoreLearner, LearnerError
+    from controller.loop.learning import CoreLearner, LearnerError
+    from controller.loop.policies import read_rollout
     from controller.policy import loads
 
     settings = load_settings_or_exit(config)
@@ -305,88 +306,25 @@ def status_doc(store: Store, calibrate_every_s: float | None,
     watches a promotion (None: no watch); ``stalled_after_s``: a newest window older than
     this is flagged stale (the leader has not observed since: Prometheus or the workers
     down, or no leader)."""
-    from datetime import timedelta
-
-    from controller.cycle import operator_state, read_rollout
-
-    now = store.clock.utcnow()
-    with store.read() as tx:
-        lease = tx.lease()
-        last_window_end = tx.last_window_end()
-        # The configured routers' rollout, as the cycle reads it: a router taken out of
-        # [routers] targets keeps its rows, and read as the fleet it hid a canary or a watch.
-        rollout = read_rollout(tx, list(configured) or None)
-        desired = tx.desired_versions()
-        routers = {r.router_id: r for r in tx.routers()}
-        drift = tx.drift_events(limit=1)
-        cal = tx.calibrations(limit=1)
-        cal_policy = (tx.policy(cal[-1].policy_version)
-                      if cal and cal[-1].policy_version is not None else None)
-        done = tx.requests(status="done")
-        pending = tx.requests(status="pending") + tx.requests(status="claimed")
-        latest = tx.policies(limit=1)
-        rolled_back = tx.policies(limit=1, status="rolled_back")
-        fleet = tx.policy(rollout.fleet_version) if rollout.fleet_version is not None else None
-    ops = operator_state(done)
-    watch = None
-    if fleet is not None and fleet.promoted_at is not None and watch_s:
-        until = fleet.promoted_at + timedelta(seconds=watch_s)
-        if fleet.promoted_at <= now <= until:
-            watch = {"version": fleet.version, "promoted_at": fleet.promoted_at, "until": until}
-    leader = None
-    if lease is not None and lease.holder is not None and lease.expires_at is not None:
-        leader = {"holder": lease.holder, "term": lease.term,
-                  "expires_in_s": round((lease.expires_at - now).total_seconds(), 1),
-                  "alive": lease.expires_at > now}
-    router_rows = []
-    # The config's routers too: on a new store they have no row yet, and an empty table
-    # read as "no routers".
-    for rid in sorted(set(desired) | set(routers) | set(configured)):
-        r = routers.get(rid)
-        want = desired.get(rid)
-        acked = r.acked_version if r else None
-        healthy = r is not None and r.last_error is None and acked == want
-        router_rows.append({
-            "router": rid, "desired": want, "acked": acked,
-            "last_seen": r.last_seen if r else None,
-            "last_error": r.last_error if r else None,
-            "health": "not in [routers] targets" if configured and rid not in configured
-            else "ok" if healthy else ("error" if r and r.last_error else
-                                       "no policy yet" if want is None and r is None
-                                       else "behind"),
-        })
-    last_cal = None
-    next_due: datetime | None = None
-    if cal:
-        c = cal[-1]
-        details = c.details or {}
-        last_cal = {"id": c.id, "at": c.created_at, "policy_version": c.policy_version,
-                    "trigger": details.get("trigger"), "approved": details.get("approved"),
-                    # what became of its policy: "candidate" while an operator or a bake
-                    # held it, "rejected", "approved", later "superseded" or "rolled_back"
-                    # (a refused candidate kept with its calibration took no version)
-                    "policy_status": cal_policy.status if cal_policy is not None
-                    else "rejected" if c.rejected_candidate else None,
-                    "reason": details.get("reason"),
-                    # why no policy was stored: a dry run, or a canary refit whose bake an
-                    # operator action ended in the same cycle
-                    "not_stored": None if c.policy_version is not None else
-                    details.get("not_stored") or ("dry run" if details.get("dry_run") else None),
-                    "predicted_goodput": {"current": c.predicted_goodput_current,
-                                          "candidate": c.predicted_goodput_new}}
-        if calibrate_every_s is not None:
-            next_due = c.created_at + timedelta(seconds=calibrate_every_s)
+    from controller.core.rollout import operator_state
     from controller.store import PolicyKind, policy_kind
 
+    now = store.clock.utcnow()
+    s = _read_status(store, configured)
+    ops = operator_state(s.done)
+    fleet, rollout, latest, rolled_back, drift = (s.fleet, s.rollout, s.latest, s.rolled_back,
+                                                  s.drift)
+    last_cal, next_due = _last_calibration(s.cal, s.cal_policy, calibrate_every_s)
     return {
         "now": now,
-        "leader": leader,
+        "leader": _leader(s.lease, now),
         "fleet_version": rollout.fleet_version,
-        # A forced calibrate-active policy as the fleet's: a run that was killed left it.
+        # A forced calibrate-active policy as the fleet's: only a calibrate-active run killed
+        # before it sent the routers back leaves one.
         "fleet_forced": fleet is not None and policy_kind(fleet) is PolicyKind.FORCED,
         "canary": None if rollout.canary_version is None else {
             "version": rollout.canary_version, "routers": list(rollout.canary_routers)},
-        "watch": watch,
+        "watch": _watch(fleet, now, watch_s),
         "newest_policy": None if not latest else {
             "version": latest[-1].version, "status": latest[-1].status,
             "reason": latest[-1].reason, "promoted_at": latest[-1].promoted_at},
@@ -398,17 +336,132 @@ def status_doc(store: Store, calibrate_every_s: float | None,
         "last_rollback": None if not rolled_back else {
             "version": rolled_back[-1].version, "at": rolled_back[-1].updated_at,
             "reason": rolled_back[-1].reason},
-        "routers": router_rows,
+        "routers": _router_rows(s.desired, s.routers, configured),
         "last_drift": None if not drift else {
             "at": drift[-1].at, "kind": drift[-1].kind, "statistic": drift[-1].statistic,
             "threshold": drift[-1].threshold},
         "last_calibration": last_cal,
         "operator": {"paused": ops.paused, "pinned": ops.pinned, "fallback": ops.fallback,
                      "exploration_off": ops.exploration_off,
-                     "pending_requests": [_request_json(r) for r in pending]},
+                     "pending_requests": [_request_json(r) for r in s.pending]},
         "next_calibration_due": next_due,
-        "observed": _observed(last_window_end, now, stalled_after_s),
+        "observed": _observed(s.last_window_end, now, stalled_after_s),
     }
+
+
+@dataclass(frozen=True, slots=True)
+class _StatusRead:
+    """What `pdctl status` reads from the store, in one read transaction."""
+
+    lease: Any
+    last_window_end: datetime | None
+    rollout: Any
+    desired: dict[str, int]
+    routers: dict[str, Any]
+    drift: list[Any]
+    cal: list[Any]
+    cal_policy: Any
+    done: list[Any]
+    pending: list[Any]
+    latest: list[Any]
+    rolled_back: list[Any]
+    fleet: Any
+
+
+def _read_status(store: Store, configured: Sequence[str]) -> _StatusRead:
+    from controller.loop.policies import read_rollout
+
+    with store.read() as tx:
+        lease = tx.lease()
+        last_window_end = tx.last_window_end()
+        # The configured routers' rollout, as the cycle reads it: a router taken out of
+        # [routers] targets keeps its rows, which must not hide the configured fleet's
+        # canary or promotion watch.
+        rollout = read_rollout(tx, list(configured) or None)
+        desired = tx.desired_versions()
+        routers = {r.router_id: r for r in tx.routers()}
+        drift = tx.drift_events(limit=1)
+        cal = tx.calibrations(limit=1)
+        return _StatusRead(
+            lease=lease, last_window_end=last_window_end, rollout=rollout, desired=desired,
+            routers=routers, drift=drift, cal=cal,
+            cal_policy=(tx.policy(cal[-1].policy_version)
+                        if cal and cal[-1].policy_version is not None else None),
+            done=tx.requests(status="done"),
+            pending=tx.requests(status="pending") + tx.requests(status="claimed"),
+            latest=tx.policies(limit=1), rolled_back=tx.policies(limit=1, status="rolled_back"),
+            fleet=(tx.policy(rollout.fleet_version) if rollout.fleet_version is not None
+                   else None))
+
+
+def _watch(fleet: Any, now: datetime, watch_s: float | None) -> dict[str, Any] | None:
+    """The promotion watch on the fleet's policy while it lasts, else None."""
+    from datetime import timedelta
+
+    if fleet is None or fleet.promoted_at is None or not watch_s:
+        return None
+    until = fleet.promoted_at + timedelta(seconds=watch_s)
+    if fleet.promoted_at <= now <= until:
+        return {"version": fleet.version, "promoted_at": fleet.promoted_at, "until": until}
+    return None
+
+
+def _leader(lease: Any, now: datetime) -> dict[str, Any] | None:
+    if lease is None or lease.holder is None or lease.expires_at is None:
+        return None
+    return {"holder": lease.holder, "term": lease.term,
+            "expires_in_s": round((lease.expires_at - now).total_seconds(), 1),
+            "alive": lease.expires_at > now}
+
+
+def _router_rows(desired: dict[str, int], routers: dict[str, Any],
+                 configured: Sequence[str]) -> list[dict[str, Any]]:
+    rows = []
+    # The config's routers too: on a new store they have no row yet, and the table must
+    # not read as "no routers".
+    for rid in sorted(set(desired) | set(routers) | set(configured)):
+        r = routers.get(rid)
+        want = desired.get(rid)
+        acked = r.acked_version if r else None
+        healthy = r is not None and r.last_error is None and acked == want
+        rows.append({
+            "router": rid, "desired": want, "acked": acked,
+            "last_seen": r.last_seen if r else None,
+            "last_error": r.last_error if r else None,
+            "health": "not in [routers] targets" if configured and rid not in configured
+            else "ok" if healthy else ("error" if r and r.last_error else
+                                       "no policy yet" if want is None and r is None
+                                       else "behind"),
+        })
+    return rows
+
+
+def _last_calibration(cal: list[Any], cal_policy: Any, calibrate_every_s: float | None
+                      ) -> tuple[dict[str, Any] | None, datetime | None]:
+    """The newest calibration as `pdctl status` shows it, and when the next one is due."""
+    from datetime import timedelta
+
+    if not cal:
+        return None, None
+    c = cal[-1]
+    details = c.details or {}
+    last_cal = {"id": c.id, "at": c.created_at, "policy_version": c.policy_version,
+                "trigger": details.get("trigger"), "approved": details.get("approved"),
+                # what became of its policy: "candidate" while an operator or a bake
+                # held it, "rejected", "approved", later "superseded" or "rolled_back"
+                # (a refused candidate kept with its calibration took no version)
+                "policy_status": cal_policy.status if cal_policy is not None
+                else "rejected" if c.rejected_candidate else None,
+                "reason": details.get("reason"),
+                # why no policy was stored: a dry run, or a canary refit whose bake an
+                # operator action ended in the same cycle
+                "not_stored": None if c.policy_version is not None else
+                details.get("not_stored") or ("dry run" if details.get("dry_run") else None),
+                "predicted_goodput": {"current": c.predicted_goodput_current,
+                                      "candidate": c.predicted_goodput_new}}
+    next_due = (c.created_at + timedelta(seconds=calibrate_every_s)
+                if calibrate_every_s is not None else None)
+    return last_cal, next_due
 
 
 def _observed(end: datetime | None, now: datetime, stalled_after_s: float | None
@@ -472,7 +525,11 @@ def _print_status(doc: dict[str, Any]) -> None:
     console.print(f"[bold]drift[/]    {drift['kind']} {drift['statistic']:.3g} > "
                   f"{drift['threshold']:.3g} at {_t(drift['at'])}" if drift
                   else "[bold]drift[/]    none recorded")
-    cal = doc["last_calibration"]
+    _print_calibration(console, doc["last_calibration"])
+    _print_operator_and_observed(console, doc)
+
+
+def _print_calibration(console: Any, cal: dict[str, Any] | None) -> None:
     if cal:
         verdict = ("held as a candidate" if cal.get("policy_status") == "candidate" else
                    "approved" if cal["approved"] else "not approved")
@@ -484,6 +541,9 @@ def _print_status(doc: dict[str, Any]) -> None:
                       f"{verdict} {what} — {cal['reason']}")
     else:
         console.print("[bold]calib.[/]   none yet")
+
+
+def _print_operator_and_observed(console: Any, doc: dict[str, Any]) -> None:
     ops = doc["operator"]
     flags = [name for name, on in (("PAUSED", ops["paused"]), ("FALLBACK", ops["fallback"]),
                                    ("exploration off", ops["exploration_off"])) if on]
@@ -510,8 +570,8 @@ def status(as_json: JsonOption = False, url: UrlOption = None, config: ConfigOpt
     scheduled calibration, and when the newest window ended (STALE past
     [controller] stalled_after_s: nothing has been observed since)."""
     from controller.config import load_settings
-    from controller.cycle import CycleConfig
     from controller.errors import ConfigError
+    from controller.loop.cycle import CycleConfig
 
     try:
         settings = load_settings(config)

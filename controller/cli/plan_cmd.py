@@ -119,7 +119,7 @@ def print_plan(plan: CapacityPlan) -> None:
 def read_arrivals(path: Path, interval_s: float) -> tuple[float, ...]:
     """The rate profile of a file of arrival counts (one per line, ``#`` comments), with the
     counting noise shrunk out as for the windows' profile."""
-    from controller.capacity_planner import rate_profile
+    from controller.loop.capacity import rate_profile
 
     counts: list[float] = []
     for n, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
@@ -192,8 +192,8 @@ def plan_command(
     config: ConfigOption = None,
 ) -> None:
     """Prefill and decode workers for the current load (or the given one) and the SLOs."""
-    from controller.capacity_planner import PlanOverrides, plan_from_windows
     from controller.core.capacity import CapacityError
+    from controller.loop.capacity import PlanOverrides, plan_from_windows
 
     settings = load_settings_or_exit(config)
     for flag, slo in (("--ttft-slo", ttft_slo), ("--tpot-slo", tpot_slo)):

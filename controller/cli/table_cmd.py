@@ -128,7 +128,7 @@ def _stored_policy_or_exit(version: int | None, url: str | None, config: Path | 
     """The stored policy ``version`` (None: the fleet's desired one) and the store's lines
     about it (status, reason, who is desired to run it)."""
     from controller.cli.ops_cmd import open_store
-    from controller.cycle import read_rollout
+    from controller.loop.policies import read_rollout
 
     store = open_store(url, config)
     try:

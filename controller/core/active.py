@@ -9,7 +9,7 @@ real table.
 
 This module only plans: which forced policies, which load points, how many requests, how
 long. The executor that sends the load through an OpenAI-compatible endpoint lives with the
-daemon (``controller/calibration_runner.py``).
+daemon (``controller/loop/calibration_runner.py``).
 """
 
 from __future__ import annotations

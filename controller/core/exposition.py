@@ -15,6 +15,8 @@ import re
 from collections.abc import Container
 from dataclasses import dataclass, field
 
+from controller.core.window import FailureKind
+
 LabelKey = tuple[tuple[str, str], ...]  # sorted (name, value) pairs
 
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
@@ -25,9 +27,10 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
 class ExpositionError(ValueError):
-    """The target's answer is not valid exposition text; ``kind`` is a TargetFailure kind."""
+    """The target's answer is not valid exposition text; ``kind`` is the window's failure
+    kind for that target."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: FailureKind, message: str) -> None:
         super().__init__(message)
         self.kind = kind
 
@@ -53,20 +56,11 @@ def base_name(sample: str) -> str:
     return sample
 
 
-def parse_exposition(
-    text: str,
-    *,
-    target: str,
-    taken_at: float,
-    keep: Container[str] | None = None,
-) -> Snapshot:
-    """Parse ``text``; keep samples whose name or family is in ``keep`` (all if ``None``)."""
-    # No exposition line starts with "<"; an HTML page (login proxy, error page) does.
-    if text.lstrip()[:1] == "<":
-        raise ExpositionError("parse", "the answer is an HTML page, not exposition text")
-    if text and not text.endswith("\n"):
-        last = text.rsplit("\n", 1)[-1]
-        raise ExpositionError("parse", f"truncated exposition: last line {last[:80]!r} is cut off")
+def parse_exposition(text: str, *, target: str, taken_at: float,
+                     keep: Container[str] | None = None) -> Snapshot:
+    """Parse ``text``; keep samples whose name or family is in ``keep`` (all if ``None``).
+    The scrape's hot path: helpers run once per text, TYPE line, new name or label set."""
+    _check_whole(text)
     samples: dict[str, dict[LabelKey, float]] = {}
     families: set[str] = set()
     decided: dict[str, str | None] = {}  # sample name -> its family if kept, else None
@@ -78,13 +72,7 @@ def parse_exposition(
             continue
         if line[0] == "#":
             if line.startswith("# TYPE "):
-                parts = line.split(None, 3)
-                if len(parts) >= 3:
-                    families.add(parts[2])
-                    skip_prefix = None
-                    if keep is not None and parts[2] not in keep and not _keeps_any(
-                            keep, parts[2]):
-                        skip_prefix = parts[2]
+                skip_prefix = _type_line(line, keep, families, skip_prefix)
             continue
         if skip_prefix is not None and line.startswith(skip_prefix):
             continue
@@ -93,7 +81,7 @@ def parse_exposition(
             name = line[:brace]
             close = line.rfind("}")
             if close < brace:
-                raise ExpositionError("parse", f"line {lineno}: unclosed label set")
+                raise ExpositionError(FailureKind.PARSE, f"line {lineno}: unclosed label set")
             rest = line[close + 1 :]
         else:
             name, _, rest = line.partition(" ")
@@ -102,31 +90,21 @@ def parse_exposition(
         if name in decided:
             family = decided[name]
         else:
-            name = name.strip()
-            family = base_name(name)
-            if keep is not None and name not in keep and family not in keep:
-                family = None
-            elif not _NAME.match(name):
-                raise ExpositionError("parse", f"line {lineno}: bad metric name {name[:80]!r}")
-            decided[name] = family
+            name, family = _decide(name, keep, decided, lineno)
         if family is None:
             continue
         fields = rest.split()
         if not 1 <= len(fields) <= 2 or (rest and not rest[0].isspace()):
-            raise ExpositionError(
-                "parse", f"line {lineno}: expected 'name{{labels}} value [timestamp]'"
-            )
+            raise _shape_error(lineno)
         value = _number(fields[0], lineno)
         if len(fields) == 2 and not fields[1].lstrip("-").isdigit():
-            raise ExpositionError("non_numeric", f"line {lineno}: bad timestamp {fields[1]!r}")
+            raise ExpositionError(FailureKind.NON_NUMERIC,
+                                  f"line {lineno}: bad timestamp {fields[1]!r}")
         if brace >= 0:
             body = line[brace + 1 : close]
             labels = _LABEL_CACHE.get(body)
             if labels is None:
-                labels = _labels(body, lineno)
-                if len(_LABEL_CACHE) > _LABEL_CACHE_MAX:
-                    _LABEL_CACHE.clear()
-                _LABEL_CACHE[body] = labels
+                labels = _cache_labels(body, lineno)
         else:
             labels = ()
         by_labels = samples.get(name)
@@ -134,13 +112,68 @@ def parse_exposition(
             by_labels = samples[name] = {}
             families.add(family)
         if labels in by_labels:
-            shown = ",".join(f'{k}="{v}"' for k, v in labels)
-            raise ExpositionError(
-                "duplicate_series", f"line {lineno}: series {name}{{{shown}}} appears twice"
-            )
+            raise _duplicate_error(name, labels, lineno)
         by_labels[labels] = value
     return Snapshot(target=target, taken_at=taken_at, samples=samples,
                     families=frozenset(families))
+
+
+def _check_whole(text: str) -> None:
+    """Refuse an HTML page and a text cut off mid-line before reading any sample."""
+    # No exposition line starts with "<"; an HTML page (login proxy, error page) does.
+    if text.lstrip()[:1] == "<":
+        raise ExpositionError(FailureKind.PARSE, "the answer is an HTML page, not exposition text")
+    if text and not text.endswith("\n"):
+        last = text.rsplit("\n", 1)[-1]
+        raise ExpositionError(FailureKind.PARSE,
+                              f"truncated exposition: last line {last[:80]!r} is cut off")
+
+
+def _type_line(line: str, keep: Container[str] | None, families: set[str],
+               skip_prefix: str | None) -> str | None:
+    """Record a ``# TYPE`` line's family; the prefix of the samples to skip after it (the
+    family is not kept), None when they are read, ``skip_prefix`` unchanged when the line
+    names no family."""
+    parts = line.split(None, 3)
+    if len(parts) < 3:
+        return skip_prefix
+    families.add(parts[2])
+    if keep is not None and parts[2] not in keep and not _keeps_any(keep, parts[2]):
+        return parts[2]
+    return None
+
+
+def _decide(name: str, keep: Container[str] | None, decided: dict[str, str | None],
+            lineno: int) -> tuple[str, str | None]:
+    """A sample name seen for the first time: its stripped form and its family when kept
+    (None when ``keep`` leaves it out), remembered in ``decided``."""
+    name = name.strip()
+    family: str | None = base_name(name)
+    if keep is not None and name not in keep and family not in keep:
+        family = None
+    elif not _NAME.match(name):
+        raise ExpositionError(FailureKind.PARSE, f"line {lineno}: bad metric name {name[:80]!r}")
+    decided[name] = family
+    return name, family
+
+
+def _cache_labels(body: str, lineno: int) -> LabelKey:
+    labels = _labels(body, lineno)
+    if len(_LABEL_CACHE) > _LABEL_CACHE_MAX:
+        _LABEL_CACHE.clear()
+    _LABEL_CACHE[body] = labels
+    return labels
+
+
+def _shape_error(lineno: int) -> ExpositionError:
+    return ExpositionError(FailureKind.PARSE,
+                           f"line {lineno}: expected 'name{{labels}} value [timestamp]'")
+
+
+def _duplicate_error(name: str, labels: LabelKey, lineno: int) -> ExpositionError:
+    shown = ",".join(f'{k}="{v}"' for k, v in labels)
+    return ExpositionError(
+        FailureKind.DUPLICATE_SERIES, f"line {lineno}: series {name}{{{shown}}} appears twice")
 
 
 def _keeps_any(keep: Container[str], family: str) -> bool:
@@ -161,10 +194,11 @@ def _number(text: str, lineno: int) -> float:
             raise ValueError(text)
     except ValueError:
         raise ExpositionError(
-            "non_numeric", f"line {lineno}: sample value {text[:40]!r} is not a number"
+            FailureKind.NON_NUMERIC, f"line {lineno}: sample value {text[:40]!r} is not a number"
         ) from None
     if math.isinf(value) and text.lstrip("+-").lower() not in ("inf",):
-        raise ExpositionError("non_numeric", f"line {lineno}: value {text!r} is not a number")
+        raise ExpositionError(FailureKind.NON_NUMERIC,
+                              f"line {lineno}: value {text!r} is not a number")
     return value
 
 
@@ -175,7 +209,8 @@ def _labels(body: str, lineno: int) -> LabelKey:
     while pos < end:
         m = _LABEL.match(body, pos)
         if m is None:
-            raise ExpositionError("parse", f"line {lineno}: malformed labels {body[:80]!r}")
+            raise ExpositionError(FailureKind.PARSE,
+                                  f"line {lineno}: malformed labels {body[:80]!r}")
         value = m.group(2)
         if "\\" in value:
             value = _ESCAPE_RE.sub(lambda e: _ESCAPES[e.group(0)], value)
@@ -184,8 +219,9 @@ def _labels(body: str, lineno: int) -> LabelKey:
         if pos >= end:
             break
         if body[pos - 1] != ",":
-            raise ExpositionError("parse", f"line {lineno}: labels not separated by commas")
+            raise ExpositionError(FailureKind.PARSE,
+                                  f"line {lineno}: labels not separated by commas")
     pairs.sort()
     if any(a[0] == b[0] for a, b in itertools.pairwise(pairs)):
-        raise ExpositionError("parse", f"line {lineno}: a label name repeats")
+        raise ExpositionError(FailureKind.PARSE, f"line {lineno}: a label name repeats")
     return tuple(pairs)

@@ -36,20 +36,31 @@ ROLES: tuple[Role, ...] = ("prefill", "decode")
 SCHEMA_VERSION = 1
 COMPACT_FORMAT = 2  # the stored body (Window.to_dict(compact=True)); absent: plain
 
-# TargetFailure.kind values the sources use (free text is allowed for new kinds).
-FAILURE_KINDS = (
-    "unreachable",  # connection refused, DNS failure
-    "timeout",
-    "http_status",  # non-2xx answer
-    "parse",  # not exposition text (truncated, HTML, garbage)
-    "duplicate_series",
-    "non_numeric",
-    "invalid_value",  # a value no window can hold (non-finite, negative): the target fails
-    "counter_reset",  # reported, the window still uses the post-reset increase
-    "counter_decrease",  # fell without a restart: no increase (observe.counters)
-    "missing_family",  # a family the window needs is absent
-    "query",  # a PromQL query failed
-)
+class FailureKind(StrEnum):
+    """Why a target is listed in a window's failures (``TargetFailure.kind``); the value is
+    the stored and printed word."""
+
+    UNREACHABLE = "unreachable"  # connection refused, DNS failure, marked down
+    TIMEOUT = "timeout"
+    HTTP_STATUS = "http_status"  # non-2xx answer
+    PARSE = "parse"  # not exposition text (truncated, HTML, garbage)
+    DUPLICATE_SERIES = "duplicate_series"
+    NON_NUMERIC = "non_numeric"
+    INVALID_VALUE = "invalid_value"  # a value no window can hold (non-finite, negative)
+    COUNTER_RESET = "counter_reset"  # reported, the window still uses the post-reset increase
+    COUNTER_DECREASE = "counter_decrease"  # fell without a restart: no increase
+    MISSING_FAMILY = "missing_family"  # a family the window needs is absent
+    QUERY = "query"  # a PromQL query failed
+    NO_BASELINE = "no_baseline"  # no earlier sample: the window has no increase for it
+    STALE = "stale"  # Prometheus' newest sample of the target is too old
+
+
+def failure_kind(text: str) -> FailureKind | str:
+    """The kind a stored word names; a word no kind has is kept as it is."""
+    try:
+        return FailureKind(text)
+    except ValueError:
+        return text
 
 
 class WindowError(ValueError):
@@ -672,7 +683,7 @@ class TargetFailure:
     """A worker or router that did not answer (or answered garbage) in this window."""
 
     target: str
-    kind: str  # one of FAILURE_KINDS, or a new word
+    kind: FailureKind | str  # a word no FailureKind has is kept as it is
     message: str
 
     def to_dict(self) -> dict[str, Any]:
@@ -680,7 +691,8 @@ class TargetFailure:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TargetFailure:
-        return cls(target=str(d["target"]), kind=str(d["kind"]), message=str(d["message"]))
+        return cls(target=str(d["target"]), kind=failure_kind(str(d["kind"])),
+                   message=str(d["message"]))
 
 
 @dataclass(frozen=True, slots=True)

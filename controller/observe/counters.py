@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from controller.core.catalog import process_of
 from controller.core.exposition import LabelKey, Snapshot
-from controller.core.window import TargetFailure
+from controller.core.window import FailureKind, TargetFailure
 
 COUNTER_TOLERANCE_ABS = 0.01
 COUNTER_TOLERANCE_REL = 1e-4
@@ -73,7 +73,7 @@ class CounterNotes:
                 parts.append("not in the previous snapshot: " + _names(self.unbaselined))
             if self.new_series:
                 parts.append("new series (their baseline is set): " + _names(self.new_series))
-            out.append(TargetFailure(target, "no_baseline",
+            out.append(TargetFailure(target, FailureKind.NO_BASELINE,
                                      "; ".join(parts) + "; counted from the next window"))
         if self.jitter or self.dropped:
             parts = []
@@ -84,10 +84,10 @@ class CounterNotes:
                 parts.append("counters fell beyond the tolerance with the same "
                              f"{PROCESS_START} (not a restart; counted nothing): "
                              + _names(self.dropped))
-            out.append(TargetFailure(target, "counter_decrease", "; ".join(parts)))
+            out.append(TargetFailure(target, FailureKind.COUNTER_DECREASE, "; ".join(parts)))
         if self.reset:
             why = f"{PROCESS_START} changed" if self.restarted else "restart?"
-            out.append(TargetFailure(target, "counter_reset", f"counters reset ({why}): "
+            out.append(TargetFailure(target, FailureKind.COUNTER_RESET, f"counters reset ({why}): "
                                      + _names(self.reset) + "; the window counts from the reset"))
         return out
 

@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 
 from controller.clock import Clock
-from controller.core.window import Window
+from controller.core.window import FailureKind, Window
 from controller.observe.snapshot import FetchError, SnapshotSource
 from controller.observe.source import Target
 
@@ -94,10 +94,10 @@ class InProcessSource(SnapshotSource):
         out: list[str | FetchError] = []
         for t in targets:
             if t.name in self._down or t.name in self._gone:
-                out.append(FetchError("unreachable", "target is down"))
+                out.append(FetchError(FailureKind.UNREACHABLE, "target is down"))
                 continue
             try:
                 out.append(generate_latest(self._registries[t.name]).decode("utf-8"))
             except Exception as e:  # a collector that raises is a broken target, not a crash
-                out.append(FetchError("parse", f"rendering the registry failed: {e!r}"))
+                out.append(FetchError(FailureKind.PARSE, f"rendering the registry failed: {e!r}"))
         return out

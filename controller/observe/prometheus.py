@@ -59,7 +59,7 @@ from controller.core.catalog import (
     has_replica_ranks,
 )
 from controller.core.exposition import LabelKey, Snapshot, base_name
-from controller.core.window import TargetFailure, Window
+from controller.core.window import FailureKind, TargetFailure, Window
 from controller.errors import ControllerError, TerminalError, TransientError
 from controller.observe.bounded_body import ACCEPT_ENCODING, BodyRefused, read_bounded
 from controller.observe.counters import PROCESS_START
@@ -580,7 +580,7 @@ def _increase_delta(instance: str, end_samples: dict[str, dict[LabelKey, float]]
     # two), a first window, not families the engine lacks.
     sampled = bool(increases) or not worker
     notes = [] if sampled else [TargetFailure(
-        instance, "no_baseline", "no counter has two samples in the window (increase() "
+        instance, FailureKind.NO_BASELINE, "no counter has two samples in the window (increase() "
         "needs two): scraped less often than the window, or just started")]
     return TargetDelta(target=instance, families=families, increases=increases,
                        gauges=gauges, has_baseline=sampled, families_known=sampled,
@@ -601,18 +601,20 @@ def _down(name: str, series: Sequence[_UpSeries], fresh: Sequence[_UpSeries],
           errors: Mapping[str, str], end: float) -> TargetFailure:
     """Why a target counts as not answering this window."""
     if not series:
-        return TargetFailure(name, "unreachable",
+        return TargetFailure(name, FailureKind.UNREACHABLE,
                              "not among Prometheus' scrape targets (instance label)")
     if len(fresh) > 1:
         jobs = ", ".join(sorted(s.job for s in fresh))
-        return TargetFailure(name, "duplicate_series", f"scraped by {len(fresh)} jobs ({jobs}): "
+        return TargetFailure(name, FailureKind.DUPLICATE_SERIES,
+                             f"scraped by {len(fresh)} jobs ({jobs}): "
                              "its counts would be summed twice; scrape it in one job")
     if not fresh:
         newest = max((s.sampled_at for s in series if not math.isnan(s.sampled_at)),
                      default=math.nan)
         age = f"{end - newest:.0f} s old" if not math.isnan(newest) else "of unknown age"
-        return TargetFailure(name, "stale", f"Prometheus' newest sample is {age}: none in "
+        return TargetFailure(name, FailureKind.STALE,
+                             f"Prometheus' newest sample is {age}: none in "
                              "this window (Prometheus behind, or scraping less often than "
                              "[controller] interval_s)")
-    return TargetFailure(name, "unreachable",
+    return TargetFailure(name, FailureKind.UNREACHABLE,
                          "Prometheus' last scrape failed: " + errors.get(name, "up == 0"))

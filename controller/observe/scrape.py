@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import httpx
 
 from controller.clock import Clock
+from controller.core.window import FailureKind
 from controller.observe.bounded_body import ACCEPT_ENCODING, BodyRefused, read_bounded
 from controller.observe.rediscovery import Rediscovery
 from controller.observe.snapshot import FetchError, SnapshotSource
@@ -72,11 +73,12 @@ class ScrapeSource(SnapshotSource):
                 async with asyncio.timeout(self._timeout):
                     return await self._fetch_within(target)
             except TimeoutError:
-                return FetchError("timeout", f"no whole answer within {self._timeout:g} s")
+                return FetchError(FailureKind.TIMEOUT,
+                                  f"no whole answer within {self._timeout:g} s")
             except BodyRefused as e:
-                return FetchError("parse", str(e))
+                return FetchError(FailureKind.PARSE, str(e))
             except httpx.HTTPError as e:
-                return FetchError("unreachable", f"{type(e).__name__}: {e}")
+                return FetchError(FailureKind.UNREACHABLE, f"{type(e).__name__}: {e}")
 
     async def _fetch_within(self, target: Target) -> str | FetchError:
         """One GET, its body read raw and decoded by our bounded decoders."""
@@ -86,18 +88,19 @@ class ScrapeSource(SnapshotSource):
         ) as response:
             if response.status_code // 100 != 2:
                 return FetchError(
-                    "http_status", f"HTTP {response.status_code} from {target.metrics_url}"
+                    FailureKind.HTTP_STATUS,
+                    f"HTTP {response.status_code} from {target.metrics_url}"
                 )
             ctype = response.headers.get("content-type", "")
             if "html" in ctype.lower():
-                return FetchError("parse", f"the answer is {ctype}, not exposition text")
+                return FetchError(FailureKind.PARSE, f"the answer is {ctype}, not exposition text")
             body = await read_bounded(response.aiter_raw(),
                                       response.headers.get("content-encoding", ""),
                                       MAX_BODY_BYTES)
         try:
             return body.decode("utf-8")
         except UnicodeDecodeError:
-            return FetchError("parse", "the answer is not UTF-8 text")
+            return FetchError(FailureKind.PARSE, "the answer is not UTF-8 text")
 
     async def forget_targets(self, names: set[str]) -> None:
         for name in names:

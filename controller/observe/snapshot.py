@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from controller.clock import Clock, WallClock
 from controller.core.catalog import wanted_families
 from controller.core.exposition import ExpositionError, Snapshot, parse_exposition
-from controller.core.window import TargetFailure, Window
+from controller.core.window import FailureKind, TargetFailure, Window
 from controller.observe.counters import PROCESS_START
 from controller.observe.rediscovery import Rediscovery
 from controller.observe.source import Target
@@ -32,9 +32,9 @@ _WANTED = wanted_families() | {PROCESS_START}
 
 
 class FetchError(Exception):
-    """A target did not answer usable text; ``kind`` is a TargetFailure kind."""
+    """A target did not answer usable text; ``kind`` is the window's failure kind for it."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: FailureKind, message: str) -> None:
         super().__init__(message)
         self.kind = kind
 

@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from controller.core.catalog import HISTOGRAM_KEYS
 from controller.core.window import (
+    FailureKind,
     Histogram,
     Role,
     RouteOutcome,
@@ -183,11 +184,11 @@ class FakeSource:
         baseline = self._primed
         for t in self._targets:
             if t.name in self._down:
-                failures.append(TargetFailure(t.name, "unreachable", "marked down"))
+                failures.append(TargetFailure(t.name, FailureKind.UNREACHABLE, "marked down"))
                 continue
             answered.append(t.name)
             if not baseline:
-                failures.append(TargetFailure(t.name, "no_baseline", "first window"))
+                failures.append(TargetFailure(t.name, FailureKind.NO_BASELINE, "first window"))
             if t.role == "router":
                 r = self._routers[t.name]
                 if baseline:

@@ -43,6 +43,7 @@ from controller.core.exposition import (
     base_name,
 )
 from controller.core.window import (
+    FailureKind,
     Histogram,
     Role,
     RouteOutcome,
@@ -100,15 +101,17 @@ def check_histograms(snapshot: Snapshot) -> None:
             buckets.sort()
             if buckets[-1][0] != math.inf:
                 raise ExpositionError(
-                    "parse", f"{family}: +Inf bucket missing (truncated exposition?)"
+                    FailureKind.PARSE, f"{family}: +Inf bucket missing (truncated exposition?)"
                 )
             values = [v for _, v in buckets]
             if any(b < a for a, b in itertools.pairwise(values)):
-                raise ExpositionError("parse", f"{family}: bucket counts decrease with le")
+                raise ExpositionError(FailureKind.PARSE,
+                                      f"{family}: bucket counts decrease with le")
             count = counts.get(rest)
             if count is not None and not math.isnan(count) and count != values[-1]:
                 raise ExpositionError(
-                    "parse", f"{family}: _count {count} differs from the +Inf bucket {values[-1]}"
+                    FailureKind.PARSE,
+                    f"{family}: _count {count} differs from the +Inf bucket {values[-1]}"
                 )
 
 
@@ -128,11 +131,11 @@ def split_le(labels: LabelKey, name: str) -> tuple[LabelKey, float]:
         else:
             rest.append(pair)
     if le_text is None:
-        raise ExpositionError("parse", f"{name}: a bucket has no 'le' label")
+        raise ExpositionError(FailureKind.PARSE, f"{name}: a bucket has no 'le' label")
     try:
         le = float(le_text)
     except ValueError:
-        raise ExpositionError("non_numeric", f"{name}: bad le={le_text!r}") from None
+        raise ExpositionError(FailureKind.NON_NUMERIC, f"{name}: bad le={le_text!r}") from None
     if len(_LE_CACHE) > 100_000:
         _LE_CACHE.clear()
     hit = _LE_CACHE[labels] = (tuple(rest), le)
@@ -339,13 +342,13 @@ def worker_stats(
     notes = list(delta.notes)
     if detected is None:
         notes.append(TargetFailure(
-            target=delta.target, kind="missing_family",
+            target=delta.target, kind=FailureKind.MISSING_FAMILY,
             message="no vLLM or SGLang families found (is metrics export enabled?)",
         ))
         return None, notes
-    if not delta.has_baseline and not any(n.kind == "no_baseline" for n in notes):
+    if not delta.has_baseline and not any(n.kind == FailureKind.NO_BASELINE for n in notes):
         notes.append(TargetFailure(
-            target=delta.target, kind="no_baseline",
+            target=delta.target, kind=FailureKind.NO_BASELINE,
             message="first snapshot of this target: counters need a previous one",
         ))
     present = functools.partial(exported, delta)
@@ -411,50 +414,7 @@ def router_stats(
     to rows with ``io_bin = ALL_BINS`` and zero requests, so summing any column over rows
     stays correct.
     """
-    notes = list(delta.notes)
-    if not is_router(delta.families):
-        # A router target that is not one (a worker's port, the wrong port): answered with
-        # no traffic, it hid that router's requests from the window and the canary judge.
-        notes.append(TargetFailure(
-            target=delta.target, kind="missing_family",
-            message="no pdrouter_* families found (is this the router's metrics address?)",
-        ))
-    if not delta.has_baseline:
-        # Said as for a worker: a canary judge must not count this window's (absent)
-        # requests as a bake window of its routers.
-        notes.append(TargetFailure(
-            target=delta.target, kind="no_baseline",
-            message="first snapshot of this router: counters need a previous one",
-        ))
-    cells: dict[tuple[Route, int, int], list[float]] = {}
-
-    def cell(route_label: str | None, labels: Mapping[str, str]) -> list[float] | None:
-        try:
-            route = Route[route_label or ""]
-        except KeyError:
-            return None
-        key = (route, bin_index(labels.get("ctx_bin"), ctx_labels),
-               bin_index(labels.get("io_bin"), io_labels))
-        return cells.setdefault(key, [0.0] * 6)
-
-    if delta.has_baseline:
-        for labels, v in delta.increases.get(ROUTER.requests, {}).items():
-            d = dict(labels)
-            row = cell(d.get("route"), d)
-            if row is None:
-                continue
-            row[0] += v
-            if d.get("slo") == ROUTER.met_label:
-                row[1] += v
-        for offset, family in ((2, ROUTER.ttft), (4, ROUTER.tpot)):
-            sums = delta.increases.get(family + "_sum", {})
-            for labels, count in delta.increases.get(family + "_count", {}).items():
-                d = dict(labels)
-                row = cell(d.get("route"), d)
-                if row is None:
-                    continue
-                row[offset] += sums.get(labels, 0.0)
-                row[offset + 1] += count
+    cells = _router_cells(delta, ctx_labels, io_labels) if delta.has_baseline else {}
     outcomes = [
         RouteOutcome(router=delta.target, route=route, ctx_bin=c, io_bin=i, requests=r[0],
                      met=r[1], ttft_sum=r[2], ttft_count=r[3], tpot_sum=r[4], tpot_count=r[5])
@@ -467,8 +427,64 @@ def router_stats(
         context_tokens=_buckets(delta, ROUTER.context_tokens),
         io_ratio=_buckets(delta, ROUTER.io_ratio),
         qps=math.fsum(qps_series.values()) if qps_series else None,
-        notes=notes,
+        notes=_router_notes(delta),
     )
+
+
+def _router_notes(delta: TargetDelta) -> list[TargetFailure]:
+    """The delta's notes, plus why this router's window counts no requests: not a router's
+    metrics, or no baseline yet."""
+    notes = list(delta.notes)
+    if not is_router(delta.families):
+        # A router target that is not one (a worker's port, the wrong port) answers with no
+        # traffic: flagged, so the window and the canary judge do not read it as idle.
+        notes.append(TargetFailure(
+            target=delta.target, kind=FailureKind.MISSING_FAMILY,
+            message="no pdrouter_* families found (is this the router's metrics address?)",
+        ))
+    if not delta.has_baseline:
+        # Flagged as for a worker: a canary judge must not count this window's (absent)
+        # requests as a bake window of its routers.
+        notes.append(TargetFailure(
+            target=delta.target, kind=FailureKind.NO_BASELINE,
+            message="first snapshot of this router: counters need a previous one",
+        ))
+    return notes
+
+
+def _router_cells(delta: TargetDelta, ctx_labels: Sequence[str], io_labels: Sequence[str]
+                  ) -> dict[tuple[Route, int, int], list[float]]:
+    """(route, ctx bin, io bin) -> [requests, met, ttft sum, ttft count, tpot sum, tpot
+    count] from the counters' increases; series with an unknown route are left out."""
+    cells: dict[tuple[Route, int, int], list[float]] = {}
+
+    def cell(route_label: str | None, labels: Mapping[str, str]) -> list[float] | None:
+        try:
+            route = Route[route_label or ""]
+        except KeyError:
+            return None
+        key = (route, bin_index(labels.get("ctx_bin"), ctx_labels),
+               bin_index(labels.get("io_bin"), io_labels))
+        return cells.setdefault(key, [0.0] * 6)
+
+    for labels, v in delta.increases.get(ROUTER.requests, {}).items():
+        d = dict(labels)
+        row = cell(d.get("route"), d)
+        if row is None:
+            continue
+        row[0] += v
+        if d.get("slo") == ROUTER.met_label:
+            row[1] += v
+    for offset, family in ((2, ROUTER.ttft), (4, ROUTER.tpot)):
+        sums = delta.increases.get(family + "_sum", {})
+        for labels, count in delta.increases.get(family + "_count", {}).items():
+            d = dict(labels)
+            row = cell(d.get("route"), d)
+            if row is None:
+                continue
+            row[offset] += sums.get(labels, 0.0)
+            row[offset + 1] += count
+    return cells
 
 
 def _buckets(delta: TargetDelta, family: str) -> list[tuple[float, float]] | None:
@@ -518,7 +534,7 @@ class TargetResult:
 def invalid_value(target: str, error: WindowError) -> TargetFailure:
     """A target whose values no window can hold (a non-finite or negative count): it fails
     alone, as an unreachable one would; the other targets' window is unaffected."""
-    return TargetFailure(target=target, kind="invalid_value", message=str(error))
+    return TargetFailure(target=target, kind=FailureKind.INVALID_VALUE, message=str(error))
 
 
 def assemble_window(

@@ -16,8 +16,9 @@ digest. Everything is little-endian; floats are IEEE-754 binary64 with ``-0.0`` 
     u32 first_turn_busy_waiting    only when it or later_turn_busy_waiting is not 0
     u32 later_turn_busy_waiting    only when it is not 0
 
-The trailing fields keep the checksum of every policy without the busy overrides what it was
-before they existed (routers and stores hold such checksums); the lengths tell them apart.
+The trailing fields are left out when zero, so a policy without busy overrides keeps the
+checksum it has under the format without them (routers and stores hold such checksums); the
+lengths tell the two apart.
 
 The version, the SLOs and the provenance are not covered: re-issuing the same table under a
 higher version keeps its checksum.

@@ -450,10 +450,8 @@ class RouterAgent:
 
     def decide(self, features: Features) -> Decision:
         """Route one request. Never raises; same answers as :func:`controller.policy.decide`.
-
-        Written flat on purpose: it runs for every request and its budget is a few
-        microseconds including the metric update.
-        """
+        Flat (no helper calls on the table path): it runs for every request and its budget
+        is a few microseconds including the metric update."""
         snap = self._snapshot
         if snap is None:
             decision, tick = self._no_policy
@@ -468,13 +466,8 @@ class RouterAgent:
             out = features.expected_output_tokens
             qps = features.qps
             # Chained comparisons are False for NaN, so this is "finite and in range".
-            if not (
-                1 <= turn < _INF
-                and 0.0 <= ctx < _INF
-                and 0.0 <= append < _INF
-                and 0.0 < out < _INF
-                and 0.0 <= qps < _INF
-            ):
+            if not (1 <= turn < _INF and 0.0 <= ctx < _INF and 0.0 <= append < _INF
+                    and 0.0 < out < _INF and 0.0 <= qps < _INF):
                 entry = snap.invalid
             else:
                 self._last_qps = qps

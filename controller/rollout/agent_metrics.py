@@ -105,6 +105,16 @@ class RouterMetrics:
             ["result"],
             registry=registry,
         )
+        self._request_metrics(registry)
+        self._policy_gauges(registry)
+        for result in ("applied", "noop", "conflict", "stale", "invalid", "persist_failed"):
+            self.updates.labels(result)
+        self._request_children: dict[tuple[str, str, str, str], Callable[[], None]] = {}
+        self._ttft_children: dict[tuple[str, str], Callable[[float], None]] = {}
+        self._tpot_children: dict[tuple[str, str], Callable[[float], None]] = {}
+
+    def _request_metrics(self, registry: CollectorRegistry) -> None:
+        """The completed requests' counter and histograms, registered in exposition order."""
         self.requests = Counter(
             "pdrouter_requests",
             "Completed requests by route, fixed context bin, fixed io-ratio bin and SLO outcome "
@@ -138,6 +148,9 @@ class RouterMetrics:
             buckets=FEATURE_IO_RATIO_EDGES,
             registry=registry,
         )
+
+    def _policy_gauges(self, registry: CollectorRegistry) -> None:
+        """The arrival rate and the running policy's gauges, registered in exposition order."""
         self.qps = Gauge(
             "pdrouter_qps",
             "The router's windowed arrival rate, as last passed to decide() (requests/s).",
@@ -158,11 +171,6 @@ class RouterMetrics:
             "1 when no policy update came for longer than the staleness limit, else 0.",
             registry=registry,
         )
-        for result in ("applied", "noop", "conflict", "stale", "invalid", "persist_failed"):
-            self.updates.labels(result)
-        self._request_children: dict[tuple[str, str, str, str], Callable[[], None]] = {}
-        self._ttft_children: dict[tuple[str, str], Callable[[float], None]] = {}
-        self._tpot_children: dict[tuple[str, str], Callable[[float], None]] = {}
 
     def decisions(self, route: Route, reason: Reason) -> int:
         return self.decision_tallies[(route, reason)].value()

@@ -181,8 +181,8 @@ class GrpcRouterTransport:
     async def _call(self, router: str, call: Callable[[grpc.aio.Channel], Awaitable[T]]) -> T:
         """``call`` on ``router``'s channel, its errors in the taxonomy. A transient failure
         retires that channel (only that one: another call may have replaced it already) with
-        a grace, so the calls still in flight on it finish: closed at once, it cancelled
-        them, and their bare CancelledError went past every handler and ended the pass."""
+        a grace, so the calls still in flight on it finish: closing it at once would cancel
+        them, and their bare CancelledError would pass every handler and end the pass."""
         ch = self.channel(router)
         try:
             return await call(ch)

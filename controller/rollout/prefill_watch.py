@@ -30,6 +30,7 @@ import httpx
 from controller.clock import Clock
 from controller.core.catalog import ENGINES, once_per_scheduler
 from controller.core.exposition import ExpositionError, parse_exposition
+from controller.core.window import FailureKind
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,8 @@ class PrefillQueueWatch:
             response.raise_for_status()
             waiting = waiting_in(response.text, url)
             if waiting is None:
-                raise ExpositionError("parse", f"no waiting gauge ({', '.join(WAITING_FAMILIES)})")
+                raise ExpositionError(FailureKind.PARSE,
+                                      f"no waiting gauge ({', '.join(WAITING_FAMILIES)})")
         except (httpx.HTTPError, ExpositionError) as e:
             if url not in self._failing:  # log a worker's failure once, not every second
                 self._failing.add(url)

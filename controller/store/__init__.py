@@ -17,7 +17,6 @@ from controller.store.records import (
 )
 from controller.store.repository import (
     LEADER,
-    POLICY_TRANSITIONS,
     Store,
     StoreError,
     StoreGone,
@@ -26,7 +25,7 @@ from controller.store.repository import (
 )
 
 __all__ = [
-    "LEADER", "POLICY_TRANSITIONS", "CalibrationRecord", "DriftEventRecord", "Lease",
+    "LEADER", "CalibrationRecord", "DriftEventRecord", "Lease",
     "OperatorRequest", "PolicyKind", "PolicyRecord", "PushRecord", "RecommendationRecord",
     "RouterRecord", "Store", "StoreError", "StoreGone", "StoreUnavailable", "StoredWindow", "Tx",
     "make_engine", "normalize_url", "policy_kind",

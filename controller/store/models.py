@@ -23,6 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from controller.core.rollout import PolicyStatus
 from controller.store.types import JsonText, SafeString, SafeText, UtcDateTime
 
 NAMING_CONVENTION = {
@@ -34,7 +35,8 @@ NAMING_CONVENTION = {
 }
 
 # superseded: an approved canary replaced by its canary refit (not a regression: 0003).
-POLICY_STATUSES = ("candidate", "approved", "rejected", "rolled_back", "advisory", "superseded")
+# The values of controller.core.rollout.PolicyStatus, in its order (the CHECK constraint).
+POLICY_STATUSES = tuple(s.value for s in PolicyStatus)
 REQUEST_KINDS = ("recalibrate", "rollback", "pause", "resume")
 REQUEST_STATUSES = ("pending", "claimed", "done", "failed")
 DRIFT_KINDS = ("workload", "performance", "slo")

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from controller.config import StoreConfig
 
 from controller.clock import Clock, WallClock
+from controller.core.rollout import may_transition
 from controller.core.window import Window
 from controller.errors import TerminalError, TransientError
 from controller.store.engine import WRITE_OPTION, make_engine, normalize_url
@@ -78,15 +79,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 LEADER = "leader"
-# Policy status changes that make sense; anything else is a bug in the caller.
-POLICY_TRANSITIONS: Mapping[str, frozenset[str]] = {
-    "candidate": frozenset({"approved", "rejected", "advisory"}),
-    "advisory": frozenset({"approved", "rejected"}),
-    "approved": frozenset({"rolled_back", "superseded"}),
-    "rejected": frozenset(),
-    "rolled_back": frozenset(),
-    "superseded": frozenset(),
-}
 _CLAIM_ATTEMPTS = 8
 
 
@@ -347,7 +339,7 @@ class Tx:
             raise StoreError(f"no policy version {version}")
         if status not in POLICY_STATUSES:
             raise StoreError(f"unknown policy status {status!r}")
-        if status != row.status and status not in POLICY_TRANSITIONS[row.status]:
+        if not may_transition(row.status, status):
             raise StoreError(f"policy {version}: cannot go from {row.status} to {status}")
         row.status = status
         if reason is not None:

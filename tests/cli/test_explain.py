@@ -13,69 +13,35 @@ from typer.testing import CliRunner
 
 from controller.cli import app
 from controller.config import load_settings
-from controller.learning import CoreLearner
+from controller.loop.learning import CoreLearner
 from controller.policy import Features, Route, decide, dumps, loads
-from controller.store import Store
 from tests.core.synth import Mix, Truth, stationary, training_windows
+from tests.support.cli_store import (
+    ROUTER,
+    invoke_json,
+    open_store,
+    record_calibration,
+    write_config,
+)
 
 runner = CliRunner()
-ROUTER = "127.0.0.1:1"
 
 
 def _config(tmp_path: Path) -> Path:
-    path = tmp_path / "pd.toml"
-    path.write_text(f"""
-[store]
-url = "sqlite:///{tmp_path / 'history.db'}"
-[slo]
-ttft_s = 1.0
-tpot_s = 0.05
-[drift]
-cooldown_s = 60
-""")
-    return path
-
-
-def _store(config: Path) -> Store:
-    settings = load_settings(config)
-    store = Store(settings.store.url)
-    store.upgrade()
-    return store
+    return write_config(tmp_path, "[drift]\ncooldown_s = 60")
 
 
 def _calibrated(config: Path) -> int:
-    """Training windows, a calibration and its approved policy, recorded like the cycle."""
-    windows = training_windows(Truth(), Mix(), 60, seed=1)
-    store = _store(config)
-    try:
-        with store.cycle() as tx:
-            ids = [tx.add_window(w) for w in windows]
-        outcome = CoreLearner(load_settings(config)).calibrate(windows, None, windows[-1].end,
-                                                               "test")
-        assert outcome.approved
-        with store.cycle() as tx:
-            version = tx.next_version()
-            policy = outcome.policy.with_version(version)
-            tx.add_policy(version, policy.checksum, dumps(policy), "approved", outcome.reason)
-            tx.set_desired(ROUTER, version)
-            tx.add_calibration(ids, outcome.heldout_error, outcome.predicted_goodput_new,
-                               None, version, {**outcome.details, "approved": True},
-                               at=datetime.fromtimestamp(windows[-1].end, tz=UTC))
-    finally:
-        store.close()
-    return version
+    return record_calibration(config)[0]
 
 
 def _drift_json(config: Path, last: int) -> dict[str, Any]:
-    r = runner.invoke(app, ["drift", "--json", "--last", str(last), "--config", str(config)])
-    assert r.exit_code == 0, r.output
-    doc: dict[str, Any] = json.loads(r.output)
-    return doc
+    return invoke_json("drift", "--json", "--last", str(last), "--config", str(config))
 
 
 def test_no_calibration_is_a_clear_error(tmp_path: Path) -> None:
     config = _config(tmp_path)
-    _store(config).close()
+    open_store(config).close()
     for args in (["explain", "--turn", "2", "--context", "1000", "--append", "100",
                   "--output", "100", "--qps", "1"], ["drift"]):
         r = runner.invoke(app, [*args, "--config", str(config)])
@@ -88,7 +54,7 @@ def test_explain_shows_the_stored_policy_decision_with_refitted_predictions(
 ) -> None:
     config = _config(tmp_path)
     version = _calibrated(config)
-    store = _store(config)
+    store = open_store(config)
     try:
         with store.read() as tx:
             rec = tx.policy(version)
@@ -151,7 +117,7 @@ def test_explain_a_re_issued_version_with_the_calibration_its_table_came_from(
     config = _config(tmp_path)
     first = _calibrated(config)
     features = Features(3, 24576, 141, 200, 2.0)
-    store = _store(config)
+    store = open_store(config)
     try:
         with store.read() as tx:
             rec = tx.policy(first)
@@ -201,7 +167,7 @@ def test_explain_and_drift_after_an_adoption_use_the_newest_model(tmp_path: Path
     config = _config(tmp_path)
     windows = training_windows(Truth(), Mix(), 60, seed=1)
     adopted = Policy.uniform(1, Route.PREFILL_NODE)
-    store = _store(config)
+    store = open_store(config)
     try:
         with store.cycle() as tx:
             ids = [tx.add_window(w) for w in windows]
@@ -232,7 +198,7 @@ def test_drift_replays_the_detectors_over_the_windows_stored_since(tmp_path: Pat
     calm = stationary(Truth(), Mix(), 2.0, 0.5, 6, seed=7, start=base)
     shifted = stationary(Truth(), Mix().scaled_context(3.0), 2.0, 0.5, 6, seed=8,
                          start=calm[-1].end)
-    store = _store(config)
+    store = open_store(config)
     try:
         with store.cycle() as tx:
             for w in calm + shifted:
@@ -260,7 +226,7 @@ def test_drift_replays_the_detectors_over_the_windows_stored_since(tmp_path: Pat
 
 def test_drift_replays_from_the_reference_a_refused_calibration_renewed(
         tmp_path: Path) -> None:
-    # Like the daemon (controller.cycle.reference_calibration): a calibration refused on the
+    # Like the daemon (controller.loop.policies.reference_calibration): a calibration refused on the
     # traffic since a change alone renews the running policy's reference, so `pdctl drift`
     # measures against the shifted traffic, which no longer fires.
     from controller.core.drift import reference_from_windows
@@ -270,7 +236,7 @@ def test_drift_replays_from_the_reference_a_refused_calibration_renewed(
     base = training_windows(Truth(), Mix(), 60, seed=1)[-1].end
     shifted = stationary(Truth(), Mix().scaled_context(3.0), 2.0, 0.5, 16, seed=8, start=base)
     judged, later = shifted[:10], shifted[10:]
-    store = _store(config)
+    store = open_store(config)
     try:
         with store.cycle() as tx:
             ids = [tx.add_window(w) for w in judged]
@@ -306,7 +272,7 @@ def test_drift_of_an_adopted_version_replays_from_its_renewal_not_a_later_dry_ru
     shifted = stationary(Truth(), Mix().scaled_context(3.0), 2.0, 0.5, 16, seed=8, start=base)
     judged, later = shifted[:8], shifted[8:]
     outcome = CoreLearner(load_settings(config)).calibrate(windows, None, base, "test")
-    store = _store(config)
+    store = open_store(config)
     try:
         with store.cycle() as tx:
             ids = [tx.add_window(w) for w in windows]
@@ -347,7 +313,7 @@ def test_explain_by_calibration_uses_its_refused_candidate_kept_without_a_versio
     config = _config(tmp_path)
     first = _calibrated(config)
     features = Features(3, 24576, 141, 200, 2.0)
-    store = _store(config)
+    store = open_store(config)
     try:
         with store.read() as tx:
             rec, first_cal = tx.policy(first), tx.calibration_for(first)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,65 +15,19 @@ from typer.testing import CliRunner
 from controller.cli import app
 from controller.config import ExportConfig, load_settings
 from controller.exporter import ApprovalExporter, fragment
-from controller.learning import CalibrationOutcome, CoreLearner, calibration_config
-from controller.policy import dumps
-from controller.store import Store
+from controller.loop.learning import CoreLearner, calibration_config
 from tests.core.synth import Mix, Truth, training_windows
+from tests.support.cli_store import invoke_json, open_store, record_calibration, write_config
 
 runner = CliRunner()
-ROUTER = "127.0.0.1:1"
-
-
-def make_config(tmp_path: Path, extra: str = "") -> Path:
-    path = tmp_path / "pd.toml"
-    path.write_text(f"""
-[store]
-url = "sqlite:///{tmp_path / 'history.db'}"
-[slo]
-ttft_s = 1.0
-tpot_s = 0.05
-{extra}
-""")
-    return path
-
-
-def open_store(config: Path) -> Store:
-    store = Store(load_settings(config).store.url)
-    store.upgrade()
-    return store
-
-
-def calibrated(config: Path) -> tuple[int, CalibrationOutcome]:
-    """Windows, a calibration and its approved policy, recorded like the cycle does."""
-    windows = training_windows(Truth(), Mix(), 60, seed=1)
-    outcome = CoreLearner(load_settings(config)).calibrate(windows, None, windows[-1].end,
-                                                           "test")
-    assert outcome.approved
-    store = open_store(config)
-    try:
-        with store.cycle() as tx:
-            ids = [tx.add_window(w) for w in windows]
-            version = tx.next_version()
-            policy = outcome.policy.with_version(version)
-            tx.add_policy(version, policy.checksum, dumps(policy), "approved", outcome.reason)
-            tx.set_desired(ROUTER, version)
-            tx.add_calibration(ids, outcome.heldout_error, outcome.predicted_goodput_new,
-                               None, version, {**outcome.details, "approved": True},
-                               at=datetime.fromtimestamp(windows[-1].end, tz=UTC))
-    finally:
-        store.close()
-    return version, outcome
 
 
 def export_json(config: Path, *args: str) -> dict[str, Any]:
-    r = runner.invoke(app, ["export", *args, "--json", "--config", str(config)])
-    assert r.exit_code == 0, r.output
-    doc: dict[str, Any] = json.loads(r.output)
-    return doc
+    return invoke_json("export", *args, "--json", "--config", str(config))
 
 
 def test_bad_input_and_an_empty_store_exit_2(tmp_path: Path) -> None:
-    config = make_config(tmp_path)
+    config = write_config(tmp_path)
     open_store(config).close()
     for args in (["--format", "vllm"], ["--format", "llm-d"]):
         r = runner.invoke(app, ["export", *args, "--config", str(config)])
@@ -84,8 +37,8 @@ def test_bad_input_and_an_empty_store_exit_2(tmp_path: Path) -> None:
 
 
 def test_export_fits_the_running_policy_and_prints_the_peers_fragment(tmp_path: Path) -> None:
-    config = make_config(tmp_path)
-    version, outcome = calibrated(config)
+    config = write_config(tmp_path)
+    version, outcome = record_calibration(config)
     llmd = export_json(config, "--format", "llm-d", "--traffic-chars-per-token", "3")
     assert llmd["policy_version"] == version and llmd["training_windows"] == 60
     g = llmd["predicted_goodput"]
@@ -115,8 +68,8 @@ def test_export_fits_the_running_policy_and_prints_the_peers_fragment(tmp_path: 
 
 
 def test_an_unknown_version_exits_2(tmp_path: Path) -> None:
-    config = make_config(tmp_path)
-    version, _ = calibrated(config)
+    config = write_config(tmp_path)
+    version, _ = record_calibration(config)
     assert export_json(config, "--format", "llm-d", "--version", str(version))[
         "policy_version"] == version
     r = runner.invoke(app, ["export", "--format", "llm-d", "--version", "99",
@@ -132,7 +85,7 @@ def test_export_config_needs_format_and_path_together(tmp_path: Path) -> None:
 
 
 def test_the_approval_writer_writes_the_fragment_atomically(tmp_path: Path) -> None:
-    config = make_config(tmp_path, f"""[export]
+    config = write_config(tmp_path, f"""[export]
 format = "llm-d"
 path = "{tmp_path / 'decider.yaml'}"
 traffic_chars_per_token = 3.5

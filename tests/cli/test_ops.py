@@ -10,16 +10,33 @@ import time
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from controller.cli import app
 from tests.daemon.fakes import Rig, make_rig
+from tests.support.cli_store import upgraded_store
 
 runner = CliRunner()
 
 
 def _url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'history.db'}"
+
+
+def _invoke_with_a_cycle(rig: Rig, args: list[str]) -> Result:
+    """Run ``pdctl ARGS`` while the daemon's next cycle runs half a second later in another
+    thread (what a --wait command waits for)."""
+
+    def daemon_cycle_later() -> None:
+        time.sleep(0.5)
+        asyncio.run(rig.step())
+
+    worker = threading.Thread(target=daemon_cycle_later)
+    worker.start()
+    try:
+        return runner.invoke(app, args)
+    finally:
+        worker.join(30)
 
 
 async def _bootstrap(rig: Rig) -> None:
@@ -66,17 +83,8 @@ async def test_wait_returns_the_daemon_outcome_or_times_out(tmp_path: Path) -> N
     assert "request #" in timed_out.stderr and "still pending" in timed_out.stderr
     await rig.step()  # the daemon picks up the pin
 
-    def daemon_cycle_later() -> None:
-        time.sleep(0.5)
-        asyncio.run(rig.step())
-
-    worker = threading.Thread(target=daemon_cycle_later)
-    worker.start()
-    try:
-        refused = runner.invoke(app, ["pin", "99", "--url", _url(tmp_path), "--wait",
-                                      "--timeout", "30", "--json"])
-    finally:
-        worker.join(30)
+    refused = _invoke_with_a_cycle(rig, ["pin", "99", "--url", _url(tmp_path), "--wait",
+                                         "--timeout", "30", "--json"])
     assert refused.exit_code == 1, refused.output
     doc = json.loads(refused.output)
     assert doc["status"] == "failed" and "no such version" in doc["outcome"]
@@ -187,13 +195,11 @@ async def test_status_says_when_the_leader_last_observed_and_flags_it_stale(
 def test_status_names_a_forced_policy_a_killed_calibrate_active_left_running(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from controller.calibration_runner import PHASE_REASON
     from controller.cli.ops_cmd import _print_status, status_doc
+    from controller.loop.calibration_runner import PHASE_REASON
     from controller.policy import Policy, Route, dumps
-    from controller.store import Store
 
-    store = Store(f"sqlite:///{tmp_path / 'h.db'}")
-    store.upgrade()
+    store = upgraded_store(f"sqlite:///{tmp_path / 'h.db'}")
     try:
         for version, reason in ((1, "adopted: every router runs v1"),
                                 (2, PHASE_REASON[Route.DECODE_LOCAL])):
@@ -234,10 +240,8 @@ def test_status_reads_the_rollout_of_the_configured_routers_and_a_held_candidate
     A recalibration held by an operator is a stored candidate, not "approved"."""
     from controller.cli.ops_cmd import _print_status, status_doc
     from controller.policy import Policy, Route, dumps
-    from controller.store import Store
 
-    store = Store(f"sqlite:///{tmp_path / 'h.db'}")
-    store.upgrade()
+    store = upgraded_store(f"sqlite:///{tmp_path / 'h.db'}")
     try:
         with store.cycle() as tx:
             for version, status in ((1, "approved"), (2, "approved"), (3, "candidate")):
@@ -270,18 +274,8 @@ async def test_a_dry_run_says_what_it_would_do_and_never_done_approved(tmp_path:
 
     def run(approve: bool) -> str:
         rig.learner.approve = approve
-
-        def daemon_cycle_later() -> None:
-            time.sleep(0.5)
-            asyncio.run(rig.step())
-
-        worker = threading.Thread(target=daemon_cycle_later)
-        worker.start()
-        try:
-            result = runner.invoke(app, ["recalibrate", "--dry-run", "--wait", "--timeout",
-                                         "30", "--url", _url(tmp_path)])
-        finally:
-            worker.join(30)
+        result = _invoke_with_a_cycle(rig, ["recalibrate", "--dry-run", "--wait", "--timeout",
+                                            "30", "--url", _url(tmp_path)])
         assert result.exit_code == 0, result.output
         return result.output
 

@@ -9,27 +9,15 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from controller.cli import app
-from controller.config import load_settings
-from controller.store import Store
+from tests.support.cli_store import open_store, write_config
 from tests.test_capacity_planner import measured, sim_run
 
 runner = CliRunner()
 
 
 def _config(tmp_path: Path, *, with_windows: bool) -> Path:
-    path = tmp_path / "pd.toml"
-    path.write_text(f"""
-[store]
-url = "sqlite:///{tmp_path / 'history.db'}"
-[slo]
-ttft_s = 1.5
-tpot_s = 0.05
-[capacity]
-headroom = 0.25
-interval_s = 600
-""")
-    store = Store(load_settings(path).store.url)
-    store.upgrade()
+    path = write_config(tmp_path, "[capacity]\nheadroom = 0.25\ninterval_s = 600", ttft_s=1.5)
+    store = open_store(path)
     if with_windows:
         with store.cycle() as tx:
             for w in measured(sim_run()[0]):

@@ -23,6 +23,7 @@ from controller.policy import (
     loads,
     locate,
 )
+from tests.support.cli_store import upgraded_store
 
 runner = CliRunner()
 AXES = Axes(context_tokens=(1000.0, 8000.0, 64000.0), io_ratio=(0.5, 4.0), qps=(2.0, 16.0))
@@ -248,24 +249,20 @@ def _stored(tmp_path: Path) -> str:
     """A store holding v4 (approved, every router's) and v5 (a rejected policy, as stored
     before 0008), calibration #1 (v4's), #2 (a refused candidate, kept without a version)
     and #3 (a dry run)."""
-    from controller.store import Store
-
     url = f"sqlite:///{tmp_path / 'history.db'}"
-    with Store(url) as store:
-        store.upgrade()
-        with store.cycle() as tx:
-            for v, status in ((4, "approved"), (5, "rejected")):
-                p = mixed_policy(v)
-                tx.add_policy(v, p.checksum, dumps(p), status, f"v{v} for the test")
-            for router in ("r0", "r1"):
-                tx.set_desired(router, 4)
-            refused = mixed_policy(6)  # its version field a placeholder: none was taken
-            tx.add_calibration([], {}, 0.80, 0.85, 4)
-            tx.add_calibration([], {}, 0.80, 0.85, None,
-                               {"approved": False, "reason": "predicted 0.80 < 0.85"},
-                               candidate=(dumps(refused), refused.checksum))
-            tx.add_calibration([], {}, 0.80, 0.85, None, {"dry_run": True,
-                                                          "not_stored": "dry run"})
+    with upgraded_store(url) as store, store.cycle() as tx:
+        for v, status in ((4, "approved"), (5, "rejected")):
+            p = mixed_policy(v)
+            tx.add_policy(v, p.checksum, dumps(p), status, f"v{v} for the test")
+        for router in ("r0", "r1"):
+            tx.set_desired(router, 4)
+        refused = mixed_policy(6)  # its version field a placeholder: none was taken
+        tx.add_calibration([], {}, 0.80, 0.85, 4)
+        tx.add_calibration([], {}, 0.80, 0.85, None,
+                           {"approved": False, "reason": "predicted 0.80 < 0.85"},
+                           candidate=(dumps(refused), refused.checksum))
+        tx.add_calibration([], {}, 0.80, 0.85, None, {"dry_run": True,
+                                                      "not_stored": "dry run"})
     return url
 
 
@@ -329,11 +326,8 @@ def test_show_from_the_store_refuses_what_it_cannot_show(
 
 
 def test_show_desired_on_a_store_with_no_desired_version_exits_2(tmp_path: Path) -> None:
-    from controller.store import Store
-
     url = f"sqlite:///{tmp_path / 'empty.db'}"
-    with Store(url) as store:
-        store.upgrade()
+    upgraded_store(url).close()
     result = runner.invoke(app, ["table", "show", "--desired", "--url", url])
     assert result.exit_code == 2 and "no router has a desired version" in result.stderr
     missing = runner.invoke(app, ["table", "show", "--desired", "--url",

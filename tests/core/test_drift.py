@@ -27,7 +27,7 @@ from controller.core.drift import (
 )
 from controller.core.features import build_training_set
 from controller.core.latency_model import LatencyModel, fit_latency_model
-from controller.core.window import TargetFailure, Window
+from controller.core.window import FailureKind, TargetFailure, Window
 from controller.policy.model import Route, Slo
 from tests.core.synth import Mix, Truth, make_window, stationary, training_windows
 
@@ -325,7 +325,7 @@ def _with_workers(w: Window, drop: str | None = None, add: str | None = None,
         from dataclasses import replace
 
         workers.append(replace(base, worker=add))
-    failures = (TargetFailure(failed, "timeout", "scrape timed out"),) if failed else ()
+    failures = (TargetFailure(failed, FailureKind.TIMEOUT, "scrape timed out"),) if failed else ()
     return Window.build(w.start, w.end, w.interval_s, workers, w.outcomes, w.workload,
                         failures=failures)
 

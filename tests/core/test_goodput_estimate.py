@@ -15,7 +15,7 @@ from controller.core.features import N_IO_BINS, build_training_set, first_turn_s
 from controller.core.latency_model import fit_latency_model, training_scenario
 from controller.core.trigger import Cause, Trigger
 from controller.core.window import RouteOutcome, Window, WorkerStats
-from controller.learning import shape_change
+from controller.loop.learning import shape_change
 from controller.policy.model import Route, Slo
 from tests.core.synth import Mix, Truth, make_window, training_windows
 
@@ -118,7 +118,7 @@ def test_shape_change_finds_the_first_window_of_the_current_worker_counts() -> N
 
 def test_a_scaling_calibration_learns_from_the_windows_after_the_change() -> None:
     from controller.config import load_settings
-    from controller.learning import MIN_MIX_WINDOWS, MIN_REGIME_WINDOWS, CoreLearner
+    from controller.loop.learning import MIN_MIX_WINDOWS, MIN_REGIME_WINDOWS, CoreLearner
 
     learner = CoreLearner(load_settings())
     long_after = [_shaped(30.0 * i, 2 if i < 5 else 1, 6) for i in range(5 + MIN_REGIME_WINDOWS)]
@@ -139,7 +139,7 @@ def test_a_drift_older_than_every_window_makes_them_all_the_new_regime() -> None
     # A drift older than the training set: every window is from since it began, so a
     # verdict on them is about the new regime (a refusal renews the reference).
     from controller.config import load_settings
-    from controller.learning import MIN_REGIME_WINDOWS, CoreLearner
+    from controller.loop.learning import MIN_REGIME_WINDOWS, CoreLearner
 
     learner = CoreLearner(load_settings())
     windows = [_shaped(300.0 + 30.0 * i, 2, 6) for i in range(MIN_REGIME_WINDOWS)]

@@ -19,7 +19,7 @@ from controller.core.features import build_training_set
 from controller.core.latency_model import LatencyModel, fit_latency_model, fit_link_change
 from controller.core.trigger import Cause, Trigger
 from controller.core.window import Window
-from controller.learning import CoreLearner, LearnerState
+from controller.loop.learning import CoreLearner, LearnerState
 from controller.policy.model import Slo
 from tests.core.synth import Mix, Truth, stationary, training_windows
 

@@ -17,11 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.core.window import (
+    FailureKind,
     Histogram,
     OutcomeColumns,
     RouteOutcome,
     RouteOutcomes,
     Summary,
+    TargetFailure,
     Window,
     WindowError,
     WorkerStats,
@@ -271,3 +273,13 @@ def test_outcome_totals_agree_in_both_forms_without_making_objects() -> None:
         assert w.outcomes.total(name) == back.total(name)
     assert back._items is None  # summed from the packed column
     assert RouteOutcomes().total("requests") == 0
+
+
+def test_failure_kind_round_trips_as_its_word() -> None:
+    known = TargetFailure("w:1", FailureKind.NO_BASELINE, "first window")
+    doc = json.loads(json.dumps(known.to_dict()))
+    assert doc["kind"] == "no_baseline"
+    back = TargetFailure.from_dict(doc)
+    assert back.kind is FailureKind.NO_BASELINE and f"{back.kind}" == "no_baseline"
+    # A word no kind has (a newer writer's) is kept as it is.
+    assert TargetFailure.from_dict({**doc, "kind": "brand_new"}).kind == "brand_new"

@@ -11,10 +11,24 @@ from prometheus_client import CollectorRegistry
 
 from controller.clock import VirtualClock
 from controller.core.trigger import Cause, Trigger
-from controller.core.window import RouteOutcome, TargetFailure, Window, WorkerStats, Workload
-from controller.cycle import CapacityPlanner, Cycle, CycleConfig, CycleReport
-from controller.learning import CalibrationOutcome, DriftFinding, LearnerState, renews_reference
-from controller.metrics import ControllerMetrics
+from controller.core.window import (
+    FailureKind,
+    RouteOutcome,
+    TargetFailure,
+    Window,
+    WorkerStats,
+    Workload,
+)
+from controller.loop.cycle import Cycle, CycleConfig
+from controller.loop.export import CapacityPlanner
+from controller.loop.learning import (
+    CalibrationOutcome,
+    DriftFinding,
+    LearnerState,
+    renews_reference,
+)
+from controller.loop.metrics import ControllerMetrics
+from controller.loop.report import CycleReport
 from controller.observe.source import Target
 from controller.policy import Policy, Provenance, Route
 from controller.rollout.agent import RouterAgent
@@ -63,8 +77,9 @@ class PolicyAwareSource:
                 start, end, max(end - start, 1.0), answered=names,
                 workers=[WorkerStats(n, r, "vllm")  # type: ignore[arg-type]
                          for n, r in sorted(self.workers.items()) if n not in self.down],
-                failures=[TargetFailure(n, "no_baseline", "first window") for n in names]
-                + [TargetFailure(t, "unreachable", "scripted") for t in sorted(self.down)],
+                failures=[TargetFailure(n, FailureKind.NO_BASELINE, "first window") for n in names]
+                + [TargetFailure(t, FailureKind.UNREACHABLE, "scripted")
+                   for t in sorted(self.down)],
                 source="fake")
         outcomes = []
         for name, agent in sorted(self.agents.items()):
@@ -74,7 +89,8 @@ class PolicyAwareSource:
             share = self.goodput.get(snap.version, self.default) if snap else self.default
             outcomes.append(RouteOutcome(name, Route.PREFILL_NODE, 0, 0, self.requests,
                                          round(share * self.requests), 1.0, 1.0, 1.0, 1.0))
-        failures = [TargetFailure(t, "unreachable", "scripted") for t in sorted(self.down)]
+        failures = [TargetFailure(t, FailureKind.UNREACHABLE, "scripted")
+                    for t in sorted(self.down)]
         workers = [WorkerStats(name, role, "vllm")  # type: ignore[arg-type]
                    for name, role in sorted(self.workers.items()) if name not in self.down]
         return Window.build(start, end, max(end - start, 1.0), workers=workers,
@@ -125,7 +141,7 @@ class ScriptedLearner:
 
     def calibrate(self, windows: Sequence[Window], current: Policy | None, now: float,
                   reason: Cause | str, force: bool = False) -> CalibrationOutcome:
-        from controller.learning import LearnerError
+        from controller.loop.learning import LearnerError
 
         refit = isinstance(reason, Cause) and reason.trigger is Trigger.CANARY
         text = str(reason)

@@ -22,15 +22,16 @@ from typer.testing import CliRunner
 from controller.bench.runner import slo_of
 from controller.cli import app
 from controller.config import load_settings
-from controller.cycle import ADOPTED_PREFIX, Cycle, CycleConfig, run_inline
-from controller.learning import CoreLearner
-from controller.metrics import ControllerMetrics
+from controller.loop.cycle import Cycle, CycleConfig, run_inline
+from controller.loop.learning import CoreLearner
+from controller.loop.metrics import ControllerMetrics
 from controller.observe.inprocess import InProcessSource, sim_cluster_provider
 from controller.policy import Policy, Route, loads
 from controller.rollout.reconciler import FakeRouterTransport, Reconciler
 from controller.sim.run import run_scenario
 from controller.sim.scenario import load_scenario
 from controller.store import Store
+from controller.store.kinds import ADOPTED_PREFIX
 from tests.daemon.fakes import Rig, make_rig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,17 +14,17 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller.cycle import (
-    ADOPTED_PREFIX,
-    UNPROMOTED,
-    CycleReport,
+from controller.core.rollout import (
     canary_subset,
     operator_state,
     two_proportion_z,
     watch_critical,
 )
+from controller.loop.canary import UNPROMOTED
+from controller.loop.report import CycleReport
 from controller.policy import Policy, Route, dumps, loads
 from controller.rollout.agent import RouterAgent
+from controller.store.kinds import ADOPTED_PREFIX
 from tests.daemon.fakes import Rig, make_rig
 
 
@@ -671,7 +671,7 @@ async def test_a_refused_drift_calibration_goes_to_the_learner_and_is_not_retrie
     again by itself after the cooldown; the cycle calibrates when drift fires, not on a
     timer (a one-off retry 8 windows later added approvals on gains of 0.006-0.015 in the
     bench, issue 7)."""
-    from controller.learning import MIN_REGIME_WINDOWS
+    from controller.loop.learning import MIN_REGIME_WINDOWS
 
     rig = make_rig(tmp_path, routers=1)
     await _bootstrap(rig)
@@ -728,7 +728,7 @@ async def test_a_new_leader_applies_a_request_its_killed_predecessor_claimed(
         tmp_path: Path) -> None:
     """SIGKILL right after a claim: the next leader's first cycle applies the request, not
     one five minutes (request_stale_after_s) later."""
-    from controller.leader import LeaseLeadership
+    from controller.loop.leader import LeaseLeadership
 
     rig = make_rig(tmp_path)
     await _bootstrap(rig)
@@ -833,12 +833,12 @@ async def test_a_request_naming_no_possible_version_fails_alone(
 
 
 def test_a_version_argument_names_an_integral_version_or_none() -> None:
-    from controller.cycle import _version_arg
+    from controller.core.rollout import version_arg
 
-    assert [_version_arg(v) for v in (3, "3", 3.0, 2**63 - 1)] == [3, 3, 3, 2**63 - 1]
+    assert [version_arg(v) for v in (3, "3", 3.0, 2**63 - 1)] == [3, 3, 3, 2**63 - 1]
     # JSON's 1e400 loads as inf (int() raised OverflowError and failed the cycle's write)
     for bad in (math.inf, -math.inf, math.nan, 2.7, True, None, "v3", 0, 2**63):
-        assert _version_arg(bad) is None, bad
+        assert version_arg(bad) is None, bad
 
 
 async def test_a_decision_whose_commit_failed_is_counted_once_when_it_is_retried(
@@ -1170,7 +1170,7 @@ async def test_a_refused_link_calibration_is_tried_once_more_on_the_new_links_wi
     once, MIN_REGIME_WINDOWS intervals later, the cycle calibrates again without a new
     drift, a restarted daemon too (the retry is in the calibration's record). Not when the
     refusal was already judged on the windows since the change alone."""
-    from controller.learning import MIN_REGIME_WINDOWS
+    from controller.loop.learning import MIN_REGIME_WINDOWS
 
     rig = make_rig(tmp_path)
     await _bootstrap(rig)
@@ -1231,7 +1231,7 @@ async def test_a_restart_after_a_bake_drops_the_drift_seen_during_it(tmp_path: P
 
 
 async def test_another_calibration_cancels_the_link_retry(tmp_path: Path) -> None:
-    from controller.learning import MIN_REGIME_WINDOWS
+    from controller.loop.learning import MIN_REGIME_WINDOWS
 
     rig = make_rig(tmp_path)
     await _bootstrap(rig)
@@ -1308,8 +1308,8 @@ async def test_a_replica_that_stops_leading_withdraws_its_router_versions(tmp_pa
 
 async def test_followers_reconcile_only_their_own_router_in_sidecar_mode(tmp_path: Path
                                                                          ) -> None:
-    from controller.cycle import Cycle
-    from controller.metrics import ControllerMetrics
+    from controller.loop.cycle import Cycle
+    from controller.loop.metrics import ControllerMetrics
     from controller.rollout.reconciler import Reconciler
 
     rig = make_rig(tmp_path)
@@ -1362,8 +1362,8 @@ class _Toggle:
 
 async def test_windows_tile_time_when_leadership_moves_between_replicas(tmp_path: Path
                                                                         ) -> None:
-    from controller.cycle import Cycle
-    from controller.metrics import ControllerMetrics
+    from controller.loop.cycle import Cycle
+    from controller.loop.metrics import ControllerMetrics
     from controller.rollout.reconciler import Reconciler
 
     rig = make_rig(tmp_path)
@@ -1419,8 +1419,8 @@ async def test_a_new_leader_acts_on_the_drift_its_predecessor_held_back_once(
     """Replica a sees a drift the change limit holds back and loses the lead; b calibrates
     for it once the limit allows; a, leading again, does not calibrate for it a second
     time from what it remembered."""
-    from controller.cycle import Cycle
-    from controller.metrics import ControllerMetrics
+    from controller.loop.cycle import Cycle
+    from controller.loop.metrics import ControllerMetrics
     from controller.rollout.reconciler import Reconciler
 
     rig = make_rig(tmp_path, routers=1, min_policy_interval_s=300.0)
@@ -1641,7 +1641,7 @@ async def test_a_fleet_version_re_issued_mid_bake_is_not_taken_for_the_canary(
     table re-issued above it, under a number above the canary's: read as the newest
     approved version, the old fleet table was baked as the candidate, and the candidate
     judged as the fleet."""
-    from controller.cycle import read_rollout
+    from controller.loop.policies import read_rollout
 
     rig = make_rig(tmp_path)
     await _canary_v2(rig, {1: 0.90, 2: 0.96})

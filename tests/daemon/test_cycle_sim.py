@@ -11,16 +11,17 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from controller.config import load_settings
-from controller.cycle import ADOPTED_PREFIX, Cycle, CycleConfig, run_inline
 from controller.daemon import SettingsPlanner
-from controller.learning import CoreLearner
-from controller.metrics import ControllerMetrics
+from controller.loop.cycle import Cycle, CycleConfig, run_inline
+from controller.loop.learning import CoreLearner
+from controller.loop.metrics import ControllerMetrics
 from controller.observe.inprocess import InProcessSource, sim_cluster_provider
 from controller.policy import Policy, Route
 from controller.rollout.reconciler import FakeRouterTransport, Reconciler
 from controller.sim.run import run_scenario
 from controller.sim.scenario import load_scenario
 from controller.store import Store
+from controller.store.kinds import ADOPTED_PREFIX
 
 SCENARIO = """
 name = "cycle-in-sim"

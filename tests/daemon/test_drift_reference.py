@@ -13,7 +13,7 @@ from controller.config import load_settings
 from controller.core.drift import reference_from_windows
 from controller.core.trigger import Cause, Trigger
 from controller.core.window import Window
-from controller.learning import CalibrationOutcome, CoreLearner, LearnerState
+from controller.loop.learning import CalibrationOutcome, CoreLearner, LearnerState
 from controller.policy import Policy, Route, Slo
 from tests.core.synth import Mix, Truth, stationary
 

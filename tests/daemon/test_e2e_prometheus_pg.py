@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from controller.cycle import SUPERSEDED
+from controller.loop.canary import SUPERSEDED
 from controller.observe.source import Target
 from controller.policy import Policy, Route, Slo, dumps
 from controller.store import Store
@@ -53,7 +53,7 @@ EXPLORATION = 0.2  # the routers' starting policy measures both routes (as the d
 INTERVAL_S = 3.0
 # After the shift the drift detectors fired 5-20 s later in our runs. The learner trains a
 # drift calibration on the windows since the change alone once there are 7 of them
-# (controller.learning.MIN_REGIME_WINDOWS; the demo trains on 8 windows);
+# (controller.loop.learning.MIN_REGIME_WINDOWS; the demo trains on 8 windows);
 # with fewer it trains across the change and the guardrail may refuse the candidate, and
 # the shift fires again after the drift cooldown. The schedule (45 s) must not pre-empt the
 # drift: with 30 s it once came 14 s after the shift, before any drift had fired.

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from controller.leader import replica_name
+from controller.loop.leader import replica_name
 from controller.store import Store
 from tests.daemon.test_run_live import _all_acked, _config
 from tests.support.processes import (

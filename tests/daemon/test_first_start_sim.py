@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry
 from controller.bench.baselines import static_policy
 from controller.bench.runner import slo_of
 from controller.config import load_settings
-from controller.cycle import Cycle, CycleConfig, run_inline
 from controller.daemon import SettingsPlanner
-from controller.learning import CoreLearner
-from controller.metrics import ControllerMetrics
+from controller.loop.cycle import Cycle, CycleConfig, run_inline
+from controller.loop.learning import CoreLearner
+from controller.loop.metrics import ControllerMetrics
 from controller.observe.inprocess import InProcessSource, sim_cluster_provider
 from controller.policy import Route
 from controller.rollout.reconciler import FakeRouterTransport, Reconciler

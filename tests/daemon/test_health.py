@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.clock import VirtualClock
 from controller.health import Health, HealthServer
-from controller.metrics import ControllerMetrics
+from controller.loop.metrics import ControllerMetrics
 
 
 async def test_healthz_follows_the_loop_readyz_the_daemon_metrics_the_registry() -> None:

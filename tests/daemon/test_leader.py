@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from controller.clock import VirtualClock
-from controller.leader import LeaseLeadership, PgAdvisoryLeadership, advisory_key
+from controller.loop.leader import LeaseLeadership, PgAdvisoryLeadership, advisory_key
 from controller.store import Store, StoreUnavailable
 from tests.support.postgres import private_postgres
 

@@ -9,21 +9,21 @@ import sys
 
 import pytest
 
-from controller.cycle import _RecentPolicies
 from controller.heap import _malloc_trim, release_free_heap, resident_mb
+from controller.loop.policies import RecentPolicies
 from controller.policy import Policy, Route
 from tests.support.processes import REPO
 
 
 def test_recent_policies_keep_only_the_latest_versions() -> None:
-    cache = _RecentPolicies(capacity=4)
+    cache = RecentPolicies(capacity=4)
     for v in range(1, 101):
         cache[v] = Policy.uniform(v, Route.PREFILL_NODE)
     assert list(cache) == [97, 98, 99, 100]
 
 
 def test_a_version_cached_again_is_the_newest() -> None:
-    cache = _RecentPolicies(capacity=3)
+    cache = RecentPolicies(capacity=3)
     for v in (1, 2, 3):
         cache[v] = Policy.uniform(v, Route.PREFILL_NODE)
     cache[1] = cache[1]  # read back from the store after an eviction, cached again

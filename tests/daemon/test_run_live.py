@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from controller.cycle import ADOPTED_PREFIX
-from controller.leader import replica_name
+from controller.loop.leader import replica_name
 from controller.observe.source import Target
 from controller.store import Store
+from controller.store.kinds import ADOPTED_PREFIX
 from tests.conftest import require
 from tests.observe.promserver import HOW_TO_INSTALL, PROMETHEUS, PromServer
 from tests.support.daemon import write_config

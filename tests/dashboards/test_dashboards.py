@@ -21,7 +21,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.metrics import ControllerMetrics
+from controller.loop.metrics import ControllerMetrics
 from controller.rollout.agent_metrics import RouterMetrics
 from controller.router.metrics import RouterHttpMetrics
 from controller.sim.sglang_metrics import SglangView

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from controller.metrics import ControllerMetrics
+from controller.loop.metrics import ControllerMetrics
 from controller.rollout.agent_metrics import RouterMetrics
 from controller.router.metrics import RouterHttpMetrics
 from controller.sim.sglang_metrics import SglangView, use_sglang_buckets

@@ -27,7 +27,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.metrics import ROLES, ControllerMetrics
+from controller.loop.metrics import ROLES, ControllerMetrics
 from tests.conftest import require
 from tests.deploy.test_kubernetes import K8S, validate
 

@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 
 from controller.clock import WallClock
 from controller.core.exposition import parse_exposition
-from controller.core.window import Window
+from controller.core.window import FailureKind, Window
 from controller.observe.counters import decrease_tolerance
 from controller.observe.prometheus import PrometheusClient, PrometheusSource
 from controller.observe.scrape import ScrapeSource
@@ -115,7 +115,8 @@ async def test_a_restart_counts_from_zero_and_a_fall_without_one_counts_nothing(
         fallen = _worker(requests=20)
         w = await scraper.window(_text(fallen, 5000.0))
         assert _rate(w) is None
-        assert "counter_decrease" in _kinds(w) and "counter_reset" not in _kinds(w)
+        kinds = _kinds(w)
+        assert FailureKind.COUNTER_DECREASE in kinds and FailureKind.COUNTER_RESET not in kinds
         fallen.success["stop"].inc(60)  # the next window counts from the new baseline
         w = await scraper.window(_text(fallen, 5000.0))
         assert _rate(w) == pytest.approx(60 / WINDOW_S)
@@ -134,7 +135,7 @@ async def test_a_changed_label_value_sets_a_baseline_instead_of_counting_a_lifet
         renamed = _worker(model="llama-3.1-8b-instruct", requests=LIFETIME + 90)
         w = await scraper.window(_text(renamed, 100.0))  # same process, new label value
         assert _rate(w) is None  # was 900 requests/s: the lifetime in one window
-        assert "no_baseline" in _kinds(w)
+        assert FailureKind.NO_BASELINE in _kinds(w)
         assert any("new series" in f.message for f in w.failures)
         renamed.success["stop"].inc(90)
         w = await scraper.window(_text(renamed, 100.0))

@@ -27,8 +27,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from controller.clock import VirtualClock
-from controller.cycle import AlwaysLeader, Cycle, CycleConfig
-from controller.metrics import ControllerMetrics
+from controller.loop.cycle import AlwaysLeader, Cycle, CycleConfig
+from controller.loop.metrics import ControllerMetrics
 from controller.policy import Policy, Route, dumps
 from controller.rollout.agent import RouterAgent
 from controller.rollout.client import GrpcRouterTransport

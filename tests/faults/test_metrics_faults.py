@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from controller.core.window import FailureKind
 from controller.errors import TransientError
 from controller.observe.prometheus import (
     BASELINE_TIMES_QUERY,
@@ -176,7 +177,7 @@ async def test_slow_prometheus_is_a_transient_error_not_an_empty_window(promethe
 async def test_empty_answers_name_every_target_and_invent_nothing(prometheus: str) -> None:
     window = await one_window(prometheus)
     assert {f.target: f.kind for f in window.failures} == dict.fromkeys(
-        (t.name for t in TARGETS), "unreachable")
+        (t.name for t in TARGETS), FailureKind.UNREACHABLE)
     assert all("not among Prometheus' scrape targets" in f.message for f in window.failures)
     assert window.workers == () and window.outcomes == ()
 
@@ -186,7 +187,7 @@ async def test_stale_target_reports_prometheus_last_scrape_error(prometheus: str
     _Prometheus.last_error = {TARGETS[0].name: "context deadline exceeded"}
     window = await one_window(prometheus)
     stale = [f for f in window.failures if f.target == TARGETS[0].name]
-    assert len(stale) == 1 and stale[0].kind == "unreachable"
+    assert len(stale) == 1 and stale[0].kind == FailureKind.UNREACHABLE
     assert "context deadline exceeded" in stale[0].message
     assert all(w.worker != TARGETS[0].name for w in window.workers)
 
@@ -203,7 +204,7 @@ async def test_nan_or_missing_data_is_never_turned_into_zeros(
     # Workers and routers whose families are all missing or NaN are failures that say so,
     # not zeros (a router with none answered with no traffic before).
     assert {f.target: f.kind for f in window.failures} == {
-        t.name: "missing_family" for t in TARGETS}
+        t.name: FailureKind.MISSING_FAMILY for t in TARGETS}
     assert window.workers == () and window.outcomes == ()
 
 
@@ -217,8 +218,8 @@ async def test_old_samples_are_stale_not_a_live_window(prometheus: str) -> None:
     _Prometheus.age = {TARGETS[0].name: 45.0}  # no sample within the 30 s window
     window = await one_window(prometheus)
     kinds = {f.target: f.kind for f in window.failures}
-    assert kinds[TARGETS[0].name] == "stale"
-    assert "45 s old" in next(f.message for f in window.failures if f.kind == "stale")
+    assert kinds[TARGETS[0].name] == FailureKind.STALE
+    assert "45 s old" in next(f.message for f in window.failures if f.kind == FailureKind.STALE)
     assert TARGETS[0].name not in {w.worker for w in window.workers}
     assert TARGETS[1].name in {w.worker for w in window.workers}  # fresh: still read
 
@@ -240,8 +241,8 @@ async def test_a_start_edge_from_before_a_gap_gives_gauges_only(prometheus: str)
         gap = await src.window(END - 3, END)
     finally:
         await src.aclose()
-    assert not [f for f in fresh.failures if f.kind == "no_baseline"]
-    assert {f.target for f in gap.failures if f.kind == "no_baseline"} >= {
+    assert not [f for f in fresh.failures if f.kind == FailureKind.NO_BASELINE]
+    assert {f.target for f in gap.failures if f.kind == FailureKind.NO_BASELINE} >= {
         TARGETS[0].name, TARGETS[1].name}
 
 
@@ -267,7 +268,7 @@ async def test_a_job_whose_series_froze_does_not_answer_for_a_target_that_is_dow
 
     old, new = _UpSeries("pd", 1.0, END - 200), _UpSeries("pd-prefill", 0.0, END - 1)
     failure = _down("x:1", [old, new], [new], {}, END)
-    assert failure.kind == "unreachable"
+    assert failure.kind == FailureKind.UNREACHABLE
     await src.aclose()
 
 

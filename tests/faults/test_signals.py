@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from controller.clock import WallClock
-from controller.leader import leadership_for, replica_name
+from controller.loop.leader import leadership_for, replica_name
 from controller.store import Store
 from tests.support.daemon import write_config
 from tests.support.postgres import fresh_schema

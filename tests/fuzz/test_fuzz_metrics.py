@@ -20,6 +20,7 @@ from prometheus_client import generate_latest
 
 from controller.clock import VirtualClock
 from controller.core.exposition import ExpositionError, parse_exposition
+from controller.core.window import FailureKind
 from controller.observe.snapshot import FetchError, SnapshotSource
 from controller.observe.source import Target
 from tests.observe.cluster import Cluster
@@ -140,7 +141,7 @@ async def test_html_and_truncated_answers_name_the_target() -> None:
     source.texts = ["<!doctype html><p>login</p>\n", SECOND[1][:-40], SECOND[2]]
     window = await source.window(clock.now() - 30, clock.now())
     kinds = {f.target: f.kind for f in window.failures}
-    assert kinds == {TARGETS[0].name: "parse", TARGETS[1].name: "parse"}
+    assert kinds == {TARGETS[0].name: FailureKind.PARSE, TARGETS[1].name: FailureKind.PARSE}
 
 
 @pytest.mark.parametrize("value", ["+Inf", "Inf"])
@@ -158,7 +159,7 @@ async def test_a_counter_no_window_can_hold_fails_its_target_alone(value: str) -
     source.texts = [hostile if i == victim else t for i, t in enumerate(SECOND)]
     window = await source.window(clock.now() - 30, clock.now())
     assert {(f.target, f.kind) for f in window.failures} >= {(TARGETS[victim].name,
-                                                               "invalid_value")}
+                                                               FailureKind.INVALID_VALUE)}
     assert TARGETS[victim].name not in window.answered
     assert {f.target for f in window.failures} == {TARGETS[victim].name}
     json.dumps(window.to_dict(), allow_nan=False)

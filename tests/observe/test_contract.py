@@ -19,7 +19,7 @@ import pytest
 
 from controller.clock import WallClock
 from controller.core.catalog import HISTOGRAM_KEYS
-from controller.core.window import Window
+from controller.core.window import FailureKind, Window
 from controller.observe.discovery import targets_from_prometheus
 from controller.observe.inprocess import InProcessSource
 from controller.observe.prometheus import PrometheusClient, PrometheusSource
@@ -196,7 +196,7 @@ async def test_every_source_agrees_with_the_traffic(harness: Harness) -> None:
             # Routers too: a canary judge counted a restart's first window (no requests
             # seen) as one of the bake's windows when only the workers said so.
             assert {(f.target, f.kind) for f in first.failures} == {
-                (t.name, "no_baseline") for t in c.targets}
+                (t.name, FailureKind.NO_BASELINE) for t in c.targets}
             assert first.outcomes == ()
     c.mark()
     start = await harness.settle()
@@ -218,7 +218,7 @@ async def test_every_source_agrees_with_the_traffic(harness: Harness) -> None:
         window = await source.window(end, end2)
         assert victim not in window.answered
         assert [f.target for f in window.failures] == [victim]
-        assert window.failures[0].kind == "unreachable"
+        assert window.failures[0].kind == FailureKind.UNREACHABLE
         assert victim not in {s.worker for s in window.workers}
         others = [s for s in window.workers if s.worker != victim]
         assert len(others) == len(c.workers) - 1

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from controller.config import load_settings
+from controller.core.window import FailureKind
 from controller.errors import ConfigError, TransientError
 from controller.observe.discovery import (
     NameUnresolved,
@@ -109,7 +110,7 @@ async def test_dns_names_are_resolved_again_as_the_source_runs(
         for at in (30.0, 60.0, 91.0, 152.0, 213.0):
             w = await source.window(at - 30, at)
             seen.append(([t.name for t in source.targets()], sorted(w.answered),
-                         sorted(f.target for f in w.failures if f.kind == "no_baseline")))
+                         sorted(f.target for f in w.failures if f.kind == FailureKind.NO_BASELINE)))
     finally:
         await source.aclose()
         first.close()

@@ -14,7 +14,7 @@ import pytest
 from controller.clock import VirtualClock
 from controller.core.catalog import SGLANG, VLLM, RequestOutcome, detect_engine
 from controller.core.exposition import LabelKey, parse_exposition
-from controller.core.window import Family, Window, WorkerStats
+from controller.core.window import FailureKind, Family, Window, WorkerStats
 from controller.observe.prometheus import PrometheusSource, build_queries
 from controller.observe.scrape import ScrapeSource
 from controller.observe.source import Target
@@ -330,4 +330,4 @@ async def test_promql_increase_window_without_two_samples_is_no_baseline() -> No
     (stats,) = window.workers
     assert stats.missing == () and stats.request_rate is None and stats.running == 3
     assert [(f.kind, "two samples" in f.message) for f in window.failures] == [
-        ("no_baseline", True)]
+        (FailureKind.NO_BASELINE, True)]

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from controller.core.exposition import ExpositionError, parse_exposition
+from controller.core.window import FailureKind
 
 
 def parse(text: str, keep: set[str] | None = None):  # type: ignore[no-untyped-def]
@@ -19,18 +20,18 @@ def parse(text: str, keep: set[str] | None = None):  # type: ignore[no-untyped-d
 @pytest.mark.parametrize(
     ("text", "kind"),
     [
-        ("foo 1 2 3 4\n", "parse"),  # prometheus_client reads this as foo=1
-        ('foo{a="b" 1\n', "parse"),
-        ("foo twelve\n", "non_numeric"),
-        ("foo 1_000\n", "non_numeric"),
-        ("foo infinity\n", "non_numeric"),
-        ("foo 1 12.5\n", "non_numeric"),  # timestamps are integers
-        ('foo{a="1"} 1\nfoo{a="1"} 2\n', "duplicate_series"),
-        ('foo{a="1",a="2"} 1\n', "parse"),
-        ('foo{a="1" b="2"} 1\n', "parse"),
-        ("foo 1\nbar 2", "parse"),  # no final newline: cut off
-        ("<html><body>502 Bad Gateway</body></html>\n", "parse"),
-        ("3foo 1\n", "parse"),
+        ("foo 1 2 3 4\n", FailureKind.PARSE),  # prometheus_client reads this as foo=1
+        ('foo{a="b" 1\n', FailureKind.PARSE),
+        ("foo twelve\n", FailureKind.NON_NUMERIC),
+        ("foo 1_000\n", FailureKind.NON_NUMERIC),
+        ("foo infinity\n", FailureKind.NON_NUMERIC),
+        ("foo 1 12.5\n", FailureKind.NON_NUMERIC),  # timestamps are integers
+        ('foo{a="1"} 1\nfoo{a="1"} 2\n', FailureKind.DUPLICATE_SERIES),
+        ('foo{a="1",a="2"} 1\n', FailureKind.PARSE),
+        ('foo{a="1" b="2"} 1\n', FailureKind.PARSE),
+        ("foo 1\nbar 2", FailureKind.PARSE),  # no final newline: cut off
+        ("<html><body>502 Bad Gateway</body></html>\n", FailureKind.PARSE),
+        ("3foo 1\n", FailureKind.PARSE),
     ],
 )
 def test_bad_text_raises_with_the_failure_kind(text: str, kind: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from controller.core.window import FailureKind
 from controller.observe.inprocess import InProcessSource, sim_cluster_provider
 from controller.policy import Route
 from controller.sim.cluster import SimCluster
@@ -38,6 +39,6 @@ def test_windows_follow_the_simulated_cluster_in_virtual_time() -> None:
     lost = cluster.remove_worker("decode")
     assert lost is not None
     later = asyncio.run(source.window(now, now + 30.0))
-    assert [(f.target, f.kind) for f in later.failures] == [(lost.name, "unreachable")]
+    assert [(f.target, f.kind) for f in later.failures] == [(lost.name, FailureKind.UNREACHABLE)]
     assert lost.name not in {s.worker for s in later.workers}
     assert baselines[0].answered  # the first window had every target, gauges only

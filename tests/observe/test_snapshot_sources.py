@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from controller.clock import VirtualClock
+from controller.core.window import FailureKind
 from controller.observe.inprocess import InProcessSource
 from controller.observe.scrape import ScrapeSource
 from controller.observe.source import Target
@@ -85,9 +86,10 @@ async def test_garbage_in_is_a_per_target_failure_and_the_rest_is_computed(
     server, worker = garbage_server
     address = server.address
     expected = {
-        "/truncated": "parse", "/cut_at_line": "parse", "/duplicate": "duplicate_series",
-        "/non_numeric": "non_numeric", "/html": "parse", "/html_as_text": "parse",
-        "/error": "http_status",
+        "/truncated": FailureKind.PARSE, "/cut_at_line": FailureKind.PARSE,
+        "/duplicate": FailureKind.DUPLICATE_SERIES, "/non_numeric": FailureKind.NON_NUMERIC,
+        "/html": FailureKind.PARSE, "/html_as_text": FailureKind.PARSE,
+        "/error": FailureKind.HTTP_STATUS,
     }
     targets = [Target(f"good-{i}", "decode", f"http://{address}/metrics") for i in range(2)]
     targets += [Target(p.strip("/"), "prefill", f"http://{address}{p}") for p in expected]
@@ -122,7 +124,7 @@ async def test_counter_reset_is_reported_and_counts_restart_from_zero() -> None:
     stats = {s.worker: s for s in w.workers}[target]
     assert stats.ttft_s is not None and stats.ttft_s.count == 1
     assert stats.ttft_s.mean == pytest.approx(0.05)
-    assert [(f.target, f.kind) for f in w.failures] == [(target, "counter_reset")]
+    assert [(f.target, f.kind) for f in w.failures] == [(target, FailureKind.COUNTER_RESET)]
     assert "time_to_first_token" in w.failures[0].message
     assert target in w.answered
 
@@ -149,10 +151,10 @@ async def test_a_target_that_comes_back_starts_a_fresh_baseline() -> None:
     source.set_down(name)
     cluster.workers[name].hist["ttft_s"].observe(1.0)  # during the outage: not attributable
     down = await source.window(30, 60)
-    assert [(f.target, f.kind) for f in down.failures] == [(name, "unreachable")]
+    assert [(f.target, f.kind) for f in down.failures] == [(name, FailureKind.UNREACHABLE)]
     source.set_down(name, False)
     back = await source.window(60, 90)
-    assert [(f.target, f.kind) for f in back.failures] == [(name, "no_baseline")]
+    assert [(f.target, f.kind) for f in back.failures] == [(name, FailureKind.NO_BASELINE)]
     assert {s.worker: s for s in back.workers}[name].ttft_s is None
     cluster.workers[name].hist["ttft_s"].observe(2.0)
     later = await source.window(90, 120)
@@ -171,7 +173,7 @@ async def test_forgotten_baselines_are_not_diffed_across_another_leaders_time() 
     source.forget_baselines()
     back = await source.window(90, 120)
     assert {(f.target, f.kind) for f in back.failures} == {
-        (t.name, "no_baseline") for t in cluster.targets}
+        (t.name, FailureKind.NO_BASELINE) for t in cluster.targets}
     assert {s.worker: s for s in back.workers}[name].ttft_s is None  # not 1.0 over 30 s
     cluster.workers[name].hist["ttft_s"].observe(2.0)
     later = await source.window(120, 150)
@@ -197,5 +199,5 @@ async def test_scrape_reports_a_refused_connection_and_a_timeout() -> None:
         await source.aclose()
     finally:
         silent.close()
-    assert [f.kind for f in w.failures] == ["unreachable", "timeout"]
+    assert [f.kind for f in w.failures] == ["unreachable", FailureKind.TIMEOUT]
     assert w.workers == () and w.answered == ()

@@ -8,6 +8,7 @@ import pytest
 
 from controller.core.catalog import SGLANG, VLLM, detect_engine
 from controller.core.exposition import parse_exposition
+from controller.core.window import FailureKind
 from controller.observe.window_builder import (
     ALL_BINS,
     UNKNOWN_BIN,
@@ -134,7 +135,7 @@ def test_vllm_spec_names_come_from_the_reference() -> None:
 def test_unknown_exposition_is_a_missing_family_failure() -> None:
     cur = parse_exposition("# TYPE up gauge\nup 1\n", target="w", taken_at=0.0)
     stats, notes = worker_stats(diff_snapshots(None, cur), "decode", 30.0)
-    assert stats is None and [n.kind for n in notes] == ["missing_family"]
+    assert stats is None and [n.kind for n in notes] == [FailureKind.MISSING_FAMILY]
 
 
 def test_bin_labels() -> None:
@@ -182,7 +183,7 @@ def test_a_family_missing_from_the_baseline_is_not_counted_over_its_lifetime() -
     cut = _snapshot(text(10_030, with_counter=False), 30)
     stats, notes = worker_stats(diff_snapshots(cut, _snapshot(text(10_060), 60)), "decode", 30.0)
     assert stats is not None and stats.request_rate is None
-    assert [n.kind for n in notes] == ["no_baseline"]
+    assert [n.kind for n in notes] == [FailureKind.NO_BASELINE]
     assert "vllm:request_success_total" in notes[0].message
     # A family announced in the baseline with no series yet (no request so far): counted
     # from zero, as a new series is.
@@ -203,7 +204,7 @@ def test_a_router_target_without_router_metrics_is_a_failure() -> None:
     delta = diff_snapshots(snapshot_from_text(text, "r:1", 0), snapshot_from_text(text, "r:1", 30))
     window = assemble_window(0, 30, [TargetResult("r:1", "router", delta=delta)], source="t",
                              ctx_labels=CONTEXT_BINS.labels, io_labels=IO_RATIO_BINS.labels)
-    assert [(f.target, f.kind) for f in window.failures] == [("r:1", "missing_family")]
+    assert [(f.target, f.kind) for f in window.failures] == [("r:1", FailureKind.MISSING_FAMILY)]
 
 
 def test_a_histogram_whose_sum_is_nan_has_no_mean_rather_than_zero() -> None:
@@ -267,7 +268,7 @@ def test_a_counter_reset_is_decided_per_process() -> None:
     assert stats is not None and stats.request_rate == pytest.approx(90 / 30)
     assert stats.ttft_s is not None and stats.ttft_s.count == 90
     assert stats.ttft_s.mean == pytest.approx((3.0 + 2.4) / 90)
-    assert [n.kind for n in notes] == ["counter_reset"]
+    assert [n.kind for n in notes] == [FailureKind.COUNTER_RESET]
     assert 'engine="1"' in notes[0].message and 'engine="0"' not in notes[0].message
     # A target with one process (no rank labels): the whole family counts from the reset.
     one = _snapshot(text({"0": 9_000}, {"0": (9_000, 450.0)}).replace('engine="0",', "")
@@ -277,5 +278,5 @@ def test_a_counter_reset_is_decided_per_process() -> None:
     stats, notes = worker_stats(diff_snapshots(one, restarted), "decode", 30.0)
     assert stats is not None and stats.request_rate == pytest.approx(12 / 30)
     assert stats.ttft_s is not None and stats.ttft_s.mean == pytest.approx(0.1)
-    assert [n.kind for n in notes] == ["counter_reset"] and "{" not in notes[0].message
+    assert [n.kind for n in notes] == [FailureKind.COUNTER_RESET] and "{" not in notes[0].message
     assert "request_success" in notes[0].message and "first_token" in notes[0].message

@@ -12,9 +12,10 @@ router's tests and ``benchmarks/router_overhead.py`` need, cheaply. Run as a scr
   ``stream_options.include_usage``) or not; prompt tokens are UTF-8 bytes / 4 per text (+4 per
   chat message, +3 per chat prompt), the router's own estimate;
 * ``POST /_fake/behaviour`` changes what it does next (status, no_handle, hang, stall_after,
-  delay_s, health_status, waiting, linger_s: seconds between ``[DONE]`` and the stream's
-  end); ``GET /_fake/log`` lists the requests it got (path,
-  X-Request-Id, Authorization, body); ``GET /_fake/stats`` counts them.
+  pause_after and pause_s: one silence of pause_s seconds after that many tokens, delay_s,
+  health_status, waiting, linger_s: seconds between ``[DONE]`` and the stream's end);
+  ``GET /_fake/log`` lists the requests it got (path, X-Request-Id, Authorization, body);
+  ``GET /_fake/stats`` counts them.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ class Fake:
         base = {"id": "cmpl-fake", "object": obj, "created": int(time.time()),
                 "model": body.get("model", "fake")}
         stall = self.behaviour.get("stall_after")
+        pause_after = self.behaviour.get("pause_after")
         per = int(self.behaviour.get("tokens_per_chunk", 1))
         try:
             if chat:
@@ -187,6 +189,8 @@ class Fake:
             while sent < n:
                 if stall is not None and sent >= stall:
                     await asyncio.sleep(3600)
+                if pause_after is not None and sent == pause_after:
+                    await asyncio.sleep(float(self.behaviour.get("pause_s", 0.0)))
                 await asyncio.sleep(self.interval_s)
                 k = min(per, n - sent)
                 sent += k

@@ -125,6 +125,19 @@ def test_a_stalled_stream_ends_with_an_error_event_within_the_bound(cluster) -> 
                   reason="timeout_between_tokens") == 2
 
 
+def test_a_silence_shorter_than_the_bound_is_never_cut(cluster) -> None:
+    """The between-tokens deadline is moved lazily, yet after every read it is at least the
+    whole bound away: after 0.5 s of tokens every 5 ms, a 0.7 s silence (under the 1.0 s
+    bound) ends normally. A deadline left where the first tokens put it would cut it."""
+    _p, d, r = cluster
+    d[0].behave(pause_after=100, pause_s=0.7)
+    got = chat(r, stream=True, max_tokens=110)
+    assert got.status_code == 200 and b'"error"' not in got.content
+    assert got.content.count(b'"content":"x"') == 110
+    assert metric(r.metrics(), "pdrouter_decode_failures_total",
+                  reason="timeout_between_tokens") == 0
+
+
 def _hang_up_after(r: RouterProc, body: bytes, wait_for: bytes | None, sleep_s: float) -> None:
     host, port = r.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=5) as s:

@@ -5,10 +5,8 @@ workers' counters equal the driver's."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import select
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -16,30 +14,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.processes import PDCTL, REPO, free_port, sim_serve
+from tests.support.processes import (
+    PDCTL,
+    REPO,
+    free_port_base,
+    sim_serve,
+    write_scenario,
+)
 from tests.support.router import metric, router_serve
 
 pytestmark = pytest.mark.integration
 
-SCENARIO = """
-name = "drive-e2e"
-seed = 11
-duration_s = 4.0
-[cluster]
-prefill_workers = 1
-decode_workers = 2
-routers = 1
-[workload]
-source = "synthetic"
-[workload.params]
-qps = 6.0
-turns = 3
-think_s = 0.2
-turn1_input = 200
-turn1_output = 8
-append_input = 40
-append_output = 6
-"""
 
 
 def worker_sum(urls: list[str], name: str, **labels: str) -> float:
@@ -49,8 +34,7 @@ def worker_sum(urls: list[str], name: str, **labels: str) -> float:
 
 def test_drive_through_the_real_router_counts_match_and_sessions_stay_on_one_d(
         tmp_path: Path) -> None:
-    scen = tmp_path / "drive.toml"
-    scen.write_text(SCENARIO)
+    scen = _scenario(tmp_path)
     with sim_serve(scen, "--workers-only", "--write-config", str(tmp_path / "d.toml")) as (
             addr, _):
         router_cfg = Path(addr["configs"]["router"]).read_text()
@@ -87,29 +71,14 @@ def test_drive_through_the_real_router_counts_match_and_sessions_stay_on_one_d(
     assert prefills
 
 
-def free_base() -> int:
-    """A --port-base whose ports for this scenario (router, its gRPC, 1 P, 2 D, the daemon's
-    metrics) were free a moment ago."""
-    for _ in range(50):
-        base = free_port()
-        if base > 31000:
-            continue
-        ports = [base, base + 100, base + 200, base + 300, base + 301, base + 400]
-        try:
-            with contextlib.ExitStack() as stack:
-                for p in ports:
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise AssertionError("no free port base")
+def _scenario(tmp_path: Path) -> Path:
+    return write_scenario(tmp_path / "drive.toml", "drive-e2e", 11, duration_s=4.0, qps=6.0,
+                          think_s=0.2, turn1=(200, 8), append=(40, 6))
 
 
 def test_sim_serve_drive_sends_the_traffic_once_the_router_answers(tmp_path: Path) -> None:
-    scen = tmp_path / "drive.toml"
-    scen.write_text(SCENARIO)
-    base = free_base()
+    scen = _scenario(tmp_path)
+    base = free_port_base()
     with sim_serve(scen, "--workers-only", "--port-base", str(base), "--write-config",
                    str(tmp_path / "d.toml"), "--drive", f"http://127.0.0.1:{base}") as (
             addr, proc):

@@ -13,35 +13,15 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.processes import sim_serve
+from tests.support.processes import sim_serve, write_scenario
 
 pytestmark = pytest.mark.integration
 
-SCENARIO = """
-name = "live-test"
-seed = 1
-duration_s = 600
-[cluster]
-prefill_workers = 1
-decode_workers = 2
-routers = 2
-[workload]
-source = "synthetic"
-[workload.params]
-qps = 4
-turns = 3
-turn1_input = 512
-turn1_output = 32
-append_input = 64
-append_output = 32
-think_s = 0.5
-"""
 
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[dict[str, Any], subprocess.Popen[str]]]:
-    path = tmp_path / "live.toml"
-    path.write_text(SCENARIO)
+    path = write_scenario(tmp_path / "live.toml", "live-test", 1, routers=2)
     with sim_serve(path, "--policy", "local") as served:
         yield served
 

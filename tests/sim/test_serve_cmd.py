@@ -4,7 +4,6 @@ check`` (and the router's own loader), and a real ``pdctl run`` that records win
 
 from __future__ import annotations
 
-import random
 import socket
 import subprocess
 import tomllib
@@ -16,51 +15,24 @@ import pytest
 
 from controller.store import Store, StoreUnavailable
 from controller.tokenize import load_tokenizer
-from tests.support.processes import PDCTL, REPO, sim_serve, start_daemon, stop_daemon, wait_for
+from tests.support.processes import (
+    PDCTL,
+    REPO,
+    free_port_base,
+    port_free,
+    sim_serve,
+    start_daemon,
+    stop_daemon,
+    wait_for,
+    write_scenario,
+)
 
 pytestmark = pytest.mark.integration
 
-SCENARIO = """
-name = "serve-test"
-seed = 5
-duration_s = 600
-[cluster]
-prefill_workers = 1
-decode_workers = 2
-routers = 1
-[workload]
-source = "synthetic"
-[workload.params]
-qps = 4
-turns = 3
-turn1_input = 512
-turn1_output = 32
-append_input = 64
-append_output = 32
-think_s = 0.5
-[controller]
-interval_s = 2
-"""
-OFFSETS = (0, 100, 200, 300, 301, 400)  # router, its gRPC, prefill-0, decode-0/1, daemon
 
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def port_base() -> int:
-    """A base below the ephemeral range whose layout ports are all free a moment ago."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 31000, 10)
-        if all(_free(base + o) for o in OFFSETS):
-            return base
-    raise AssertionError("no free port base in 20000-31400")
+def _scenario(tmp_path: Path) -> Path:
+    return write_scenario(tmp_path / "s.toml", "serve-test", 5,
+                          extra="[controller]\ninterval_s = 2\n")
 
 
 def _listening(port: int) -> bool:
@@ -70,9 +42,8 @@ def _listening(port: int) -> bool:
 
 
 def test_workers_only_fixed_ports_and_configs(tmp_path: Path) -> None:
-    scenario = tmp_path / "s.toml"
-    scenario.write_text(SCENARIO)
-    base = port_base()
+    scenario = _scenario(tmp_path)
+    base = free_port_base()
     cfg = tmp_path / "conf" / "pdctl.toml"
     with sim_serve(scenario, "--workers-only", "--port-base", str(base),
                    "--write-config", str(cfg)) as (addresses, _):
@@ -120,9 +91,8 @@ def _check_router_config(doc: dict[str, Any], addresses: dict[str, Any], base: i
 
 
 def test_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
-    scenario = tmp_path / "s.toml"
-    scenario.write_text(SCENARIO)
-    base = port_base()
+    scenario = _scenario(tmp_path)
+    base = free_port_base()
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", base + 301))
         holder.listen()
@@ -132,14 +102,13 @@ def test_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
     assert run.returncode == 2
     assert f"127.0.0.1:{base + 301}" in run.stderr and "decode-1" in run.stderr
     assert "--port-base" in run.stderr
-    assert _free(base + 200) and _free(base + 300)  # what it had opened is closed again
+    assert port_free(base + 200) and port_free(base + 300)  # what it had opened is closed again
 
 
 @pytest.mark.slow
 def test_pdctl_run_on_the_written_config_records_windows(tmp_path: Path) -> None:
-    scenario = tmp_path / "s.toml"
-    scenario.write_text(SCENARIO)
-    base = port_base()
+    scenario = _scenario(tmp_path)
+    base = free_port_base()
     cfg = tmp_path / "pdctl.toml"
     log = tmp_path / "run.log"
     with sim_serve(scenario, "--port-base", str(base), "--write-config", str(cfg)) as (
@@ -167,8 +136,7 @@ def test_pdctl_run_on_the_written_config_records_windows(tmp_path: Path) -> None
 
 
 def test_a_missing_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
-    scenario = tmp_path / "s.toml"
-    scenario.write_text(SCENARIO)
+    scenario = _scenario(tmp_path)
     run = subprocess.run([*PDCTL, "sim", "serve", str(scenario), "--workers-only",
                           "--tokenizer", str(tmp_path / "nowhere")], cwd=REPO,
                          capture_output=True, text=True, timeout=60)

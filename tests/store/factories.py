@@ -6,6 +6,7 @@ import math
 import random
 
 from controller.core.window import (
+    FailureKind,
     Family,
     Histogram,
     RouteOutcome,
@@ -93,6 +94,6 @@ def sample_window(
         start=start, end=start + interval_s, interval_s=interval_s, workers=workers,
         outcomes=outcomes, workload=workload,
         answered=[w.worker for w in workers[:-1]] + [f"router-{r}" for r in range(n_routers)],
-        failures=[TargetFailure(workers[-1].worker, "timeout", "no answer within 2.0 s")],
+        failures=[TargetFailure(workers[-1].worker, FailureKind.TIMEOUT, "no answer within 2.0 s")],
         source="scrape",
     )

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from controller.cli import app
 from controller.clock import VirtualClock
 from controller.config import StoreConfig, libpq_scheme, load_settings
-from controller.leader import leadership_for
+from controller.loop.leader import leadership_for
 from controller.store import Store, migrate, normalize_url
 from tests.support.postgres import fresh_schema
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from controller.calibration_runner import FALLBACK_REASON, PHASE_REASON
 from controller.core.trigger import Cause, Trigger
+from controller.loop.calibration_runner import FALLBACK_REASON, PHASE_REASON
 from controller.policy import Route
 from controller.store import PolicyKind, Store, policy_kind
 from controller.store.kinds import ADOPTED_PREFIX, REFIT_PREFIX, kind_of_reason

@@ -46,6 +46,66 @@ def free_port() -> int:
     raise AssertionError(f"no free loopback port in {_PICK_FROM.start}-{_PICK_FROM.stop - 1}")
 
 
+# ``pdctl sim serve --port-base N`` of a one-router, one-P, two-D scenario listens on these
+# offsets from N: the router, its gRPC, prefill-0, decode-0 and decode-1, the daemon's metrics.
+LAYOUT_OFFSETS = (0, 100, 200, 300, 301, 400)
+
+
+def port_free(port: int) -> bool:
+    """Whether a loopback TCP port can be bound now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_base(offsets: tuple[int, ...] = LAYOUT_OFFSETS) -> int:
+    """A ``--port-base`` below the ephemeral range whose ports (``offsets`` from it) could
+    all be bound together a moment ago."""
+    import contextlib
+
+    for _ in range(200):
+        base = _random.randrange(_PICK_FROM.start, _PICK_FROM.stop - max(offsets), 10)
+        try:
+            with contextlib.ExitStack() as stack:
+                for offset in offsets:
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+    raise AssertionError(f"no free port base in {_PICK_FROM.start}-{_PICK_FROM.stop - 1}")
+
+
+def write_scenario(path: Path, name: str, seed: int, *, duration_s: float = 600,
+                   routers: int = 1, qps: float = 4, think_s: float = 0.5,
+                   turn1: tuple[int, int] = (512, 32), append: tuple[int, int] = (64, 32),
+                   extra: str = "") -> Path:
+    """A synthetic three-turn scenario on one prefill and two decode workers at ``path``:
+    ``turn1`` and ``append`` are (input, output) tokens; ``extra`` is appended TOML."""
+    path.write_text(f"""
+name = "{name}"
+seed = {seed}
+duration_s = {duration_s}
+[cluster]
+prefill_workers = 1
+decode_workers = 2
+routers = {routers}
+[workload]
+source = "synthetic"
+[workload.params]
+qps = {qps}
+turns = 3
+turn1_input = {turn1[0]}
+turn1_output = {turn1[1]}
+append_input = {append[0]}
+append_output = {append[1]}
+think_s = {think_s}
+{extra}""")
+    return path
+
+
 def hostport(url: str) -> str:
     """``http://127.0.0.1:9400/metrics`` -> ``127.0.0.1:9400``."""
     return url.split("//", 1)[1].split("/", 1)[0]

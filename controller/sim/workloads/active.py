@@ -2,7 +2,7 @@
 
 :func:`controller.core.active.plan_active_calibration` plans the PPD paper's grid (context
 classes x io-ratio classes x QPS points, two-turn conversations); the daemon's
-:mod:`controller.calibration_runner` sends it to live routers over HTTP. This is the same
+:mod:`controller.loop.calibration_runner` sends it to live routers over HTTP. This is the same
 load for the simulator, so that the bench's ``ppd-static`` table is calibrated the way an
 operator calibrates one: on the grid, before the cluster takes traffic.
 

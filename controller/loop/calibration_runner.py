@@ -47,16 +47,17 @@ import httpx
 
 from controller.clock import Clock
 from controller.core.active import ActivePlan, LoadPoint, Phase, schedule
+from controller.core.rollout import FALLBACK_PREFILL, operator_state
 from controller.core.trigger import Trigger
 from controller.core.window import Window
-from controller.cycle import FALLBACK_PREFILL, operator_state, read_rollout, record_adoption
-from controller.leader import LeaseLeadership
-from controller.learning import (
+from controller.loop.leader import LeaseLeadership
+from controller.loop.learning import (
     CalibrationOutcome,
     Learner,
     LearnerError,
     without_exploration,
 )
+from controller.loop.policies import read_rollout, record_adoption
 from controller.observe.source import MetricsSource
 from controller.policy import Policy, Route, dumps, loads
 from controller.rollout.reconciler import Reconciler, RouterStatus

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from controller import __version__
 from controller.core.drift import KINDS as DRIFT_DETECTORS
 from controller.core.trigger import Trigger
-from controller.core.window import FAILURE_KINDS
+from controller.core.window import FailureKind
 
 CYCLE_RESULTS = ("ok", "skipped", "failed")
 JOBS = ("observe", "assess", "calibrate", "reconcile")
@@ -34,7 +34,7 @@ GUARDRAIL_DECISIONS = ("approved", "rejected")
 GOODPUT_POLICIES = ("current", "candidate")
 CANARY_STATES = ("idle", "baking", "promoted", "rolled_back")
 # pdctl_observe_failures' kinds (bounded: any other word counts as "other").
-OBSERVE_FAILURE_KINDS = (*FAILURE_KINDS, "no_baseline", "stale", "source", "other")
+OBSERVE_FAILURE_KINDS = (*FailureKind, "source", "other")
 # Who rolled a policy back: the canary's judge, the post-promotion watch, an operator.
 ROLLBACK_DECIDERS = ("canary", "watch", "operator")
 ROLES = ("prefill", "decode")

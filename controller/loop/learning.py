@@ -1,6 +1,6 @@
 """The one seam between the control cycle and the learning core.
 
-:class:`Learner` is what :class:`controller.cycle.Cycle` calls: ``assess`` runs the drift
+:class:`Learner` is what :class:`controller.loop.cycle.Cycle` calls: ``assess`` runs the drift
 detectors on a new window, ``calibrate`` fits and judges a candidate policy, ``adopt``
 makes an approved calibration the new drift reference, ``restore`` rebuilds that reference
 after a restart or a rollback. :class:`CoreLearner` delegates to :mod:`controller.core`;
@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from controller.core.rollout import GuardrailVerdict
 from controller.core.trigger import Cause, Trigger
 from controller.core.window import Window
 from controller.policy import LookupTable, Policy
@@ -22,12 +23,9 @@ if TYPE_CHECKING:
     from controller.core.calibrate import CalibrationConfig
     from controller.core.drift import DriftConfig
 
-# Windows after a shift that a drift or scaling calibration needs to train on them alone
-# (with 2, fits on a minute of a bursty trace flipped the table at every cooldown: 8
-# approvals in an hour of bench scenario 4). 7, not 8: in the adaptive-only replays of bench
-# scenarios 1-5 (docs/bench.md, issue 7) every goodput is the same or better (within 0.0003
-# worse in 1) at MIN_MIX_WINDOWS 3, 4 and 5, and scenario 1 adapts 90 s sooner; 6 or fewer
-# trains the first phase's 600 s refinement on too few windows and costs 0.01-0.06.
+# Windows after a shift that a drift or scaling calibration needs to train on them alone:
+# fewer lets a minute of a bursty trace flip the table at every cooldown, more delays the
+# adaptation (the choice is measured in docs/bench.md, issue 7).
 MIN_REGIME_WINDOWS = 7
 MIN_MIX_WINDOWS = 4
 
@@ -67,6 +65,17 @@ class CalibrationOutcome:
     # What the candidate was fitted with: (latency model, calibration grid); what a peer's
     # rule is fitted on ([export]). None from learners that keep no model.
     basis: Any = None
+
+    @property
+    def decision(self) -> GuardrailVerdict:
+        """The guardrail's decision: approved or rejected."""
+        return GuardrailVerdict.APPROVED if self.approved else GuardrailVerdict.REJECTED
+
+    @property
+    def label(self) -> GuardrailVerdict:
+        """The decision as counted: forced when an operator's force is in the reason (the
+        guardrail words a forced approval so), else the decision."""
+        return GuardrailVerdict.FORCED if "forced" in self.reason else self.decision
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,10 +279,9 @@ class CoreLearner:
         """Whether a calibration for ``reason`` now refines the running policy on the
         traffic it was learned on: a drift of the performance detector alone, not led by the
         KV link, with no workload or SLO drift since the last approval. It then needs
-        ``[controller] refinement_margin``: in the bench, such second changes within a
-        stationary phase had predicted gains of +0.006 to +0.016; refusing the two below 0.01
-        moved those runs by +0.0009 and -0.0018 (docs/bench.md, "A refinement needs a larger
-        gain")."""
+        ``[controller] refinement_margin``: a second change within a stationary phase must
+        predict a larger gain than a first one (docs/bench.md, "A refinement needs a larger
+        gain", measures it)."""
         return (reason == Cause(Trigger.DRIFT) and self._fired == {"performance"}
                 and not self._shift_since_approval)
 
@@ -336,9 +344,8 @@ class CoreLearner:
         kept = replace(state.reference, residual_mean=reference.residual_mean,
                        residual_sd=reference.residual_sd)
         # Fresh accumulators for the new model, but no new cooldown: a refusal must not
-        # silence a detector that did not ask for it (a workload calibration refused 90 s
-        # before a KV-link slowdown delayed its detection by 60 s: docs/bench.md, "A refusal
-        # does not silence the performance detector"). Its own firing's cooldown still holds.
+        # silence a detector that did not ask for it (a later KV-link slowdown is detected
+        # on time). Its own firing's cooldown still holds.
         performance = replace(rearmed.performance,
                               cooldown_until=previous.performance.cooldown_until)
         return LearnerState(kept, replace(previous, performance=performance), model)
