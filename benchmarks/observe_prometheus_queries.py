@@ -64,7 +64,7 @@ async def one(workers: int, routers: int) -> list[str]:
             assert len(w.workers) == workers, w.failures[:3]
             rows.append(f"| {workers} | {routers} | {mode} | {sent} | {served:g} | {ms:.0f} | "
                         f"{len(w.answered)} | {len(w.outcomes)} |")
-        client.close()
+        await client.aclose()
     finally:
         prom.stop()
         parent.send("stop")

@@ -524,14 +524,16 @@ class PrometheusConfig(_Section):
 
     url: str = Field("http://127.0.0.1:9090", description="Base URL of the HTTP API.")
     timeout_s: float = Field(10.0, gt=0, le=600, allow_inf_nan=False,
-                             description="Timeout of one API request.")
+                             description="Total deadline of one window's queries, and of "
+                             "each API call (connect, headers, body and retries together).")
     retries: int = Field(
         2, ge=0, le=10, description="Retries on connection errors and HTTP 429/502/503/504."
     )
     window_mode: Literal["edges", "increase"] = Field(
         "edges",
         description="edges: diff the cumulative values at the window's start and end (exact "
-        "counts, new series counted); increase: increase() at the end (extrapolated counts).",
+        "counts, new series counted); increase: increase() at the end (extrapolated counts), "
+        "a target one of whose counters fell in the window read as edges.",
     )
     escaped_names: bool = Field(
         False,

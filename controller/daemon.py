@@ -82,9 +82,6 @@ def configure_logging(json_lines: bool, level: int = logging.INFO) -> None:
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    # Its "Retrying (...)" WARNING carried the whole URL-encoded PromQL, once per retry and
-    # cycle of a Prometheus outage; the cycle's own line says the source failed.
-    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
 
 
 def notify(*lines: str) -> bool:

@@ -275,7 +275,9 @@ def _print_report(doc: dict[str, Any]) -> None:
                    f"{len(ph['usable_window_ids'])}/{len(ph['window_ids'])} windows usable"
                    + (f"; stopped: {ph['stopped']}" if ph["stopped"] else ""))
     g = doc["predicted_goodput"]
-    typer.echo(f"first table v{doc['policy_version']} "
+    table = ("(no version: kept with its calibration)" if doc["policy_version"] is None
+             else f"v{doc['policy_version']}")
+    typer.echo(f"first table {table} "
                f"{'approved' if doc['approved'] else 'REFUSED'} ({doc['reason']}); "
                f"predicted goodput {g['candidate']}; calibration #{doc['calibration_id']}; "
                f"routers now run v{doc['final_version']}")

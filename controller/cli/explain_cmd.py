@@ -56,6 +56,29 @@ class Learned:
     result: CalibrationResult  # refit; ``policy``/``predictions`` are the stored policy's
 
 
+def chosen_calibration(store: Store, calibration_id: int
+                       ) -> tuple[CalibrationRecord, Policy | None, list[StoredWindow]]:
+    """Calibration ``calibration_id`` with the policy it produced: its version's, or the
+    candidate the guardrail refused (kept with it, no version); None for a dry run."""
+    with store.read() as tx:
+        record = tx.calibration(calibration_id)
+        if record is None:
+            raise NoCalibration(f"no calibration #{calibration_id} in the store")
+        policy = _produced(tx, record)
+        stored = tx.windows_by_ids(record.training_window_ids)
+    return record, policy, stored
+
+
+def _produced(tx: Tx, record: CalibrationRecord) -> Policy | None:
+    """The policy a calibration produced: its version's, or its refused candidate."""
+    from controller.policy import loads
+
+    if record.candidate_body_json is not None:
+        return loads(record.candidate_body_json)
+    own = tx.policy(record.policy_version) if record.policy_version is not None else None
+    return loads(own.body_json) if own is not None else None
+
+
 def current_calibration(store: Store) -> tuple[CalibrationRecord, Policy | None,
                                                list[StoredWindow]]:
     """The version the routers should run (the baking canary's, else the fleet's) with the
@@ -89,25 +112,25 @@ def current_calibration(store: Store) -> tuple[CalibrationRecord, Policy | None,
         if record is None:
             raise NoCalibration("the store holds no calibration yet (run the daemon, "
                                 "`pdctl recalibrate` or `pdctl calibrate-active` first)")
-        if running is None and record.policy_version is not None:
-            own = tx.policy(record.policy_version)
-            running = loads(own.body_json) if own is not None else None
+        if running is None:
+            running = _produced(tx, record)
         stored = tx.windows_by_ids(record.training_window_ids)
     return record, running, stored
 
 
 def _routes_alike(tx: Tx, record: CalibrationRecord, policy: Policy) -> bool:
-    from controller.policy import loads
-
-    own = tx.policy(record.policy_version) if record.policy_version is not None else None
-    if own is None:
+    """The calibration's policy (its version's, or its refused candidate) routes every cell
+    as ``policy`` does."""
+    produced = _produced(tx, record)
+    if produced is None:
         return False
-    table = loads(own.body_json).table
+    table = produced.table
     return table.axes == policy.table.axes and table.routes == policy.table.routes
 
 
-def refit(store: Store, settings: Settings) -> Learned:
-    """The current calibration with its model refitted on its stored training windows."""
+def refit(store: Store, settings: Settings, calibration_id: int | None = None) -> Learned:
+    """The current calibration (or calibration ``calibration_id``) with its model refitted
+    on its stored training windows."""
     from controller.core.calibrate import (
         CalibrationError,
         calibrate,
@@ -118,7 +141,8 @@ def refit(store: Store, settings: Settings) -> Learned:
     )
     from controller.loop.learning import calibration_config
 
-    record, policy, stored = current_calibration(store)
+    record, policy, stored = (current_calibration(store) if calibration_id is None
+                              else chosen_calibration(store, calibration_id))
     windows = [s.window for s in stored]
     cfg = calibration_config(settings)
     try:
@@ -144,9 +168,10 @@ def settings_and_store(config: Path | None, url: str | None) -> tuple[Settings, 
     return settings, open_store(url, config)
 
 
-def learned_or_exit(store: Store, settings: Settings) -> Learned:
+def learned_or_exit(store: Store, settings: Settings, calibration_id: int | None = None
+                    ) -> Learned:
     try:
-        return refit(store, settings)
+        return refit(store, settings, calibration_id)
     except NoCalibration as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(_EXIT_BAD_INPUT) from None
@@ -191,10 +216,13 @@ def explain_doc(learned: Learned, turn: int, context: float, append: float, outp
         "features": {"turn": turn, "context_tokens": context, "append_tokens": append,
                      "expected_output_tokens": output, "qps": qps},
         "calibration_id": learned.record.id,
-        # The version decided with (the routers'), and the one the calibration produced.
-        "policy_version": learned.policy.version if learned.policy is not None
+        # The version decided with (the routers'), and the one the calibration produced;
+        # a refused candidate (kept with its calibration) has none.
+        "policy_version": None if learned.record.rejected_candidate
+        else learned.policy.version if learned.policy is not None
         else learned.record.policy_version,
         "calibration_policy_version": learned.record.policy_version,
+        "rejected_candidate": learned.record.rejected_candidate,
         "training_windows": len(learned.windows),
         **doc,
     })
@@ -209,12 +237,15 @@ def explain_command(
     output: Annotated[float, typer.Option("--output", min=1,
                                           help="Expected output tokens.")],
     qps: Annotated[float, typer.Option("--qps", min=0, help="Router QPS.")],
+    calibration: Annotated[int | None, typer.Option(
+        "--calibration", min=1, help="Explain with calibration ID and the policy it produced "
+        "(a candidate the guardrail refused too), not the routers' current one.")] = None,
     as_json: JsonOption = False, url: UrlOption = None, config: ConfigOption = None,
 ) -> None:
     """Predicted TTFT/TPOT per route, score, weights, decision and confidence for a request."""
     settings, store = settings_and_store(config, url)
     try:
-        learned = learned_or_exit(store, settings)
+        learned = learned_or_exit(store, settings, calibration)
     finally:
         store.close()
     doc = explain_doc(learned, turn, context, append, output, qps)
@@ -223,7 +254,9 @@ def explain_command(
         return
     doc = shown_doc(doc)  # reasons come from the store: escaped for the terminal
     running, produced = doc["policy_version"], doc["calibration_policy_version"]
-    if running is None:
+    if doc["rejected_candidate"]:
+        source = "its candidate, refused by the guardrail: no version"
+    elif running is None:
         source = "no stored policy: a dry run"
     elif produced == running:
         source = f"v{running}"

@@ -205,6 +205,22 @@ def _policy_json(p: Any) -> dict[str, Any]:
     return d
 
 
+def _calibration_policy(c: Any) -> str:
+    """Its version; a refused candidate (kept with it, no version) or nothing stored."""
+    if c.policy_version is not None:
+        return str(c.policy_version)
+    return "refused, kept" if c.candidate_body_json is not None else "-"
+
+
+def _calibration_json(c: Any) -> dict[str, Any]:
+    """The record, with a refused candidate's policy as JSON (``candidate``; null when the
+    calibration kept none)."""
+    d = asdict(c)
+    body = d.pop("candidate_body_json")
+    d["candidate"] = None if body is None else json.loads(body)
+    return d
+
+
 def _window_range(first: int | None, last: int | None, ids: Sequence[int]) -> str:
     return f"{first}..{last} ({len(ids)})"
 
@@ -260,8 +276,9 @@ FAMILIES = (
             Column("held-out error", lambda c: _text(json.dumps(c.heldout_error), 40)),
             Column("goodput new", lambda c: _n(c.predicted_goodput_new, ".3f")),
             Column("goodput current", lambda c: _n(c.predicted_goodput_current, ".3f")),
-            Column("policy", lambda c: "-" if c.policy_version is None else str(c.policy_version)),
+            Column("policy", _calibration_policy),
         ),
+        _calibration_json,
     ),
     Family(
         "drift", "Drift events: kind, statistic vs threshold, the windows compared.",

@@ -449,7 +449,9 @@ def _last_calibration(cal: list[Any], cal_policy: Any, calibrate_every_s: float 
                 "trigger": details.get("trigger"), "approved": details.get("approved"),
                 # what became of its policy: "candidate" while an operator or a bake
                 # held it, "rejected", "approved", later "superseded" or "rolled_back"
-                "policy_status": cal_policy.status if cal_policy is not None else None,
+                # (a refused candidate kept with its calibration took no version)
+                "policy_status": cal_policy.status if cal_policy is not None
+                else "rejected" if c.rejected_candidate else None,
                 "reason": details.get("reason"),
                 # why no policy was stored: a dry run, or a canary refit whose bake an
                 # operator action ended in the same cycle
@@ -532,6 +534,8 @@ def _print_calibration(console: Any, cal: dict[str, Any] | None) -> None:
         verdict = ("held as a candidate" if cal.get("policy_status") == "candidate" else
                    "approved" if cal["approved"] else "not approved")
         what = (f"v{cal['policy_version']}" if cal["policy_version"] is not None
+                else "(its candidate kept, no version: `pdctl table show --calibration "
+                f"{cal['id']}`)" if cal.get("policy_status") == "rejected"
                 else f"(not stored: {cal['not_stored'] or 'no policy'})")
         console.print(f"[bold]calib.[/]   #{cal['id']} at {_t(cal['at'])} ({cal['trigger']}): "
                       f"{verdict} {what} — {cal['reason']}")

@@ -65,6 +65,10 @@ def show(
     desired: Annotated[bool, typer.Option(
         "--desired", help="Show the stored policy the fleet's routers are desired to run "
         "(a canary's routers are named).")] = False,
+    calibration: Annotated[int | None, typer.Option(
+        "--calibration", min=1, help="Show the policy calibration ID produced: its version's, "
+        "or the candidate the guardrail refused (kept with the calibration, no version).")
+    ] = None,
     url: Annotated[str | None, typer.Option(
         "--url", help="Database URL for --version / --desired (overrides the config).")] = None,
     config: Annotated[Path | None, typer.Option(
@@ -76,20 +80,27 @@ def show(
 ) -> None:
     """Print a policy: header, then per io-ratio bin a context x qps grid of route and score.
 
-    The policy comes from a file, or from the store: --version N (any stored version,
-    rejected candidates too) or --desired (the fleet's). P = prefill node (classic P/D),
-    L = decode-local (PPD). Exits 2 on an invalid file or no such version (listing every
-    problem of a file with its field path), 3 when the store is unavailable.
+    The policy comes from a file, or from the store: --version N (any stored version),
+    --desired (the fleet's) or --calibration ID (what that calibration produced: a candidate
+    the guardrail refused has no version and is shown this way). P = prefill node (classic
+    P/D), L = decode-local (PPD). Exits 2 on an invalid file or no such version or
+    calibration (listing every problem of a file with its field path), 3 when the store is
+    unavailable.
     """
     from rich.console import Console
 
-    chosen = [x for x in (policy_file is not None, version is not None, desired) if x]
+    chosen = [x for x in (policy_file is not None, version is not None, desired,
+                          calibration is not None) if x]
     if len(chosen) != 1:
-        typer.echo("table show takes one of: a policy file, --version N, --desired", err=True)
+        typer.echo("table show takes one of: a policy file, --version N, --desired, "
+                   "--calibration ID", err=True)
         raise typer.Exit(_EXIT_BAD_INPUT)
     stored: list[str] = []
+    label: str | None = None
     if policy_file is not None:
         policy = load_policy_or_exit(policy_file)
+    elif calibration is not None:
+        policy, stored, label = _calibration_policy_or_exit(calibration, url, config)
     else:
         policy, stored = _stored_policy_or_exit(version, url, config)
     if plot is not None:
@@ -100,7 +111,7 @@ def show(
         3 + max(8, len(bin_text(axes.qps, k))) for k in range(axes.shape[2])
     )
     console = Console(width=max(100, width), highlight=False)
-    console.print(_header(policy, stored))
+    console.print(_header(policy, stored, label))
     console.print(
         "Per io-ratio bin: rows = context tokens, columns = qps; each cell shows its route "
         "(P = prefill node, L = decode-local), its score, and * when it explores."
@@ -118,7 +129,6 @@ def _stored_policy_or_exit(version: int | None, url: str | None, config: Path | 
     about it (status, reason, who is desired to run it)."""
     from controller.cli.ops_cmd import open_store
     from controller.loop.policies import read_rollout
-    from controller.policy import PolicyValidationError, loads
 
     store = open_store(url, config)
     try:
@@ -137,12 +147,7 @@ def _stored_policy_or_exit(version: int | None, url: str | None, config: Path | 
     if record is None:
         typer.echo(f"--version {wanted}: no such policy version in the store", err=True)
         raise typer.Exit(_EXIT_BAD_INPUT)
-    try:
-        policy = loads(record.body_json)
-    except PolicyValidationError as e:  # a stored table this release cannot read
-        typer.echo(f"v{wanted} as stored is not a valid policy: "
-                   + "; ".join(f"{p.path}: {p.message}" for p in e.problems), err=True)
-        raise typer.Exit(_EXIT_BAD_INPUT) from None
+    policy = _loads_or_exit(record.body_json, f"v{wanted}")
     routers = sorted(r for r, v in desired.items() if v == wanted)
     role = ("the fleet's" if wanted == rollout.fleet_version else
             "baking as a canary" if wanted == rollout.canary_version else "")
@@ -151,7 +156,49 @@ def _stored_policy_or_exit(version: int | None, url: str | None, config: Path | 
     return policy, lines
 
 
-def _header(policy: Policy, stored: list[str] | None = None) -> Any:
+def _calibration_policy_or_exit(calibration_id: int, url: str | None, config: Path | None
+                                ) -> tuple[Policy, list[str], str | None]:
+    """What calibration ``calibration_id`` produced: its stored version (as ``--version``),
+    or the candidate the guardrail refused, kept with it (no version: ``label`` names it)."""
+    from controller.cli.ops_cmd import open_store
+
+    store = open_store(url, config)
+    try:
+        record = store.calibration(calibration_id)
+    finally:
+        store.close()
+    if record is None:
+        typer.echo(f"--calibration {calibration_id}: no such calibration in the store",
+                   err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT)
+    if record.policy_version is not None:
+        policy, lines = _stored_policy_or_exit(record.policy_version, url, config)
+        return policy, [f"produced by calibration #{calibration_id}", *lines], None
+    details = record.details or {}
+    if record.candidate_body_json is None:
+        why = details.get("not_stored") or ("a dry run" if details.get("dry_run") else
+                                            "no policy")
+        typer.echo(f"--calibration {calibration_id}: it stored no policy ({why})", err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT)
+    policy = _loads_or_exit(record.candidate_body_json, f"calibration #{calibration_id}'s "
+                            "refused candidate")
+    return policy, [f"rejected by the guardrail: {details.get('reason', '-')}",
+                    "desired by no router"], \
+        f"no version: the refused candidate of calibration #{calibration_id}"
+
+
+def _loads_or_exit(body_json: str, what: str) -> Policy:
+    from controller.policy import PolicyValidationError, loads
+
+    try:
+        return loads(body_json)
+    except PolicyValidationError as e:  # a stored table this release cannot read
+        typer.echo(f"{what} as stored is not a valid policy: "
+                   + "; ".join(f"{p.path}: {p.message}" for p in e.problems), err=True)
+        raise typer.Exit(_EXIT_BAD_INPUT) from None
+
+
+def _header(policy: Policy, stored: list[str] | None = None, label: str | None = None) -> Any:
     from rich.table import Table
 
     from controller.policy import Route, first_turn_busy_waiting, later_turn_busy_waiting
@@ -168,7 +215,7 @@ def _header(policy: Policy, stored: list[str] | None = None) -> Any:
     grid.add_column(style="bold")
     grid.add_column()
     rows = [
-        ("policy", f"version {policy.version}"),
+        ("policy", f"version {policy.version}" if label is None else label),
         ("checksum", policy.checksum),
         ("table", f"{' x '.join(map(str, t.axes.shape))} = {n} cells "
                   "(context_tokens x io_ratio x qps); "

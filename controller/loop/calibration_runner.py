@@ -119,7 +119,7 @@ class PhaseReport:
 class ActiveReport:
     phases: list[PhaseReport] = field(default_factory=list)
     calibration_id: int | None = None
-    policy_version: int | None = None  # the first table
+    policy_version: int | None = None  # the first table's (None: refused, it takes none)
     approved: bool = False
     reason: str = ""
     predicted_goodput: dict[str, float | None] = field(default_factory=dict)
@@ -532,13 +532,19 @@ class ActiveCalibrationRunner:
     def _record(self, outcome: CalibrationOutcome, windows: list[tuple[int, Window]],
                 previous: Policy | None, report: ActiveReport) -> Policy:
         """Store the first table and its calibration as the daemon's cycle does; the table
-        (renumbered by the store)."""
+        (renumbered by the store when approved; a refused one takes no version and is kept
+        with its calibration, as the cycle keeps a refused candidate)."""
         with self.store.cycle() as tx:
-            version = tx.next_version()
-            policy = outcome.policy.with_version(version)
-            status = "approved" if outcome.approved else "rejected"
-            tx.add_policy(version, policy.checksum, dumps(policy), status,
-                          f"active calibration: {outcome.reason}")
+            version: int | None = None
+            candidate: tuple[str, str] | None = None
+            policy = outcome.policy
+            if outcome.approved:
+                version = tx.next_version()
+                policy = outcome.policy.with_version(version)
+                tx.add_policy(version, policy.checksum, dumps(policy), "approved",
+                              f"active calibration: {outcome.reason}")
+            else:
+                candidate = (dumps(policy), policy.checksum)
             # Approved: the first table; refused: back to what ran before (with no policy
             # before there is nothing to refuse against: the guardrail approves).
             keep = version if outcome.approved else previous.version if previous else None
@@ -551,6 +557,7 @@ class ActiveCalibrationRunner:
                 {**outcome.details, "trigger": Trigger.ACTIVE, "dry_run": False,
                  "approved": outcome.approved, "reason": outcome.reason,
                  "forced_versions": [p.version for p in report.phases]},
+                candidate=candidate,
             )
         report.policy_version = version
         report.approved = outcome.approved

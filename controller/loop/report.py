@@ -30,7 +30,7 @@ class CycleReport:
     drift: list[str] = field(default_factory=list)
     trigger: Trigger | None = None
     calibration_id: int | None = None
-    candidate_version: int | None = None
+    candidate_version: int | None = None  # None for a refused candidate: it takes none
     candidate_status: PolicyStatus | None = None  # as stored
     not_stored: str = "dry run"  # why a calibration stored no policy (candidate_version None)
     approved_version: int | None = None
@@ -53,8 +53,11 @@ class CycleReport:
         if self.trigger is not None and self.guardrail is not None:
             # The guardrail's reason starts with its verdict; the version's stored status
             # is the cycle's (advisory, and a held rollout, keep an approval back).
-            stored = f"not stored ({self.not_stored})" if self.candidate_version is None \
-                else f"v{self.candidate_version} {self.candidate_status}"
+            stored = (f"v{self.candidate_version} {self.candidate_status}"
+                      if self.candidate_version is not None
+                      else f"rejected, kept with calibration #{self.calibration_id} (no "
+                      "version)" if self.candidate_status is PolicyStatus.REJECTED
+                      else f"not stored ({self.not_stored})")
             parts.append(f"recalibration ({self.trigger}): {stored}, guardrail {self.guardrail}")
         parts += self.requests
         if self.canary:

@@ -276,9 +276,11 @@ class DecisionWriter:
             report.not_stored = not_stored
         outcome, seeded = self._final_outcome(plan, outcome, ops, report, not_stored)
         version: int | None = None
+        candidate: tuple[str, str] | None = None
         reference_for: int | None = None
         if not dry_run:
-            version = self._store_candidate(tx, plan, outcome, seeded, rollout, ops, report)
+            version, candidate = self._store_candidate(tx, plan, outcome, seeded, rollout,
+                                                       ops, report)
         # A refused refit leaves drift measured as it was: it was trained on windows where
         # two policies ran, and the candidate it refitted keeps running.
         if not dry_run and (plan.refit_of is None or outcome.approved):
@@ -300,6 +302,7 @@ class DecisionWriter:
              "refit_of": plan.refit_of, "reference_for": reference_for,
              "link_retry_at": plan.link_retry_at,
              **_scaling_details(plan)},
+            candidate=candidate,
         )
         self._memo.link_retry_at = plan.link_retry_at  # any stored calibration replaces it
 
@@ -327,17 +330,23 @@ class DecisionWriter:
 
     def _store_candidate(self, tx: Tx, plan: Plan, outcome: CalibrationOutcome,
                          seeded: float | None, rollout: Rollout, ops: OperatorState,
-                         report: CycleReport) -> int:
+                         report: CycleReport) -> tuple[int | None, tuple[str, str] | None]:
         """Number and store the calibration's candidate policy (the one place a calibration
         takes a version), with the status :func:`candidate_status` gives it; an approved
-        one becomes desired. Its version."""
+        one becomes desired. Its version; or, for a candidate the guardrail refused, no
+        version and the (policy JSON, checksum) its calibration keeps: a version number
+        is taken only by a policy that can run or be rolled out (approved, held as a
+        candidate, advisory), so refusals in a row leave the versions contiguous."""
+        status, held = candidate_status(outcome.approved, self.config.advisory, ops,
+                                        rollout.canary_version)
+        if status is PolicyStatus.REJECTED:
+            report.candidate_status = status
+            return None, (dumps(outcome.policy), outcome.policy.checksum)
         version = tx.next_version()
         policy = outcome.policy.with_version(version)
         reason = outcome.reason
         if plan.refit_of is not None:
             reason = f"{REFIT_PREFIX}{plan.refit_of}: {reason}"
-        status, held = candidate_status(outcome.approved, self.config.advisory, ops,
-                                        rollout.canary_version)
         if held is not None:
             reason = (f"held as a candidate, not rolled out ({held}); the guardrail's "
                       f"verdict: {outcome.reason}")
@@ -351,7 +360,7 @@ class DecisionWriter:
             self._approve(tx, version, rollout, report)
             self._memo.state_for = version
             self._approved.append((policy, outcome))
-        return version
+        return version, None
 
     def _record_adoption(self, tx: Tx, found: RunningPolicy, report: CycleReport) -> None:
         policy, said, added = record_adoption(tx, found, self.book.routers, "the controller")

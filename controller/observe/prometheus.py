@@ -11,19 +11,28 @@ used, so Thanos and Mimir work too.
 Two ways to turn counters into window increases (``[prometheus] window_mode``):
 
 - ``increase`` (this class's default; the config's is ``edges``): ``increase(x[<W>ms])``
-  evaluated at the window end. Prometheus
-  handles counter resets between every pair of samples; it extrapolates to the window edges,
-  so counts are estimates (means, being ratios of equally extrapolated sums and counts, are
-  not affected).
+  evaluated at the window end, which extrapolates to the window edges, so counts are
+  estimates (means, being ratios of equally extrapolated sums and counts, are not affected).
+  ``increase()`` reads EVERY fall of a counter as a restart and counts the value after it
+  whole (a fall of 0.001 counted a lifetime), so one more query asks ``resets()`` of every
+  cumulative series: a target none of whose series fell is read from ``increase()``; a
+  target one of whose series fell in the window (jitter, a restart) is read at the edges
+  and diffed by the rules of :mod:`controller.observe.counters`, as a scrape is.
 - ``edges`` (``[prometheus] window_mode``'s default): the aggregated cumulative values at
   ``start`` and at ``end`` (two evaluations of the same queries), diffed with the same code
   as a direct scrape: exact counts, resets detected only at the edges.
 
-The client is ``prometheus-api-client`` wrapped: a request timeout, bounded retries with
-``raise_on_status=False``, calls made off the event loop, values read with ``float()``
-(``"NaN"``, ``"+Inf"``), and its three failure shapes (``PrometheusApiClientException``
-holding the HTTP status and error JSON in its message, ``requests`` connection errors,
-``RetryError``) mapped to :class:`PrometheusUnavailable` (transient) or
+Both read ``process_start_time_seconds`` (its maximum per target) with the gauges, so a
+restart is told from a counter that fell, as for a scrape.
+
+The client speaks the HTTP API over ``httpx``: every call within one TOTAL deadline
+(``timeout_s``: connect, headers, body and retries together: a read timeout restarts on
+each byte, so alone it would let a trickling Prometheus hold the loop as long as it
+trickled), and a
+window's calls within one more (:meth:`PrometheusSource.window`); bounded retries on
+connection errors and HTTP 429/502/503/504; answers read by the bounded decoders of
+:mod:`controller.observe.bounded_body` and capped; values read with ``float()`` (``"NaN"``,
+``"+Inf"``). Every failure is :class:`PrometheusUnavailable` (transient) or
 :class:`PrometheusQueryError` (terminal), both :class:`PrometheusError`.
 """
 
@@ -33,15 +42,11 @@ import asyncio
 import json
 import logging
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import requests
-from prometheus_api_client.exceptions import PrometheusApiClientException
-from prometheus_api_client.prometheus_connect import PrometheusConnect
-from urllib3.util.retry import Retry
+import httpx
 
 from controller.core.catalog import (
     ENGINES,
@@ -56,6 +61,8 @@ from controller.core.catalog import (
 from controller.core.exposition import LabelKey, Snapshot, base_name
 from controller.core.window import FailureKind, TargetFailure, Window
 from controller.errors import ControllerError, TerminalError, TransientError
+from controller.observe.bounded_body import ACCEPT_ENCODING, BodyRefused, read_bounded
+from controller.observe.counters import PROCESS_START
 from controller.observe.rediscovery import Rediscovery
 from controller.observe.source import Target
 from controller.observe.window_builder import (
@@ -88,45 +95,40 @@ class PrometheusQueryError(PrometheusError, TerminalError):
         self.error_type = error_type
 
 
-_STATUS = re.compile(r"HTTP Status Code (\d{3}) \((.*)\)\Z", re.S)
+# An API answer larger than this is refused (decoded or as sent): a window's answers are a
+# few MB for hundreds of targets.
+MAX_ANSWER_BYTES = 128 * 1024 * 1024
+_RETRIED_STATUSES = (429, 502, 503, 504)
 
 
-def map_client_error(exc: BaseException) -> PrometheusError:
-    """One domain error for every way the client fails."""
-    if isinstance(exc, PrometheusApiClientException):
-        text = str(exc)
-        m = _STATUS.match(text)
-        status = int(m.group(1)) if m else 0
-        detail, error_type = _error_json(m.group(2) if m else text)
-        if status == 429 or status >= 500 or status == 0:
-            return PrometheusUnavailable(f"Prometheus answered HTTP {status}: {detail}")
-        return PrometheusQueryError(f"Prometheus refused the query (HTTP {status}, "
-                                    f"{error_type or 'error'}): {detail}", error_type)
-    if isinstance(exc, requests.exceptions.JSONDecodeError):  # also a RequestException
-        return PrometheusQueryError(f"Prometheus answered something that is not API JSON: "
-                                    f"{exc}")
-    if isinstance(exc, requests.exceptions.RetryError):
-        return PrometheusUnavailable(f"Prometheus kept failing after the retries: {exc}")
-    if isinstance(exc, requests.exceptions.Timeout):
-        return PrometheusUnavailable(f"Prometheus did not answer in time: {exc}")
-    if isinstance(exc, requests.exceptions.RequestException):
-        return PrometheusUnavailable(f"cannot reach Prometheus: {type(exc).__name__}: {exc}")
-    if isinstance(exc, (ValueError, KeyError, TypeError)):
-        return PrometheusQueryError(f"Prometheus answered something that is not API JSON: "
-                                    f"{exc!r}")
-    return PrometheusUnavailable(f"Prometheus query failed: {exc!r}")
+def _answer_error(status: int, body: bytes) -> PrometheusError:
+    """The error for a non-200 answer: 429 and 5xx transient, anything else a refusal."""
+    detail, error_type = _error_json(body)
+    if status == 429 or status >= 500:
+        return PrometheusUnavailable(f"Prometheus answered HTTP {status}: {detail}")
+    return PrometheusQueryError(f"Prometheus refused the query (HTTP {status}, "
+                                f"{error_type or 'error'}): {detail}", error_type)
 
 
-def _error_json(raw: str) -> tuple[str, str | None]:
-    # The client puts repr(response.content) in the message: b'{"status":"error",...}'.
-    body = raw
-    if len(raw) >= 3 and raw[0] == "b" and raw[1] in "'\"":
-        body = raw[2:-1].encode("latin-1", "backslashreplace").decode("unicode_escape")
+def _error_json(body: bytes) -> tuple[str, str | None]:
+    text = body.decode("utf-8", "replace")
     try:
-        d = json.loads(body)
-        return str(d.get("error", body))[:500], d.get("errorType")
+        d = json.loads(text)
+        return str(d.get("error", text))[:500], d.get("errorType")
     except (ValueError, AttributeError):
-        return body[:500], None
+        return text[:500], None
+
+
+def _api_data(body: bytes) -> Any:
+    """``data`` of a successful API answer, or :class:`PrometheusQueryError`."""
+    try:
+        doc = json.loads(body)
+        if doc.get("status") != "success":
+            raise ValueError(f"status {doc.get('status')!r}")
+        return doc["data"]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PrometheusQueryError(
+            f"Prometheus answered something that is not API JSON: {e!r}") from None
 
 
 def parse_value(raw: Any) -> float:
@@ -135,7 +137,12 @@ def parse_value(raw: Any) -> float:
 
 
 class PrometheusClient:
-    """``PrometheusConnect`` with a timeout, bounded retries and one error type."""
+    """The HTTP API over ``httpx``: one TOTAL deadline per call (``timeout_s``: connect,
+    headers, the whole body and every retry together, so a Prometheus that trickles its
+    answer or never finishes its headers costs at most that), bounded retries on connection
+    errors and HTTP 429/502/503/504, answers capped at :data:`MAX_ANSWER_BYTES` while
+    streaming, and one error type: :class:`PrometheusUnavailable` (transient) or
+    :class:`PrometheusQueryError` (terminal)."""
 
     def __init__(
         self,
@@ -148,56 +155,81 @@ class PrometheusClient:
     ) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        self.requests_sent = 0  # final answers seen (urllib3 retries are not counted here)
-        self._session = requests.Session()
-        self._session.trust_env = False
-        self._session.hooks["response"].append(self._count)
-        retry = Retry(
-            total=retries, connect=retries, read=retries, backoff_factor=backoff_s,
-            status_forcelist=(429, 502, 503, 504), allowed_methods=("GET", "POST"),
-            raise_on_status=False,
-        )
-        # The client's annotations say int/dict; requests takes a float timeout and None.
-        self._api = PrometheusConnect(
-            self.url, headers=dict(headers) if headers else None,  # type: ignore[arg-type]
-            retry=retry, timeout=timeout_s, session=self._session,  # type: ignore[arg-type]
-        )
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.requests_sent = 0  # answers received, retried ones included
+        self._headers = {"Accept": "application/json", "Accept-Encoding": ACCEPT_ENCODING,
+                         **(headers or {})}
+        self._http: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def _count(self, response: requests.Response, *args: Any, **kwargs: Any) -> None:
-        self.requests_sent += 1
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._loop is not loop:  # connections belong to one loop
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s),
+                                           headers=self._headers, trust_env=False,
+                                           follow_redirects=False)
+            self._loop = loop
+        return self._http
 
-    def query_sync(self, promql: str, at: float) -> list[dict[str, Any]]:
-        try:
-            result = self._api.custom_query(promql, params={"time": f"{at:.3f}"})
-        except Exception as e:  # every client failure becomes one domain error
-            raise map_client_error(e) from e
+    async def query(self, promql: str, at: float) -> list[dict[str, Any]]:
+        data = await self._get("/api/v1/query", {"query": promql, "time": f"{at:.3f}"})
+        result = data.get("result") if isinstance(data, dict) else None
         if not isinstance(result, list):
             raise PrometheusQueryError(f"expected a vector result, got {type(result).__name__}")
         return result
 
-    async def query(self, promql: str, at: float) -> list[dict[str, Any]]:
-        return await asyncio.to_thread(self.query_sync, promql, at)
-
-    def targets_sync(self) -> list[dict[str, Any]]:
-        """``/api/v1/targets`` active targets (labels, health, lastError)."""
-        try:
-            r = self._session.get(f"{self.url}/api/v1/targets", params={"state": "active"},
-                                  timeout=self.timeout_s)
-            if r.status_code != 200:
-                raise PrometheusApiClientException(
-                    f"HTTP Status Code {r.status_code} ({r.content!r})")
-            active = r.json()["data"]["activeTargets"]
-        except PrometheusError:
-            raise
-        except Exception as e:
-            raise map_client_error(e) from e
-        return list(active)
-
     async def targets(self) -> list[dict[str, Any]]:
-        return await asyncio.to_thread(self.targets_sync)
+        """``/api/v1/targets`` active targets (labels, health, lastError)."""
+        data = await self._get("/api/v1/targets", {"state": "active"})
+        try:
+            return list(data["activeTargets"])
+        except (KeyError, TypeError) as e:
+            raise PrometheusQueryError(
+                f"Prometheus answered something that is not API JSON: {e!r}") from None
 
-    def close(self) -> None:
-        self._session.close()
+    async def _get(self, path: str, params: Mapping[str, str]) -> Any:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self._attempts(path, params)
+        except TimeoutError:
+            raise PrometheusUnavailable(f"Prometheus did not answer in time: no whole answer "
+                                        f"within {self.timeout_s:g} s") from None
+
+    async def _attempts(self, path: str, params: Mapping[str, str]) -> Any:
+        last: PrometheusError | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                status, body = await self._once(path, params)
+            except httpx.TransportError as e:
+                last = PrometheusUnavailable(
+                    f"cannot reach Prometheus: {type(e).__name__}: {e}")
+                continue
+            except BodyRefused as e:
+                raise PrometheusUnavailable(f"Prometheus' answer refused: {e}") from None
+            if status == 200:
+                return _api_data(body)
+            last = _answer_error(status, body)
+            if status not in _RETRIED_STATUSES:
+                raise last
+        assert last is not None
+        raise last
+
+    async def _once(self, path: str, params: Mapping[str, str]) -> tuple[int, bytes]:
+        async with self._client().stream("GET", self.url + path, params=dict(params)
+                                         ) as response:
+            self.requests_sent += 1
+            body = await read_bounded(response.aiter_raw(),
+                                      response.headers.get("content-encoding", ""),
+                                      MAX_ANSWER_BYTES)
+            return response.status_code, body
+
+    async def aclose(self) -> None:
+        http, self._http = self._http, None
+        if http is not None:
+            await http.aclose()
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +263,8 @@ def _catalog_series() -> tuple[dict[tuple[str, tuple[tuple[str, str], ...]], His
             if m not in histogram_families:
                 gauges.setdefault(m, "sum")  # presence is all that matters for markers
     gauges[ROUTER.qps] = "sum"
+    # Tells a restart from a counter that fell (observe.counters), as for a scrape.
+    gauges[PROCESS_START] = "max"
     return hist_specs, counters, gauges
 
 
@@ -244,11 +278,7 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
     hist_specs, counters, gauges = _catalog_series()
 
     def selector(name: str, match: tuple[tuple[str, str], ...] = ()) -> str:
-        stored = name.replace(":", "_") if escaped_names else name
-        if has_replica_ranks(name):  # the total, not the priority classes beside it (also
-            match = (*match, (PRIORITY_LABEL, ""))  # the series without the label)
-        matchers = [f'{k}="{v}"' for k, v in match]
-        return stored + "{" + ",".join(matchers) + "}" if matchers else stored
+        return _selector(name, match, escaped_names)
 
     def term(series: str, labels: tuple[str, ...], match: tuple[tuple[str, str], ...] = (),
              aggregate: str = "sum", cumulative: bool = True) -> str:
@@ -285,6 +315,46 @@ def build_queries(window_ms: int | None, *, escaped_names: bool = False) -> list
         _Query("counters", " or ".join(counter_terms)),
         _Query("gauges", " or ".join(gauge_terms)),
     ]
+
+
+def _selector(name: str, match: tuple[tuple[str, str], ...], escaped_names: bool) -> str:
+    stored = name.replace(":", "_") if escaped_names else name
+    if has_replica_ranks(name):  # the total, not the priority classes beside it (also
+        match = (*match, (PRIORITY_LABEL, ""))  # the series without the label)
+    matchers = [f'{k}="{v}"' for k, v in match]
+    return stored + "{" + ",".join(matchers) + "}" if matchers else stored
+
+
+def _cumulative_series() -> list[tuple[str, tuple[tuple[str, str], ...]]]:
+    """Every cumulative series the window queries read, with its label matchers."""
+    hist_specs, counters, _ = _catalog_series()
+    out: list[tuple[str, tuple[tuple[str, str], ...]]] = []
+    for spec in hist_specs.values():
+        out += [(spec.family + suffix, spec.match) for suffix in ("_bucket", "_sum", "_count")]
+    out += [(f + "_bucket", ()) for f in (ROUTER.context_tokens, ROUTER.io_ratio)]
+    out += [(f + suffix, ()) for f in (ROUTER.ttft, ROUTER.tpot) for suffix in ("_sum", "_count")]
+    out += [(c.sample, ()) for c in counters.values()]
+    out.append((ROUTER.requests, ()))
+    return list(dict.fromkeys(out))
+
+
+def build_resets_query(window_ms: int, *, escaped_names: bool = False) -> str:
+    """Per instance and series: how many times a cumulative series fell between two of its
+    samples in the window (``resets()``). Where none did, ``increase()`` read it right;
+    where one did, ``increase()`` took the fall for a restart and counted the value after
+    it whole (a fall of 0.001 counted a lifetime)."""
+    terms = [
+        f'label_replace(sum by (instance) (resets({_selector(name, match, escaped_names)}'
+        f'[{window_ms}ms])), "{SERIES_LABEL}", "{name}", "instance", ".*")'
+        for name, match in _cumulative_series()
+    ]
+    return " or ".join(terms)
+
+
+def _fell(rows: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The instances some cumulative series of which fell in the window."""
+    return {str(r["metric"].get("instance", "")) for r in rows
+            if parse_value(r["value"][1]) > 0}
 
 
 # Per series (instance and job): each one's value and the time of its newest sample. An
@@ -357,10 +427,8 @@ class PrometheusSource:
     def targets(self) -> Sequence[Target]:
         return list(self._targets)
 
-    async def _collect(
-        self, at: float, window_ms: int | None
-    ) -> dict[str, dict[str, dict[LabelKey, float]]]:
-        merged: dict[str, dict[str, dict[LabelKey, float]]] = {}
+    async def _collect(self, at: float, window_ms: int | None) -> Samples:
+        merged: Samples = {}
         answers = await asyncio.gather(
             *(self._client.query(q.promql, at)
               for q in build_queries(window_ms, escaped_names=self._escaped))
@@ -378,6 +446,20 @@ class PrometheusSource:
             self._rediscovery.require(self._targets)
 
     async def window(self, start: float, end: float) -> Window:
+        """The window ``[start, end]``, within ONE total deadline (``[prometheus]
+        timeout_s``) for every query and discovery call it makes: past it the window fails
+        with :class:`PrometheusUnavailable` naming the deadline (the cycle skips with that
+        reason and the loop goes on), whatever Prometheus sends and however slowly."""
+        deadline = self._client.timeout_s
+        try:
+            async with asyncio.timeout(deadline):
+                return await self._window(start, end)
+        except TimeoutError:
+            raise PrometheusUnavailable(
+                f"Prometheus did not answer this window's queries within {deadline:g} s "
+                "(a total deadline: [prometheus] timeout_s)") from None
+
+    async def _window(self, start: float, end: float) -> Window:
         await self._refresh_targets(end)
         up_values, up_times = await asyncio.gather(
             self._client.query(UP_SERIES_QUERY, end), self._client.query(UP_TIMES_QUERY, end))
@@ -385,18 +467,9 @@ class PrometheusSource:
         fresh = {name: [s for s in rows if s.sampled_at > start]
                  for name, rows in series.items()}
         up = {name: rows[0].value for name, rows in fresh.items() if len(rows) == 1}
-        baseline_at: dict[str, float] = {}
-        if self._mode == "increase":
-            window_ms = max(1, round((end - start) * 1000))
-            at_end = await self._collect(end, window_ms)
-            at_start: dict[str, dict[str, dict[LabelKey, float]]] | None = None
-        else:
-            at_end, at_start, baseline_rows = await asyncio.gather(
-                self._collect(end, None), self._collect(start, None),
-                self._client.query(BASELINE_TIMES_QUERY, start))
-            baseline_at = {r["metric"].get("instance", ""): parse_value(r["value"][1])
-                           for r in baseline_rows}
         down = [t for t in self._targets if up.get(t.name) != 1.0]
+        counted = await self._counted(start, end, {t.name for t in self._targets
+                                                   if t not in down})
         errors: dict[str, str] = {}
         if down:
             errors = await self._scrape_errors()
@@ -405,54 +478,55 @@ class PrometheusSource:
             if t in down:
                 results.append(TargetResult(t.name, t.role, failure=_down(
                     t.name, series.get(t.name, []), fresh.get(t.name, []), errors, end)))
-                continue
-            start_samples = None if at_start is None else at_start.get(t.name, {})
-            # The start edge's sample from before a gap (Prometheus down or behind): the
-            # diff would put the gap's traffic in this window (12x the rate in one). Gauges
-            # only, as after a restart.
-            if start_samples is not None \
-                    and not baseline_at.get(t.name, -math.inf) >= start - max(end - start, 1.0):
-                start_samples = {}
-            results.append(TargetResult(t.name, t.role, delta=self._delta(
-                t.name, at_end.get(t.name, {}), start_samples, start, end,
-                worker=t.role != "router")))
+            else:
+                results.append(TargetResult(t.name, t.role, delta=self._target_delta(
+                    t, counted, start, end)))
         return assemble_window(
             start, end, results, source=f"{self.name}:{self._mode}",
             ctx_labels=CONTEXT_BINS.labels, io_labels=IO_RATIO_BINS.labels,
         )
 
-    def _delta(
-        self,
-        instance: str,
-        end_samples: dict[str, dict[LabelKey, float]],
-        start_samples: dict[str, dict[LabelKey, float]] | None,
-        start: float,
-        end: float,
-        *,
-        worker: bool = True,
-    ) -> TargetDelta:
-        families = frozenset(base_name(s) for s in end_samples)
-        if start_samples is None:  # increase mode: rows are already window increases
-            gauges: dict[str, dict[LabelKey, float]] = {}
-            increases: dict[str, dict[LabelKey, float]] = {}
-            gauge_names = _gauge_names()
-            for series, values in end_samples.items():
-                clean = {k: v for k, v in values.items() if not math.isnan(v)}
-                (gauges if series in gauge_names else increases)[series] = clean
-            # A worker exports counters from its start (vLLM and SGLang create their
-            # series up front): none at all means fewer than two samples in the window
-            # (increase() needs two), a first window, not families the engine lacks.
-            sampled = bool(increases) or not worker
-            notes = [] if sampled else [TargetFailure(
-                instance, FailureKind.NO_BASELINE,
-                "no counter has two samples in the window (increase() "
-                "needs two): scraped less often than the window, or just started")]
-            return TargetDelta(target=instance, families=families, increases=increases,
-                               gauges=gauges, has_baseline=sampled, families_known=sampled,
-                               notes=notes)
-        # edges mode: the cumulative values at both edges, diffed like two scrapes
-        prev = Snapshot(instance, start, start_samples, frozenset(start_samples))
-        cur = Snapshot(instance, end, end_samples, families)
+    async def _counted(self, start: float, end: float, live: set[str]) -> _Counted:
+        """The window's counter readings: the edges' cumulative values (``edges`` mode);
+        ``increase()`` at the end and, for the live targets a cumulative series of which
+        fell in the window, the edges too (``increase`` mode)."""
+        if self._mode == "edges":
+            return _Counted(edges=await self._edges(start, end))
+        window_ms = max(1, round((end - start) * 1000))
+        increases, resets = await asyncio.gather(
+            self._collect(end, window_ms),
+            self._client.query(build_resets_query(window_ms, escaped_names=self._escaped),
+                               end))
+        fell = frozenset(_fell(resets) & live)
+        edges = await self._edges(start, end) if fell else None
+        return _Counted(increases=increases, fell=fell, edges=edges)
+
+    async def _edges(self, start: float, end: float) -> _Edges:
+        at_end, at_start, baseline_rows = await asyncio.gather(
+            self._collect(end, None), self._collect(start, None),
+            self._client.query(BASELINE_TIMES_QUERY, start))
+        baseline_at = {r["metric"].get("instance", ""): parse_value(r["value"][1])
+                       for r in baseline_rows}
+        return _Edges(at_end, at_start, baseline_at)
+
+    def _target_delta(self, t: Target, counted: _Counted, start: float, end: float
+                      ) -> TargetDelta:
+        worker = t.role != "router"
+        if counted.increases is not None and t.name not in counted.fell:
+            return _increase_delta(t.name, counted.increases.get(t.name, {}), worker=worker)
+        # The edges diffed like two scrapes, by the same rules (observe.counters): edges
+        # mode, or increase mode where a series fell (jitter, a restart) in the window.
+        assert counted.edges is not None
+        edges = counted.edges
+        start_samples = edges.at_start.get(t.name, {})
+        # The start edge's sample from before a gap (Prometheus down or behind): the diff
+        # would put the gap's traffic in this window (12x the rate in one). Gauges only, as
+        # after a restart.
+        if not edges.baseline_at.get(t.name, -math.inf) >= start - max(end - start, 1.0):
+            start_samples = {}
+        end_samples = edges.at_end.get(t.name, {})
+        prev = Snapshot(t.name, start, start_samples, frozenset(start_samples))
+        cur = Snapshot(t.name, end, end_samples, frozenset(base_name(s) for s in end_samples))
         return diff_snapshots(prev if start_samples else None, cur, announced=False)
 
     async def _scrape_errors(self) -> dict[str, str]:
@@ -471,11 +545,50 @@ class PrometheusSource:
         return None  # each window is a range query over exactly [start, end]
 
     async def aclose(self) -> None:
-        await asyncio.to_thread(self._client.close)
+        await self._client.aclose()
+
+
+Samples = dict[str, dict[str, dict[LabelKey, float]]]  # instance -> series -> labels -> value
+
+
+@dataclass(frozen=True, slots=True)
+class _Edges:
+    at_end: Samples
+    at_start: Samples
+    baseline_at: dict[str, float]  # instance -> its newest sample's time at the start edge
+
+
+@dataclass(frozen=True, slots=True)
+class _Counted:
+    increases: Samples | None = None  # increase mode: increase() at the end
+    fell: frozenset[str] = frozenset()  # increase mode: read at the edges instead
+    edges: _Edges | None = None
+
+
+def _increase_delta(instance: str, end_samples: dict[str, dict[LabelKey, float]], *,
+                    worker: bool) -> TargetDelta:
+    """A target's delta from ``increase()`` rows (already window increases) and gauges."""
+    families = frozenset(base_name(s) for s in end_samples)
+    gauges: dict[str, dict[LabelKey, float]] = {}
+    increases: dict[str, dict[LabelKey, float]] = {}
+    gauge_names = _gauge_names()
+    for series, values in end_samples.items():
+        clean = {k: v for k, v in values.items() if not math.isnan(v)}
+        (gauges if series in gauge_names else increases)[series] = clean
+    # A worker exports counters from its start (vLLM and SGLang create their series up
+    # front): none at all means fewer than two samples in the window (increase() needs
+    # two), a first window, not families the engine lacks.
+    sampled = bool(increases) or not worker
+    notes = [] if sampled else [TargetFailure(
+        instance, FailureKind.NO_BASELINE, "no counter has two samples in the window (increase() "
+        "needs two): scraped less often than the window, or just started")]
+    return TargetDelta(target=instance, families=families, increases=increases,
+                       gauges=gauges, has_baseline=sampled, families_known=sampled,
+                       notes=notes)
 
 
 def _gauge_names() -> frozenset[str]:
-    names = {ROUTER.qps}
+    names = {ROUTER.qps, PROCESS_START}
     for engine in ENGINES:
         names |= {spec.family for spec in engine.all_specs()
                   if isinstance(spec, GaugeSpec)

@@ -109,6 +109,11 @@ class CalibrationRow(Base):
     # The policy whose drift reference this calibration renewed (details["reference_for"],
     # indexed: a restart or a rollback looks it up, 0004).
     reference_for: Mapped[int | None] = mapped_column(BigInteger, nullable=True, index=True)
+    # The candidate the guardrail refused (the policy JSON file format, its version field a
+    # placeholder) and its checksum: a refused candidate takes no policy version (0008).
+    # NULL for every other calibration.
+    candidate_body: Mapped[str | None] = mapped_column(Text, nullable=True)
+    candidate_checksum: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class RouterDesiredRow(Base):

@@ -45,6 +45,15 @@ class CalibrationRecord:
     predicted_goodput_current: float | None
     policy_version: int | None
     details: Any
+    # A candidate the guardrail refused, kept here instead of under a version (0008): the
+    # policy JSON (its version field a placeholder) and its checksum; None otherwise.
+    candidate_body_json: str | None = None
+    candidate_checksum: str | None = None
+
+    @property
+    def rejected_candidate(self) -> bool:
+        """The calibration keeps a refused candidate (no version was taken for it)."""
+        return self.candidate_body_json is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -499,7 +499,14 @@ class Tx:
         policy_version: int | None = None,
         details: Mapping[str, Any] | None = None,
         at: datetime | None = None,
+        candidate: tuple[str, str] | None = None,
     ) -> int:
+        """Store a calibration. ``candidate``: the (policy JSON, checksum) of a candidate the
+        guardrail refused, kept with the calibration in place of a policy version (a refused
+        candidate takes no version); never together with ``policy_version``."""
+        if candidate is not None and policy_version is not None:
+            raise StoreError("a calibration keeps a refused candidate or names its policy "
+                             f"version (v{policy_version}), not both")
         ids = sorted(int(i) for i in training_window_ids)
         renewed = (details or {}).get("reference_for")
         row = CalibrationRow(
@@ -509,6 +516,8 @@ class Tx:
             heldout_error=dict(heldout_error), predicted_goodput_new=predicted_goodput_new,
             predicted_goodput_current=predicted_goodput_current, policy_version=policy_version,
             details=None if details is None else dict(details),
+            candidate_body=None if candidate is None else candidate[0],
+            candidate_checksum=None if candidate is None else candidate[1],
         )
         self._s.add(row)
         self._s.flush()
@@ -529,6 +538,12 @@ class Tx:
             _calibration(r)
             for (r,) in self._newest(q, CalibrationRow.created_at, CalibrationRow.id, limit)
         ]
+
+    def calibration(self, calibration_id: int) -> CalibrationRecord | None:
+        """One calibration by its id (a refused candidate is found this way: it has no
+        version)."""
+        row = self._s.get(CalibrationRow, calibration_id)
+        return None if row is None else _calibration(row)
 
     def newest_renewal(self, policy_version: int) -> CalibrationRecord | None:
         """The newest calibration that renewed ``policy_version``'s drift reference."""
@@ -980,6 +995,7 @@ class Store:
     add_calibration = _in_own_transaction(Tx.add_calibration)
     calibrations = _in_own_transaction(Tx.calibrations)
     calibration_for = _in_own_transaction(Tx.calibration_for)
+    calibration = _in_own_transaction(Tx.calibration)
     newest_renewal = _in_own_transaction(Tx.newest_renewal)
     add_recommendation = _in_own_transaction(Tx.add_recommendation)
     recommendations = _in_own_transaction(Tx.recommendations)
@@ -1068,7 +1084,8 @@ def _calibration(r: CalibrationRow) -> CalibrationRecord:
         heldout_error=r.heldout_error, predicted_goodput_new=r.predicted_goodput_new,
         predicted_goodput_current=r.predicted_goodput_current,
         policy_version=None if r.policy_version is None else int(r.policy_version),
-        details=r.details,
+        details=r.details, candidate_body_json=r.candidate_body,
+        candidate_checksum=r.candidate_checksum,
     )
 
 

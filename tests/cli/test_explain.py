@@ -300,3 +300,45 @@ def test_drift_of_an_adopted_version_replays_from_its_renewal_not_a_later_dry_ru
     assert doc["windows_replayed"] == len(later)
     human = runner.invoke(app, ["drift", "--config", str(config)])
     assert f"calibration #{renewal} (policy v1)" in human.output, human.output
+
+
+def test_explain_by_calibration_uses_its_refused_candidate_kept_without_a_version(
+        tmp_path: Path) -> None:
+    """A candidate the guardrail refused takes no version: it is kept with its calibration,
+    and `explain --calibration ID` decides with it; the routers' explain is unchanged."""
+    from dataclasses import replace
+
+    from controller.policy import LookupTable
+
+    config = _config(tmp_path)
+    first = _calibrated(config)
+    features = Features(3, 24576, 141, 200, 2.0)
+    store = open_store(config)
+    try:
+        with store.read() as tx:
+            rec, first_cal = tx.policy(first), tx.calibration_for(first)
+        assert rec is not None and first_cal is not None
+        learned = loads(rec.body_json)
+        ours = decide(learned, features, lambda: 1.0).route
+        other = Route.DECODE_LOCAL if ours == Route.PREFILL_NODE else Route.PREFILL_NODE
+        candidate = replace(learned, table=LookupTable.uniform(other, axes=learned.table.axes))
+        with store.cycle() as tx:
+            kept = tx.add_calibration(first_cal.training_window_ids, first_cal.heldout_error,
+                                      0.5, 0.9, None, {"approved": False, "reason": "no"},
+                                      candidate=(dumps(candidate), candidate.checksum))
+            assert tx.next_version() == first + 1
+    finally:
+        store.close()
+    args = ["explain", "--turn", "3", "--context", "24576", "--append", "141", "--output",
+            "200", "--qps", "2", "--config", str(config)]
+    r = runner.invoke(app, [*args, "--json", "--calibration", str(kept)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["decision"] == other.name and doc["calibration_id"] == kept
+    assert doc["rejected_candidate"] is True and doc["policy_version"] is None
+    human = runner.invoke(app, [*args, "--calibration", str(kept)])
+    assert "its candidate, refused by the guardrail: no version" in human.output, human.output
+    current = json.loads(runner.invoke(app, [*args, "--json"]).output)
+    assert current["decision"] == ours.name and current["policy_version"] == first
+    missing = runner.invoke(app, [*args, "--calibration", "99"])
+    assert missing.exit_code == 2 and "no calibration #99" in missing.output

@@ -309,3 +309,20 @@ def test_a_dry_run_outcome_an_older_daemon_recorded_still_reads_as_a_dry_run() -
     # A request that is not a dry run reads as before.
     real = request_line(SimpleNamespace(**{**old.__dict__, "args": {"dry_run": False}}))
     assert real.endswith(": done — approved: predicted goodput 0.94 vs current 0.91")
+
+
+def test_status_names_a_refused_candidate_kept_with_its_calibration(tmp_path: Path) -> None:
+    from controller.store import Store
+
+    with Store(_url(tmp_path)) as store:
+        store.upgrade()
+        store.add_calibration([], {}, 0.8, 0.9, None, {"approved": False, "reason": "worse",
+                                                       "trigger": "drift"},
+                              candidate=("{}", "ab" * 32))
+    doc = json.loads(runner.invoke(app, ["status", "--url", _url(tmp_path), "--json"]).output)
+    cal = doc["last_calibration"]
+    assert (cal["policy_version"], cal["policy_status"], cal["not_stored"]) == \
+        (None, "rejected", None)
+    text = runner.invoke(app, ["status", "--url", _url(tmp_path)])
+    assert text.exit_code == 0, text.output
+    assert "not approved (its candidate kept, no version" in text.output

@@ -246,7 +246,9 @@ def test_new_refuses_bad_arguments(args: list[str], message: str) -> None:
 
 
 def _stored(tmp_path: Path) -> str:
-    """A store holding v4 (approved, every router's) and v5 (a rejected candidate)."""
+    """A store holding v4 (approved, every router's) and v5 (a rejected policy, as stored
+    before 0008), calibration #1 (v4's), #2 (a refused candidate, kept without a version)
+    and #3 (a dry run)."""
     url = f"sqlite:///{tmp_path / 'history.db'}"
     with upgraded_store(url) as store, store.cycle() as tx:
         for v, status in ((4, "approved"), (5, "rejected")):
@@ -254,6 +256,13 @@ def _stored(tmp_path: Path) -> str:
             tx.add_policy(v, p.checksum, dumps(p), status, f"v{v} for the test")
         for router in ("r0", "r1"):
             tx.set_desired(router, 4)
+        refused = mixed_policy(6)  # its version field a placeholder: none was taken
+        tx.add_calibration([], {}, 0.80, 0.85, 4)
+        tx.add_calibration([], {}, 0.80, 0.85, None,
+                           {"approved": False, "reason": "predicted 0.80 < 0.85"},
+                           candidate=(dumps(refused), refused.checksum))
+        tx.add_calibration([], {}, 0.80, 0.85, None, {"dry_run": True,
+                                                      "not_stored": "dry run"})
     return url
 
 
@@ -275,11 +284,37 @@ def test_show_reads_a_stored_version_or_the_desired_one_as_a_file_would(
     assert "desired by no router" in rejected.stdout
 
 
+def test_show_by_calibration_reads_its_version_or_its_refused_candidate(
+        tmp_path: Path) -> None:
+    """A candidate the guardrail refused takes no version: it is kept with its calibration
+    and shown by the calibration's id."""
+    from controller.store import Store
+
+    url = _stored(tmp_path)
+    refused = mixed_policy(6)
+    with Store(url) as store:
+        assert store.next_version() == 6
+    own = runner.invoke(app, ["table", "show", "--calibration", "1", "--url", url])
+    assert own.exit_code == 0, own.output
+    assert "version 4" in own.stdout and "produced by calibration #1" in own.stdout
+    shown = runner.invoke(app, ["table", "show", "--calibration", "2", "--url", url])
+    assert shown.exit_code == 0, shown.output
+    assert "no version: the refused candidate of calibration #2" in shown.stdout
+    assert refused.checksum in shown.stdout
+    assert "rejected by the guardrail: predicted 0.80 < 0.85" in shown.stdout
+    assert "desired by no router" in shown.stdout
+    assert grid_rows(shown.stdout) == grid_rows(
+        runner.invoke(app, ["table", "show", "--version", "5", "--url", url]).stdout)
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--version", "9"], "--version 9: no such policy version"),
     (["--version", "4", "FILE"], "one of: a policy file, --version N, --desired"),
     (["--version", "4", "--desired"], "one of: a policy file, --version N, --desired"),
     ([], "one of: a policy file, --version N, --desired"),
+    (["--calibration", "9"], "--calibration 9: no such calibration"),
+    (["--calibration", "3"], "--calibration 3: it stored no policy (dry run)"),
+    (["--calibration", "1", "--version", "4"], "--desired, --calibration ID"),
 ])
 def test_show_from_the_store_refuses_what_it_cannot_show(
         tmp_path: Path, policy_file: Path, args: list[str], message: str) -> None:

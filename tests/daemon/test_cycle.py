@@ -113,10 +113,11 @@ async def test_drift_calibrate_canary_promote_all_acked(tmp_path: Path) -> None:
     assert [(e.kind, e.statistic > e.threshold) for e in events] == [("workload", True)]
     cals = rig.store.calibrations()
     # The bootstrap, the drift, and the canary's refit at the end of its bake: refused (the
-    # scripted refit finds nothing better), kept as history, never desired.
-    assert [c.policy_version for c in cals] == [1, 2, 3]
+    # scripted refit finds nothing better), kept with its calibration, no version taken.
+    assert [c.policy_version for c in cals] == [1, 2, None]
     assert [c.details["trigger"] for c in cals[1:]] == ["drift", "canary"]
-    assert rig.store.policy(3).status == "rejected"  # type: ignore[union-attr]
+    assert cals[2].rejected_candidate and rig.store.policy(3) is None
+    assert rig.store.next_version() == 3
     # Exactly one approval per decision: the bootstrap and the drift.
     assert [p.version for p in rig.store.policies(status="approved")] == [1, 2]
     assert _metric(rig.registry, "pdctl_policy_changes_total") == 2
@@ -308,7 +309,7 @@ async def test_a_promotion_that_overloads_the_fleet_is_rolled_back(
     assert [_metric(rig.registry, "pdctl_rollbacks_total", {"by": by})
             for by in ("canary", "watch", "operator")] == [0, 1, 0]
     assert _metric(rig.registry, "pdctl_desired_policy_version") == 1
-    assert rig.store.next_version() == 4  # the refit at the end of the bake was v3
+    assert rig.store.next_version() == 3  # the refit refused at the end of the bake took none
     from controller.cli.ops_cmd import _print_status, status_doc
 
     rig.learner.fire = True  # a later candidate: the newest policy is no longer v2
@@ -454,16 +455,18 @@ async def test_restart_and_rollback_restore_the_reference_last_renewed_for_the_p
     report = await rig.step()
     assert report.trigger == "drift" and report.approved_version is None
     renewal = rig.store.calibrations()[-1]
-    assert renewal.policy_version == 2 and renewal.details["reference_for"] == 1
+    # the refused candidate took no version: kept with the calibration that renewed v1
+    assert renewal.policy_version is None and renewal.rejected_candidate
+    assert renewal.details["reference_for"] == 1
     first = rig.store.calibration_for(1)
     assert first is not None and first.details["reference_for"] == 1
     rig.learner.restored.clear()
     rig.new_cycle()
     await rig.step()
     assert rig.learner.restored == [2]
-    rig.source.goodput = {1: 0.90, 3: 0.55}
+    rig.source.goodput = {1: 0.90, 2: 0.55}
     rig.learner.approve, rig.learner.regime_only, rig.learner.fire = True, False, True
-    assert (await rig.step()).approved_version == 3
+    assert (await rig.step()).approved_version == 2
     await _until_canary(rig, lambda text: "worse" in text)
     assert _desired(rig) == dict.fromkeys(rig.agents, 1)
     await rig.step()
@@ -687,7 +690,7 @@ async def test_a_refused_drift_calibration_goes_to_the_learner_and_is_not_retrie
     rig.learner.approve = True
     rig.learner.fire = True  # the same shift, measured against the kept reference
     again = await rig.step()
-    assert again.trigger == "drift" and again.approved_version == 3
+    assert again.trigger == "drift" and again.approved_version == 2  # the refusal took none
     assert [c.details["trigger"] for c in rig.store.calibrations()][1:] == ["drift", "drift"]
 
 
@@ -716,9 +719,14 @@ async def test_guardrail_rejection_is_recorded_and_pushes_nothing(tmp_path: Path
     rig.learner.approve = False
     rig.learner.fire = True
     report = await rig.step()
-    assert report.candidate_version == 2 and report.approved_version is None
-    v2 = rig.store.policy(2)
-    assert v2 is not None and v2.status == "rejected" and "rejected" in v2.reason
+    # Refused: no version taken; the candidate is kept with its calibration.
+    assert report.candidate_version is None and report.approved_version is None
+    assert report.candidate_status == "rejected" and rig.store.policy(2) is None
+    assert rig.store.next_version() == 2
+    kept = rig.store.calibration(report.calibration_id)  # type: ignore[arg-type]
+    assert kept is not None and kept.rejected_candidate and kept.policy_version is None
+    assert "rejected" in kept.details["reason"]
+    assert f"rejected, kept with calibration #{kept.id} (no version)" in report.summary()
     assert rig.applies() == applies
     assert _metric(rig.registry, "pdctl_guardrail_decisions_total",
                    {"decision": "rejected"}) == 1
@@ -802,8 +810,8 @@ async def test_pin_holds_a_version_until_unpinned(tmp_path: Path) -> None:
     await rig.step()
     assert operator_state(rig.store.requests()).pinned is None
     rig.learner.fire = True
-    # v3 is the refused refit of v2's canary, kept as history.
-    assert (await rig.step()).approved_version == 4
+    # The refused refit of v2's canary is kept with its calibration: it took no version.
+    assert (await rig.step()).approved_version == 3
 
 
 @pytest.mark.parametrize("args", [

@@ -28,8 +28,8 @@ async def test_on_approval_sees_each_approved_policy_and_none_refused(tmp_path: 
     assert [v for v, _ in seen] == [1]
     rig.learner.approve = True
     rig.learner.fire = True
-    assert (await rig.step()).approved_version == 3
-    assert [v for v, _ in seen] == [1, 3]
+    assert (await rig.step()).approved_version == 2  # the refused candidate took none
+    assert [v for v, _ in seen] == [1, 2]
     assert rig.store.desired_versions()  # the stored rollout went ahead as before
 
 

@@ -1,29 +1,38 @@
 """Counters that go backwards by a little, restarts and label changes (issue 39, class 4):
 a real HTTP server serving a vLLM worker's exposition, scraped by the real ScrapeSource;
 the PromQL ``edges`` path runs the same diff (``announced=False``), checked on the same
-snapshots. Never a rate from a lifetime total."""
+snapshots; the PromQL ``increase`` path through a real Prometheus scraping the server. Never
+a rate from a lifetime total."""
 
 from __future__ import annotations
 
+import asyncio
 import re
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 from prometheus_client import generate_latest
 
+from controller.clock import WallClock
 from controller.core.exposition import parse_exposition
 from controller.core.window import FailureKind, Window
 from controller.observe.counters import decrease_tolerance
+from controller.observe.prometheus import PrometheusClient, PrometheusSource
 from controller.observe.scrape import ScrapeSource
 from controller.observe.source import Target
 from controller.observe.window_builder import diff_snapshots
+from tests.conftest import require
 from tests.observe.cluster import VllmWorker
+from tests.observe.promserver import HOW_TO_INSTALL, PROMETHEUS, PromServer
 from tests.observe.textserver import TextServer
 
 pytestmark = [pytest.mark.integration]
 
 WINDOW_S = 30.0
 LIFETIME = 27_000  # requests before the test's first scrape
+CLOCK = WallClock()
 
 
 def _worker(model: str = "llama-3.1-8b", requests: int = LIFETIME) -> VllmWorker:
@@ -157,3 +166,84 @@ def test_the_promql_edges_path_follows_the_same_rules() -> None:
 def test_the_tolerance_is_relative_with_a_floor() -> None:
     assert decrease_tolerance(0.5) == 0.01
     assert decrease_tolerance(27_000.0) == pytest.approx(2.7)
+
+
+class DriftingWorker:
+    """A vLLM worker served per scrape: 9 requests/s finished (``stop``) on the wall clock;
+    with ``falling``, the ``length`` count (5,000 of its lifetime) falls by 0.001 at every
+    scrape, as an exporter summing floats in another order may. ``restart`` makes it a new
+    process (a new start time, 45 requests since)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.worker, self.started = _worker(), 100.0
+        self.worker.success["length"].inc(5000)
+        self.since, self.falling, self.scrapes = time.monotonic(), False, 0
+
+    def restart(self) -> None:
+        with self.lock:
+            self.worker, self.started = _worker(requests=45), 5000.0
+            self.since, self.falling = time.monotonic(), False
+
+    def render(self) -> str:
+        with self.lock:
+            now = time.monotonic()
+            self.worker.success["stop"].inc(9 * (now - self.since))
+            self.since = now
+            self.scrapes += 1
+            text = _text(self.worker, self.started)
+            if self.falling:
+                fall = 0.001 * self.scrapes
+                text = re.sub(r'^(vllm:request_success_total\{[^}]*finished_reason="length"'
+                              r'[^}]*\}) (\S+)$',
+                              lambda m: f"{m.group(1)} {float(m.group(2)) - fall!r}",
+                              text, flags=re.M)
+            return text
+
+
+PROM_WINDOW_S = 5.0
+
+
+async def _prom_window(prom: PromServer, source: PrometheusSource, during: float = 0.0,
+                       then: Callable[[], None] | None = None) -> Window:
+    """A window of PROM_WINDOW_S on the wall clock, ``then`` called ``during`` s into it."""
+    start = CLOCK.now()
+    if then is not None:
+        await asyncio.sleep(during)
+        then()
+    await asyncio.sleep(PROM_WINDOW_S - during)
+    end = CLOCK.now()
+    prom.wait_scraped_after(end)
+    return await source.window(start, end)
+
+
+async def test_the_promql_increase_mode_follows_the_same_rules(served: TextServer) -> None:
+    """A real Prometheus scraping the worker every second, read in ``increase`` mode:
+    PromQL's increase() takes each fall of 0.001 for a restart and counts the value after it
+    whole (5,000 per scrape: about 5,000 requests/s for 9)."""
+    require("prometheus", PROMETHEUS is not None, HOW_TO_INSTALL)
+    drifting = DriftingWorker()
+    served.render = drifting.render
+    target = Target(served.address, "decode")
+    prom = PromServer([target])
+    source = PrometheusSource(PrometheusClient(prom.url, timeout_s=5.0, retries=0), [target],
+                              mode="increase")
+    try:
+        prom.wait_scraped_after(CLOCK.now() + 1.0, timeout_s=30)
+        steady = await _prom_window(prom, source)  # nothing fell: increase() as it reads
+        assert _rate(steady) == pytest.approx(9.0, rel=0.25) and _kinds(steady) == []
+        drifting.falling = True
+        await _prom_window(prom, source)  # the fall starts at this window's first scrape
+        fell = await _prom_window(prom, source)
+        assert _rate(fell) == pytest.approx(9.0, rel=0.25), fell.to_dict()
+        assert _kinds(fell) == ["counter_decrease"], fell.failures
+        assert "within the tolerance" in fell.failures[0].message
+        restarted = await _prom_window(prom, source, 1.5, drifting.restart)
+        assert _kinds(restarted) == ["counter_reset"], restarted.failures
+        assert "process_start_time_seconds changed" in restarted.failures[0].message
+        # counted from the restart: 45 and what followed (never the 27,000 before it)
+        rate = _rate(restarted)
+        assert rate is not None and 45 / PROM_WINDOW_S <= rate <= (45 + 9 * 5) / PROM_WINDOW_S
+    finally:
+        await source.aclose()
+        prom.stop()

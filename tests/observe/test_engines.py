@@ -147,7 +147,7 @@ async def test_scrape_path(release: str) -> None:
 
 # --- the PromQL path -----------------------------------------------------------------------
 
-_TERM = re.compile(r'(sum|avg) by \(([^)]*)\) \(max without \([^)]*\) \((increase\()?'
+_TERM = re.compile(r'(sum|avg|max) by \(([^)]*)\) \(max without \([^)]*\) \((increase\()?'
                    r'([^{\[ )]+)(\{[^}]*\})?.*?"pd_series", "([^"]+)"')
 
 
@@ -156,6 +156,8 @@ class _AnsweringClient:
     from 0 to ``samples`` in the window (increase mode): each union term is evaluated on the
     samples (its selector's matchers, then aggregated by its labels)."""
 
+    timeout_s = 10.0
+
     def __init__(self, instance: str, samples: Mapping[str, Mapping[LabelKey, float]]) -> None:
         self.instance = instance
         self.samples = samples
@@ -163,6 +165,8 @@ class _AnsweringClient:
 
     async def query(self, promql: str, at: float) -> list[dict[str, Any]]:
         self.queries.append(promql)
+        if "(resets(" in promql:
+            return []  # no series fell: every target is read from increase()
         if promql == "up":
             return [{"metric": {"instance": self.instance, "job": "pd"}, "value": [at, "1"]}]
         if promql == "timestamp(up)":
@@ -181,7 +185,8 @@ class _AnsweringClient:
                     key = tuple((k, d[k]) for k in by.split(", ")[1:] if k in d)
                     groups.setdefault(key, []).append(value)
             for key, values in groups.items():
-                v = sum(values) / (len(values) if how == "avg" else 1)
+                v = max(values) if how == "max" else \
+                    sum(values) / (len(values) if how == "avg" else 1)
                 rows.append({"metric": {"instance": self.instance, "pd_series": tag, **dict(key)},
                              "value": [at, repr(v)]})
         return rows
@@ -189,7 +194,7 @@ class _AnsweringClient:
     async def targets(self) -> list[dict[str, Any]]:
         return []
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         return None
 
 
@@ -290,7 +295,7 @@ async def test_promql_path_through_a_real_prometheus() -> None:
         edges = await PrometheusSource(client, targets, mode="edges").window(start, end)
         increase = await PrometheusSource(client, targets, mode="increase").window(start, end)
     finally:
-        client.close()
+        await client.aclose()
         prom.stop()
         for s in servers:
             s.close()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class TextServer:
     """Serves ``default`` on every path, except the paths in ``bodies`` (status, content type,
-    text). Both may be changed between requests; ``address`` is ``HOST:PORT``."""
+    text). Both may be changed between requests; ``address`` is ``HOST:PORT``. With
+    ``render`` set, ``render()`` is served instead of ``default`` (a text made per request)."""
 
     def __init__(self, default: str = "",
                  content_type: str = "text/plain; version=0.0.4",
@@ -16,12 +18,15 @@ class TextServer:
         self.default = default
         self.content_type = content_type
         self.bodies: dict[str, tuple[int, str, str]] = {}
+        self.render: Callable[[], str] | None = None
         served = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                status, ctype, body = served.bodies.get(
-                    self.path, (200, served.content_type, served.default))
+                render = served.render
+                status, ctype, body = served.bodies.get(self.path, (
+                    200, served.content_type,
+                    render() if render is not None else served.default))
                 data = body.encode()
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)

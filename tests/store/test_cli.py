@@ -184,6 +184,24 @@ def test_history_lists_what_the_store_holds(migrated_url: str) -> None:
     assert "drift in io_ratio" in _pdctl("history", "policies", "--url", migrated_url)[1]
 
 
+def test_history_calibrations_show_a_refused_candidate_kept_without_a_version(
+        migrated_url: str) -> None:
+    with Store(migrated_url) as store:
+        store.add_policy(1, "aa" * 32, '{"k": 1}', "approved", "bootstrap")
+        store.add_calibration([], {}, 0.9, 0.88, 1)
+        store.add_calibration([], {}, 0.8, 0.88, None, {"approved": False},
+                              candidate=('{"k": 2}', "bb" * 32))
+        store.add_calibration([], {}, 0.8, 0.88, None, {"dry_run": True})
+    code, out, err = _pdctl("history", "calibrations", "--url", migrated_url, "--json")
+    assert code == 0, err
+    listed = json.loads(out)
+    assert [(c["policy_version"], c["candidate"], c["candidate_checksum"]) for c in listed] \
+        == [(1, None, None), (None, {"k": 2}, "bb" * 32), (None, None, None)]
+    code, out, err = _pdctl("history", "calibrations", "--url", migrated_url)
+    assert code == 0, err
+    assert out.count("refused, kept") == 1
+
+
 def test_history_windows_are_read_and_printed_a_chunk_at_a_time(
     migrated_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -79,7 +79,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "9001"
-down_revision = "0007"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 
@@ -108,14 +108,14 @@ def test_batch_migration_of_a_parent_table_keeps_its_children(
     cfg = migrate.alembic_config(db_url)
     cfg.set_main_option("script_location", str(scripts))
 
-    command.upgrade(cfg, "0007")
+    command.upgrade(cfg, "0008")
     with Store(db_url) as store:
         store.add_policy(1, "aa" * 32, "{}", "approved", "seed")
         store.set_desired("r1", 1)
         store.add_calibration([1], {"mape": 0.1}, 0.9, None, policy_version=1)
 
     command.upgrade(cfg, "9001")
-    command.downgrade(cfg, "0007")
+    command.downgrade(cfg, "0008")
 
     with Store(db_url) as store:
         assert store.desired_versions() == {"r1": 1}
@@ -378,3 +378,60 @@ def test_0007_backfills_policy_kinds_from_the_reasons_and_the_downgrade_drops_th
     with Store(db_url) as store:  # backfilled again, from the reasons stored then
         assert [policy_kind(p) for p in store.policies()] == [
             *expected[:2], PolicyKind.OTHER, *expected[3:]]
+
+
+def test_0008_keeps_rejected_policies_as_they_are_and_stores_refused_candidates_beside(
+        db_url: str) -> None:
+    """A store of a 0007 build holding rejected policies (each with its version and its
+    calibration): upgraded, those rows are unchanged and the next version follows them; a
+    refused candidate stored after it takes no version, kept on its calibration; the
+    downgrade drops only the new columns."""
+    migrate.upgrade(db_url, "0007")
+    at = "2026-12-01 00:00:00.000000"
+    with _engine(db_url) as engine, engine.begin() as conn:
+        for version, status in ((1, "approved"), (2, "rejected"), (3, "rejected")):
+            conn.execute(sa.text(
+                "INSERT INTO policies (version, checksum, body, status, reason, created_at, "
+                "updated_at) VALUES (:v, :c, '{}', :s, 'worse', :at, :at)"),
+                {"v": version, "c": f"{version:02d}" * 32, "s": status, "at": at})
+            conn.execute(sa.text(
+                "INSERT INTO calibrations (created_at, training_window_ids, heldout_error, "
+                "policy_version) VALUES (:at, '[1]', '{}', :v)"), {"at": at, "v": version})
+    before = _rows(db_url)
+    migrate.upgrade(db_url)
+    assert _rows(db_url) == before
+    with Store(db_url) as store:
+        assert [(p.version, p.status) for p in store.policies()] == [
+            (1, "approved"), (2, "rejected"), (3, "rejected")]
+        assert [c.candidate_body_json for c in store.calibrations()] == [None] * 3
+        assert store.next_version() == 4
+        kept = store.add_calibration([1], {}, 0.8, 0.9, None, {"approved": False},
+                                     candidate=('{"version": 4}', "ab" * 32))
+        record = store.calibration(kept)
+        assert record is not None and record.rejected_candidate
+        assert (record.policy_version, record.candidate_body_json, record.candidate_checksum) \
+            == (None, '{"version": 4}', "ab" * 32)
+        assert store.next_version() == 4  # the refused candidate took no version
+        with pytest.raises(StoreError, match="not both"):
+            store.add_calibration([1], {}, 0.8, 0.9, 1, candidate=("{}", "cd" * 32))
+    migrate.check(db_url)
+    migrate.downgrade(db_url, "0007")
+    with _engine(db_url) as engine:
+        columns = {c["name"] for c in sa.inspect(engine).get_columns("calibrations")}
+    assert not {"candidate_body", "candidate_checksum"} & columns
+    assert _rows(db_url)[0] == before[0]  # the policies untouched both ways
+    migrate.upgrade(db_url)
+    with Store(db_url) as store:
+        assert [c.candidate_body_json for c in store.calibrations()] == [None] * 4
+
+
+def _rows(url: str) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
+    """Every policy row and the calibrations' columns of a 0007 schema, in id order."""
+    with _engine(url) as engine, engine.connect() as conn:
+        policies = [tuple(r) for r in conn.execute(sa.text(
+            "SELECT version, checksum, body, status, reason, created_at, updated_at, kind "
+            "FROM policies ORDER BY id"))]
+        calibrations = [tuple(r) for r in conn.execute(sa.text(
+            "SELECT id, created_at, training_window_ids, heldout_error, policy_version "
+            "FROM calibrations ORDER BY id"))]
+    return policies, calibrations
