@@ -3,14 +3,13 @@ read the store) → decide (the pure rules of :mod:`controller.core.rollout`) �
 write transaction) → reconcile.
 
 :class:`Cycle` owns the order of those steps and what happens when one fails; the rooms do
-the work: :mod:`.leader` (who may decide), :mod:`.gather` (the window), :mod:`.memory` (what
-decisions remember between cycles: pending causes, the learner's state), :mod:`.calibrate`
-(the trigger and the fit), :mod:`.canary` (the canary judge and the post-promotion watch),
-:mod:`.operator` (operator requests), :mod:`.export` (capacity recommendations),
-:mod:`.write` (the write transaction), :mod:`.reconcile` (pushes), :mod:`.policies` (the
-policy cache, the rollout, the learner's restore). ``await cycle.run_once()`` runs one
-cycle; the daemon calls it from a scheduler job on the wall clock, the bench every control
-interval on a :class:`~controller.clock.VirtualClock`. Both run this same code.
+the work: :mod:`.leader` (who may decide), :mod:`.gather` (the window, the adoption),
+:mod:`.memory` (what decisions remember between cycles), :mod:`.calibrate` (the trigger and
+the fit), :mod:`.canary` (the canary judge and the post-promotion watch), :mod:`.operator`
+(operator requests), :mod:`.export` (capacity recommendations), :mod:`.write` (the write
+transaction), :mod:`.reconcile` (pushes), :mod:`.policies` (the policy cache, the rollout,
+the learner's restore). ``await cycle.run_once()`` runs one cycle: the daemon's scheduler on
+the wall clock and the bench on a :class:`~controller.clock.VirtualClock` run this same code.
 
 SQL holds the truth (DESIGN §4): desired versions, acknowledgements, operator requests,
 canary state (a canary is "the newest approved version is desired by some routers only")
@@ -22,17 +21,13 @@ Transactions: a cycle's decision is ONE ``store.cycle()`` transaction, written a
 observe and the fit so no database lock is held across network calls or a fit. Two small
 transactions surround it: claiming operator requests (so that exactly one replica acts on
 each) and recording what the routers acknowledged after the reconcile pass. The
-:class:`~controller.loop.memory.DecisionMemory` goes back to the value it had before a
-decision whose write did not commit.
+:class:`~controller.loop.memory.DecisionMemory` goes back to its value before a decision
+whose write did not commit.
 
 Leadership: only the leader observes, stores windows, calibrates and approves. In
 standalone mode the leader also reconciles every router; in sidecar mode
-(``reconcile_only``) every replica reconciles its own router. When the answering workers
-change to what a stored capacity recommendation asked for, the scaling event is a known
-one: the calibration it triggers records the recommendation, takes precedence over drift
-the new shape causes, and the recommendation is marked applied.
+(``reconcile_only``) every replica reconciles its own router.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -263,7 +258,8 @@ class Cycle:
             # replaced every earlier one (new addresses, a redeploy) on a store with history.
             empty = rollout.fleet_version is None
         if empty and self.reconcile_only is None:
-            current = await self._adopt_running(plan, report)
+            current = await self.gather.adopt_running(self.reconciler, self.routers, plan,
+                                                      report)
         self._assess(plan)
         recal = next((r for r in claimed if r.kind == "recalibrate"), None)
         plan.trigger, self.memory = self.calibration.trigger(plan, self.memory, rollout, ops,
@@ -288,18 +284,6 @@ class Cycle:
         if plan_failed is not None:
             report.capacity = plan_failed
         self._write(plan, claimed, rollout, ops, report)
-
-    async def _adopt_running(self, plan: Plan, report: CycleReport) -> Policy | None:
-        """The policy every router already runs, adopted as the fleet's in this cycle's
-        write: the first table is then judged against it and canaried, not approved
-        unchecked to every router (docs/operations.md, "First start"). Sidecar replicas
-        reach their own router only, so they adopt nothing."""
-        found = await self.reconciler.running_policy(self.routers)
-        if found.policy is not None:
-            plan.adopted = found
-        elif found.why:
-            report.reason = join(report.reason, f"no running policy adopted: {found.why}")
-        return found.policy
 
     def _assess(self, plan: Plan) -> None:
         """Track failed targets and scaling events, and run the drift detectors on this

@@ -3,18 +3,23 @@
 :class:`Gather` owns where windows start (they tile time: each continues from the last one
 while this replica leads without a break, else from the store's newest, at most one interval
 back) and the observe itself, which yields a window or None (the cycle is then "skipped").
+On an empty store it also reads the policy every router runs, to adopt it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from controller.clock import Clock
 from controller.core.window import Window
 from controller.errors import TransientError
 from controller.loop.metrics import ControllerMetrics
-from controller.loop.report import CycleReport, CycleResult
+from controller.loop.report import CycleReport, CycleResult, join
+from controller.loop.write import Plan
 from controller.observe.source import MetricsSource
+from controller.policy import Policy
+from controller.rollout.reconciler import Reconciler
 from controller.store import Store
 
 log = logging.getLogger("pdctl.cycle")
@@ -88,3 +93,17 @@ class Gather:
             log.warning("%s", report.reason)
             return None
         return window
+
+    @staticmethod
+    async def adopt_running(reconciler: Reconciler, routers: Sequence[str], plan: Plan,
+                            report: CycleReport) -> Policy | None:
+        """The policy every router already runs, adopted as the fleet's in this cycle's
+        write: the first table is then judged against it and canaried, not approved
+        unchecked to every router (docs/operations.md, "First start"). Sidecar replicas
+        reach their own router only, so they adopt nothing."""
+        found = await reconciler.running_policy(routers)
+        if found.policy is not None:
+            plan.adopted = found
+        elif found.why:
+            report.reason = join(report.reason, f"no running policy adopted: {found.why}")
+        return found.policy

@@ -10,7 +10,10 @@ forgotten by putting that value back (one assignment).
 Missing data: a window with a failed target is not trained on, unless that target failed
 ``SETTLED_FAILURES`` windows in a row (gone: lost capacity, which is a scaling cause in its
 own right). Causes found while a cycle cannot act (rate limit, deferred window) stay here
-until a calibration takes them; drift during a canary bake is void.
+until a calibration takes them; drift during a canary bake is void. When the answering
+workers change to what a stored capacity recommendation asked for, the scaling event is a
+known one: the calibration it triggers records the recommendation, takes precedence over
+drift the new shape causes, and the recommendation is marked applied.
 """
 
 from __future__ import annotations
