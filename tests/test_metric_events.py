@@ -39,3 +39,18 @@ def test_events_touch_nothing_until_emitted_then_apply_in_order() -> None:
         ("guardrail_decision", ("approved", "forced", 5.0)), ("rolled_back", ("watch", 2)),
         ("set_paused", (True,)), ("set_pinned", (False,)), ("set_desired_version", (None,)),
     ]
+
+
+def test_the_guardrail_label_is_the_outcomes_forced_field_not_its_words() -> None:
+    """A forced approval is counted as such from the outcome's typed field: words in the
+    reason neither make nor unmake it."""
+    from controller.loop.learning import CalibrationOutcome
+    from controller.policy import Policy, Route
+
+    def outcome(reason: str, forced: bool) -> CalibrationOutcome:
+        return CalibrationOutcome(Policy.uniform(2, Route.PREFILL_NODE), True, reason, 0.9,
+                                  0.8, {}, forced=forced)
+
+    assert outcome("forced despite guardrail: …", True).label is GuardrailVerdict.FORCED
+    assert outcome("approved: …", True).label is GuardrailVerdict.FORCED
+    assert outcome("approved: forced words", False).label is GuardrailVerdict.APPROVED

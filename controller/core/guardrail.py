@@ -18,8 +18,11 @@ class GuardrailVerdict:
     candidate_goodput: float
     current_goodput: float | None
     margin: float
-    forced: bool
+    forced: bool  # the check was asked to force an approval
     reason: str
+    # Approved only because it was forced: the gain fell short of the margin (not in
+    # to_dict: a stored verdict keeps its fields; its reason says "forced").
+    overridden: bool = False
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -57,6 +60,6 @@ def check(
                                 f"approved: {numbers}")
     if force:
         return GuardrailVerdict(True, candidate_goodput, current_goodput, margin, True,
-                                f"forced despite guardrail: {numbers}")
+                                f"forced despite guardrail: {numbers}", overridden=True)
     return GuardrailVerdict(False, candidate_goodput, current_goodput, margin, False,
                             f"rejected: {numbers}")

@@ -1,5 +1,7 @@
 """Leadership: only the leader calibrates and approves; every replica may reconcile.
 
+- :class:`Leadership`: what the cycle asks of one; :class:`AlwaysLeader` is a single
+  replica's (tests, bench).
 - :class:`LeaseLeadership` (SQLite, or any store): a lease row with an expiry in the store.
   ``ensure`` renews it, or takes it when it is free or expired; every change of holder
   raises its ``term``, the fencing number. ``fence(tx)`` re-reads the row inside the
@@ -25,7 +27,7 @@ import os
 import secrets
 import socket
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from controller.clock import Clock
 from controller.store import Lease, Store, StoreUnavailable, Tx
@@ -34,6 +36,39 @@ from controller.store.engine import PG_CONNECT_ARGS
 log = logging.getLogger("pdctl.leader")
 
 LOCK_NAME = b"pd-controller leader"
+
+
+class Leadership(Protocol):
+    """Who may calibrate and approve. ``ensure`` takes or renews leadership and says whether
+    this replica leads; ``fence`` re-checks it inside the cycle's write transaction."""
+
+    holder: str
+
+    @property
+    def term(self) -> int | None:
+        """The fencing number of the leadership held (None: none); a new one each time
+        leadership is taken, so a replica that lost it and took it again can tell."""
+
+    async def ensure(self) -> bool: ...
+
+    def fence(self, tx: Tx) -> bool: ...
+
+
+class AlwaysLeader:
+    """A single replica (tests, bench)."""
+
+    def __init__(self, holder: str = "pdctl") -> None:
+        self.holder = holder
+
+    @property
+    def term(self) -> int | None:
+        return 1
+
+    async def ensure(self) -> bool:
+        return True
+
+    def fence(self, tx: Tx) -> bool:
+        return True
 
 
 def default_holder() -> str:

@@ -65,6 +65,8 @@ class CalibrationOutcome:
     # What the candidate was fitted with: (latency model, calibration grid); what a peer's
     # rule is fitted on ([export]). None from learners that keep no model.
     basis: Any = None
+    # Approved by an operator's force despite the guardrail (its verdict's ``overridden``).
+    forced: bool = False
 
     @property
     def decision(self) -> GuardrailVerdict:
@@ -73,9 +75,9 @@ class CalibrationOutcome:
 
     @property
     def label(self) -> GuardrailVerdict:
-        """The decision as counted: forced when an operator's force is in the reason (the
-        guardrail words a forced approval so), else the decision."""
-        return GuardrailVerdict.FORCED if "forced" in self.reason else self.decision
+        """The decision as counted: forced when an operator's force approved it despite the
+        guardrail, else the decision."""
+        return GuardrailVerdict.FORCED if self.forced else self.decision
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +275,7 @@ class CoreLearner:
             predicted_goodput_current=_finite(result.predicted_goodput_current),
             heldout_error=json_safe(result.heldout_mape()), details=json_safe(details),
             reference=(reference, result.model), basis=(result.model, result.grid),
+            forced=verdict.overridden,
         )
 
     def is_refinement(self, reason: Cause | str) -> bool:

@@ -3,7 +3,8 @@
 :class:`PolicyBook` owns the bounded cache of decoded tables by version over the store (the
 store is the truth: anything evicted or forgotten is read back), the rollout of the
 configured routers, and the writes that put one version on every router. The functions
-below are the store reads and writes that the loop and ``pdctl`` share.
+below are the store reads and writes that the loop and ``pdctl`` share, and
+:func:`restore_learner`, the learner's drift reference for the policy the routers run.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from controller.core.rollout import OperatorState, Rollout, VersionInfo, rollout_of
-from controller.loop.learning import without_exploration
+from controller.loop.learning import Learner, LearnerState, without_exploration
 from controller.loop.metric_events import MetricEvents, PolicyChanged
 from controller.policy import Policy, dumps, loads
 from controller.rollout.reconciler import RunningPolicy
@@ -30,6 +31,24 @@ def reference_calibration(tx: Tx, version: int) -> CalibrationRecord | None:
     renewed it (its own, or a later one refused on the traffic since a change alone, which
     records ``reference_for``), else its own (stored before ``reference_for``)."""
     return tx.newest_renewal(version) or tx.calibration_for(version)
+
+
+def restore_learner(tx: Tx, rollout: Rollout, learner: Learner, state: LearnerState,
+                    state_for: int | None) -> tuple[LearnerState, int | None]:
+    """The learner's state and the version it belongs to for the policy the routers run (the
+    canary's, else the fleet's): unchanged while that is ``state_for``; after a restart or a
+    rollback, the drift reference last renewed for it. That is its own calibration's, or a
+    later one's refused on the traffic since a change alone (the policy was judged on it
+    and kept), so traffic the running policy was already judged on does not fire a drift
+    again. A version with no calibration of its own (re-issued, exploration off, fallback)
+    keeps the reference the learner has."""
+    version = rollout.canary_version or rollout.fleet_version
+    if version is None or version == state_for:
+        return state, state_for
+    record = reference_calibration(tx, version)
+    if record is not None or state_for is None:
+        state = learner.restore(record.details if record else None)
+    return state, version
 
 
 def read_rollout(tx: Tx, routers: Sequence[str] | None = None) -> Rollout:

@@ -46,6 +46,10 @@ def test_reject_keeps_the_numbers_and_force_overrides() -> None:
     assert v.to_dict()["margin"] == 0.02
     forced = check(0.90, 0.89, 0.02, force=True)
     assert forced.approved and forced.forced and "forced" in forced.reason
+    assert forced.overridden and "overridden" not in forced.to_dict()
+    # Forcing a candidate the guardrail approves anyway overrides nothing.
+    assert not check(0.95, 0.89, 0.02, force=True).overridden
+    assert not v.overridden
 
 
 def test_cold_start_has_nothing_to_beat() -> None:

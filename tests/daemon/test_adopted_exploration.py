@@ -9,30 +9,24 @@ link slows, approves a table."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner
 
 from controller.bench.runner import slo_of
 from controller.cli import app
 from controller.config import load_settings
-from controller.loop.cycle import Cycle, CycleConfig, run_inline
-from controller.loop.learning import CoreLearner
-from controller.loop.metrics import ControllerMetrics
-from controller.observe.inprocess import InProcessSource, sim_cluster_provider
+from controller.loop.cycle import CycleConfig
 from controller.policy import Policy, Route, loads
-from controller.rollout.reconciler import FakeRouterTransport, Reconciler
-from controller.sim.run import run_scenario
 from controller.sim.scenario import load_scenario
 from controller.store import Store
 from controller.store.kinds import ADOPTED_PREFIX
 from tests.daemon.fakes import Rig, make_rig
+from tests.support.sim_cycle import run_cycle_in_sim
 
 REPO = Path(__file__).resolve().parents[2]
 SHARE = 0.05
@@ -130,32 +124,9 @@ def _demo_in_virtual_time(tmp_path: Path, share: float) -> tuple[Store, list[Any
         controller={"interval_s": 10.0, "min_policy_interval_s": 60.0,
                     "adopted_exploration": share},
         drift={"cooldown_s": 60.0})
-    loop = asyncio.new_event_loop()
-    state: dict[str, Any] = {}
-    reports: list[Any] = []
-
-    def controller(t: float, cluster: Any) -> None:
-        if "cycle" not in state:
-            store = Store(f"sqlite:///{tmp_path / f'h{share}.db'}", cluster.clock)
-            store.upgrade()
-            agents = {r.router_id: r.agent for r in cluster.routers}
-            state["store"] = store
-            state["cycle"] = Cycle(
-                clock=cluster.clock,
-                source=InProcessSource.following(sim_cluster_provider(cluster), cluster.clock),
-                store=store, learner=CoreLearner(settings),
-                reconciler=Reconciler(FakeRouterTransport(agents), cluster.clock,
-                                      max_attempts=1),
-                metrics=ControllerMetrics(CollectorRegistry()), routers=list(agents),
-                config=CycleConfig.from_settings(settings), run_blocking=run_inline)
-        reports.append(loop.run_until_complete(state["cycle"].run_once()))
-
-    try:
-        run_scenario(scenario, Policy.uniform(1, Route.PREFILL_NODE, slo=slo_of(scenario)),
-                     controller=controller)
-    finally:
-        loop.close()
-    return state["store"], reports
+    run = run_cycle_in_sim(scenario, Policy.uniform(1, Route.PREFILL_NODE, slo=slo_of(scenario)),
+                           settings, f"sqlite:///{tmp_path / f'h{share}.db'}", planner=False)
+    return run.store, run.reports
 
 
 def test_a_daemon_on_routers_that_never_explore_learns_in_the_simulator(tmp_path: Path) -> None:

@@ -1,27 +1,16 @@
 """The same Cycle the daemon runs, driven in virtual time inside a simulated cluster (as the
-bench's `adaptive` policy runs it): InProcessSource over the simulator's registries, the
-routers' own agents through FakeRouterTransport, the real learner, a SQLite store."""
+bench's `adaptive` policy runs it: tests/support/sim_cycle.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-
 from controller.config import load_settings
-from controller.daemon import SettingsPlanner
-from controller.loop.cycle import Cycle, CycleConfig, run_inline
-from controller.loop.learning import CoreLearner
-from controller.loop.metrics import ControllerMetrics
-from controller.observe.inprocess import InProcessSource, sim_cluster_provider
 from controller.policy import Policy, Route
-from controller.rollout.reconciler import FakeRouterTransport, Reconciler
-from controller.sim.run import run_scenario
 from controller.sim.scenario import load_scenario
-from controller.store import Store
 from controller.store.kinds import ADOPTED_PREFIX
+from tests.support.sim_cycle import run_cycle_in_sim
 
 SCENARIO = """
 name = "cycle-in-sim"
@@ -71,34 +60,9 @@ def test_the_daemons_cycle_runs_in_virtual_time_inside_the_simulator(tmp_path: P
     settings = load_settings(slo={"ttft_s": 0.5, "tpot_s": 0.05},
                              controller={"interval_s": 10.0, "min_policy_interval_s": 0.0},
                              drift={"cooldown_s": 60.0}, capacity={"interval_s": 60.0})
-    loop = asyncio.new_event_loop()
-    state: dict[str, Any] = {}
-    reports = []
-
-    def controller(t: float, cluster: Any) -> None:
-        if "cycle" not in state:
-            store = Store(f"sqlite:///{tmp_path / 'bench.db'}", cluster.clock)
-            store.upgrade()
-            agents = {r.router_id: r.agent for r in cluster.routers}
-            state["store"] = store
-            state["agents"] = agents
-            state["cycle"] = Cycle(
-                clock=cluster.clock,
-                source=InProcessSource.following(sim_cluster_provider(cluster), cluster.clock),
-                store=store, learner=CoreLearner(settings),
-                reconciler=Reconciler(FakeRouterTransport(agents), cluster.clock,
-                                      max_attempts=1),
-                metrics=ControllerMetrics(CollectorRegistry()), routers=list(agents),
-                config=CycleConfig.from_settings(settings), run_blocking=run_inline,
-                planner=SettingsPlanner(settings),
-            )
-        reports.append(loop.run_until_complete(state["cycle"].run_once()))
-
-    try:
-        run_scenario(scenario, Policy.uniform(1, Route.PREFILL_NODE), controller=controller)
-    finally:
-        loop.close()
-    store: Store = state["store"]
+    run = run_cycle_in_sim(scenario, Policy.uniform(1, Route.PREFILL_NODE), settings,
+                           f"sqlite:///{tmp_path / 'bench.db'}")
+    store, reports = run.store, run.reports
     assert len(reports) >= 30
     assert all(r.result in ("ok", "skipped") for r in reports), \
         [r.reason for r in reports if r.result == "failed"]
@@ -116,7 +80,7 @@ def test_the_daemons_cycle_runs_in_virtual_time_inside_the_simulator(tmp_path: P
     # Every router ended on its desired policy, and the store knows it; only approved
     # calibrations were pushed.
     desired = store.desired_versions()
-    running = {r: a.snapshot.version for r, a in state["agents"].items()}
+    running = {r: a.snapshot.version for r, a in run.agents.items()}
     assert desired == running
     assert {r.router_id: r.acked_version for r in store.routers()} == running
     learned = {c.policy_version for c in cals if (c.details or {}).get("approved")}

@@ -6,28 +6,18 @@ measurements of both routes, not refused at a predicted goodput of 0 (issue 38).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-
 from controller.bench.baselines import static_policy
 from controller.bench.runner import slo_of
 from controller.config import load_settings
-from controller.daemon import SettingsPlanner
-from controller.loop.cycle import Cycle, CycleConfig, run_inline
-from controller.loop.learning import CoreLearner
-from controller.loop.metrics import ControllerMetrics
-from controller.observe.inprocess import InProcessSource, sim_cluster_provider
 from controller.policy import Route
-from controller.rollout.reconciler import FakeRouterTransport, Reconciler
-from controller.sim.run import run_scenario
 from controller.sim.scenario import load_scenario
 from controller.sim.serve_config import daemon_config
-from controller.store import Store
 from controller.store.records import CalibrationRecord
+from tests.support.sim_cycle import run_cycle_in_sim
 
 DEMO = Path(__file__).resolve().parents[2] / "scenarios" / "demo.toml"
 DURATION_S = 90.0  # 30 windows of 3 s at most
@@ -52,36 +42,10 @@ def _first_start(tmp_path: Path, **controller: Any) -> list[CalibrationRecord]:
     scenario = dataclasses.replace(scenario, duration_s=DURATION_S)
     url = f"sqlite:///{tmp_path / 'pdctl.db'}"
     settings = _written_settings(url, **controller)
-    loop = asyncio.new_event_loop()
-    state: dict[str, Any] = {}
-
-    def tick(t: float, cluster: Any) -> None:
-        if t < DAEMON_STARTS_S:
-            return
-        if "cycle" not in state:
-            store = Store(url, cluster.clock)
-            store.upgrade()
-            agents = {r.router_id: r.agent for r in cluster.routers}
-            state["store"] = store
-            state["cycle"] = Cycle(
-                clock=cluster.clock,
-                source=InProcessSource.following(sim_cluster_provider(cluster), cluster.clock),
-                store=store, learner=CoreLearner(settings),
-                reconciler=Reconciler(FakeRouterTransport(agents), cluster.clock,
-                                      max_attempts=1),
-                metrics=ControllerMetrics(CollectorRegistry()), routers=list(agents),
-                config=CycleConfig.from_settings(settings), run_blocking=run_inline,
-                planner=SettingsPlanner(settings))
-        loop.run_until_complete(state["cycle"].run_once())
-
-    try:
-        # `pdctl sim serve`'s default --policy pd: every turn to the prefill node, explored
-        # nowhere.
-        run_scenario(scenario, static_policy(Route.PREFILL_NODE, slo_of(scenario)),
-                     controller=tick)
-    finally:
-        loop.close()
-    store: Store = state["store"]
+    # `pdctl sim serve`'s default --policy pd: every turn to the prefill node, explored
+    # nowhere.
+    store = run_cycle_in_sim(scenario, static_policy(Route.PREFILL_NODE, slo_of(scenario)),
+                             settings, url, starts_s=DAEMON_STARTS_S).store
     try:
         return list(store.calibrations())  # oldest first
     finally:
