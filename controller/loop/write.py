@@ -290,7 +290,7 @@ class DecisionWriter:
             # windows.
             self._memo.state = self.learner.adopt(self._memo.state, outcome, self.clock.now())
             if renews_reference(outcome) and self._memo.state_for is not None:
-                # What a restart or a rollback to this version restores (_restore_learner).
+                # What a restart or a rollback to this version restores (policies.restore_learner).
                 reference_for = self._memo.state_for
         report.calibration_id = tx.add_calibration(
             ids, outcome.heldout_error, outcome.predicted_goodput_new,
