@@ -173,8 +173,8 @@ def row(i: int, r: RunResult) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=10, help=f"runs (1 to {MAX_RUNS})")
-    ap.add_argument("--router", choices=("real", "sim"), default="sim",
-                    help="each run's `pdctl demo --router` (default: sim, the demo's default)")
+    ap.add_argument("--router", choices=("real", "sim"), default="real",
+                    help="each run's `pdctl demo --router` (default: real, the demo's default)")
     ap.add_argument("--timeout-s", type=float, default=170.0,
                     help="each run's own --timeout-s (the process is killed 60 s later)")
     ap.add_argument("--keep", type=Path, default=None,

@@ -127,10 +127,10 @@ def demo(
         help="Scenario file (default: scenarios/demo-real.toml with --router real, "
         "scenarios/demo.toml with --router sim).")] = None,
     router: Annotated[str, typer.Option(
-        "--router", help="sim (default): the scenario's in-simulation routers, in process; "
-        "real: a `pdctl router serve` subprocess per router in front of the simulated "
-        "workers, the scenario's traffic sent through them over HTTP (docs/demo.md).")
-    ] = "sim",
+        "--router", help="real (default): a `pdctl router serve` subprocess per router in "
+        "front of the simulated workers, the scenario's traffic sent through them over HTTP; "
+        "sim: the scenario's in-simulation routers, in process (docs/demo.md).")
+    ] = "real",
 ) -> None:
     """A live simulated cluster and the daemon: baseline, a scripted shift, drift detection,
     recalibration, guardrail, canary, promotion and recovery on one screen, then a summary."""

@@ -14,8 +14,18 @@ from pathlib import Path
 import pytest
 
 from controller.cli.demo_cmd import ppd_policy
-from controller.demo import DemoState, DemoWatcher, Event, Phase, summary_lines
+from controller.demo import (
+    DEFAULT_ROUTER,
+    DemoRouter,
+    DemoState,
+    DemoWatcher,
+    Event,
+    Phase,
+    default_scenario,
+    summary_lines,
+)
 from controller.policy import Features, Reason, Route, decide
+from controller.sim.scenario import load_scenario
 from tests.daemon.fakes import make_rig
 
 
@@ -34,6 +44,12 @@ def test_demo_runs_the_closed_loop_to_a_promoted_policy_and_exits_0() -> None:
     )
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:] + out
+    # The default path: `pdctl router serve` subprocesses on scenarios/demo-real.toml, whose
+    # SLOs the start line names.
+    assert DEFAULT_ROUTER is DemoRouter.REAL
+    real = load_scenario(default_scenario(DemoRouter.REAL))
+    assert (f"SLO TTFT {real.ttft_slo_s:g} s / TPOT {1000 * real.tpot_slo_s:g} ms; "
+            "baseline v1") in out, out
     assert "summary:" in out, out
     summary = out[out.index("summary:"):]
     final = re.search(r"^demo: shift at (\d+) s, v(\d+) \((.+?)\) promoted at ([\d.]+) s, every "
