@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -236,6 +236,35 @@ class DemoWatcher:
             self._seen.add(key)
             self.state.events.append(Event(at, kind, text))
 
+    def _add_calibration(self, c: Any, policies: Mapping[int, Any]) -> None:
+        """One stored calibration as a timeline event (once): its candidate, prediction,
+        training windows (how many from before the shift) and the guardrail's verdict."""
+        s, store, d = self.state, self.store, c.details or {}
+        changed = d.get("changed_cells")
+        n_changed = len(changed) if isinstance(changed, list) else changed
+        verdict = "approved" if d.get("approved") else "refused"
+        version = c.policy_version
+        # A refused candidate takes no version: it is kept with its calibration.
+        candidate = f"v{version}" if version is not None else f"of calibration #{c.id}"
+        status = (policies[version].status if version in policies
+                  else "-" if version is not None else "kept, no version")
+        key = ("cal", c.id)
+        if key in self._seen:
+            return
+        trained = [w.window for w in store.windows_by_ids(list(c.training_window_ids))]
+        # "from before the shift": started before it (a window across it counts here)
+        pre = sum(1 for w in trained if w.start - self.t0 < s.shift_at)
+        if version is not None:
+            self._saw_shift[version] = pre < len(trained)
+        mix = (f"trained on {len(trained)} window(s), {pre} from before the shift"
+               if self._rel(c.created_at) >= s.shift_at
+               else f"trained on {len(trained)} window(s)")
+        self._add(key, self._rel(c.created_at), "calibration",
+                  f"recalibration ({d.get('trigger')}): candidate {candidate} predicted "
+                  f"goodput {_fmt(c.predicted_goodput_new)} vs current "
+                  f"{_fmt(c.predicted_goodput_current)}, {n_changed} cell(s) changed, "
+                  f"{mix}; guardrail {verdict} → {status}")
+
     def poll(self, now: float) -> None:
         s = self.state
         s.now = now - self.t0
@@ -263,27 +292,7 @@ class DemoWatcher:
                 triggers[c.policy_version] = str(d.get("trigger"))
                 if isinstance(d.get("refit_of"), int):
                     refit_of[c.policy_version] = d["refit_of"]
-            changed = d.get("changed_cells")
-            n_changed = len(changed) if isinstance(changed, list) else changed
-            verdict = "approved" if d.get("approved") else "refused"
-            version = c.policy_version
-            status = policies[version].status if version in policies else "-"
-            key = ("cal", c.id)
-            if key in self._seen:
-                continue
-            trained = [w.window for w in store.windows_by_ids(list(c.training_window_ids))]
-            # "from before the shift": started before it (a window across it counts here)
-            pre = sum(1 for w in trained if w.start - self.t0 < s.shift_at)
-            if version is not None:
-                self._saw_shift[version] = pre < len(trained)
-            mix = (f"trained on {len(trained)} window(s), {pre} from before the shift"
-                   if self._rel(c.created_at) >= s.shift_at
-                   else f"trained on {len(trained)} window(s)")
-            self._add(key, self._rel(c.created_at), "calibration",
-                      f"recalibration ({d.get('trigger')}): candidate v{version} predicted "
-                      f"goodput {_fmt(c.predicted_goodput_new)} vs current "
-                      f"{_fmt(c.predicted_goodput_current)}, {n_changed} cell(s) changed, "
-                      f"{mix}; guardrail {verdict} → {status}")
+            self._add_calibration(c, policies)
         for r in store.requests():
             self._add(("req", r.id), self._rel(r.created_at), "operator",
                       f"operator request: {r.kind} {r.args} by {r.who} ({r.reason})")

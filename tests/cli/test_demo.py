@@ -183,6 +183,27 @@ async def test_the_story_follows_a_canary_refit_back_to_the_drift_behind_it(
                      text), text
 
 
+async def test_a_refused_candidate_is_shown_with_its_calibration_not_a_version(
+        tmp_path: Path) -> None:
+    # The real cycle on its fakes: a drift's candidate refused takes no version, and the
+    # timeline names it by its calibration (never "vNone").
+    rig = make_rig(tmp_path)
+    for _ in range(4):
+        if (await rig.step()).approved_version == 1:
+            break
+    t0 = rig.clock.now() - 1000.0
+    rig.learner.approve, rig.learner.fire = False, True
+    await rig.step()
+    refused = [c for c in rig.store.calibrations() if not (c.details or {}).get("approved")]
+    assert refused and refused[-1].policy_version is None
+    state = DemoState("demo", rig.clock.now() - t0, "shift: scripted", list(rig.agents))
+    DemoWatcher(rig.store, state, t0).poll(rig.clock.now())
+    text = "\n".join(e.text for e in state.events)
+    assert "vNone" not in text, text
+    assert re.search(rf"candidate of calibration #{refused[-1].id} .* guardrail refused → "
+                     r"kept, no version", text), text
+
+
 async def test_the_recovery_is_credited_to_the_first_version_promoted_after_the_shift(
         tmp_path: Path) -> None:
     # The real cycle on its fakes: after the shift a drift's v2 is promoted; later a second
