@@ -1,6 +1,7 @@
 """``InProcessSource``: the simulator's registries, read exactly as a scrape would see them.
 
-It renders ``generate_latest(registry)`` for every target and feeds the text to the same
+It renders ``generate_latest(registry)`` (its bytes, via
+:func:`~controller.observe.render.render_latest`) for every target and feeds the text to the same
 parser and window builder as :class:`~controller.observe.scrape.ScrapeSource`; nothing the
 simulator knows internally leaks into the window. Time comes from the given clock, so a
 virtual-time run gets virtual snapshot times.
@@ -11,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from controller.clock import Clock
 from controller.core.window import FailureKind, Window
+from controller.observe.render import render_latest
 from controller.observe.snapshot import FetchError, SnapshotSource
 from controller.observe.source import Target
 
@@ -97,7 +99,7 @@ class InProcessSource(SnapshotSource):
                 out.append(FetchError(FailureKind.UNREACHABLE, "target is down"))
                 continue
             try:
-                out.append(generate_latest(self._registries[t.name]).decode("utf-8"))
+                out.append(render_latest(self._registries[t.name]).decode("utf-8"))
             except Exception as e:  # a collector that raises is a broken target, not a crash
                 out.append(FetchError(FailureKind.PARSE, f"rendering the registry failed: {e!r}"))
         return out

@@ -22,6 +22,7 @@ from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Literal
 
 from controller.sim.profiles import Profile
@@ -436,17 +437,13 @@ class Engine:
                 lin = self._floor
             base = self._fixed + lin
             cdec = self._cdec
-            dts = self._dts = []
-            ends = self._ends = []
-            t = now
-            for _ in range(k):
-                dt = base + cdec * ctx
-                t = t + dt
-                dts.append(dt)
-                ends.append(t)
-                ctx += batch
+            # step i lasts base + cdec * (ctx + i * batch); its end is the running sum from
+            # ``now``, added left to right (the same float operations as a step-by-step loop)
+            dts = self._dts = [base + cdec * c for c in range(ctx, ctx + k * batch, batch)]
+            ends = self._ends = list(accumulate(dts, initial=now))
+            del ends[0]
             self._pos = 0
-            self.run_end = t
+            self.run_end = ends[-1]
         else:
             n_new = 0
             ctx = 0

@@ -19,6 +19,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.samples import Sample
 
 # vllm/v1/metrics/buckets.py (0.33.0, 0.34.0)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -145,6 +146,7 @@ class WorkerMetrics:
         itok = cb.get("iteration_tokens", ITERATION_TOKENS_BUCKETS)
         rtok = cb.get("request_tokens", build_1_2_5_buckets(max_model_len))
         self.labels = {"model_name": model_name, "engine": engine}
+        self._les: dict[tuple[float, ...], list[str]] = {}  # bucket bounds -> "le" texts
         self.kv_role = kv_role  # "kv_producer" on P, "kv_consumer" on D, None colocated
         self.cache_info = {
             "block_size": str(block_size),
@@ -228,8 +230,22 @@ class WorkerMetrics:
         return c
 
     def _hist(self, name: str, doc: str, h: Hist) -> HistogramMetricFamily:
+        """The family ``add_metric(labels, h.cumulative(), h.sum)`` builds, sample for
+        sample; the bucket bounds' text is formatted once per histogram."""
         f = HistogramMetricFamily(name, doc, labels=list(self.labels))
-        f.add_metric(list(self.labels.values()), h.cumulative(), h.sum)
+        les = self._les.get(h.bounds)
+        if les is None:
+            les = self._les[h.bounds] = [*(_fmt(b) for b in h.bounds), "+Inf"]
+        base = self.labels
+        bucket = f.name + "_bucket"
+        samples = f.samples
+        acc = 0
+        for le, c in zip(les, h.counts, strict=True):
+            acc += c
+            samples.append(Sample(bucket, {**base, "le": le}, float(acc), None, None))
+        if float(les[0]) >= 0:  # add_metric leaves out sum and count after a negative bound
+            samples.append(Sample(f.name + "_count", dict(base), float(acc), None))
+            samples.append(Sample(f.name + "_sum", dict(base), h.sum, None))
         return f
 
     def _labelled(self, kind: type[_F], name: str, doc: str, label: str,

@@ -1,12 +1,13 @@
 from __future__ import annotations
 
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.policy import Route
 from controller.sim.engine import Engine
 from controller.sim.profiles import load_profile
-from controller.sim.vllm_metrics import ITL_BUCKETS, TTFT_BUCKETS, build_1_2_5_buckets
+from controller.sim.vllm_metrics import ITL_BUCKETS, TTFT_BUCKETS, Hist, build_1_2_5_buckets
 from tests.sim._synthetic import drive
 
 
@@ -140,3 +141,26 @@ def test_custom_histogram_buckets_from_the_scenario() -> None:
     for bad in ({"inter_token_latency": [0.2, 0.1]}, {"itl": [0.1]}):
         with pytest.raises(ScenarioError, match=r"cluster\.custom_histogram_buckets"):
             parse_scenario({**base, "cluster": {"custom_histogram_buckets": bad}})
+
+
+def test_histogram_families_are_those_add_metric_builds() -> None:
+    cluster, done, _ = drive(route=Route.PREFILL_NODE, sessions=8, turns=2)
+    assert done
+    checked = 0
+    for eng in cluster.engines:
+        m = eng.metrics
+        extra = Hist((-1.0, 0.0, 2.5))  # a negative bound: no sum and count, as add_metric
+        extra.observe(-3.0)
+        extra.observe(1.0, 4)
+        for h in [*(v for v in vars(m).values() if isinstance(v, Hist)), extra]:
+            for _ in range(2):  # the second build reads the memoized bucket texts
+                ours = m._hist("vllm:some_seconds", "doc", h)
+                ref = HistogramMetricFamily("vllm:some_seconds", "doc", labels=list(m.labels))
+                ref.add_metric(list(m.labels.values()), h.cumulative(), h.sum)
+                assert ours.samples == ref.samples
+                assert [list(s.labels.items()) for s in ours.samples] == [
+                    list(s.labels.items()) for s in ref.samples]
+                assert [type(s.value) for s in ours.samples] == [
+                    type(s.value) for s in ref.samples]
+            checked += h.count > 0
+    assert checked > len(cluster.engines)
