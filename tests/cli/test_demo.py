@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -153,14 +154,20 @@ def test_ppd_policy_is_a_ppd_table() -> None:
     assert heavy_append.route is Route.PREFILL_NODE
 
 
+async def _until_v1_approved(rig: Any) -> None:
+    """The real cycle on its fakes, stepped until it approved its first policy."""
+    for _ in range(4):
+        if (await rig.step()).approved_version == 1:
+            return
+    raise AssertionError("v1 was not approved within 4 cycles")
+
+
 async def test_the_story_follows_a_canary_refit_back_to_the_drift_behind_it(
         tmp_path: Path) -> None:
     # The real cycle on its fakes: v1 learned, a drift's v2 baking on the canary, then the
     # bake's end refits v2 into v3, which supersedes v2 and is promoted everywhere.
     rig = make_rig(tmp_path)
-    for _ in range(4):
-        if (await rig.step()).approved_version == 1:
-            break
+    await _until_v1_approved(rig)
     t0 = rig.clock.now() - 1000.0
     shift_at = rig.clock.now() - t0
     rig.source.goodput = {1: 0.90, 2: 0.96, 3: 0.97}
@@ -188,9 +195,7 @@ async def test_a_refused_candidate_is_shown_with_its_calibration_not_a_version(
     # The real cycle on its fakes: a drift's candidate refused takes no version, and the
     # timeline names it by its calibration (never "vNone").
     rig = make_rig(tmp_path)
-    for _ in range(4):
-        if (await rig.step()).approved_version == 1:
-            break
+    await _until_v1_approved(rig)
     t0 = rig.clock.now() - 1000.0
     rig.learner.approve, rig.learner.fire = False, True
     await rig.step()
@@ -210,9 +215,7 @@ async def test_the_recovery_is_credited_to_the_first_version_promoted_after_the_
     # drift's v3 is promoted too. The recovery was v2's: the credit stays with it, and its
     # recovery windows end where v3 first reached a router. (The newest approval took it.)
     rig = make_rig(tmp_path, canary_fraction=0.25, bake_windows=1)
-    for _ in range(4):
-        if (await rig.step()).approved_version == 1:
-            break
+    await _until_v1_approved(rig)
     t0 = rig.clock.now() - 1000.0
     shift_at = rig.clock.now() - t0
     rig.source.goodput = {1: 0.90, 2: 0.96, 3: 0.97, 4: 0.97, 5: 0.97}
