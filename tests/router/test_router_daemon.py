@@ -13,8 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.sim.test_serve_cmd import SCENARIO, port_base
-from tests.support.processes import sim_serve, start_daemon, stop_daemon
+from tests.support.processes import (
+    free_port_base,
+    sim_serve,
+    start_daemon,
+    stop_daemon,
+    write_scenario,
+)
 from tests.support.router import metric, router_serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -53,11 +58,11 @@ class Traffic:
 
 
 def test_a_learned_policy_changes_the_decode_local_share(tmp_path: Path) -> None:
-    scenario = tmp_path / "s.toml"
-    scenario.write_text(SCENARIO)
+    scenario = write_scenario(tmp_path / "s.toml", "serve-test", 5,
+                              extra="[controller]\ninterval_s = 2\n")
     cfg = tmp_path / "pdctl.toml"
     log = tmp_path / "run.log"
-    with sim_serve(scenario, "--workers-only", "--port-base", str(port_base()),
+    with sim_serve(scenario, "--workers-only", "--port-base", str(free_port_base()),
                    "--write-config", str(cfg)) as (addresses, _):
         router_toml = Path(addresses["configs"]["router"]).read_text()
         with router_serve(router_toml + "\n[timeouts]\nhealth_s = 5.0\n", tmp_path) as r:
