@@ -106,7 +106,7 @@ def test_pushed_policy_runs_later_turns_decode_local_on_the_sessions_d(cluster, 
     push(r, tmp_path, Policy.uniform(3, Route.DECODE_LOCAL))
     c = client(r)
     routes: dict[str, list[str]] = {}
-    for conv in range(6):
+    for conv in range(16):  # rendezvous over 2 Ds: all on one has p = 2**-15
         msgs: list[dict[str, str]] = [{"role": "system", "content": f"conversation {conv}"}]
         for turn in range(3):
             msgs.append({"role": "user", "content": f"question {turn} " * 20})
