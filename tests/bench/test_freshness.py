@@ -2,11 +2,9 @@
 produced it (``controller.bench.fingerprint``), and a result whose fingerprint differs from
 the current code fails here, naming the command that regenerates it.
 
-``ENFORCE_FRESHNESS`` switches the check on the committed results on. While it is False the
-committed results predate fingerprints: the test then asserts that the check does report
-every one of them (none slips through unchecked), and fails as soon as they all carry a
-fingerprint, so that the switch cannot be forgotten after ``benchmarks/eval_all.py`` has
-regenerated them."""
+The committed results are checked with ``controller.bench.freshness.stale_committed``, which
+compares each distinct fingerprint once and must report exactly what
+``controller.bench.fingerprint.stale_results`` reports result by result."""
 
 from __future__ import annotations
 
@@ -23,9 +21,9 @@ from controller.bench.fingerprint import (
     source_digest,
     stale_results,
 )
+from controller.bench.freshness import stale_committed
 
 ROOT = Path(__file__).resolve().parents[2]
-ENFORCE_FRESHNESS = False  # set True once results/ is regenerated with fingerprints
 REGENERATE = ".venv/bin/python benchmarks/eval_all.py --jobs 2"
 
 MODULE = '''"""A module."""
@@ -133,20 +131,35 @@ def test_the_imported_modules_are_the_packages_own() -> None:
     assert all(n == "controller" or n.startswith("controller.") for n in names)
 
 
+def test_comparing_each_fingerprint_once_reports_what_each_result_would(tmp_path: Path) -> None:
+    root = _repo(tmp_path)
+    fp = current_fingerprint("regen s", ["scenarios/s.toml"], root,
+                             modules=["controller", "controller.mod"])
+    results = []
+    for name, fingerprint in (("a", fp), ("b", None), ("c", {**fp, "command": "regen c"}),
+                              ("d", {**fp, "files": {}})):
+        out = root / "results" / name / "summary.json"
+        out.parent.mkdir(parents=True)
+        out.write_text(json.dumps({"policies": {}, **(
+            {"fingerprint": fingerprint} if fingerprint else {})}))
+        results.append(out)
+    assert stale_committed(results, root) == stale_results(results, root)
+    (root / "controller" / "mod.py").write_text(MODULE.replace("2 * x", "x + x"))
+    (root / "scenarios" / "s.toml").write_text("seed = 2\n")
+    stale = stale_committed(results, root)
+    assert stale == stale_results(results, root)
+    assert [(s.result.split("/")[1], s.why, s.command) for s in stale] == [
+        ("a", Staleness.MODULE_CHANGED, "regen s"), ("a", Staleness.FILE_CHANGED, "regen s"),
+        ("b", Staleness.NO_FINGERPRINT, ""),
+        ("c", Staleness.MODULE_CHANGED, "regen c"), ("c", Staleness.FILE_CHANGED, "regen c"),
+        ("d", Staleness.MODULE_CHANGED, "regen s")]
+
+
 def test_committed_results_are_fresh() -> None:
     results = committed_results()
-    assert results, "results/**/summary.json: the committed results are missing"
-    problems = stale_results(results, ROOT)
-    if ENFORCE_FRESHNESS:
-        assert not problems, (
-            f"{len({p.result for p in problems})} committed result(s) no longer match the "
-            "code; regenerate them (each line names its command; all at once: "
-            f"{REGENERATE}):\n" + "\n".join(p.line() for p in problems[:40]))
-        return
-    unfingerprinted = {p.result for p in problems if p.why is Staleness.NO_FINGERPRINT}
-    assert unfingerprinted, (
-        "every committed result carries a fingerprint now: set ENFORCE_FRESHNESS = True in "
-        "tests/bench/test_freshness.py")
-    without = {p.relative_to(ROOT).as_posix() for p in results
-               if "fingerprint" not in json.loads(p.read_text())}
-    assert unfingerprinted == without  # none passes unchecked
+    assert len(results) >= 120, "results/**/summary.json: the committed results are missing"
+    problems = stale_committed(results, ROOT)
+    assert not problems, (
+        f"{len({p.result for p in problems})} committed result(s) no longer match the "
+        "code; regenerate them (each line names its command; the evaluation's all at once: "
+        f"{REGENERATE}):\n" + "\n".join(p.line() for p in problems[:40]))
