@@ -1,7 +1,8 @@
 """Regenerate every committed evaluation result: each scenario of each set of
 ``scenarios/bench/seeds.toml`` with each of its seeds, full length, every policy; each result
 written with its fingerprint (``results/eval/<set>/<scenario>/seed-<N>/summary.json`` and
-``report.md``), then the generated blocks of ``docs/results.md`` rewritten from them.
+``report.md``), then the generated blocks of ``docs/results.md`` and the README's claims
+rewritten from them.
 
     .venv/bin/python benchmarks/eval_all.py --jobs 2               # everything
     .venv/bin/python benchmarks/eval_all.py --list                 # the jobs, nothing run
@@ -32,40 +33,47 @@ from controller.bench.evaluation import (  # noqa: E402
     plan_jobs,
     run_job,
 )
-from controller.bench.fingerprint import stale_results  # noqa: E402
+from controller.bench.freshness import stale_committed  # noqa: E402
 from controller.clock import WallClock  # noqa: E402
 from controller.errors import ConfigError  # noqa: E402
 
 RESULTS_DOC = ROOT / "docs/results.md"
+README = ROOT / "README.md"
 
 
 def _stale_only(jobs: list[Job]) -> list[Job]:
     """The jobs whose result is missing or fails the freshness check."""
-    keep = []
-    for job in jobs:
-        summary = ROOT / job.out_dir / "summary.json"
-        if not summary.is_file() or stale_results([summary], ROOT):
-            keep.append(job)
-    return keep
+    summaries = {job: ROOT / job.out_dir / "summary.json" for job in jobs}
+    stale = {ROOT / s.result for s in stale_committed(
+        [p for p in summaries.values() if p.is_file()], ROOT)}
+    return [job for job, p in summaries.items() if not p.is_file() or p in stale]
 
 
 def rewrite_doc_blocks(sets: list[str]) -> None:
-    """Each set's generated block of docs/results.md, from its committed summaries.
-    Imported here, after the jobs: a worker's fingerprint lists the modules loaded when it
-    started, and the summary tables play no part in a result."""
-    from controller.bench.summary import suite_markdown, with_doc_block
+    """Each set's generated block of docs/results.md and the README's claims, from the
+    committed summaries. Imported here, after the jobs: a worker's fingerprint lists the
+    modules loaded when it started, and the summary tables play no part in a result."""
+    from controller.bench.summary import (
+        CLAIMS_BLOCK,
+        evaluation_claims,
+        set_docs,
+        suite_markdown,
+        with_doc_block,
+    )
 
     plan = load_seed_plan()
     text = RESULTS_DOC.read_text(encoding="utf-8")
     for name in sets:
-        summaries = sorted(ROOT.glob(f"{plan.sets[name].results}/*/seed-*/summary.json"))
-        if not summaries:
-            continue
-        table = suite_markdown(json.loads(p.read_text()) for p in summaries)
-        text = with_doc_block(text, table, block_name(name))
-        print(f"docs/results.md: {block_name(name)} block from {len(summaries)} run(s)",
-              file=sys.stderr)
+        docs = set_docs(plan, name, ROOT)
+        if docs:
+            text = with_doc_block(text, suite_markdown(docs), block_name(name))
+            print(f"docs/results.md: {block_name(name)} block from {len(docs)} run(s)",
+                  file=sys.stderr)
     RESULTS_DOC.write_text(text, encoding="utf-8")
+    readme = README.read_text(encoding="utf-8")
+    README.write_text(with_doc_block(readme, evaluation_claims(plan, ROOT), CLAIMS_BLOCK),
+                      encoding="utf-8")
+    print(f"README.md: {CLAIMS_BLOCK} block", file=sys.stderr)
 
 
 def _run(jobs: list[Job], workers: int) -> int:

@@ -1,19 +1,25 @@
 """The evaluation's results over several runs: one Markdown table of every run (a scenario
 and a seed each) and, for a scenario run with several seeds, one line over its seeds.
 
-The results blocks of ``docs/results.md`` are this module's output over the committed runs:
-``bench-results`` over ``results/bench/*/*/summary.json`` (the seeds the defaults were tuned
-on) and ``bench-heldout`` over ``results/bench-heldout/*/*/summary.json`` (seeds never replayed
-while tuning). ``benchmarks/bench_summary.py --doc docs/results.md [--block NAME]`` writes one;
-a test checks the document still matches the committed summaries.
+The generated blocks of ``docs/results.md`` are this module's output over the committed runs:
+``eval-tuned`` and ``eval-heldout`` over each evaluation set's results
+(``scenarios/bench/seeds.toml``, written by ``benchmarks/eval_all.py``, which also writes the
+README's ``eval-claims`` block), and ``bench-results`` and ``bench-heldout`` over the tuning
+runs the loop's variants are judged on (``results/bench/*/*/summary.json`` and
+``results/bench-heldout/*/*/summary.json``; ``benchmarks/bench_summary.py --doc
+docs/results.md [--block NAME]``). ``tests/bench/test_summary.py`` checks every block still
+matches the committed summaries.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
+from controller.bench.evaluation import EvalSet, SeedPlan
 from controller.bench.goals import phase_margins
 from controller.bench.report import seconds_list
 from controller.bench.runner import POLICIES, STATIC, BenchPolicy
@@ -23,9 +29,13 @@ RESULTS_BLOCK = "bench-results"
 HELDOUT_BLOCK = "bench-heldout"
 
 
+CLAIMS_BLOCK = "eval-claims"  # the README's: each evaluation set's claims
+
+
 def _markers(block: str) -> tuple[str, str]:
-    return (f"<!-- {block}: begin (benchmarks/bench_summary.py --doc; do not edit) -->",
-            f"<!-- {block}: end -->")
+    writer = ("benchmarks/eval_all.py" if block.startswith("eval-")
+              else "benchmarks/bench_summary.py --doc")
+    return (f"<!-- {block}: begin ({writer}; do not edit) -->", f"<!-- {block}: end -->")
 
 
 def _best_static(policies: Mapping[str, Any]) -> str:
@@ -146,6 +156,35 @@ def claim_lines(docs: Iterable[Mapping[str, Any]]) -> list[str]:
         if m is not None:
             out.append(claim_line(name, m))
     return out
+
+
+def set_docs(plan: SeedPlan, name: str, root: Path) -> list[dict[str, Any]]:
+    """The committed summaries of evaluation set ``name``, in path order."""
+    return [json.loads(p.read_text(encoding="utf-8"))
+            for p in sorted(root.glob(f"{plan.sets[name].results}/*/seed-*/summary.json"))]
+
+
+def set_title(eval_set: EvalSet) -> str:
+    """"The five scenarios ... , seeds 11–20": a set's description and its seeds."""
+    seeds = sorted(eval_set.seeds)
+    contiguous = seeds == list(range(seeds[0], seeds[-1] + 1)) and len(seeds) > 2
+    listed = f"{seeds[0]}–{seeds[-1]}" if contiguous else ", ".join(map(str, seeds))
+    text = eval_set.description or "scenarios"
+    return f"{text[:1].upper()}{text[1:]}, seeds {listed}"
+
+
+def evaluation_claims(plan: SeedPlan, root: Path) -> str:
+    """The README's ``eval-claims`` block: every set's claims from its committed results."""
+    return claims_markdown((set_title(s), set_docs(plan, name, root))
+                           for name, s in plan.sets.items())
+
+
+def claims_markdown(sets: Iterable[tuple[str, Iterable[Mapping[str, Any]]]]) -> str:
+    """Per evaluation set, its title and one claim per scenario (:func:`claim_lines`): what
+    the README may say of the evaluation, and all it says."""
+    parts = [f"{title}:\n\n" + "\n".join(claims) + "\n"
+             for title, docs in sets if (claims := claim_lines(docs))]
+    return "\n".join(parts)
 
 
 def suite_markdown(docs: Iterable[Mapping[str, Any]]) -> str:

@@ -1,6 +1,8 @@
-"""The evaluation's summary tables (``controller.bench.summary``) and docs/results.md's results
-blocks, which must be what those tables say of the committed runs under ``results/bench``
-(the seeds the defaults were tuned on) and ``results/bench-heldout`` (seeds kept out of it)."""
+"""The evaluation's summary tables (``controller.bench.summary``) and the generated blocks of
+docs/results.md and the README, which must be what those tables say of the committed runs:
+each evaluation set's results (``results/eval/``, every scenario with every seed of
+``scenarios/bench/seeds.toml``) and the tuning runs the loop's variants are judged on
+(``results/bench``, ``results/bench-heldout``)."""
 
 from __future__ import annotations
 
@@ -10,18 +12,25 @@ from typing import Any
 
 import pytest
 
+from controller.bench.evaluation import EvalSet, block_name, load_seed_plan, plan_jobs
 from controller.bench.summary import (
+    CLAIMS_BLOCK,
     HELDOUT_BLOCK,
     RESULTS_BLOCK,
+    claims_markdown,
     doc_block,
+    evaluation_claims,
     lowest_phase_margin,
     run_row,
+    set_docs,
+    set_title,
     suite_markdown,
     with_doc_block,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DOC = "docs/results.md"
+REGENERATE = ".venv/bin/python benchmarks/eval_all.py --jobs 2"
 
 
 def _doc(scenario: str, seed: int, adaptive: float, local: float, threshold: float,
@@ -120,9 +129,11 @@ def test_a_doc_block_is_replaced_between_its_own_markers_only(block: str) -> Non
         with_doc_block("# a document without markers\n", "| new |\n", block)
 
 
-@pytest.mark.parametrize(("block", "directory", "at_least"), [
-    (RESULTS_BLOCK, "results/bench", 15), (HELDOUT_BLOCK, "results/bench-heldout", 15)])
-def test_the_documented_results_are_those_of_the_committed_runs(
+TUNING_RUNS = [(RESULTS_BLOCK, "results/bench", 15), (HELDOUT_BLOCK, "results/bench-heldout", 15)]
+
+
+@pytest.mark.parametrize(("block", "directory", "at_least"), TUNING_RUNS)
+def test_the_tuning_runs_blocks_are_those_of_the_committed_runs(
         block: str, directory: str, at_least: int) -> None:
     summaries = sorted(ROOT.glob(f"{directory}/*/*/summary.json"))
     assert len(summaries) >= at_least, (
@@ -131,3 +142,42 @@ def test_the_documented_results_are_those_of_the_committed_runs(
     assert doc_block(ROOT.joinpath(RESULTS_DOC).read_text(), block) == expected, (
         f"{RESULTS_DOC}'s {block} block is stale: run .venv/bin/python benchmarks/bench_summary.py "
         f"--doc {RESULTS_DOC} --block {block} {directory}/*/*/summary.json")
+
+
+@pytest.mark.parametrize("name", sorted(load_seed_plan().sets))
+def test_each_evaluation_sets_block_is_that_of_its_committed_results(name: str) -> None:
+    """Every scenario of the set with every seed of the set (``scenarios/bench/seeds.toml``):
+    none missing, none extra, and the block is the summary of exactly those."""
+    plan = load_seed_plan()
+    jobs = plan_jobs(plan, [name], [], [])
+    found = sorted(ROOT.glob(f"{plan.sets[name].results}/*/seed-*/summary.json"))
+    assert {ROOT / job.out_dir / "summary.json" for job in jobs} == set(found), (
+        f"{plan.sets[name].results}: results missing or extra; run {REGENERATE}")
+    expected = suite_markdown(set_docs(plan, name, ROOT))
+    assert doc_block(ROOT.joinpath(RESULTS_DOC).read_text(), block_name(name)) == expected, (
+        f"{RESULTS_DOC}'s {block_name(name)} block is stale: run {REGENERATE} --stale")
+
+
+def test_the_readmes_claims_are_those_of_the_committed_results() -> None:
+    expected = evaluation_claims(load_seed_plan(), ROOT)
+    assert "adaptive" in expected
+    assert doc_block(ROOT.joinpath("README.md").read_text(), CLAIMS_BLOCK) == expected, (
+        f"README.md's {CLAIMS_BLOCK} block is stale: run {REGENERATE} --stale")
+
+
+def test_the_claims_name_each_set_and_say_ties_where_learning_adds_nothing() -> None:
+    beats = [_doc("a", s, 0.90 + 0.001 * (s % 3), 0.85, 0.70) for s in range(10)]
+    ties = [_doc("t", s, 0.85 + (0.01 if s % 2 else -0.01), 0.85, 0.70) for s in range(10)]
+    text = claims_markdown([("Tuned, seeds 0–9", beats), ("Empty", []), ("Held out", ties)])
+    assert text.startswith("Tuned, seeds 0–9:\n\n- `a`: adaptive beats `local`")
+    assert "Empty" not in text  # a set with no results says nothing
+    assert "\nHeld out:\n\n- `t`: adaptive ties with `local`" in text
+    assert text.endswith("learning adds nothing measurable here.\n")
+
+
+def test_a_sets_title_says_its_seeds() -> None:
+    made = EvalSet(description="the five scenarios", scenarios="s", results="r",
+                   seeds=(13, 11, 12))
+    assert set_title(made) == "The five scenarios, seeds 11–13"
+    gaps = EvalSet(scenarios="s", results="r", seeds=(1, 5))
+    assert set_title(gaps) == "Scenarios, seeds 1, 5"
