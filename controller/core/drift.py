@@ -97,7 +97,7 @@ class DriftConfig:
     # requests: a transfer's time is bytes over bandwidth, not a heavy-tailed queueing delay.
     # A window with fewer transfers than the reference windows averaged has its spread
     # widened by sqrt(reference count / count), the spread of a mean, so a small floor
-    # keeps sparse windows in play without overweighting them (measured in docs/bench.md,
+    # keeps sparse windows in play without overweighting them (measured in CHANGELOG.md,
     # "The KV link's own minimum sample").
     kv_min_samples: float = 5.0
     cusum_allowance: float = 1.0  # k, in standard deviations
@@ -474,7 +474,7 @@ def step_performance(
     # The KV link is measured directly (bytes over bandwidth, not a fit of queueing delays):
     # the cooldown a recalibration starts, which keeps a fresh model's misfit from firing,
     # does not hold its residual back, so a link slowdown soon after an approval is seen at
-    # once; the cooldown after the detector's own firing does (docs/bench.md, "The KV link
+    # once; the cooldown after the detector's own firing does (CHANGELOG.md, "The KV link
     # and a recalibration's cooldown").
     fired_long_ago = (state.last_fired_at is None
                       or now >= state.last_fired_at + c.performance.cooldown_s)

@@ -192,7 +192,7 @@ class Calibration:
         if for_link and not outcome.approved and not outcome.details.get("regime_only"):
             # Calibrated at the link's detection, it trained across the change. The change
             # began before its detection: by then the learner has the windows to train on
-            # the new link's traffic alone (docs/bench.md, "A slower link is not
+            # the new link's traffic alone (CHANGELOG.md, "A slower link is not
             # rate-limited").
             plan.link_retry_at = now + MIN_REGIME_WINDOWS * self.config.interval_s
         return memory

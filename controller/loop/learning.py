@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 # Windows after a shift that a drift or scaling calibration needs to train on them alone:
 # fewer lets a minute of a bursty trace flip the table at every cooldown, more delays the
-# adaptation (the choice is measured in docs/bench.md, issue 7).
+# adaptation (the choice is measured in CHANGELOG.md, "Windows a calibration needs after a change").
 MIN_REGIME_WINDOWS = 7
 MIN_MIX_WINDOWS = 4
 
@@ -283,7 +283,7 @@ class CoreLearner:
         traffic it was learned on: a drift of the performance detector alone, not led by the
         KV link, with no workload or SLO drift since the last approval. It then needs
         ``[controller] refinement_margin``: a second change within a stationary phase must
-        predict a larger gain than a first one (docs/bench.md, "A refinement needs a larger
+        predict a larger gain than a first one (CHANGELOG.md, "A refinement needs a larger
         gain", measures it)."""
         return (reason == Cause(Trigger.DRIFT) and self._fired == {"performance"}
                 and not self._shift_since_approval)

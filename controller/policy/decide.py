@@ -92,7 +92,7 @@ def first_turn_busy_waiting(policy: Policy) -> int:
 def later_turn_busy_waiting(policy: Policy) -> int:
     """The later-turn busy override's bar, 0 (off) while turn 1 runs decode-local: the
     override moves prefill work onto the decode pool, which then already carries every new
-    conversation's prompt (measured in ``docs/bench.md``, "The later-turn busy override")."""
+    conversation's prompt (measured in ``CHANGELOG.md``, "The later-turn busy override")."""
     o = policy.overrides
     return o.later_turn_busy_waiting if o.first_turn_route is Route.PREFILL_NODE else 0
 
