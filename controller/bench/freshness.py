@@ -16,14 +16,16 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from controller.bench.fingerprint import (
-    ROOT,
-    Stale,
-    Staleness,
-    _read_file,
-    _read_module,
-    compare,
-)
+from controller.bench.fingerprint import ROOT, Stale, Staleness, compare, module_path
+
+
+def _source(name: str, root: Path) -> str | None:
+    path = module_path(name, root)
+    return path.read_text(encoding="utf-8") if path is not None else None
+
+
+def _data(rel: str, root: Path) -> bytes | None:
+    return (root / rel).read_bytes() if (root / rel).is_file() else None
 
 
 def stale_committed(paths: Iterable[Path], root: Path = ROOT) -> list[Stale]:
@@ -43,7 +45,8 @@ def stale_committed(paths: Iterable[Path], root: Path = ROOT) -> list[Stale]:
                           "files": recorded.get("files") or {}}, sort_keys=True)
         sharing.setdefault(key, []).append((position, rel, str(recorded.get("command", ""))))
     for key, results in sharing.items():
-        differences = compare("", json.loads(key), _read_module(root), _read_file(root))
+        differences = compare("", json.loads(key), lambda name: _source(name, root),
+                              lambda rel: _data(rel, root))
         found += [(position, replace(s, result=rel, command=command))
                   for position, rel, command in results for s in differences]
     return [s for _, s in sorted(found, key=lambda entry: entry[0])]
