@@ -47,13 +47,23 @@ from tests.support.daemon import (
     write_config,
 )
 from tests.support.postgres import PrivatePostgres, private_postgres
-from tests.support.processes import free_port, http_get, start_daemon, stop_daemon, wait_for
+from tests.support.processes import (
+    SCRAPE_TIMEOUT_S,
+    free_port,
+    http_get,
+    start_daemon,
+    stop_daemon,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 INTERVAL_S = 0.5
 LEASE_TTL_S = 3
 DROPPED_WITHIN_S = 2.0  # a leader that lost its server stops leading within this
+# The watch thread's 0.1 s samples wait 2 s at most: a late sample is a missing one, never a
+# wrong one. One-off reads wait a scrape's timeout.
+SAMPLE_TIMEOUT_S = 2.0
 REPLICAS = ("a", "b")
 
 
@@ -109,8 +119,8 @@ def _acked(store: Store, version: int, routers: list[str]) -> bool:
         return False
 
 
-def _health(listen: str) -> dict[str, Any] | None:
-    r = http_get(f"http://{listen}/healthz")
+def _health(listen: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> dict[str, Any] | None:
+    r = http_get(f"http://{listen}/healthz", timeout_s)
     return r.json() if r is not None else None
 
 
@@ -141,7 +151,7 @@ class LeaderWatch:
         while not self._stop.is_set():
             seen: dict[str, bool | None] = {}
             for name, listen in self.listens.items():
-                doc = _health(listen)
+                doc = _health(listen, SAMPLE_TIMEOUT_S)
                 seen[name] = None if doc is None else bool(doc.get("leader"))
             self.samples.append((time.monotonic(), seen))
             self._stop.wait(0.1)
@@ -232,16 +242,17 @@ async def _scenario(tmp_path: Path, pg: PrivatePostgres) -> None:
             # 3. A crash in the middle of a push: the cycle cannot record what it pushed.
             await decide_with_push_held(routers, slow_address, pg.url, 3)
             at_crash = await asyncio.to_thread(_records, store)
-            failed_before = {n: _cycles(listens[n], "failed") for n in REPLICAS}
+            failed_before = {n: await asyncio.to_thread(_cycles, listens[n], "failed")
+                             for n in REPLICAS}
             await asyncio.to_thread(pg.stop, "immediate")
             t_down = time.monotonic()
             slow.release.set()  # the push completes into the outage
             await asyncio.sleep(6 * INTERVAL_S + LEASE_TTL_S)
             # The next lease renewal (every LEASE_TTL_S / 3) or cycle finds the lock gone.
             down = watch.since(t_down + DROPPED_WITHIN_S)
-            failed_during = {n: _cycles(listens[n], "failed") - failed_before[n]
-                             for n in REPLICAS}
-            health_down = {n: _health(listens[n]) for n in REPLICAS}
+            failed_during = {n: await asyncio.to_thread(_cycles, listens[n], "failed")
+                             - failed_before[n] for n in REPLICAS}
+            health_down = {n: await asyncio.to_thread(_health, listens[n]) for n in REPLICAS}
             await asyncio.to_thread(pg.start)
             t_up = time.monotonic()
             await _wait("v3 acknowledged everywhere after the crash",

@@ -174,10 +174,15 @@ def wait_for(what: str, check: Any, timeout_s: float, log: Path) -> Any:
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{tail}")
 
 
-def http_get(url: str) -> httpx.Response | None:
-    """GET with a 2 s timeout; None when nothing answers."""
+# Prometheus's default scrape timeout: a loaded CI machine has stalled a test's read of a
+# healthy daemon for 2 s.
+SCRAPE_TIMEOUT_S = 10.0
+
+
+def http_get(url: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> httpx.Response | None:
+    """GET; None when nothing answers within ``timeout_s``."""
     try:
-        return httpx.get(url, timeout=2.0, trust_env=False)
+        return httpx.get(url, timeout=timeout_s, trust_env=False)
     except httpx.HTTPError:
         return None
 
