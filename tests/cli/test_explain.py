@@ -4,6 +4,7 @@ records it (synthetic windows from a known cluster, tests/core/synth.py)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ from typer.testing import CliRunner
 from controller.cli import app
 from controller.config import load_settings
 from controller.loop.learning import CoreLearner
-from controller.policy import Features, Route, decide, dumps, loads
+from controller.policy import Features, Policy, Route, decide, dumps, loads
+from controller.store import CalibrationRecord
 from tests.core.synth import Mix, Truth, stationary, training_windows
 from tests.support.cli_store import (
     ROUTER,
@@ -37,6 +39,41 @@ def _calibrated(config: Path) -> int:
 
 def _drift_json(config: Path, last: int) -> dict[str, Any]:
     return invoke_json("drift", "--json", "--last", str(last), "--config", str(config))
+
+
+# A later turn's features, as explain's flags, for the tests that replace the learned table.
+EXPLAIN_ARGS = ["explain", "--turn", "3", "--context", "24576", "--append", "141",
+                "--output", "200", "--qps", "2"]
+EXPLAIN_FEATURES = Features(3, 24576, 141, 200, 2.0)
+
+
+@dataclass(frozen=True)
+class FirstCalibration:
+    """A store with one approved calibration, and the route its table takes for
+    :data:`EXPLAIN_FEATURES` (``ours``) and the route it does not (``other``)."""
+
+    config: Path
+    version: int
+    calibration: CalibrationRecord
+    learned: Policy
+    ours: Route
+    other: Route
+
+
+def _first_calibration(tmp_path: Path) -> FirstCalibration:
+    config = _config(tmp_path)
+    version = _calibrated(config)
+    store = open_store(config)
+    try:
+        with store.read() as tx:
+            rec, cal = tx.policy(version), tx.calibration_for(version)
+    finally:
+        store.close()
+    assert rec is not None and cal is not None
+    learned = loads(rec.body_json)
+    ours = decide(learned, EXPLAIN_FEATURES, lambda: 1.0).route
+    other = Route.DECODE_LOCAL if ours == Route.PREFILL_NODE else Route.PREFILL_NODE
+    return FirstCalibration(config, version, cal, learned, ours, other)
 
 
 def test_no_calibration_is_a_clear_error(tmp_path: Path) -> None:
@@ -114,18 +151,11 @@ def test_explain_a_re_issued_version_with_the_calibration_its_table_came_from(
 
     from controller.policy import LookupTable
 
-    config = _config(tmp_path)
-    first = _calibrated(config)
-    features = Features(3, 24576, 141, 200, 2.0)
+    cal = _first_calibration(tmp_path)
+    config, first, first_cal, learned = cal.config, cal.version, cal.calibration, cal.learned
+    ours, other = cal.ours, cal.other
     store = open_store(config)
     try:
-        with store.read() as tx:
-            rec = tx.policy(first)
-            first_cal = tx.calibration_for(first)
-        assert rec is not None and first_cal is not None
-        learned = loads(rec.body_json)
-        ours = decide(learned, features, lambda: 1.0).route
-        other = Route.DECODE_LOCAL if ours == Route.PREFILL_NODE else Route.PREFILL_NODE
         with store.cycle() as tx:  # a refused candidate routing every cell the other way
             refused = tx.next_version()
             table = LookupTable.uniform(other, axes=learned.table.axes)
@@ -141,8 +171,7 @@ def test_explain_a_re_issued_version_with_the_calibration_its_table_came_from(
             tx.set_desired(ROUTER, again)
     finally:
         store.close()
-    args = ["explain", "--turn", "3", "--context", "24576", "--append", "141", "--output",
-            "200", "--qps", "2", "--config", str(config)]
+    args = [*EXPLAIN_ARGS, "--config", str(config)]
     r = runner.invoke(app, [*args, "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
@@ -162,7 +191,6 @@ def test_explain_and_drift_after_an_adoption_use_the_newest_model(tmp_path: Path
     """On a first start the daemon adopts the routers' own policy (v1, no calibration) and
     later calibrations may all be refused: explain and drift said "no calibration yet"
     against a running daemon."""
-    from controller.policy import Policy
 
     config = _config(tmp_path)
     windows = training_windows(Truth(), Mix(), 60, seed=1)
@@ -310,17 +338,11 @@ def test_explain_by_calibration_uses_its_refused_candidate_kept_without_a_versio
 
     from controller.policy import LookupTable
 
-    config = _config(tmp_path)
-    first = _calibrated(config)
-    features = Features(3, 24576, 141, 200, 2.0)
+    cal = _first_calibration(tmp_path)
+    config, first, first_cal, learned = cal.config, cal.version, cal.calibration, cal.learned
+    ours, other = cal.ours, cal.other
     store = open_store(config)
     try:
-        with store.read() as tx:
-            rec, first_cal = tx.policy(first), tx.calibration_for(first)
-        assert rec is not None and first_cal is not None
-        learned = loads(rec.body_json)
-        ours = decide(learned, features, lambda: 1.0).route
-        other = Route.DECODE_LOCAL if ours == Route.PREFILL_NODE else Route.PREFILL_NODE
         candidate = replace(learned, table=LookupTable.uniform(other, axes=learned.table.axes))
         with store.cycle() as tx:
             kept = tx.add_calibration(first_cal.training_window_ids, first_cal.heldout_error,
@@ -329,8 +351,7 @@ def test_explain_by_calibration_uses_its_refused_candidate_kept_without_a_versio
             assert tx.next_version() == first + 1
     finally:
         store.close()
-    args = ["explain", "--turn", "3", "--context", "24576", "--append", "141", "--output",
-            "200", "--qps", "2", "--config", str(config)]
+    args = [*EXPLAIN_ARGS, "--config", str(config)]
     r = runner.invoke(app, [*args, "--json", "--calibration", str(kept)])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
