@@ -33,7 +33,7 @@ from controller.bench.evaluation import (  # noqa: E402
     plan_jobs,
     run_job,
 )
-from controller.bench.freshness import stale_committed  # noqa: E402
+from controller.bench.fingerprint import stale_results  # noqa: E402
 from controller.clock import WallClock  # noqa: E402
 from controller.errors import ConfigError  # noqa: E402
 
@@ -44,7 +44,7 @@ README = ROOT / "README.md"
 def _stale_only(jobs: list[Job]) -> list[Job]:
     """The jobs whose result is missing or fails the freshness check."""
     summaries = {job: ROOT / job.out_dir / "summary.json" for job in jobs}
-    stale = {ROOT / s.result for s in stale_committed(
+    stale = {ROOT / s.result for s in stale_results(
         [p for p in summaries.values() if p.is_file()], ROOT)}
     return [job for job, p in summaries.items() if not p.is_file() or p in stale]
 

@@ -165,8 +165,9 @@ async def soak(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     store = Store(f"sqlite:///{tmp / 'history.db'}", clock)
     store.upgrade()
     transport = GrpcRouterTransport()
-    config = dataclasses.replace(CycleConfig.from_settings(settings),
-                                 interval_s=args.interval_s)
+    defaults = CycleConfig.from_settings(settings)
+    config = dataclasses.replace(
+        defaults, judge=dataclasses.replace(defaults.judge, interval_s=args.interval_s))
     cycle = Cycle(
         clock=clock,
         source=SyntheticSource(addresses, args.workers, clock, seed=1, shift_day=3.0),

@@ -37,8 +37,7 @@ from scipy.stats import multivariate_normal
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller.core.rollout import two_proportion_z, watch_critical  # noqa: E402
-from controller.loop.cycle import CycleConfig  # noqa: E402
+from controller.core.rollout import JudgeParams, two_proportion_z, watch_critical  # noqa: E402
 
 
 def rollbacks(rng: np.random.Generator, trials: int, per_window: int, bake_windows: int,
@@ -82,7 +81,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.trials < 1 or not 0 < args.p_bake < 1:
         ap.error("--trials must be positive and --p-bake in (0, 1)")
-    cfg = CycleConfig()
+    cfg = JudgeParams()
     looks, drop, alpha = cfg.watch_windows, cfg.watch_drop, cfg.promote_alpha
     rules = {"alpha per look": NormalDist().inv_cdf(alpha),
              "alpha / looks": watch_critical(alpha, looks),

@@ -3,7 +3,7 @@ and ``[ppd]`` once at start-up; frozen, so every room reads the same values."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from controller.core.rollout import JudgeParams
@@ -11,22 +11,16 @@ from controller.core.rollout import JudgeParams
 
 @dataclass(frozen=True, slots=True)
 class CycleConfig:
-    interval_s: float = 30.0
+    # The canary judge's and the post-promotion watch's settings, the cycle's interval with
+    # them (the watch lasts a number of intervals).
+    judge: JudgeParams = field(default_factory=JudgeParams)
     calibrate_every_s: float | None = 3600.0
     training_windows: int = 120
     min_training_windows: int = 4
     min_policy_interval_s: float = 300.0  # as [controller] min_policy_interval_s
     advisory: bool = False
     canary_fraction: float = 0.25
-    bake_windows: int = 3
-    bake_min_requests: float = 100.0
-    max_bake_windows: int = 12
     canary_refit: bool = True
-    promote_margin: float = 0.02
-    promote_alpha: float = 0.05
-    watch_windows: int = 3
-    watch_drop: float = 0.1
-    watch_load_rise: float = 0.1
     request_stale_after_s: float = 300.0
     capacity_interval_s: float = 300.0
     capacity_min_windows: int = 2
@@ -35,35 +29,29 @@ class CycleConfig:
     adopted_exploration: float = 0.0
 
     @property
-    def watch_s(self) -> float | None:
-        """How long a promotion is watched at most (None: no watch): its windows and one
-        interval more, so failed observes do not stretch it."""
-        return self.judge.watch_s
+    def interval_s(self) -> float:
+        return self.judge.interval_s
 
     @property
-    def judge(self) -> JudgeParams:
-        """The settings the canary judge and the post-promotion watch read."""
-        return JudgeParams(
-            interval_s=self.interval_s, bake_windows=self.bake_windows,
-            bake_min_requests=self.bake_min_requests, max_bake_windows=self.max_bake_windows,
-            promote_margin=self.promote_margin, promote_alpha=self.promote_alpha,
-            watch_windows=self.watch_windows, watch_drop=self.watch_drop,
-            watch_load_rise=self.watch_load_rise)
+    def watch_s(self) -> float | None:
+        """How long a promotion is watched at most (None: no watch)."""
+        return self.judge.watch_s
 
     @classmethod
     def from_settings(cls, settings: Any, advisory: bool | None = None) -> CycleConfig:
         c = settings.controller
         return cls(
-            interval_s=c.interval_s, calibrate_every_s=c.calibrate_every_s,
+            judge=JudgeParams(
+                interval_s=c.interval_s, bake_windows=c.bake_windows,
+                bake_min_requests=c.bake_min_requests, max_bake_windows=c.max_bake_windows,
+                promote_margin=c.promote_margin, promote_alpha=c.promote_alpha,
+                watch_windows=c.watch_windows, watch_drop=c.watch_drop,
+                watch_load_rise=c.watch_load_rise),
+            calibrate_every_s=c.calibrate_every_s,
             training_windows=c.training_windows, min_training_windows=c.min_training_windows,
             min_policy_interval_s=c.min_policy_interval_s,
             advisory=c.advisory if advisory is None else advisory,
-            canary_fraction=c.canary_fraction, bake_windows=c.bake_windows,
-            bake_min_requests=c.bake_min_requests, max_bake_windows=c.max_bake_windows,
-            canary_refit=c.canary_refit,
-            promote_margin=c.promote_margin, promote_alpha=c.promote_alpha,
-            watch_windows=c.watch_windows, watch_drop=c.watch_drop,
-            watch_load_rise=c.watch_load_rise,
+            canary_fraction=c.canary_fraction, canary_refit=c.canary_refit,
             capacity_interval_s=settings.capacity.interval_s,
             capacity_min_windows=settings.capacity.min_windows,
             adopted_exploration=(c.adopted_exploration if settings.ppd.enabled

@@ -157,7 +157,7 @@ async def test_status_shows_a_promotion_under_watch_until_its_watch_ends(
         if "promoted" in ((await rig.step()).canary or ""):
             break
     watch_s = rig.config.watch_s
-    assert watch_s == (rig.config.watch_windows + 1) * rig.config.interval_s
+    assert watch_s == (rig.config.judge.watch_windows + 1) * rig.config.interval_s
     doc = status_doc(rig.store, None, watch_s)
     assert doc["fleet_version"] == 2 and doc["watch"] is not None
     assert doc["watch"]["version"] == 2
@@ -165,7 +165,7 @@ async def test_status_shows_a_promotion_under_watch_until_its_watch_ends(
     _print_status(doc)
     assert "watch    v2 promoted at" in capsys.readouterr().out
     assert status_doc(rig.store, None, None)["watch"] is None  # the watch turned off
-    for _ in range(rig.config.watch_windows + 2):
+    for _ in range(rig.config.judge.watch_windows + 2):
         await rig.step()
     assert status_doc(rig.store, None, watch_s)["watch"] is None
 

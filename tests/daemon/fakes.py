@@ -4,12 +4,13 @@ and a learner whose drift and verdicts the test scripts."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from controller.clock import VirtualClock
+from controller.core.rollout import JudgeParams
 from controller.core.trigger import Cause, Trigger
 from controller.core.window import (
     FailureKind,
@@ -214,6 +215,15 @@ def make_cycle(rig: Rig) -> Cycle:
                  routers=list(rig.agents), config=rig.config, planner=rig.planner)
 
 
+def cycle_config(**settings: object) -> CycleConfig:
+    """A :class:`CycleConfig` from flat keywords, the canary judge's among them (as in
+    ``[controller]``)."""
+    judged = {f.name for f in fields(JudgeParams)}
+    judge = JudgeParams(**{k: v for k, v in settings.items() if k in judged})  # type: ignore[arg-type]
+    return CycleConfig(judge=judge, **{k: v for k, v in settings.items()  # type: ignore[arg-type]
+                                       if k not in judged})
+
+
 def make_rig(tmp_path: Path, routers: int = 4, **config: object) -> Rig:
     clock = VirtualClock(1_800_000_000.0)
     store = Store(f"sqlite:///{tmp_path / 'history.db'}", clock)
@@ -226,7 +236,7 @@ def make_rig(tmp_path: Path, routers: int = 4, **config: object) -> Rig:
         max_bake_windows=6,
     )
     defaults.update(config)
-    cfg = CycleConfig(**defaults)  # type: ignore[arg-type]
+    cfg = cycle_config(**defaults)
     rig = Rig(clock, store, agents, transport, PolicyAwareSource(agents), ScriptedLearner(),
               cfg, CollectorRegistry(), None)  # type: ignore[arg-type]
     rig.cycle = make_cycle(rig)

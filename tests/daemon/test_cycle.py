@@ -170,7 +170,7 @@ async def test_a_window_a_judged_router_failed_in_is_no_bake_window(tmp_path: Pa
             break
     assert "over 0 window(s)" in (counts[0] or ""), counts
     assert "over 1 window(s)" in (counts[1] or ""), counts
-    bake = rig.config.bake_windows
+    bake = rig.config.judge.bake_windows
     assert f"over {bake} window(s)" in (counts[-1] or "") and "promoted" in (counts[-1] or "")
     assert len(counts) == bake + 1  # one window more than without the failure
 
@@ -1559,7 +1559,7 @@ async def test_a_canary_is_not_judged_while_paused(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     await _canary_v2(rig, {1: 0.90, 2: 0.97})
     rig.store.add_request("pause", {}, "ops", "freeze")
-    for _ in range(rig.config.bake_windows + 1):
+    for _ in range(rig.config.judge.bake_windows + 1):
         report = await rig.step()
         assert report.canary is not None and "not judged while paused" in report.canary
     assert rig.store.policy(2).promoted_at is None  # type: ignore[union-attr]

@@ -27,7 +27,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from controller.clock import VirtualClock
-from controller.loop.cycle import AlwaysLeader, Cycle, CycleConfig
+from controller.loop.cycle import AlwaysLeader, Cycle
 from controller.loop.metrics import ControllerMetrics
 from controller.policy import Policy, Route, dumps
 from controller.rollout.agent import RouterAgent
@@ -35,7 +35,7 @@ from controller.rollout.client import GrpcRouterTransport
 from controller.rollout.reconciler import FakeRouterTransport, Reconciler
 from controller.store import Store
 from controller.store.repository import Tx
-from tests.daemon.fakes import PolicyAwareSource, ScriptedLearner
+from tests.daemon.fakes import PolicyAwareSource, ScriptedLearner, cycle_config
 from tests.faults.harness import Routers, SlowAgent
 from tests.support.postgres import admin_execute
 
@@ -49,7 +49,7 @@ def make_cycle(store: Store, clock: VirtualClock, routers: Routers,
                             backoff_initial_s=0.0, backoff_max_s=0.0)
     agents = {a: routers.agent(a) for a in routers.addresses}
     # No calibration of its own: the test approves the versions (as an operator would).
-    config = CycleConfig(interval_s=30.0, calibrate_every_s=None, min_training_windows=10_000,
+    config = cycle_config(interval_s=30.0, calibrate_every_s=None, min_training_windows=10_000,
                          min_policy_interval_s=0.0)
     return Cycle(clock=clock, source=PolicyAwareSource(agents), store=store,
                  learner=ScriptedLearner(), reconciler=reconciler,
@@ -203,7 +203,7 @@ async def test_postgres_connection_lost_inside_the_cycle_writes_nothing_and_reco
     store.upgrade()
     agents = {f"r{i}": RouterAgent(router_id=f"r{i}", clock=clock) for i in range(3)}
     leader = ConnectionKillingLeader(app)
-    config = CycleConfig(interval_s=30.0, calibrate_every_s=None, min_training_windows=10_000,
+    config = cycle_config(interval_s=30.0, calibrate_every_s=None, min_training_windows=10_000,
                          min_policy_interval_s=0.0)
     cycle = Cycle(clock=clock, source=PolicyAwareSource(agents), store=store,
                   learner=ScriptedLearner(), reconciler=Reconciler(FakeRouterTransport(agents),
@@ -258,7 +258,7 @@ def _cycle_on_a_jumping_clock(
     store.upgrade()
     agents = {f"r{i}": RouterAgent(router_id=f"r{i}", clock=clock) for i in range(routers)}
     learner = ScriptedLearner()
-    config = CycleConfig(interval_s=30.0, calibrate_every_s=None, min_training_windows=2,
+    config = cycle_config(interval_s=30.0, calibrate_every_s=None, min_training_windows=2,
                          min_policy_interval_s=min_policy_interval_s, bake_windows=2,
                          bake_min_requests=100.0, max_bake_windows=6)
     cycle = Cycle(clock=clock, source=PolicyAwareSource(agents), store=store, learner=learner,
