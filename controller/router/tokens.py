@@ -51,6 +51,12 @@ class ModelCounter:
     """The model's tokenizer, counting a chat as its template's overhead plus each message's
     content, with content counts remembered (a bounded LRU keyed by the text's hash).
 
+    Both caches are keyed by ``hash()`` of what the client sent, never by the text: an entry
+    holds two integers whatever the request's size, so 16 MB role strings or messages cannot
+    pile up in memory. A collision (str hashes are SipHash under this process's random key;
+    about ``entries / 2**64`` per new text) miscounts one request's tokens, which only
+    shifts that request's route.
+
     A conversation's turn repeats every earlier message, so turn k encodes only what is new:
     without the cache a 20,000-token history cost ~20 ms of encoding per request. The template
     overhead is the template rendered with empty contents (cached per sequence of roles). The
@@ -63,7 +69,7 @@ class ModelCounter:
         self._tok = tok
         self._template = bool(tok.has_chat_template)
         self._texts: OrderedDict[int, int] = OrderedDict()
-        self._skeletons: dict[tuple[str, ...], int] = {}
+        self._skeletons: dict[int, int] = {}  # hash of the roles in order -> overhead
         self._cap = cache_entries
 
     def count_text(self, text: str) -> int:
@@ -89,7 +95,7 @@ class ModelCounter:
 
     def _overhead(self, messages: list[dict[str, Any]]) -> int:
         plain = all(m.keys() <= {"role", "content"} for m in messages)
-        roles = tuple(str(m.get("role", "")) for m in messages)
+        roles = hash(tuple(str(m.get("role", "")) for m in messages))
         if plain and (got := self._skeletons.get(roles)) is not None:
             return got
         skeleton = [{**m, "content": ""} for m in messages]
