@@ -40,6 +40,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # tool schemas somewhat more); far deeper bodies exhaust the stack of the JSON encoder that
 # writes the legs' bodies.
 MAX_NESTING = 64
+MAX_NAMED_KEY_CHARS = 256  # an X-Session-Id or `user` kept as it is up to this length
 
 
 class KeySource(enum.StrEnum):
@@ -100,6 +101,15 @@ def _digest(*parts: str) -> str:
     return h.hexdigest()
 
 
+def _named(kind: str, name: str) -> str:
+    """A client-named session's key, at most ``MAX_NAMED_KEY_CHARS`` plus a digest's length:
+    a longer name (a ``user`` field may fill a 16 MB body) is replaced by its digest, so the
+    completions sessions' LRU holds bounded keys whatever clients send."""
+    if len(name) <= MAX_NAMED_KEY_CHARS:
+        return f"{kind}:{name}"
+    return f"{kind}#{_digest(name)}"
+
+
 def opening_messages(messages: Sequence[Any]) -> list[Any]:
     """A conversation's opening: every message up to and including the first user message
     (system prompts and the first question), the part every later turn repeats unchanged."""
@@ -119,10 +129,10 @@ def session_key(
     prompt's first ``opening_chars`` characters (completions)."""
     header = headers.get(SESSION_HEADER)
     if header:
-        return "h:" + header, KeySource.HEADER
+        return _named("h", header), KeySource.HEADER
     user = body.get("user")
     if isinstance(user, str) and user:
-        return "u:" + user, KeySource.USER
+        return _named("u", user), KeySource.USER
     if chat:
         messages = body.get("messages")
         opening = opening_messages(messages) if isinstance(messages, list) else []

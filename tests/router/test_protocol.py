@@ -7,6 +7,7 @@ import random
 
 from controller.router.features import CompletionSessions, chat_shape
 from controller.router.protocol import (
+    MAX_NAMED_KEY_CHARS,
     MAX_NESTING,
     KeySource,
     body_problem,
@@ -58,6 +59,20 @@ def test_handle_of_refuses_missing_or_empty_params() -> None:
     assert handle_of({"kv_transfer_params": {}}) is None
     assert handle_of({"choices": []}) is None
     assert handle_of([1]) is None
+
+
+def test_a_long_client_session_name_is_keyed_by_its_digest() -> None:
+    """A `user` field may fill a 16 MB body: the key the sessions' LRU keeps stays short,
+    and the same name still gives the same key (the same decode worker)."""
+    long_user = "a" * 1_000_000
+    k, src = session_key({}, {"user": long_user}, chat=False, opening_chars=64)
+    again, _ = session_key({}, {"user": long_user}, chat=False, opening_chars=64)
+    other, _ = session_key({}, {"user": long_user + "b"}, chat=False, opening_chars=64)
+    assert src is KeySource.USER and k == again and k != other and len(k) < 64
+    edge = "s" * MAX_NAMED_KEY_CHARS
+    assert session_key({"X-Session-Id": edge}, {}, chat=True, opening_chars=64)[0] == f"h:{edge}"
+    longer, _ = session_key({"X-Session-Id": edge + "s"}, {}, chat=True, opening_chars=64)
+    assert longer.startswith("h#") and len(longer) < 64
 
 
 def test_session_key_precedence_header_then_user_then_opening() -> None:
