@@ -102,8 +102,8 @@ def _digest(*parts: str) -> str:
 
 
 def _named(kind: str, name: str) -> str:
-    """A client-named session's key, at most ``MAX_NAMED_KEY_CHARS`` plus a digest's length:
-    a longer name (a ``user`` field may fill a 16 MB body) is replaced by its digest, so the
+    """A client-named session's key, at most ``MAX_NAMED_KEY_CHARS`` + 2 characters: a longer
+    name (a ``user`` field may fill a 16 MB body) is replaced by its digest, so the
     completions sessions' LRU holds bounded keys whatever clients send."""
     if len(name) <= MAX_NAMED_KEY_CHARS:
         return f"{kind}:{name}"

@@ -95,13 +95,13 @@ class ModelCounter:
 
     def _overhead(self, messages: list[dict[str, Any]]) -> int:
         plain = all(m.keys() <= {"role", "content"} for m in messages)
-        roles = hash(tuple(str(m.get("role", "")) for m in messages))
-        if plain and (got := self._skeletons.get(roles)) is not None:
+        roles_key = hash(tuple(str(m.get("role", "")) for m in messages))
+        if plain and (got := self._skeletons.get(roles_key)) is not None:
             return got
         skeleton = [{**m, "content": ""} for m in messages]
         got = int(self._tok.count_chat(skeleton))
         if plain and len(self._skeletons) < 4096:
-            self._skeletons[roles] = got
+            self._skeletons[roles_key] = got
         return got
 
     def count_chat(self, messages: list[dict[str, Any]]) -> int:

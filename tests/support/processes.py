@@ -174,8 +174,8 @@ def wait_for(what: str, check: Any, timeout_s: float, log: Path) -> Any:
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{tail}")
 
 
-# Prometheus's default scrape timeout: a loaded CI machine has stalled a test's read of a
-# healthy daemon for 2 s.
+# A read waits as long as a Prometheus scrape would (its default timeout): on a loaded
+# machine a healthy daemon may take over 2 s to answer.
 SCRAPE_TIMEOUT_S = 10.0
 
 
